@@ -1,0 +1,78 @@
+"""``EngineConfig``: every engine knob and plugin choice of one run, with vLLM's names."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "grammar")
+
+
+@dataclass
+class EngineConfig:
+    """Resolved configuration of one engine.
+
+    Plugin choices are registry names (``scheduler="priority"``) with their parameters in the
+    matching ``*_params`` dict. Engine knobs keep vLLM's names and units.
+    """
+
+    model: str  # local HF folder, hub id (cache only, no download) or "smollm2"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"  # "cpu" or "cuda[:N]"
+    tokenizer: str | None = None  # defaults to the model path
+    scheduler: str = "fcfs"
+    scheduler_params: dict[str, Any] = field(default_factory=dict)
+    kv_allocator: str = "paged"
+    kv_allocator_params: dict[str, Any] = field(default_factory=dict)
+    attention: str = "torch"
+    attention_params: dict[str, Any] = field(default_factory=dict)
+    drafter: str = "none"
+    drafter_params: dict[str, Any] = field(default_factory=dict)
+    quant: str = "none"
+    quant_params: dict[str, Any] = field(default_factory=dict)
+    grammar: str = "none"
+    grammar_params: dict[str, Any] = field(default_factory=dict)
+    max_num_seqs: int = 256  # max requests in one step's batch
+    max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
+    max_model_len: int | None = None  # prompt + output cap, tokens; None -> model's max positions
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV blocks; overrides kv_cache_memory_bytes when set
+    kv_cache_memory_bytes: int = 1 << 30  # KV cache budget when num_blocks is None, bytes
+    enable_prefix_caching: bool = True  # hash-chain prefix reuse in the allocator
+    long_prefill_token_threshold: int = 0  # cap per-request prefill chunk, tokens; 0 disables
+    seed: int = 0  # engine RNG seed (requests without their own seed)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check knob ranges.
+
+        Raises:
+            ValueError: naming the knob and its accepted range.
+        """
+        checks = [
+            (self.dtype in ("float32", "bfloat16", "float16"),
+             f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}"),
+            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
+            (self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}"),
+            (self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}"),
+            (self.kv_cache_memory_bytes >= 1, f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"),
+            (self.long_prefill_token_threshold >= 0,
+             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"),
+            (self.max_model_len is None or self.max_model_len >= 2,
+             f"max_model_len must be >= 2, got {self.max_model_len}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"Invalid engine config: {message}")
+
+    def plugin_params(self, kind: str) -> dict[str, Any]:
+        """Parameters of the plugin chosen for ``kind`` (one of ``PLUGIN_FIELDS``)."""
+        return dict(getattr(self, f"{kind}_params"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form, for saving and tracking."""
+        return asdict(self)

@@ -1,0 +1,121 @@
+"""Attention backend: KV-cache layout, per-step metadata, and the paged attention kernel.
+
+The trio follows vLLM V1: the backend class states shapes and capabilities, ``build_metadata``
+turns the runner's :class:`CommonAttentionMetadata` into whatever its kernel wants (once per
+step), and ``forward`` runs once per layer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from framework.interfaces.base import Plugin
+
+if TYPE_CHECKING:
+    from framework.config import EngineConfig
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Backend-independent description of one flattened batch, built once per step.
+
+    Requests are ordered decodes first (query length 1), then prefills/chunks. Token ``t`` of the
+    flattened batch belongs to request ``r`` when ``query_start_loc[r] <= t < query_start_loc[r+1]``.
+    Tensors live on the model's device unless marked CPU.
+    """
+
+    query_start_loc: torch.Tensor  # (num_reqs + 1,) int32, cumulative query lengths
+    seq_lens: torch.Tensor  # (num_reqs,) int32, tokens in KV after this step (context + query)
+    context_lens: torch.Tensor  # (num_reqs,) int32, tokens already in KV before this step
+    block_table: torch.Tensor  # (num_reqs, max_num_blocks_per_req) int32, padded with 0
+    slot_mapping: torch.Tensor  # (num_tokens,) int64, cache slot = block_id * block_size + offset
+    query_lens_cpu: list[int]  # (num_reqs,) query lengths, CPU
+    seq_lens_cpu: list[int]  # (num_reqs,) seq lengths, CPU
+    num_reqs: int
+    num_tokens: int  # tokens in the flattened batch
+    num_decodes: int  # leading requests with query length 1
+    num_decode_tokens: int  # == num_decodes without spec decode
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+
+class AttentionBackend(Plugin, ABC):
+    """Paged attention over a flattened batch mixing prefill chunks and decodes.
+
+    Args:
+        num_heads: query heads per layer.
+        num_kv_heads: key/value heads (GQA when smaller than num_heads).
+        head_size: channels per head.
+        scale: softmax scale, usually ``head_size ** -0.5``.
+        block_size: tokens per KV block.
+        dtype: KV-cache dtype.
+        device: torch device of the cache and inputs.
+
+    Raises:
+        ImportError: from ``__init__`` when the backend's kernel library is missing (with the
+            pip command that installs it).
+    """
+
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
+                 block_size: int, dtype: torch.dtype, device: torch.device, **params: Any) -> None:
+        if params:
+            raise TypeError(f"attention backend {self.name!r} got unknown parameters {sorted(params)}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> list[str]:
+        """Capability check (device, dtype) before the model loads; see ``Plugin.validate``."""
+        problems = super().validate(config)
+        dtype = getattr(torch, config.dtype)
+        if dtype not in cls.supported_dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
+            problems.append(f"attention {cls.name!r} does not support dtype={config.dtype}; use one of {names}")
+        return problems
+
+    def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache. Default ``(2, num_blocks, block_size, num_kv_heads, head_size)``."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+    def kv_cache_bytes_per_block(self, num_layers: int) -> int:
+        """Bytes one block costs across all layers (K and V), for sizing the pool."""
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size
+        return per_layer * num_layers * torch.empty((), dtype=self.dtype).element_size()
+
+    @abstractmethod
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """Per-step, backend-specific metadata (index tensors, masks, planned kernels).
+
+        Called by the model runner once per step, before the forward; the result is passed to
+        every layer's :meth:`forward`.
+        """
+
+    @abstractmethod
+    def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
+        """Write this step's K/V into the cache and attend.
+
+        Args:
+            layer_idx: decoder layer index.
+            query: ``(num_tokens, num_heads, head_size)``, model dtype.
+            key, value: ``(num_tokens, num_kv_heads, head_size)``, post-RoPE, model dtype.
+            kv_cache: this layer's cache, shape :meth:`get_kv_cache_shape`; mutated in place at
+                ``slot_mapping``.
+            metadata: what :meth:`build_metadata` returned for this step.
+
+        Returns:
+            ``(num_tokens, num_heads, head_size)`` attention output (causal within each request,
+            over its cached context plus its own earlier query tokens).
+        """
