@@ -11,7 +11,13 @@ import pluggy
 
 from framework import hookspecs
 from framework.interfaces import (
-    AttentionBackend, Drafter, Grammar, KVAllocator, QuantMethod, SchedulerPolicy, Tracker,
+    AttentionBackend,
+    Drafter,
+    Grammar,
+    KVAllocator,
+    QuantMethod,
+    SchedulerPolicy,
+    Tracker,
 )
 
 ENTRY_POINT_GROUP = "servelab.plugins"

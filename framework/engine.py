@@ -1,0 +1,256 @@
+"""``LLMEngine``: one step = schedule -> execute -> update -> observe (vLLM V1 ``EngineCore``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from framework import registry
+from framework.config import PLUGIN_FIELDS, EngineConfig
+from framework.forward_context import register_attention_implementation
+from framework.metrics import MetricsCollector, compute_request_metrics
+from framework.model_runner import ModelRunner
+from framework.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerStats
+from framework.request import Request
+from framework.sampler import Sampler
+from framework.sampling_params import SamplingParams
+from framework.scheduler import Scheduler
+from framework.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+# plugins the engine loop can drive today; others are rejected before the model loads
+_ENGINE_SUPPORTS_NONE_ONLY = ("drafter", "grammar")
+
+
+class LLMEngine:
+    """The engine loop. Build it with :func:`build_engine`.
+
+    The engine talks to the scheduler and the model runner only; the scheduler owns the KV
+    allocator and the policy, the runner owns the model, the KV tensors and the sampler.
+    """
+
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any,
+                 eos_token_ids: frozenset[int], vocab_size: int) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.max_model_len = scheduler.max_model_len
+        self.metrics = MetricsCollector()
+        self.num_steps = 0
+        self._hook = registry.plugin_manager().hook
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Validate and queue one request.
+
+        Args:
+            prompt: text (tokenized with the model's tokenizer, special tokens added) or token ids.
+            arrival_time: ``time.perf_counter()`` seconds; default now.
+
+        Raises:
+            ValueError: empty prompt, token id outside the vocabulary, prompt longer than
+                ``max_model_len``, duplicate ``request_id`` or invalid sampling params. Nothing is
+                queued and engine state is unchanged.
+        """
+        sampling_params = sampling_params or SamplingParams()
+        sampling_params.validate()
+        token_ids = self.tokenize(prompt)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=sampling_params,
+                          prompt=prompt if isinstance(prompt, str) else None, priority=priority,
+                          eos_token_ids=self.eos_token_ids,
+                          arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        self.scheduler.add_request(request)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of ``prompt``, checked against the vocabulary and ``max_model_len``.
+
+        Raises:
+            ValueError: see :meth:`add_request`.
+        """
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass prompt token ids")
+            token_ids = list(self.tokenizer(prompt).input_ids)
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("empty prompt: give at least one token")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got "
+                             f"min {min(token_ids)}, max {max(token_ids)}")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
+                             "shorten the prompt or raise max_model_len (up to the model's max positions)")
+        return token_ids
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Abort running or waiting requests; their blocks are freed. Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for request in self.scheduler.abort_requests(ids):
+            self._report_finished(request)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step.
+
+        Returns:
+            A ``RequestOutput`` for each request that produced tokens this step (finished
+            ones with ``finished=True``, final ``text`` and ``metrics``).
+        """
+        t0 = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched_out.is_empty:
+            runner_out = ModelRunnerOutput(sampled_token_ids={})
+        else:
+            runner_out = self.runner.execute_model(sched_out)
+        t2 = time.perf_counter()
+        updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
+        t3 = time.perf_counter()
+        outputs = [self._make_output(r) for r in updated]
+        if not sched_out.is_empty:
+            self._observe_step(sched_out, runner_out, updated, (t0, t1, t2, t3))
+        for request, output in zip(updated, outputs):
+            if request.is_finished:
+                self._observe_finished(output)
+        return outputs
+
+    def _observe_step(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request],
+                      times: tuple[float, float, float, float]) -> None:
+        t0, t1, t2, t3 = times
+        n = sched_out.num_scheduled_tokens
+        num_decode = sum(1 for v in n.values() if v == 1)
+        kv_stats = self.scheduler.kv.stats()
+        stats = SchedulerStats(
+            step=self.num_steps, num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=self.scheduler.num_waiting,
+            num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
+            num_prefill_tokens=sched_out.total_num_scheduled_tokens - num_decode, num_decode_tokens=num_decode,
+            kv_cache_usage=kv_stats.usage, prefix_cache_hit_rate=kv_stats.hit_rate,
+            num_preemptions=len(sched_out.preempted_req_ids), schedule_s=t1 - t0,
+            prepare_s=runner_out.prepare_s, forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
+            update_s=t3 - t2, step_s=t3 - t0, num_generated_tokens=sum(len(v) for v in
+                                                                          runner_out.sampled_token_ids.values()),
+        )
+        self.num_steps += 1
+        self.metrics.observe_step(stats)
+        self._hook.on_step_end(stats=stats)
+
+    def _report_finished(self, request: Request) -> RequestOutput:
+        output = self._make_output(request)
+        self._observe_finished(output)
+        return output
+
+    def _observe_finished(self, output: RequestOutput) -> None:
+        self.metrics.observe_finished(output)
+        self._hook.on_request_finished(output=output)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        finished = request.is_finished
+        completion = CompletionOutput(
+            index=0, text=request.output_text, token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None)
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
+                             metrics=compute_request_metrics(request) if finished else None, error=request.error)
+
+    @property
+    def kv_allocator(self) -> Any:
+        """The KV allocator (for inspection and tests)."""
+        return self.scheduler.kv
+
+
+def validate_plugins(config: EngineConfig) -> list[type | None]:
+    """Resolve every plugin choice and run its capability check, before any weights load.
+
+    Raises:
+        registry.UnknownPluginError: an unknown name (lists the valid choices).
+        ValueError: a plugin that cannot run here or with this config (each problem names a fix).
+    """
+    classes, problems = [], []
+    for kind in PLUGIN_FIELDS:
+        name = getattr(config, kind)
+        cls = registry.get_class(kind, name)
+        classes.append(cls)
+        if cls is not None:
+            problems += cls.validate(config)
+            if kind in _ENGINE_SUPPORTS_NONE_ONLY:
+                problems.append(f"{kind} {name!r}: the engine loop does not drive {kind}s yet; "
+                                f"use {registry.KINDS[kind][2]}=none")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        problems.append(f"device={config.device!r} but CUDA is not available; use device=cpu")
+    if problems:
+        raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
+    return classes
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """Validate plugins, load the model, size the KV cache and assemble the engine.
+
+    Raises:
+        registry.UnknownPluginError, ValueError: from :func:`validate_plugins` (before loading),
+            or a KV budget smaller than one ``max_model_len`` request, or ``max_model_len`` above
+            the model's maximum positions.
+    """
+    from framework.model_loader import load_model, load_model_config
+
+    validate_plugins(config)
+    model_config = load_model_config(config.model)
+    max_pos = int(getattr(model_config, "max_position_embeddings", 0) or 0)
+    max_model_len = config.max_model_len or max_pos
+    if max_pos and max_model_len > max_pos:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
+    loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                        attn_implementation=register_attention_implementation())
+    model = loaded.model
+    dtype = getattr(torch, config.dtype)
+    kv_dtype = dtype
+    quant = registry.create("quant", config.quant, **config.plugin_params("quant"))
+    if quant is not None:
+        model = quant.apply(model)
+        kv_dtype = quant.kv_cache_dtype(dtype)
+
+    mc = loaded.config
+    head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    scale = next((m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")),
+                 head_size ** -0.5)
+    backend = registry.create("attention", config.attention, num_heads=mc.num_attention_heads,
+                              num_kv_heads=mc.num_key_value_heads, head_size=head_size, scale=scale,
+                              block_size=config.block_size, dtype=kv_dtype, device=torch.device(config.device),
+                              **config.plugin_params("attention"))
+    num_blocks = config.num_blocks or config.kv_cache_memory_bytes // backend.kv_cache_bytes_per_block(
+        mc.num_hidden_layers)
+    if num_blocks * config.block_size < max_model_len:
+        raise ValueError(
+            f"KV cache holds {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
+            f"tokens, fewer than one max_model_len={max_model_len} request; raise kv_cache_memory_bytes/num_blocks "
+            "or lower max_model_len")
+    allocator = registry.create("kv_allocator", config.kv_allocator, num_blocks=num_blocks,
+                                block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                                **config.plugin_params("kv_allocator"))
+    policy = registry.create("scheduler", config.scheduler, **config.plugin_params("scheduler"))
+    scheduler = Scheduler(policy, allocator, StopChecker(loaded.tokenizer), max_num_seqs=config.max_num_seqs,
+                          max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+                          long_prefill_token_threshold=config.long_prefill_token_threshold)
+    runner = ModelRunner(model, backend, num_blocks, mc.num_hidden_layers, kv_dtype, torch.device(config.device),
+                         Sampler(mc.vocab_size, seed=config.seed))
+    engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size)
+    logger.info("engine ready: %d KV blocks (%.1f MiB), max_model_len=%d", num_blocks,
+                runner.kv_cache_bytes / 2**20, max_model_len)
+    registry.plugin_manager().hook.on_engine_start(config=config.to_dict())
+    return engine

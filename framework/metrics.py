@@ -1,0 +1,212 @@
+"""Run metrics: per-request latencies and a run summary with vLLM ``benchmark_serving`` names.
+
+Definitions (vLLM / SGLang benchmarks):
+
+* TTFT  = first token - arrival; TPOT = (finish - first token) / (n_out - 1), only for n_out >= 2;
+  ITL = gaps between consecutive output tokens (all requests' gaps pooled); e2e latency (``e2el``)
+  = finish - arrival; queue = first scheduled - arrival.
+* goodput = completed requests per second that meet every given SLO (DistServe, Zhong et al.,
+  OSDI'24, Sec. 2); a request with fewer than two output tokens has no TPOT and meets a TPOT SLO.
+
+Latencies are reported in milliseconds (``*_ms``), throughputs per second of ``duration_s``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from framework.outputs import RequestMetrics, RequestOutput, SchedulerStats
+
+if TYPE_CHECKING:
+    from framework.request import Request
+
+STEP_PARTS = ("schedule", "prepare", "forward", "sample", "update")  # SchedulerStats.<part>_s
+LATENCIES = ("ttft", "tpot", "itl", "e2el", "queue")
+STATS = ("mean", "median", "std", "p90", "p99")
+
+
+def compute_request_metrics(request: Request) -> RequestMetrics:
+    """Latency metrics of one (normally finished) request from its ``request.times``, seconds.
+
+    A missing timestamp gives ``None`` for the metrics that need it (e.g. an aborted request that
+    was never scheduled has no TTFT or queue time).
+    """
+    t = request.times
+    n_out = request.num_output_tokens
+    ttft = None if t.first_token_s is None else t.first_token_s - t.arrival_s
+    tpot = None
+    if n_out >= 2 and t.first_token_s is not None and t.finished_s is not None:
+        tpot = (t.finished_s - t.first_token_s) / (n_out - 1)
+    return RequestMetrics(
+        ttft_s=ttft,
+        tpot_s=tpot,
+        itl_s=[b - a for a, b in zip(t.token_s, t.token_s[1:])],
+        e2e_s=None if t.finished_s is None else t.finished_s - t.arrival_s,
+        queue_s=None if t.first_scheduled_s is None else t.first_scheduled_s - t.arrival_s,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=n_out,
+        num_cached_tokens=request.num_cached_tokens,
+        num_preemptions=request.num_preemptions,
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    """``q``-th percentile (0..100) with linear interpolation, as ``numpy.percentile``'s default.
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("percentile of an empty list")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _describe(values_s: list[float]) -> dict[str, float | None]:
+    """mean/median/std (population)/p90/p99 of ``values_s`` in ms; ``None`` each when empty."""
+    if not values_s:
+        return dict.fromkeys(STATS)
+    ms = [v * 1000.0 for v in values_s]
+    mean = sum(ms) / len(ms)
+    return {"mean": mean, "median": percentile(ms, 50), "std": math.sqrt(sum((v - mean) ** 2 for v in ms) / len(ms)),
+            "p90": percentile(ms, 90), "p99": percentile(ms, 99)}
+
+
+class MetricsCollector:
+    """Accumulates per-step stats and finished requests of one run; :meth:`summary` reduces them.
+
+    The engine calls :meth:`observe_step` after each step that scheduled work and
+    :meth:`observe_finished` once per request that reached a terminal state.
+
+    Args:
+        slo_ttft_ms: TTFT SLO for goodput, ms; ``None`` = no TTFT constraint.
+        slo_tpot_ms: TPOT SLO for goodput, ms; ``None`` = no TPOT constraint.
+    """
+
+    def __init__(self, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> None:
+        self.slo_ttft_ms = slo_ttft_ms
+        self.slo_tpot_ms = slo_tpot_ms
+        self.completed: list[RequestMetrics] = []  # finish_reason stop/length, no error
+        self.num_failed = 0  # aborted or rejected requests seen by the engine
+        self.num_steps = 0
+        self.step_time_s = dict.fromkeys((*STEP_PARTS, "step"), 0.0)  # totals, seconds
+        self.peak_kv_cache_usage = 0.0
+        self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
+        self.num_preemptions = 0
+        self._first_s: float | None = None  # perf_counter at the start of the first observed step
+        self._last_s: float | None = None  # perf_counter at the last observation
+
+    def _touch(self, start_s: float) -> None:
+        now = time.perf_counter()
+        self._first_s = start_s if self._first_s is None else min(self._first_s, start_s)
+        self._last_s = now
+
+    def observe_step(self, stats: SchedulerStats) -> None:
+        """Add one step's stats (time split, KV usage, preemptions)."""
+        self._touch(time.perf_counter() - stats.step_s)
+        self.num_steps += 1
+        for part in STEP_PARTS:
+            self.step_time_s[part] += getattr(stats, f"{part}_s")
+        self.step_time_s["step"] += stats.step_s
+        self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, stats.kv_cache_usage)
+        self.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
+        self.num_preemptions += stats.num_preemptions
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Add one finished request; aborted/rejected ones only count in ``num_failed``."""
+        self._touch(time.perf_counter())
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        if output.error is None and reason in ("stop", "length") and output.metrics is not None:
+            self.completed.append(output.metrics)
+        else:
+            self.num_failed += 1
+
+    def _meets_slo(self, m: RequestMetrics) -> bool:
+        if self.slo_ttft_ms is not None and (m.ttft_s is None or m.ttft_s * 1000.0 > self.slo_ttft_ms):
+            return False
+        return self.slo_tpot_ms is None or m.tpot_s is None or m.tpot_s * 1000.0 <= self.slo_tpot_ms
+
+    def summary(self, duration_s: float | None = None) -> dict[str, Any]:
+        """Reduce everything observed so far.
+
+        Args:
+            duration_s: wall time the throughputs divide by, seconds; default from the start of
+                the first observed step to the last observation.
+
+        Returns:
+            Flat dict: counts, ``duration_s``, ``request_throughput`` (req/s), ``request_goodput``
+            (req/s; ``None`` without SLOs), ``output_throughput`` and ``total_token_throughput``
+            (tok/s), ``{mean,median,std,p90,p99}_{ttft,tpot,itl,e2el,queue}_ms``,
+            ``peak_kv_cache_usage``, ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
+            step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time.
+        """
+        if duration_s is None:
+            duration_s = 0.0 if self._first_s is None else self._last_s - self._first_s
+        done = self.completed
+        n_in = sum(m.num_prompt_tokens for m in done)
+        n_out = sum(m.num_output_tokens for m in done)
+
+        def per_s(x: float) -> float:
+            return x / duration_s if duration_s > 0 else 0.0
+
+        has_slo = self.slo_ttft_ms is not None or self.slo_tpot_ms is not None
+        out: dict[str, Any] = {
+            "num_requests": len(done), "num_failed": self.num_failed, "duration_s": duration_s,
+            "total_input_tokens": n_in, "total_output_tokens": n_out,
+            "total_cached_tokens": sum(m.num_cached_tokens for m in done),
+            "request_throughput": per_s(len(done)),
+            "request_goodput": per_s(sum(map(self._meets_slo, done))) if has_slo else None,
+            "output_throughput": per_s(n_out), "total_token_throughput": per_s(n_in + n_out),
+        }
+        series = {"ttft": [m.ttft_s for m in done], "tpot": [m.tpot_s for m in done],
+                  "itl": [x for m in done for x in m.itl_s], "e2el": [m.e2e_s for m in done],
+                  "queue": [m.queue_s for m in done]}
+        for name, values in series.items():
+            for stat, value in _describe([v for v in values if v is not None]).items():
+                out[f"{stat}_{name}_ms"] = value
+        total_step_s = self.step_time_s["step"] or sum(self.step_time_s[p] for p in STEP_PARTS)
+        out.update(peak_kv_cache_usage=self.peak_kv_cache_usage, prefix_cache_hit_rate=self.prefix_cache_hit_rate,
+                   num_preemptions=self.num_preemptions, num_steps=self.num_steps, step_s=total_step_s)
+        for part in STEP_PARTS:
+            out[f"{part}_s"] = self.step_time_s[part]
+            out[f"{part}_frac"] = self.step_time_s[part] / total_step_s if total_step_s > 0 else 0.0
+        return out
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 1 else f"{value:.{digits}f}"
+    return str(value)
+
+
+def render_summary_table(summary: dict[str, Any]) -> Table:
+    """A rich table of :meth:`MetricsCollector.summary`: one row per scalar (extra keys such as the
+    runner's ``num_rejected`` included, in dict order), step-time parts as ``seconds (share %)``,
+    then one row per latency with mean / median / p90 / p99 in ms (``std`` stays in ``metrics.json``)."""
+    table = Table(title="servelab run summary", header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    latency_keys = {f"{stat}_{name}_ms" for stat in STATS for name in LATENCIES}
+    frac_keys = {f"{part}_frac" for part in STEP_PARTS}
+    for key, value in summary.items():
+        if key in latency_keys or key in frac_keys:
+            continue
+        part = key.removesuffix("_s")
+        if part in STEP_PARTS and f"{part}_frac" in summary:
+            table.add_row(key, f"{_fmt(value)} ({100 * summary[f'{part}_frac']:.1f}%)")
+        else:
+            table.add_row(key, _fmt(value))
+    table.add_section()
+    for name in LATENCIES:
+        values = [summary.get(f"{stat}_{name}_ms") for stat in ("mean", "median", "p90", "p99")]
+        table.add_row(f"{name} ms mean/p50/p90/p99", " / ".join(_fmt(v, digits=1) for v in values))
+    return table

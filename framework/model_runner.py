@@ -1,0 +1,135 @@
+"""Model runner: turns a ``SchedulerOutput`` into one flattened forward and sampled tokens.
+
+The whole step is one "super sequence": ``input_ids``/``position_ids`` of shape
+``(1, num_tokens)`` fed to an unmodified transformers model whose attention layers call the
+selected backend (``framework.forward_context``). Only the logits of positions that sample are
+computed (``logits_to_keep``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from framework.forward_context import ForwardContext, forward_context
+from framework.interfaces import AttentionBackend, CommonAttentionMetadata
+from framework.outputs import ModelRunnerOutput, SchedulerOutput
+from framework.request import Request
+from framework.sampler import Sampler
+
+
+@dataclass
+class _BatchInputs:
+    """Inputs of one step, requests reordered decodes first."""
+
+    requests: list[Request]  # batch order
+    input_ids: torch.Tensor  # (1, num_tokens) int64
+    positions: torch.Tensor  # (1, num_tokens) int64
+    common: CommonAttentionMetadata
+    sample_requests: list[Request]  # requests whose last scheduled token reaches num_tokens
+    logits_index: torch.Tensor  # (num_sample_requests,) int64 flattened token index to sample from
+
+
+class ModelRunner:
+    """Owns the model, the paged KV cache tensors, the attention backend and the sampler.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` loaded with ``attn_implementation="servelab"``.
+        backend: the attention backend instance.
+        num_blocks: KV blocks to allocate per layer.
+        num_layers: decoder layers.
+        kv_cache_dtype: cache dtype (model dtype unless a quant method says otherwise).
+        device: torch device of model and cache.
+        sampler: the sampler.
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, num_blocks: int, num_layers: int,
+                 kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.block_size = backend.block_size
+        self.sampler = sampler
+        shape = backend.get_kv_cache_shape(num_blocks)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the KV cache tensors."""
+        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one forward over every scheduled token and sample where a request reaches its end.
+
+        Returns:
+            Sampled token ids (and logprobs when asked) by request id, plus the time split.
+        """
+        t0 = time.perf_counter()
+        batch = self._prepare_inputs(scheduler_output)
+        metadata = self.backend.build_metadata(batch.common)
+        t1 = time.perf_counter()
+        with forward_context(ForwardContext(self.backend, metadata, self.kv_caches)):
+            logits = self.model(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False,
+                                logits_to_keep=batch.logits_index).logits[0]  # (num_sample, vocab)
+        t2 = time.perf_counter()
+        sampled, logprobs = {}, {}
+        if batch.sample_requests:
+            out = self.sampler(logits, batch.sample_requests)
+            for i, request in enumerate(batch.sample_requests):
+                sampled[request.request_id] = [out.token_ids[i]]
+                if out.logprobs is not None and request.sampling_params.logprobs is not None:
+                    logprobs[request.request_id] = [out.logprobs[i]]
+        t3 = time.perf_counter()
+        return ModelRunnerOutput(sampled, logprobs, prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _BatchInputs:
+        """Flatten the scheduled tokens; one Python pass over requests, vectorized over tokens."""
+        n_sched = so.num_scheduled_tokens
+        requests = ([r for r in so.scheduled_requests if n_sched[r.request_id] == 1]
+                    + [r for r in so.scheduled_requests if n_sched[r.request_id] > 1])
+        num_decodes = sum(1 for r in requests if n_sched[r.request_id] == 1)
+        query_lens = np.array([n_sched[r.request_id] for r in requests], dtype=np.int64)
+        context_lens = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+        seq_lens = context_lens + query_lens
+        token_ids: list[int] = []
+        for request, start, n in zip(requests, context_lens.tolist(), query_lens.tolist()):
+            token_ids.extend(request.all_token_ids[start:start + n])
+        query_start_loc = np.zeros(len(requests) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        req_of_token = np.repeat(np.arange(len(requests)), query_lens)
+        positions = context_lens[req_of_token] + np.arange(num_tokens) - query_start_loc[req_of_token]
+
+        tables = [so.block_ids[r.request_id] for r in requests]
+        block_table = np.zeros((len(requests), max(len(t) for t in tables)), dtype=np.int64)
+        for i, table in enumerate(tables):
+            block_table[i, :len(table)] = table
+        slot_mapping = (block_table[req_of_token, positions // self.block_size] * self.block_size
+                        + positions % self.block_size)
+
+        is_last = seq_lens == np.array([r.num_tokens for r in requests], dtype=np.int64)
+        sample_idx = np.nonzero(is_last)[0]
+        dev = self.device
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev, torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
+            context_lens=torch.from_numpy(context_lens).to(dev, torch.int32),
+            block_table=torch.from_numpy(block_table).to(dev, torch.int32),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
+            num_reqs=len(requests), num_tokens=num_tokens, num_decodes=num_decodes,
+            num_decode_tokens=num_decodes, max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()), block_size=self.block_size,
+        )
+        return _BatchInputs(
+            requests=requests,
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev)[None],
+            positions=torch.from_numpy(positions).to(dev)[None],
+            common=common,
+            sample_requests=[requests[i] for i in sample_idx.tolist()],
+            logits_index=torch.from_numpy(query_start_loc[sample_idx + 1] - 1).to(dev),
+        )

@@ -1,0 +1,239 @@
+"""Scheduler core: one rule for prefill, decode, chunked prefill, prefix hits and preemption.
+
+Follows vLLM V1's scheduler (``vllm/v1/core/sched/scheduler.py``): there are no phases; each
+request's ``num_computed_tokens`` catches up with ``num_tokens`` within a per-step token budget.
+Running requests are served first (decodes and unfinished chunks), then waiting requests are
+admitted in policy order. When the KV allocator says no, the policy's victim is preempted by
+recompute (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+PagedAttention", SOSP'23, Sec. 4.5).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Iterable
+
+from framework.interfaces import KVAllocator, SchedulerPolicy
+from framework.outputs import ModelRunnerOutput, SchedulerOutput
+from framework.request import Request, RequestStatus
+from framework.stop import StopChecker
+
+
+class Scheduler:
+    """Chooses which tokens each step computes and applies the step's results.
+
+    Args:
+        policy: waiting-queue order, preemption victim and may-preempt rule.
+        kv_allocator: block ownership; the scheduler is its only caller.
+        stop_checker: decides when a request is finished after a new token.
+        max_num_seqs: max requests in one step.
+        max_num_batched_tokens: token budget of one step.
+        max_model_len: prompt + output cap, tokens.
+        long_prefill_token_threshold: cap on one request's prefill chunk per step (0: none).
+    """
+
+    def __init__(self, policy: SchedulerPolicy, kv_allocator: KVAllocator, stop_checker: StopChecker,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 long_prefill_token_threshold: int = 0) -> None:
+        self.policy = policy
+        self.kv = kv_allocator
+        self.stop_checker = stop_checker
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.requests: dict[str, Request] = {}  # every unfinished request by id
+        self.waiting: list[tuple[tuple, int, Request]] = []  # heap of (policy key, seq_no, request)
+        self.running: list[Request] = []  # admission order
+        self._finished_ids: set[str] = set()  # finished since the last schedule()
+        self.num_preemptions_last_step = 0
+
+    # ---- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (status WAITING)."""
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self.waiting, (self.policy.key(request), request.seq_no, request))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the given requests as aborted, freeing their blocks; unknown ids are ignored."""
+        aborted = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting = [e for e in self.waiting if e[-1] is not request]
+                heapq.heapify(self.waiting)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._finish(request)
+            aborted.append(request)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue."""
+        return len(self.waiting)
+
+    # ---- scheduling -------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens: running requests first, then admissions from waiting.
+
+        Mutates: ``running``/``waiting``, request status, KV ownership (through the allocator).
+        ``num_computed_tokens`` is advanced in :meth:`update_from_output`, except for prefix-cache
+        hits, which count as computed at admission.
+        """
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        preempted: set[str] = set()
+        self._preempt_for_waiting(preempted)
+        num_preempted_for_waiting = len(preempted)
+
+        scheduled_running: list[Request] = []
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                idx += 1
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.policy.select_victim(self.running)
+                self._preempt(victim, preempted)
+                if victim in scheduled_running:  # give back its tokens
+                    scheduled_running.remove(victim)
+                    budget += num_scheduled.pop(victim.request_id)
+                if victim is request:
+                    break
+                idx = self.running.index(request)
+            else:
+                scheduled_running.append(request)
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+                idx += 1
+                continue
+            # the request preempted itself; the list shifted, idx points at the next one
+
+        if len(preempted) == num_preempted_for_waiting:  # as vLLM: no admissions when KV ran out
+            budget = self._admit_waiting(budget, num_scheduled)
+
+        scheduled = [r for r in self.running if r.request_id in num_scheduled]
+        out = SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            block_ids={r.request_id: self.kv.get_block_ids(r.request_id) for r in scheduled},
+            preempted_req_ids=preempted,
+            finished_req_ids=self._finished_ids,
+        )
+        self._finished_ids = set()
+        self.num_preemptions_last_step = len(preempted)
+        now = time.perf_counter()
+        for request in scheduled:
+            if request.times.first_scheduled_s is None:
+                request.times.first_scheduled_s = now
+        return out
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        return min(num_new, budget)
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0][-1]
+            computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_computed = request.num_computed_tokens + num_hit_tokens
+            num_new = request.num_tokens - num_computed
+            if 0 < self.long_prefill_token_threshold < num_new:
+                num_new = self.long_prefill_token_threshold
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            heapq.heappop(self.waiting)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _preempt_for_waiting(self, preempted: set[str]) -> None:
+        """Let the head of the waiting queue evict outranked running requests (priority policies)."""
+        while self.waiting and self.running:
+            candidate = self.waiting[0][-1]
+            victim = self.policy.select_victim(self.running)
+            if not self.policy.may_preempt(candidate, victim) or self._can_admit(candidate):
+                return
+            self._preempt(victim, preempted)
+
+    def _can_admit(self, request: Request) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        first_chunk = min(request.num_tokens, self.max_num_batched_tokens)
+        if self.long_prefill_token_threshold:
+            first_chunk = min(first_chunk, self.long_prefill_token_threshold)
+        blocks_needed = -(-first_chunk // self.kv.block_size)
+        return blocks_needed <= self.kv.num_free_blocks
+
+    def _preempt(self, request: Request, preempted: set[str]) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        preempted.add(request.request_id)
+        self._push_waiting(request)
+
+    # ---- applying results -------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> tuple[list[Request], list[Request]]:
+        """Advance computed tokens, append sampled tokens, check stops, free finished requests.
+
+        Returns:
+            ``(updated, finished)``: requests that got new tokens this step, and those of them
+            that finished (their blocks are already freed).
+        """
+        now = time.perf_counter()
+        updated: list[Request] = []
+        finished: list[Request] = []
+        for request in scheduler_output.scheduled_requests:
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
+            new_tokens = runner_output.sampled_token_ids.get(request.request_id)
+            if not new_tokens:
+                continue
+            new_logprobs = runner_output.logprobs.get(request.request_id)
+            for i, token_id in enumerate(new_tokens):
+                request.append_output_token(token_id)
+                if new_logprobs:
+                    request.logprobs.append(new_logprobs[i])
+                request.times.token_s.append(now)
+                if self.stop_checker.check(request, self.max_model_len):
+                    break
+            if request.times.first_token_s is None:
+                request.times.first_token_s = now
+            updated.append(request)
+            if request.is_finished:
+                self.running.remove(request)
+                self._finish(request)
+                finished.append(request)
+        return updated, finished
+
+    def _finish(self, request: Request) -> None:
+        self.kv.free(request)
+        request.times.finished_s = time.perf_counter()
+        self.stop_checker.finalize(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.add(request.request_id)

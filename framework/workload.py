@@ -1,0 +1,158 @@
+"""Workloads: the requests one offline run feeds to the engine (a prompts file or random token ids)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = ("prompts", "random")
+MIN_RANDOM_TOKEN_ID = 3  # ids 0-2 are unk/bos/eos in Llama-style vocabularies
+
+
+@dataclass
+class WorkloadItem:
+    """One request of a workload; exactly one of ``prompt`` / ``prompt_token_ids`` drives the engine
+    (token ids win when both are set; ``prompt`` is then only reported).
+
+    Raises:
+        ValueError: when both ``prompt`` and ``prompt_token_ids`` are ``None``.
+    """
+
+    request_id: str
+    prompt: str | None = None  # text as sent (chat template already applied), or None for token-id prompts
+    prompt_token_ids: list[int] | None = None  # (num_prompt_tokens,) ids; bypasses the engine's tokenizer
+    priority: int = 0  # lower is served first (priority scheduler)
+    max_tokens: int | None = None  # overrides the run's sampling.max_tokens when set
+    arrival_time_s: float | None = None  # offset from the run start, seconds; None = at start
+
+    def __post_init__(self) -> None:
+        if self.prompt is None and self.prompt_token_ids is None:
+            raise ValueError(f"workload item {self.request_id!r} needs a prompt or prompt_token_ids")
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """Records ``{"prompt": ..., ...}`` of a ``.txt`` (one prompt per non-blank line) or ``.jsonl`` file."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix == ".txt":
+        return [{"prompt": line.strip()} for line in lines if line.strip()]
+    if path.suffix != ".jsonl":
+        raise ValueError(f"workload file {path} must end in .txt (one prompt per line) or .jsonl")
+    records = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f'{path}:{lineno}: each line must be an object with a string "prompt"')
+        records.append(record)
+    return records
+
+
+def render_chat(prompt: str, tokenizer: Any) -> str:
+    """``prompt`` as a single user turn through the tokenizer's chat template, generation prompt added.
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("workload.chat=true but the model's tokenizer has no chat template; "
+                         "set workload.chat=false to send the prompts as plain text")
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def load_prompts(path: str | Path, chat: bool, tokenizer: Any, limit: int | None = None) -> list[WorkloadItem]:
+    """Read prompts from ``.txt`` (one per line) or ``.jsonl`` (``prompt``; optional ``priority``,
+    ``max_tokens``, ``arrival_time_s``, ``request_id``).
+
+    With ``chat`` each prompt is rendered as a user turn by the chat template and tokenized here
+    without adding special tokens again (the template already holds them); ``prompt`` keeps the
+    rendered text.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: bad extension, bad JSONL line, or ``chat`` without a chat template.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"workload file not found: {path} (set workload.path=<file>)")
+    records = _read_records(path)[:limit] if limit is not None else _read_records(path)
+    items = []
+    for i, rec in enumerate(records):
+        text, token_ids = rec["prompt"], None
+        if chat:
+            text = render_chat(text, tokenizer)
+            token_ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+        items.append(WorkloadItem(request_id=str(rec.get("request_id", f"prompt-{i}")), prompt=text,
+                                  prompt_token_ids=token_ids, priority=int(rec.get("priority", 0)),
+                                  max_tokens=rec.get("max_tokens"), arrival_time_s=rec.get("arrival_time_s")))
+    return items
+
+
+def random_workload(num_prompts: int, input_len_min: int, input_len_max: int, output_len_min: int,
+                    output_len_max: int, seed: int, vocab_size: int,
+                    request_rate: float | None = None) -> list[WorkloadItem]:
+    """Seeded random token-id prompts with uniform lengths (vLLM ``benchmark_serving --dataset random``).
+
+    Args:
+        input_len_min, input_len_max: prompt length range, tokens, inclusive.
+        output_len_min, output_len_max: per-request ``max_tokens`` range, inclusive.
+        vocab_size: ids are drawn from ``[3, vocab_size)`` (no unk/bos/eos).
+        request_rate: Poisson arrivals at this many requests/s; ``None`` or ``inf`` = all at start.
+
+    Raises:
+        ValueError: empty or inverted ranges, ``vocab_size <= 3``, ``request_rate <= 0``.
+    """
+    if num_prompts < 0 or not 1 <= input_len_min <= input_len_max or not 1 <= output_len_min <= output_len_max:
+        raise ValueError("random workload needs num_prompts >= 0, 1 <= input_len_min <= input_len_max and "
+                         f"1 <= output_len_min <= output_len_max; got {num_prompts}, "
+                         f"[{input_len_min}, {input_len_max}], [{output_len_min}, {output_len_max}]")
+    if vocab_size <= MIN_RANDOM_TOKEN_ID:
+        raise ValueError(f"random workload needs vocab_size > {MIN_RANDOM_TOKEN_ID}, got {vocab_size}")
+    if request_rate is not None and request_rate <= 0:
+        raise ValueError(f"request_rate must be > 0 (req/s) or null, got {request_rate}")
+    rng = random.Random(seed)
+    items, t = [], 0.0
+    for i in range(num_prompts):
+        n_in = rng.randint(input_len_min, input_len_max)
+        ids = [rng.randrange(MIN_RANDOM_TOKEN_ID, vocab_size) for _ in range(n_in)]
+        arrival = None
+        if request_rate is not None and not math.isinf(request_rate):
+            t += rng.expovariate(request_rate)
+            arrival = t
+        items.append(WorkloadItem(request_id=f"random-{i}", prompt_token_ids=ids,
+                                  max_tokens=rng.randint(output_len_min, output_len_max), arrival_time_s=arrival))
+    return items
+
+
+def build_workload(cfg: Mapping[str, Any], tokenizer: Any, vocab_size: int | None = None) -> list[WorkloadItem]:
+    """Build the workload described by the ``workload`` config group (dispatch on ``name``).
+
+    Args:
+        cfg: ``name: prompts`` (``path``, ``chat``, ``limit``) or ``name: random`` (the arguments of
+            :func:`random_workload` except ``vocab_size``).
+        tokenizer: the engine's tokenizer (chat template, vocabulary size).
+        vocab_size: random ids stay below it; default ``tokenizer.vocab_size``.
+
+    Raises:
+        ValueError: an unknown workload name (the valid ones are listed) or bad parameters.
+    """
+    name = cfg.get("name")
+    if name == "prompts":
+        return load_prompts(cfg["path"], chat=bool(cfg.get("chat", False)), tokenizer=tokenizer,
+                            limit=cfg.get("limit"))
+    if name == "random":
+        if vocab_size is None:
+            vocab_size = tokenizer.vocab_size
+        keys = ("num_prompts", "input_len_min", "input_len_max", "output_len_min", "output_len_max", "seed")
+        return random_workload(**{k: cfg[k] for k in keys}, vocab_size=vocab_size,
+                               request_rate=cfg.get("request_rate"))
+    raise ValueError(f"unknown workload {name!r}; valid choices: {', '.join(WORKLOADS)} (set workload=<one of them>)")

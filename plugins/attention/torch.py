@@ -1,0 +1,126 @@
+"""Reference paged attention in plain PyTorch (runs on CPU and GPU).
+
+K/V are written into a paged cache through ``slot_mapping`` (Kwon et al., SOSP'23, Sec. 4.1);
+each request attends over its blocks through ``block_table``. The flattened batch is split into
+a decode segment (query length 1) and a prefill segment (chunks, possibly with cached context),
+each gathered per request into a padded batch and run through
+``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask built once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from framework import hookimpl
+from framework.hookspecs import Register
+from framework.interfaces import AttentionBackend, CommonAttentionMetadata
+
+
+@dataclass
+class _Segment:
+    """Padded view of a group of requests; all tensors built once per step."""
+
+    token_start: int  # first flattened token of the segment
+    token_end: int  # one past its last token
+    block_table: torch.Tensor  # (num_seg_reqs, num_blocks_needed) int64 block ids
+    mask: torch.Tensor  # (num_seg_reqs, 1, max_q, max_kv) bool, True = attend
+    query_index: torch.Tensor | None  # (num_seg_reqs, max_q) int64 into the segment's tokens; None for decodes
+    output_index: torch.Tensor | None  # (num_seg_tokens,) int64 into the flattened (reqs * max_q) outputs
+
+
+@dataclass
+class TorchAttentionMetadata:
+    """Per-step metadata of :class:`TorchAttentionBackend`."""
+
+    slot_mapping: torch.Tensor  # (num_tokens,) int64 cache slots of this step's tokens
+    segments: list[_Segment]  # decode segment first (if any), then the prefill segment (if any)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Paged attention with ``scaled_dot_product_attention`` over gathered blocks.
+
+    KV cache per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)``. GQA is native
+    (``enable_gqa``). Cost per layer: one ``index_copy_`` for the new K/V and one block gather
+    per segment; padding is bounded by the longest sequence within each segment.
+    """
+
+    name = "torch"
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        """Split into decode/prefill segments and build gather indices and masks (once per step)."""
+        segments = []
+        nd = common.num_decodes
+        if nd:
+            segments.append(self._decode_segment(common, nd))
+        if nd < common.num_reqs:
+            segments.append(self._prefill_segment(common, nd))
+        return TorchAttentionMetadata(slot_mapping=common.slot_mapping, segments=segments)
+
+    def _decode_segment(self, common: CommonAttentionMetadata, nd: int) -> _Segment:
+        seq_lens = common.seq_lens[:nd].long()
+        max_kv = max(common.seq_lens_cpu[:nd])
+        num_blocks = -(-max_kv // self.block_size)
+        kv_pos = torch.arange(num_blocks * self.block_size, device=seq_lens.device)
+        mask = (kv_pos[None, :] < seq_lens[:, None])[:, None, None, :]
+        return _Segment(0, common.num_decode_tokens, common.block_table[:nd, :num_blocks].long(), mask,
+                        None, None)
+
+    def _prefill_segment(self, common: CommonAttentionMetadata, nd: int) -> _Segment:
+        device = common.seq_lens.device
+        start = common.num_decode_tokens
+        q_lens = torch.tensor(common.query_lens_cpu[nd:], device=device)
+        q_starts = common.query_start_loc[nd:-1].long() - start
+        ctx_lens = common.context_lens[nd:].long()
+        max_q = max(common.query_lens_cpu[nd:])
+        max_kv = max(common.seq_lens_cpu[nd:])
+        num_blocks = -(-max_kv // self.block_size)
+        q_off = torch.arange(max_q, device=device)
+        valid_q = q_off[None, :] < q_lens[:, None]  # (np, max_q)
+        q_pos = ctx_lens[:, None] + q_off[None, :]  # absolute position of each query
+        kv_pos = torch.arange(num_blocks * self.block_size, device=device)
+        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]
+        mask[:, :, 0] |= ~valid_q  # padded query rows attend to one key: no all-masked (NaN) rows
+        num_tokens = common.num_tokens - start
+        query_index = torch.where(valid_q, q_starts[:, None] + q_off[None, :], 0).clamp_(max=num_tokens - 1)
+        output_index = valid_q.flatten().nonzero().squeeze(1)
+        return _Segment(start, common.num_tokens, common.block_table[nd:, :num_blocks].long(),
+                        mask[:, None], query_index, output_index)
+
+    def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
+        """Write K/V at ``slot_mapping``, then attend per segment; see ``AttentionBackend.forward``."""
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, kv_heads, head_size)
+        flat_shape = (-1, self.num_kv_heads, self.head_size)
+        key_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
+        value_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
+        out = torch.empty_like(query)
+        for seg in metadata.segments:
+            out[seg.token_start:seg.token_end] = self._attend(query[seg.token_start:seg.token_end],
+                                                              key_cache, value_cache, seg)
+        return out
+
+    def _attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                seg: _Segment) -> torch.Tensor:
+        num_reqs = seg.block_table.shape[0]
+        # gathered k/v: [R, blocks * block_size, kv_heads, D] -> [R, kv_heads, S, D]
+        k = key_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, self.head_size).transpose(1, 2)
+        v = value_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, self.head_size).transpose(1, 2)
+        k, v = k.to(query.dtype), v.to(query.dtype)
+        if seg.query_index is None:  # decodes: q [R, H, 1, D]
+            q = query[:, :, None, :]
+        else:  # prefill chunks: q [R, H, max_q, D]
+            q = query[seg.query_index].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=self.scale, enable_gqa=True)
+        o = o.transpose(1, 2)  # [R, max_q, H, D]
+        if seg.output_index is None:
+            return o[:, 0]
+        return o.reshape(-1, self.num_heads, self.head_size)[seg.output_index]
+
+
+@hookimpl
+def register_attention_backends(register: Register) -> None:
+    """Register ``torch``."""
+    register("torch", TorchAttentionBackend)

@@ -1,0 +1,43 @@
+"""Shared fixtures: offline env, model paths, an LLM factory that checks KV blocks return to the pool,
+and a cached transformers greedy oracle."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+from helpers import STORIES, assert_all_blocks_free  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu``-marked tests without CUDA, naming what they would check."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=f"needs CUDA: would check {item.name}"))
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable]:
+    """Factory ``make_llm(model=STORIES, **kwargs) -> LLM``; after the test, asserts no KV block leaked."""
+    from framework import LLM
+
+    made = []
+
+    def factory(model: str = STORIES, **kwargs):
+        llm = LLM(model=model, **kwargs)
+        made.append(llm)
+        return llm
+
+    yield factory
+    for llm in made:
+        assert_all_blocks_free(llm.engine)
