@@ -23,7 +23,12 @@ from rich.console import Console  # noqa: E402
 
 from framework import registry  # noqa: E402
 from framework.config import PLUGIN_FIELDS  # noqa: E402
-from framework.hydra_config import engine_config_from_cfg, register_config_nodes, sampling_params_from_cfg  # noqa: E402
+from framework.hydra_config import (  # noqa: E402
+    CONF_DIR,
+    engine_config_from_cfg,
+    register_config_nodes,
+    sampling_params_from_cfg,
+)
 
 register_config_nodes()  # every registered plugin name is a valid group option, file or not
 
@@ -31,7 +36,8 @@ logger = logging.getLogger("servelab")
 MODES = ("offline",)
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+# absolute config path: also right when started as the ``servelab`` console script (module ``run``)
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
     """Run the composed config; returns the metrics summary (Hydra sweepers may read it)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -43,7 +49,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     default_sampling = sampling_params_from_cfg(cfg.sampling)
     for kind in PLUGIN_FIELDS:  # unknown names fail here, before the tracker starts or weights load
         registry.get_class(kind, getattr(engine_config, kind))
-    tracker_params = OmegaConf.to_container(cfg.tracker.get("params") or {}, resolve=True)
+    params = cfg.tracker.get("params")
+    tracker_params = {} if params is None else OmegaConf.to_container(params, resolve=True)
     tracker = registry.create("tracker", cfg.tracker.name, run_dir=str(run_dir),
                               config=OmegaConf.to_container(cfg, resolve=True), **tracker_params)
     with contextlib.ExitStack() as stack:

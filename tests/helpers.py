@@ -19,6 +19,7 @@ def assert_all_blocks_free(engine) -> None:
 
 
 _ORACLE_MODELS: dict[tuple[str, str], object] = {}
+_ORACLE_OUTPUTS: dict[tuple, list[int]] = {}  # memoized greedy continuations
 
 
 def hf_greedy(model_path: str, prompt_ids: list[list[int]], max_new_tokens: int, dtype: str = "float32") -> list[list[int]]:
@@ -33,7 +34,10 @@ def hf_greedy(model_path: str, prompt_ids: list[list[int]], max_new_tokens: int,
     outs = []
     with torch.inference_mode():
         for ids in prompt_ids:
-            seq = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            outs.append(seq[0, len(ids):].tolist())
+            cache_key = (model_path, dtype, tuple(ids), max_new_tokens)
+            if cache_key not in _ORACLE_OUTPUTS:
+                seq = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+                _ORACLE_OUTPUTS[cache_key] = seq[0, len(ids):].tolist()
+            outs.append(_ORACLE_OUTPUTS[cache_key])
     return outs

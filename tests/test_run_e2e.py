@@ -1,0 +1,73 @@
+"""End to end: ``python run.py`` on stories260K writes outputs, metrics, the Hydra config and an offline W&B run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["Once upon a time", "The little dog ran to the park and", "Lily wanted to play with her friend Tom."]
+
+
+def run_cli(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_SILENT": "true"}
+    env.pop("WANDB_MODE", None)  # the tracker's mode comes from the config
+    return subprocess.run([sys.executable, "run.py", *overrides], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_offline_run_writes_everything(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    run_dir = tmp_path / "run"
+    proc = run_cli("model=stories260K", "workload=prompts", f"workload.path={prompts}", "workload.chat=false",
+                   "sampling.temperature=0", "sampling.max_tokens=16", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    records = [json.loads(line) for line in (run_dir / "outputs.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in records] == PROMPTS
+    for r in records:
+        assert {"request_id", "prompt", "text", "token_ids", "finish_reason", "error", "metrics"} <= set(r)
+        assert r["finish_reason"] in ("stop", "length") and r["error"] is None
+        assert 1 <= len(r["token_ids"]) <= 16
+        assert r["metrics"]["num_output_tokens"] == len(r["token_ids"]) and r["metrics"]["ttft_s"] > 0
+
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    for key in ("num_requests", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
+                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "mean_e2el_ms",
+                "peak_kv_cache_usage", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "forward_frac",
+                "num_rejected"):
+        assert key in summary, key
+    assert summary["num_requests"] == len(PROMPTS) and summary["num_rejected"] == 0
+    assert summary["total_output_tokens"] == sum(len(r["token_ids"]) for r in records)
+
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert "path: stories260K" in (run_dir / "resolved_config.yaml").read_text()
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+    assert "request_throughput" in proc.stdout  # the summary table
+
+
+def test_rejected_prompt_is_recorded_and_others_run(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n" + "the cat sat on the mat " * 200 + "\n")  # > 512 tokens
+    run_dir = tmp_path / "run"
+    proc = run_cli("model=stories260K", f"workload.path={prompts}", "workload.chat=false", "sampling.max_tokens=4",
+                   "tracker=none", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ok, rejected = [json.loads(line) for line in (run_dir / "outputs.jsonl").read_text().splitlines()]
+    assert ok["finish_reason"] in ("stop", "length") and ok["error"] is None
+    assert rejected["finish_reason"] == "abort" and "max_model_len" in rejected["error"]
+    assert json.loads((run_dir / "metrics.json").read_text())["num_rejected"] == 1
+    assert not (run_dir / "wandb").exists()
+
+
+def test_chat_without_template_and_bad_choices_fail_clearly(tmp_path):
+    proc = run_cli("model=stories260K", "tracker=none", f"hydra.run.dir={tmp_path / 'a'}")  # chat: true by default
+    assert proc.returncode != 0 and "workload.chat=false" in proc.stderr
+    proc = run_cli("scheduler=nope", f"hydra.run.dir={tmp_path / 'b'}")
+    assert proc.returncode != 0 and "fcfs" in proc.stderr and "priority" in proc.stderr
+    proc = run_cli("mode=serve", "tracker=none", f"hydra.run.dir={tmp_path / 'c'}")
+    assert proc.returncode != 0 and "unknown mode" in proc.stderr
