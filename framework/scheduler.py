@@ -143,8 +143,10 @@ class Scheduler:
                 request.times.first_scheduled_s = now
         return out
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, budget: int, num_hit_tokens: int = 0) -> int:
+        """Tokens to compute this step: the remainder after ``num_computed_tokens`` plus prefix
+        hits, capped by ``long_prefill_token_threshold`` and the budget."""
+        num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         return min(num_new, budget)
@@ -153,17 +155,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0][-1]
             computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_computed = request.num_computed_tokens + num_hit_tokens
-            num_new = request.num_tokens - num_computed
-            if 0 < self.long_prefill_token_threshold < num_new:
-                num_new = self.long_prefill_token_threshold
-            num_new = min(num_new, budget)
+            num_new = self._num_new_tokens(request, budget, num_hit_tokens)
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
             heapq.heappop(self.waiting)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
-            request.num_computed_tokens = num_computed
+            request.num_computed_tokens += num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
@@ -182,11 +180,9 @@ class Scheduler:
     def _can_admit(self, request: Request) -> bool:
         if len(self.running) >= self.max_num_seqs:
             return False
-        first_chunk = min(request.num_tokens, self.max_num_batched_tokens)
-        if self.long_prefill_token_threshold:
-            first_chunk = min(first_chunk, self.long_prefill_token_threshold)
-        blocks_needed = -(-first_chunk // self.kv.block_size)
-        return blocks_needed <= self.kv.num_free_blocks
+        hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        first_chunk = self._num_new_tokens(request, self.max_num_batched_tokens, num_hit)
+        return self.kv.can_allocate(request, first_chunk, hit_blocks)
 
     def _preempt(self, request: Request, preempted: set[str]) -> None:
         self.running.remove(request)

@@ -18,8 +18,8 @@ class KVCacheStats:
 
     num_blocks: int  # blocks in the pool
     num_free_blocks: int  # blocks with no owner (cached-but-free blocks count as free)
-    prefix_queries_tokens: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hits_tokens: int = 0  # of which were found cached
+    prefix_queries_tokens: int = 0  # tokens of requests admitted with prefix caching on (once per admission)
+    prefix_hits_tokens: int = 0  # of which were served from the prefix cache
 
     @property
     def usage(self) -> float:
@@ -64,6 +64,14 @@ class KVAllocator(Plugin, ABC):
         Returns:
             ``(block_ids, num_computed_tokens)``; ``num_computed_tokens`` is a multiple of
             ``block_size``; ``([], 0)`` on a miss or when prefix caching is off.
+        """
+
+    @abstractmethod
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: list[int] | None = None) -> bool:
+        """Whether :meth:`allocate_slots` with the same arguments would succeed now.
+
+        Called by the scheduler to decide on preemption before committing; must not change state.
         """
 
     @abstractmethod

@@ -80,11 +80,12 @@ class PagedKVAllocator(KVAllocator):
 
         Called by the scheduler before admitting a waiting request. At most
         ``(num_tokens - 1) // block_size`` blocks are returned so that one token is left to compute.
-        Takes no ownership and changes nothing but the hit-rate counters.
+        Takes no ownership and changes no state (hit-rate counters move at admission, in
+        :meth:`allocate_slots`, so retried lookups are not double counted).
 
         Returns:
             ``(block_ids, num_hit_tokens)`` with ``num_hit_tokens = len(block_ids) * block_size``;
-            ``([], 0)`` on a miss or when prefix caching is off (then the counters are untouched).
+            ``([], 0)`` on a miss or when prefix caching is off.
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -96,8 +97,6 @@ class PagedKVAllocator(KVAllocator):
             if block is None:
                 break
             blocks.append(block)
-        self._queries_tokens += request.num_tokens
-        self._hits_tokens += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
 
     def _publish_full_blocks(self, request: Request, table: list[int], num_total_tokens: int) -> None:
@@ -120,6 +119,22 @@ class PagedKVAllocator(KVAllocator):
         self._num_published[rid] = num_full
 
     # ---- ownership --------------------------------------------------------------------------
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: list[int] | None = None) -> bool:
+        """Whether :meth:`allocate_slots` with the same arguments would succeed; changes nothing.
+
+        Raises:
+            ValueError: ``num_new_tokens < 0``.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        computed = new_computed_blocks or []
+        num_total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_owned = len(self._tables.get(request.request_id, ())) + len(computed)
+        num_needed = max(0, -(-num_total // self.block_size) - num_owned)
+        num_revived = sum(1 for b in computed if self._ref_cnt[b] == 0)  # cached blocks now in the free queue
+        return num_needed + num_revived <= len(self._free_queue)
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[int] | None = None) -> list[int] | None:
         """Grow the request's block table to cover ``num_computed_tokens + len(new_computed_blocks)
@@ -138,16 +153,15 @@ class PagedKVAllocator(KVAllocator):
         Raises:
             ValueError: ``num_new_tokens < 0``.
         """
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
+            return None
         computed = new_computed_blocks or []
         rid = request.request_id
         num_total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        num_owned = len(self._tables.get(rid, ())) + len(computed)
-        num_needed = max(0, -(-num_total // self.block_size) - num_owned)
-        num_revived = sum(1 for b in computed if self._ref_cnt[b] == 0)  # cached blocks now in the free queue
-        if num_needed + num_revived > len(self._free_queue):
-            return None
+        num_needed = max(0, -(-num_total // self.block_size) - len(self._tables.get(rid, ())) - len(computed))
+        if rid not in self._tables and self.enable_prefix_caching:  # admission: count the lookup once
+            self._queries_tokens += request.num_tokens
+            self._hits_tokens += len(computed) * self.block_size
 
         table = self._tables.setdefault(rid, [])
         for block in computed:

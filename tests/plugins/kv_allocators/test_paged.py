@@ -297,3 +297,21 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
 
 PagedAllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestPagedAllocatorMachine = PagedAllocatorMachine.TestCase
+
+
+def test_can_allocate_agrees_and_lookups_count_once_per_admission() -> None:
+    kv = PagedKVAllocator(num_blocks=5, block_size=4)
+    admit(kv, make_request("r1", range(8)))  # 2 blocks, both cached
+    hog = make_request("hog", [3])
+    kv.allocate_slots(hog, 1)  # 2 blocks left free
+    r2 = make_request("r2", [*range(8), 1, 2, 3, 4, 5, 6, 7, 8, 9])
+    for _ in range(3):  # retried lookups (e.g. the scheduler waiting for space) change no counter
+        blocks, hit = kv.get_computed_blocks(r2)
+    assert kv.stats().prefix_queries_tokens == 8 + 1  # r1 and hog admissions only
+    assert not kv.can_allocate(r2, r2.num_tokens - hit, blocks)
+    assert kv.allocate_slots(r2, r2.num_tokens - hit, blocks) is None
+    kv.free(hog)  # r2 needs 3 new blocks; its 2 hit blocks are shared with r1
+    assert kv.can_allocate(r2, r2.num_tokens - hit, blocks)
+    assert kv.allocate_slots(r2, r2.num_tokens - hit, blocks) is not None
+    assert (kv.stats().prefix_queries_tokens, kv.stats().prefix_hits_tokens) == (8 + 1 + 17, 8)
+    kv.check_invariants()
