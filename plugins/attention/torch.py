@@ -109,15 +109,27 @@ class TorchAttentionBackend(AttentionBackend):
         k = key_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, self.head_size).transpose(1, 2)
         v = value_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, self.head_size).transpose(1, 2)
         k, v = k.to(query.dtype), v.to(query.dtype)
-        if seg.query_index is None:  # decodes: q [R, H, 1, D]
-            q = query[:, :, None, :]
-        else:  # prefill chunks: q [R, H, max_q, D]
-            q = query[seg.query_index].transpose(1, 2)
+        if seg.query_index is None:
+            return self._decode_attend(query, k, v, seg.mask)
+        q = query[seg.query_index].transpose(1, 2)  # prefill chunks: [R, H, max_q, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=self.scale, enable_gqa=True)
-        o = o.transpose(1, 2)  # [R, max_q, H, D]
-        if seg.output_index is None:
-            return o[:, 0]
-        return o.reshape(-1, self.num_heads, self.head_size)[seg.output_index]
+        return o.transpose(1, 2).reshape(-1, self.num_heads, self.head_size)[seg.output_index]
+
+    def _decode_attend(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """One query token per request, GQA by grouping query heads per KV head (no K/V repeat).
+
+        On CPU this is ~2x faster than ``scaled_dot_product_attention(enable_gqa=True)`` with a
+        mask, which falls back to the math kernel (measured in ``experiments/`` on SmolLM2 bf16).
+        Scores are taken in the model dtype, softmax in float32.
+        """
+        num_reqs = query.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        q = query.reshape(num_reqs, self.num_kv_heads, group, self.head_size)  # [R, KVH, G, D]
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale  # [R, KVH, G, S]
+        scores.masked_fill_(~mask, float("-inf"))  # mask [R, 1, 1, S]
+        probs = scores.softmax(dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).reshape(num_reqs, self.num_heads, self.head_size)
 
 
 @hookimpl
