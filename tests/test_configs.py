@@ -84,10 +84,15 @@ def test_unknown_engine_key_lists_valid_keys():
 
 
 class ThrowawayPolicy(SchedulerPolicy):
+    """Last-in-first-out: the newest request is admitted first (observable with max_num_seqs=1)."""
+
     name = "throwaway"
 
+    def __init__(self, **params):
+        self.params = params  # accepts any params, to show they arrive from the Hydra config
+
     def key(self, request):
-        return (request.seq_no,)
+        return (-request.seq_no,)
 
 
 class ThrowawayPlugin:
@@ -96,12 +101,23 @@ class ThrowawayPlugin:
         register("throwaway", ThrowawayPolicy)
 
 
-def test_plugin_without_conf_file_becomes_a_choice():
+def test_plugin_without_conf_file_becomes_a_choice_and_drives_the_engine():
+    from framework import SamplingParams, build_engine
+
     with registry.registered(ThrowawayPlugin()):
         assert ("scheduler", "throwaway") in register_config_nodes()
         try:
-            cfg = _compose("scheduler=throwaway", "+scheduler.params.x=1")
+            cfg = _compose("scheduler=throwaway", "+scheduler.params.x=1", "model=stories260K",
+                           "engine.max_num_seqs=1")
             config = engine_config_from_cfg(cfg)
             assert config.scheduler == "throwaway" and config.scheduler_params == {"x": 1}
+            engine = build_engine(config)
+            assert isinstance(engine.scheduler.policy, ThrowawayPolicy) and engine.scheduler.policy.params == {"x": 1}
+            for rid in ("first", "second", "third"):
+                engine.add_request(rid, [1, 5, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+            finished = []
+            while engine.has_unfinished_requests():
+                finished += [o.request_id for o in engine.step() if o.finished]
+            assert finished == ["third", "second", "first"]
         finally:
             ConfigStore.instance().repo["scheduler"].pop("throwaway.yaml", None)
