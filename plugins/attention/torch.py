@@ -117,19 +117,19 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode_attend(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-        """One query token per request, GQA by grouping query heads per KV head (no K/V repeat).
+        """One query token per request; GQA by packing the ``G`` query heads of each KV head as
+        ``G`` query rows (transformers' ``pack_gqa`` trick), so SDPA needs neither ``enable_gqa``
+        nor a K/V repeat.
 
-        On CPU this is ~2x faster than ``scaled_dot_product_attention(enable_gqa=True)`` with a
-        mask, which falls back to the math kernel (measured in ``experiments/`` on SmolLM2 bf16).
-        Scores are taken in the model dtype, softmax in float32.
+        Measured on SmolLM2 bf16 CPU (experiments/try_decode_attn_patch.py): 2.3x faster
+        end to end than ``enable_gqa=True`` with one query row per head, whose CPU flash kernel
+        costs ~0.1 ms per request and layer regardless of context length.
         """
         num_reqs = query.shape[0]
         group = self.num_heads // self.num_kv_heads
         q = query.reshape(num_reqs, self.num_kv_heads, group, self.head_size)  # [R, KVH, G, D]
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale  # [R, KVH, G, S]
-        scores.masked_fill_(~mask, float("-inf"))  # mask [R, 1, 1, S]
-        probs = scores.softmax(dim=-1).to(v.dtype)
-        return torch.matmul(probs, v).reshape(num_reqs, self.num_heads, self.head_size)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # mask [R, 1, 1, S]
+        return o.reshape(num_reqs, self.num_heads, self.head_size)
 
 
 @hookimpl

@@ -1,0 +1,119 @@
+"""Profile a few engine steps: per-step times, the engine's step split, cProfile and torch.profiler.
+
+Runs the ``fixed`` workload of ``bench_offline.py`` (same prompts) through ``LLMEngine.step`` by hand:
+the first steps (prefill) are timed, then ``--steps`` decode steps run under cProfile and
+``--torch-steps`` more under ``torch.profiler``; prints the top entries of each.
+
+    .venv/bin/python experiments/profile_engine.py --num-prompts 64 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "experiments"))
+
+import torch  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=20, help="decode steps under cProfile")
+    p.add_argument("--torch-steps", type=int, default=5, help="decode steps under torch.profiler")
+    p.add_argument("--prefix-caching", default="off", choices=("on", "off"))
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default=None, help="write the report text here too")
+    args = p.parse_args()
+
+    from bench_offline import build_workload, load_texts
+
+    from framework.llm import LLM
+    from framework.metrics import MetricsCollector
+    from framework.sampling_params import SamplingParams
+
+    kw = {"enable_prefix_caching": args.prefix_caching == "on"}
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(model=args.model, dtype=args.dtype, **kw)
+    ns = argparse.Namespace(workload="fixed", num_prompts=args.num_prompts, input_len=args.input_len,
+                            output_len=args.output_len, seed=0)
+    prompts, out_lens = build_workload(llm.get_tokenizer(), load_texts(REPO_ROOT / "data" / "prompts.txt"), ns)
+    llm.generate([p[:16] for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine = llm.engine
+    engine.metrics = MetricsCollector()
+    for i, (pr, n) in enumerate(zip(prompts, out_lens)):
+        engine.add_request(f"p{i}", pr, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    lines: list[str] = []
+
+    def say(s: str = "") -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    def step() -> float:
+        t = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - t
+
+    # prefill steps: until every request has sampled its first token
+    prefill_times = []
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        prefill_times.append(step())
+    say(f"prefill: {len(prefill_times)} steps, " + ", ".join(f"{t * 1000:.0f}ms" for t in prefill_times))
+    pre = engine.metrics.summary()
+    say("prefill split: " + ", ".join(f"{k} {pre[k + '_s']:.3f}s" for k in
+                                      ("schedule", "prepare", "forward", "sample", "update")))
+
+    engine.metrics = MetricsCollector()
+    prof = cProfile.Profile()
+    prof.enable()
+    dec_times = [step() for _ in range(args.steps)]
+    prof.disable()
+    s = engine.metrics.summary()
+    say(f"decode ({args.num_prompts} running): {args.steps} steps, mean {1000 * sum(dec_times) / len(dec_times):.1f} "
+        f"ms/step (under cProfile), {args.num_prompts * len(dec_times) / sum(dec_times):.1f} tok/s")
+    say("decode split (metrics.summary): " + ", ".join(f"{k} {s[k + '_s']:.3f}s ({100 * s[k + '_frac']:.1f}%)"
+                                                      for k in ("schedule", "prepare", "forward", "sample",
+                                                                "update")))
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
+    say("---- cProfile, by tottime ----")
+    say(buf.getvalue())
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(args.top)
+    say("---- cProfile, by cumulative ----")
+    say(buf.getvalue())
+
+    t0 = time.perf_counter()
+    plain = [step() for _ in range(args.torch_steps)]
+    say(f"decode without profiler: {args.torch_steps} steps, mean {1000 * sum(plain) / len(plain):.1f} ms/step "
+        f"({time.perf_counter() - t0:.2f}s)")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as tp:
+        for _ in range(args.torch_steps):
+            step()
+    say("---- torch.profiler, by self CPU time ----")
+    say(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    say("---- torch.profiler, by self CPU time, grouped by input shape ----")
+    say(tp.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=15))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
