@@ -86,3 +86,10 @@ def test_prefix_caching_with_chunks_and_preemption(make_llm):
     stats = llm.engine.metrics.summary()
     assert llm.engine.kv_allocator.stats().hit_rate > 0
     assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.gpu
+def test_whole_batch_on_cuda(make_llm):
+    """The torch backend on CUDA: same greedy tokens as transformers (float32, TF32 off by default)."""
+    llm = make_llm(device="cuda", max_num_batched_tokens=32)
+    _check(llm, STORY_PROMPTS)
