@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from framework import registry  # noqa: E402
-from framework.config import PLUGIN_FIELDS  # noqa: E402
+from framework.engine import validate_plugins  # noqa: E402
 from framework.hydra_config import (  # noqa: E402
     CONF_DIR,
     engine_config_from_cfg,
@@ -47,8 +47,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     engine_config = engine_config_from_cfg(cfg)
     default_sampling = sampling_params_from_cfg(cfg.sampling)
-    for kind in PLUGIN_FIELDS:  # unknown names fail here, before the tracker starts or weights load
-        registry.get_class(kind, getattr(engine_config, kind))
+    validate_plugins(engine_config)  # unknown names / capabilities fail before the tracker starts or weights load
     params = cfg.tracker.get("params")
     tracker_params = {} if params is None else OmegaConf.to_container(params, resolve=True)
     tracker = registry.create("tracker", cfg.tracker.name, run_dir=str(run_dir),
@@ -67,8 +66,8 @@ def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run
     from framework.offline_runner import run_workload
     from framework.workload import build_workload
 
-    engine = build_engine(engine_config)
-    engine.metrics = MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms, slo_tpot_ms=cfg.slo.tpot_ms)
+    engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms,
+                                                                  slo_tpot_ms=cfg.slo.tpot_ms))
     items = build_workload(cfg.workload, engine.tokenizer, vocab_size=getattr(engine, "vocab_size", None))
     logger.info("running %d requests; outputs in %s", len(items), run_dir)
     records, summary = run_workload(engine, items, default_sampling, progress=True)

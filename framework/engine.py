@@ -34,7 +34,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any,
-                 eos_token_ids: frozenset[int], vocab_size: int) -> None:
+                 eos_token_ids: frozenset[int], vocab_size: int, metrics: MetricsCollector | None = None) -> None:
         self.config = config
         self.scheduler = scheduler
         self.runner = runner
@@ -42,7 +42,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_model_len = scheduler.max_model_len
-        self.metrics = MetricsCollector()
+        self.metrics = metrics or MetricsCollector()
         self.num_steps = 0
         self._hook = registry.plugin_manager().hook
 
@@ -199,8 +199,11 @@ def validate_plugins(config: EngineConfig) -> list[type | None]:
     return classes
 
 
-def build_engine(config: EngineConfig) -> LLMEngine:
+def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) -> LLMEngine:
     """Validate plugins, load the model, size the KV cache and assemble the engine.
+
+    Args:
+        metrics: collector of step/request metrics (e.g. with goodput SLOs); default a plain one.
 
     Raises:
         registry.UnknownPluginError, ValueError: from :func:`validate_plugins` (before loading),
@@ -249,7 +252,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
                           long_prefill_token_threshold=config.long_prefill_token_threshold)
     runner = ModelRunner(model, backend, num_blocks, mc.num_hidden_layers, kv_dtype, torch.device(config.device),
                          Sampler(mc.vocab_size, seed=config.seed))
-    engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size)
+    engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size, metrics)
     logger.info("engine ready: %d KV blocks (%.1f MiB), max_model_len=%d", num_blocks,
                 runner.kv_cache_bytes / 2**20, max_model_len)
     registry.plugin_manager().hook.on_engine_start(config=config.to_dict())
