@@ -42,12 +42,28 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend(AttentionBackend):
     """Paged attention with ``scaled_dot_product_attention`` over gathered blocks.
 
-    KV cache per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)``. GQA is native
-    (``enable_gqa``). Cost per layer: one ``index_copy_`` for the new K/V and one block gather
+    KV cache per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)``. GQA never repeats
+    K/V (prefill: ``enable_gqa``; decode: see ``decode_kernel``). Cost per layer: one ``index_copy_`` for the new K/V and one block gather
     per segment; padding is bounded by the longest sequence within each segment.
+
+    Args (beyond ``AttentionBackend``'s):
+        decode_kernel: how decodes handle GQA, an ablation switch
+            (``attention.params.decode_kernel=...``): ``packed`` (default) runs SDPA with each KV
+            head's query heads packed as query rows; ``gqa`` runs SDPA with one query row per head
+            and ``enable_gqa=True`` (on CPU ~2x slower end to end; see docs/results.md).
+
+    Raises:
+        ValueError: for an unknown ``decode_kernel``.
     """
 
     name = "torch"
+    DECODE_KERNELS = ("packed", "gqa")
+
+    def __init__(self, *args: object, decode_kernel: str = "packed", **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        if decode_kernel not in self.DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {self.DECODE_KERNELS}, got {decode_kernel!r}")
+        self.decode_kernel = decode_kernel
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         """Split into decode/prefill segments and build gather indices and masks (once per step)."""
@@ -117,18 +133,21 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode_attend(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-        """One query token per request; GQA by packing the ``G`` query heads of each KV head as
-        ``G`` query rows (transformers' ``pack_gqa`` trick), so SDPA needs neither ``enable_gqa``
-        nor a K/V repeat.
+        """One query token per request: ``query [R, H, D]``, ``k/v [R, KVH, S, D]``, ``mask [R, 1, 1, S]``.
 
-        Measured on SmolLM2 bf16 CPU (experiments/try_decode_attn_patch.py): 2.3x faster
-        end to end than ``enable_gqa=True`` with one query row per head, whose CPU flash kernel
-        costs ~0.1 ms per request and layer regardless of context length.
+        ``packed``: the ``G = H / KVH`` query heads of each KV head become ``G`` query rows
+        (transformers' ``pack_gqa``), so SDPA needs neither ``enable_gqa`` nor a K/V repeat; on
+        CPU the ``enable_gqa`` flash kernel costs ~0.1 ms per request and layer regardless of
+        context length, which ``packed`` avoids.
         """
         num_reqs = query.shape[0]
+        if self.decode_kernel == "gqa":
+            o = F.scaled_dot_product_attention(query[:, :, None, :], k, v, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=True)  # [R, H, 1, D]
+            return o[:, :, 0]
         group = self.num_heads // self.num_kv_heads
         q = query.reshape(num_reqs, self.num_kv_heads, group, self.head_size)  # [R, KVH, G, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # mask [R, 1, 1, S]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return o.reshape(num_reqs, self.num_heads, self.head_size)
 
 

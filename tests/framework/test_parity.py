@@ -58,6 +58,12 @@ def test_whole_batch(make_llm, scheduler):
     _check(llm, STORY_PROMPTS, priority=[i % 3 for i in range(len(STORY_PROMPTS))])
 
 
+def test_gqa_decode_kernel(make_llm):
+    """The ablation switch attention.params.decode_kernel=gqa gives the same greedy tokens."""
+    llm = make_llm(attention_params={"decode_kernel": "gqa"})
+    _check(llm, STORY_PROMPTS)
+
+
 def test_chunked_prefill(make_llm):
     llm = make_llm(max_num_batched_tokens=24, long_prefill_token_threshold=16)
     longest = max(len(i) for i in _ids(llm, STORY_PROMPTS))

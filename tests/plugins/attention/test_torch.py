@@ -24,12 +24,12 @@ def _naive(q, k, v, ctx_len):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _run(spec, seed=0, dtype=torch.float32):
+def _run(spec, seed=0, dtype=torch.float32, decode_kernel="packed"):
     """spec: list of (context_len, query_len); decodes (query_len 1) must come first."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + q) // BS) for c, q in spec) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()  # blocks scattered in the pool
-    backend = TorchAttentionBackend(H, KVH, D, D ** -0.5, BS, dtype, torch.device("cpu"))
+    backend = TorchAttentionBackend(H, KVH, D, D ** -0.5, BS, dtype, torch.device("cpu"), decode_kernel=decode_kernel)
     cache = torch.zeros(backend.get_kv_cache_shape(num_blocks), dtype=dtype)
     tables, full_kv, slots, qs, ks, vs = [], [], [], [], [], []
     for c, q in spec:
@@ -65,8 +65,9 @@ def _run(spec, seed=0, dtype=torch.float32):
     return out, expected, cache, tables, full_kv
 
 
-def test_mixed_batch_matches_naive():
-    out, expected, *_ = _run([(5, 1), (0, 1), (12, 1), (0, 7), (9, 6), (3, 1 + BS * 2)])
+@pytest.mark.parametrize("decode_kernel", TorchAttentionBackend.DECODE_KERNELS)
+def test_mixed_batch_matches_naive(decode_kernel):
+    out, expected, *_ = _run([(5, 1), (0, 1), (12, 1), (0, 7), (9, 6), (3, 1 + BS * 2)], decode_kernel=decode_kernel)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -90,6 +91,11 @@ def test_random_batches_match_naive(spec, seed):
     spec = sorted(spec, key=lambda cq: cq[1] != 1)  # decodes first, as the model runner orders them
     out, expected, *_ = _run(spec, seed=seed)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_decode_kernel_rejected():
+    with pytest.raises(ValueError, match="decode_kernel must be one of"):
+        TorchAttentionBackend(H, KVH, D, 1.0, BS, torch.float32, torch.device("cpu"), decode_kernel="matmul")
 
 
 def test_unknown_param_rejected():
