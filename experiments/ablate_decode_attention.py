@@ -25,15 +25,10 @@ from plugins.attention.torch import TorchAttentionBackend  # noqa: E402
 
 def main() -> None:
     """Run every decode kernel on the same workload and print tok/s and agreement."""
-    from bench_offline import build_workload, load_texts
+    from bench_offline import add_model_workload_args, build_workload, load_texts
 
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--threads", type=int, default=0)
+    add_model_workload_args(p)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -41,9 +36,7 @@ def main() -> None:
     for kernel in TorchAttentionBackend.DECODE_KERNELS:
         llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False,
                   attention_params={"decode_kernel": kernel})
-        ns = argparse.Namespace(workload="fixed", num_prompts=args.num_prompts, input_len=args.input_len,
-                                output_len=args.output_len, seed=0)
-        prompts, out_lens = build_workload(llm.get_tokenizer(), load_texts(REPO_ROOT / "data" / "prompts.txt"), ns)
+        prompts, out_lens = build_workload(llm.get_tokenizer(), load_texts(Path(args.prompts_file)), args)
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
         llm.generate([{"prompt_token_ids": pr[:16]} for pr in prompts[:2]], SamplingParams(max_tokens=4))  # warmup
         t0 = time.perf_counter()

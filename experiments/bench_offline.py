@@ -329,8 +329,8 @@ def machine_info() -> dict[str, Any]:
             "transformers": transformers.__version__}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_workload_args(p: argparse.ArgumentParser) -> None:
+    """Model, workload and thread arguments shared by every script in ``experiments/``."""
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--workload", default="fixed", choices=("fixed", "mixed"))
@@ -342,6 +342,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-output-len", type=int, default=256, help="mixed workload")
     p.add_argument("--prompts-file", default=str(REPO_ROOT / "data" / "prompts.txt"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0 = torch default")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_workload_args(p)
     p.add_argument("--max-num-seqs", type=int, default=None, help="ours (and hf_cb max_requests_per_batch); "
                    "default engine's 256")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="ours (and hf_cb max_batch_tokens); "
@@ -352,7 +358,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cb-page-size", type=int, default=256, help="hf_cb ContinuousBatchingConfig.page_size")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0 = torch default")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     unknown = set(args.systems.split(",")) - set(SYSTEMS)

@@ -27,12 +27,10 @@ import torch  # noqa: E402
 
 
 def main() -> None:
+    from bench_offline import add_model_workload_args
+
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    add_model_workload_args(p)
     p.add_argument("--steps", type=int, default=20, help="decode steps under cProfile")
     p.add_argument("--torch-steps", type=int, default=5, help="decode steps under torch.profiler")
     p.add_argument("--prefix-caching", default="off", choices=("on", "off"))
@@ -40,6 +38,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default=None, help="write the report text here too")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from bench_offline import build_workload, load_texts
 
@@ -51,9 +51,7 @@ def main() -> None:
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model=args.model, dtype=args.dtype, **kw)
-    ns = argparse.Namespace(workload="fixed", num_prompts=args.num_prompts, input_len=args.input_len,
-                            output_len=args.output_len, seed=0)
-    prompts, out_lens = build_workload(llm.get_tokenizer(), load_texts(REPO_ROOT / "data" / "prompts.txt"), ns)
+    prompts, out_lens = build_workload(llm.get_tokenizer(), load_texts(Path(args.prompts_file)), args)
     llm.generate([p[:16] for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine = llm.engine
     engine.metrics = MetricsCollector()
