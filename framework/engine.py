@@ -218,6 +218,12 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
     max_model_len = config.max_model_len or max_pos
     if max_pos and max_model_len > max_pos:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
+    mc = model_config
+    head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    problems = registry.get_class("attention", config.attention).validate_model(
+        mc.num_attention_heads, mc.num_key_value_heads, head_size)
+    if problems:
+        raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
     loaded = load_model(config.model, dtype=config.dtype, device=config.device,
                         attn_implementation=register_attention_implementation())
     model = loaded.model
@@ -229,7 +235,6 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
         kv_dtype = quant.kv_cache_dtype(dtype)
 
     mc = loaded.config
-    head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     scale = next((m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")),
                  head_size ** -0.5)
     backend = registry.create("attention", config.attention, num_heads=mc.num_attention_heads,

@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if torch.cuda.is_available():
         return
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(pytest.mark.skip(reason=f"needs CUDA: would check {item.name}"))
 
 

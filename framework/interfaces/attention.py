@@ -61,7 +61,13 @@ class AttentionBackend(Plugin, ABC):
             pip command that installs it).
     """
 
+    # Capabilities, checked before the model loads (validate / validate_model):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # torch device types
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any head size
+    block_size_multiple: ClassVar[int] = 1  # block_size must be a multiple of this (kernel page-size rule)
+    kv_cache_layout: ClassVar[str] = "NHD"  # per layer (2, num_blocks, block_size, kv_heads, head_size)
+    supports_cuda_graphs: ClassVar[bool] = False  # forward may be captured in a CUDA graph (static shapes)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device, **params: Any) -> None:
@@ -83,6 +89,30 @@ class AttentionBackend(Plugin, ABC):
         if dtype not in cls.supported_dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
             problems.append(f"attention {cls.name!r} does not support dtype={config.dtype}; use one of {names}")
+        device_type = torch.device(config.device).type
+        if device_type not in cls.supported_devices:
+            problems.append(f"attention {cls.name!r} runs on {', '.join(cls.supported_devices)}, not "
+                            f"device={config.device}")
+        if config.block_size % cls.block_size_multiple:
+            problems.append(f"attention {cls.name!r} needs block_size to be a multiple of {cls.block_size_multiple} "
+                            f"(its paged-KV kernel's page size), got engine.block_size={config.block_size}")
+        return problems
+
+    @classmethod
+    def validate_model(cls, num_heads: int, num_kv_heads: int, head_size: int) -> list[str]:
+        """Shape capability check against the model's config, before weights load.
+
+        Called by ``framework.build_engine`` with the model config's head counts and head size.
+
+        Returns:
+            Problems naming a fix; empty when the backend can run this model.
+        """
+        problems = []
+        if cls.supported_head_sizes is not None and head_size not in cls.supported_head_sizes:
+            problems.append(f"attention {cls.name!r} supports head sizes {list(cls.supported_head_sizes)}, "
+                            f"the model has head_size={head_size}; use attention=torch")
+        if num_heads % num_kv_heads:
+            problems.append(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         return problems
 
     def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
