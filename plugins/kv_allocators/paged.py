@@ -180,26 +180,42 @@ class PagedKVAllocator(KVAllocator):
     def _pop_free_block(self) -> int:
         """Take the least recently freed block, evicting its prefix-cache entry; ref count -> 1."""
         block, _ = self._free_queue.popitem(last=False)
-        block_hash = self._block_hash[block]
-        if block_hash is not None:
-            if self._cached.get(block_hash) == block:
-                del self._cached[block_hash]
-            self._block_hash[block] = None
+        self._unpublish(block)
         self._ref_cnt[block] = 1
         return block
 
     def free(self, request: Request) -> None:
         """Drop the request's references; blocks reaching zero join the free-queue tail in reverse
         table order (tail of the sequence evicted first). Cached blocks stay hittable. Unknown or
-        already-freed requests are a no-op. Also forgets the request's cached block hashes."""
+        already-freed requests are a no-op. Also forgets the request's cached block hashes.
+
+        Precondition: ``request.num_computed_tokens`` still counts the tokens whose K/V were
+        written (the scheduler frees before resetting it on preemption). Blocks past that written
+        frontier were published by :meth:`allocate_slots` for a forward that will now not run
+        for this request (a same-step preemption or an abort), so they are unpublished: a later
+        prefix hit on them would read K/V that was never computed. No other request can hold
+        them: admissions (the only way to hit a block) stop once a running request was preempted
+        in the step, and the shadow-cache simulation checks it."""
         rid = request.request_id
         table = self._tables.pop(rid, None)
         self._num_published.pop(rid, None)
         self._req_hashes.pop(rid, None)
-        for block in reversed(table or ()):
+        num_written = request.num_computed_tokens // self.block_size
+        for i in range(len(table or ()) - 1, -1, -1):
+            block = table[i]
             self._ref_cnt[block] -= 1
             if self._ref_cnt[block] == 0:
+                if i >= num_written:  # published for this step's forward, which will not write it
+                    self._unpublish(block)
                 self._free_queue[block] = None
+
+    def _unpublish(self, block: int) -> None:
+        """Drop ``block``'s prefix-cache entry (its K/V was never written)."""
+        block_hash = self._block_hash[block]
+        if block_hash is not None:
+            if self._cached.get(block_hash) == block:
+                del self._cached[block_hash]
+            self._block_hash[block] = None
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table in token order (live list; a fresh ``[]`` for unknown ids)."""

@@ -167,8 +167,21 @@ def test_duplicate_content_keeps_first_mapping() -> None:
     kv.allocate_slots(r2, 3)
     assert kv._cached == {kv._block_hash[0]: 0} and kv._block_hash[2] is None
     kv.check_invariants()
+    r1.num_computed_tokens = 3  # the forward wrote its K/V
     kv.free(r1)
     assert kv.get_computed_blocks(make_request("r3", [1, 2, 3]))[0] == [0]
+
+
+def test_blocks_freed_before_their_forward_are_unpublished() -> None:
+    """A request freed between allocate_slots and its forward (same-step preemption, abort) never
+    wrote the blocks it published: they must not be prefix hits afterwards."""
+    kv = PagedKVAllocator(num_blocks=8, block_size=2)
+    r1 = make_request("r1", [1, 2, 3, 4, 5])
+    assert admit(kv, r1, 2) == [0]  # first chunk: tokens 0-1, block 0 published
+    assert kv.allocate_slots(r1, 2) == [1]  # second chunk scheduled: block 1 published for this step
+    kv.free(r1)  # preempted before the forward: num_computed_tokens == 2
+    assert kv.get_computed_blocks(make_request("r2", [1, 2, 3, 4, 5]))[0] == [0]
+    kv.check_invariants()
 
 
 def test_bad_parameters_raise() -> None:

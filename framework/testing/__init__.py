@@ -1,0 +1,1 @@
+"""Test tooling that plugin packages can import: model-free oracles and conformance checks."""

@@ -1,0 +1,127 @@
+"""Model-free KV-correctness oracle: a *shadow cache* that records what every slot holds.
+
+The real engine writes the K/V of position ``p`` of a request into slot
+``block_table[p // block_size] * block_size + p % block_size`` and later reads every position
+``< num_computed_tokens + num_scheduled`` of the request through the same table. The K/V of
+position ``p`` is a function of the request's tokens ``0..p`` (causal attention), so a slot is
+correct for a reader iff it was last written by *some* request with the same token prefix up to
+``p``. The shadow cache stores, per slot, a fingerprint of that prefix; each simulated step first
+applies every write of the step (the backend contract: all of a step's K/V is written before any
+read), then asserts that every slot each scheduled request reads holds its own prefix fingerprint.
+Prefix-cache hits, chunked prefill, preemption and eviction all reduce to
+these two rules, so the simulator catches a stale prefix-cache entry, or a block handed to two
+writers.
+
+Use :func:`simulate` with any scheduler built from registered plugins (it drives the real
+``Scheduler`` with a fake runner that samples deterministic tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from framework.outputs import ModelRunnerOutput, SchedulerOutput
+from framework.request import Request
+from framework.scheduler import Scheduler
+
+
+@dataclass
+class Arrival:
+    """One request of a simulated workload."""
+
+    step: int  # engine step at which it is added
+    request: Request  # a fresh request (status WAITING)
+
+
+@dataclass
+class ShadowCache:
+    """Slot -> fingerprint of the token prefix whose K/V the slot holds (absent: never written)."""
+
+    block_size: int
+    slots: dict[int, int] = field(default_factory=dict)
+
+    def slot(self, table: Sequence[int], pos: int) -> int:
+        """Cache slot of token position ``pos`` under block table ``table``."""
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+def _fingerprints(request: Request, end: int) -> list[int]:
+    """Fingerprint of each prefix ``tokens[:p + 1]`` for ``p < end`` (a chained hash, O(end))."""
+    out, h = [], 0
+    for token in request.all_token_ids[:end]:
+        h = hash((h, token))
+        out.append(h)
+    return out
+
+
+def check_step(shadow: ShadowCache, out: SchedulerOutput) -> None:
+    """Apply the step's writes to ``shadow``, then check every read of every scheduled request.
+
+    Called after ``Scheduler.schedule()`` and before ``update_from_output`` (so
+    ``num_computed_tokens`` is still the pre-step value).
+
+    Raises:
+        AssertionError: a scheduled request would read a slot that does not hold its prefix.
+    """
+    reads: list[tuple[Request, list[int], list[int]]] = []
+    for request in out.scheduled_requests:
+        start = request.num_computed_tokens
+        end = start + out.num_scheduled_tokens[request.request_id]
+        table = out.block_ids[request.request_id]
+        assert len(table) * shadow.block_size >= end, (
+            f"{request.request_id}: block table covers {len(table) * shadow.block_size} tokens, needs {end}")
+        fps = _fingerprints(request, end)
+        for pos in range(start, end):  # the forward writes this step's K/V
+            shadow.slots[shadow.slot(table, pos)] = fps[pos]
+        reads.append((request, table, fps))
+    for request, table, fps in reads:  # then every layer attends over the whole context
+        for pos, fp in enumerate(fps):
+            slot = shadow.slot(table, pos)
+            held = shadow.slots.get(slot)
+            assert held == fp, (
+                f"request {request.request_id!r} reads position {pos} from slot {slot} (block {table[pos // shadow.block_size]}) "
+                f"which holds {'nothing' if held is None else 'another prefix'}: stale or foreign KV")
+
+
+def fake_runner(out: SchedulerOutput, token_of: Callable[[Request], int]) -> ModelRunnerOutput:
+    """Sample ``token_of(request)`` for each request whose scheduled tokens reach its end."""
+    return ModelRunnerOutput(sampled_token_ids={
+        r.request_id: [token_of(r)] for r in out.scheduled_requests
+        if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens})
+
+
+def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callable[[Request], int] | None = None,
+             max_steps: int = 2000, after_step: Callable[[Scheduler, SchedulerOutput], None] | None = None) -> int:
+    """Drive ``scheduler`` through ``arrivals`` with the shadow-cache check on every step.
+
+    Args:
+        scheduler: a fresh scheduler (any allocator x policy x preemption mode).
+        arrivals: requests with the step at which each is added.
+        token_of: token the fake runner samples for a request (default: a function of its length,
+            so identical prefixes produce identical continuations and prefix hits recur).
+        max_steps: fail when the run has not finished after this many steps.
+        after_step: optional extra check after each step's update (e.g. allocator invariants).
+
+    Returns:
+        The number of steps run.
+
+    Raises:
+        AssertionError: a KV read of stale/foreign content, or no progress within ``max_steps``.
+    """
+    token_of = token_of or (lambda r: 3 + (r.num_tokens * 7 + r.all_token_ids[0]) % 11)
+    shadow = ShadowCache(scheduler.kv.block_size)
+    pending = sorted(arrivals, key=lambda a: a.step)
+    step = 0
+    while pending or scheduler.has_unfinished_requests():
+        while pending and pending[0].step <= step:
+            scheduler.add_request(pending.pop(0).request)
+        out = scheduler.schedule()
+        check_step(shadow, out)
+        scheduler.update_from_output(out, fake_runner(out, token_of))
+        if after_step is not None:
+            after_step(scheduler, out)
+        step += 1
+        assert step < max_steps, f"scheduler made no progress in {max_steps} steps"
+    return step
+
