@@ -7,25 +7,29 @@ blocks kept hittable in an LRU free queue until evicted).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import KVAllocator, KVCacheStats
 from framework.request import Request
+from plugins.kv_allocators._eviction import EVICTION_POLICIES, FreeBlockQueue
+
+if TYPE_CHECKING:
+    from framework.config import EngineConfig
 
 
 class PagedKVAllocator(KVAllocator):
     """Ref-counted block pool; full blocks are published to a prefix cache and reused across requests.
 
-    State (all O(1) per block):
+    State (O(1) per block; O(log n) eviction for ``lfu``/``fifo``):
 
     * ``ref_cnt[b]``: number of request block tables that contain block ``b``.
-    * free queue: blocks with ``ref_cnt == 0`` in eviction order (head = evicted first). Freed
-      blocks join the tail, a request's blocks in reverse table order, so a sequence's tail is
-      evicted before its prefix. A free block keeps its hash (it can still be hit) until it is
-      popped for a new allocation.
+    * free queue: blocks with ``ref_cnt == 0`` in eviction order (``plugins/kv_allocators/_eviction.py``:
+      ``lru`` least recently freed, ``fifo`` oldest content, ``lfu`` fewest hits). Under ``lru`` a
+      request's blocks are freed in reverse table order, so a sequence's tail is evicted before its
+      prefix. A free block keeps its hash (it can still be hit) until it is popped for a new
+      allocation.
     * prefix cache ``hash -> block``: block hash = ``hash((parent_hash, tuple(block_tokens)))``
       with ``parent_hash = None`` for the first block (Python's built-in hash of int tuples is
       deterministic; a 64-bit collision would alias two prefixes, accepted as in vLLM's default).
@@ -38,16 +42,28 @@ class PagedKVAllocator(KVAllocator):
         num_blocks: blocks in the pool, ids ``0 .. num_blocks - 1``.
         block_size: tokens per block.
         enable_prefix_caching: publish full blocks and serve prefix hits.
+        eviction: which cached free block is reused first, ``lru`` (default), ``lfu`` or ``fifo``
+            (``kv_cache.params.eviction``).
 
     Raises:
-        ValueError: ``num_blocks < 1`` or ``block_size < 1``.
+        ValueError: ``num_blocks < 1``, ``block_size < 1`` or an unknown ``eviction`` policy.
         TypeError: unknown keyword parameters (from the base class).
     """
 
     name = "paged"
 
+    @classmethod
+    def validate(cls, config: EngineConfig) -> list[str]:
+        """Reject an unknown ``kv_cache.params.eviction`` before the model loads."""
+        problems = super().validate(config)
+        eviction = config.kv_allocator_params.get("eviction", "lru")
+        if eviction not in EVICTION_POLICIES:
+            problems.append(f"unknown eviction policy {eviction!r}; use kv_cache.params.eviction="
+                            f"{'|'.join(EVICTION_POLICIES)}")
+        return problems
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 **params: Any) -> None:
+                 eviction: str = "lru", **params: Any) -> None:
         super().__init__(num_blocks, block_size, enable_prefix_caching, **params)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -55,7 +71,7 @@ class PagedKVAllocator(KVAllocator):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self._ref_cnt: list[int] = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
-        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free_queue = FreeBlockQueue(eviction, range(num_blocks))  # raises on an unknown policy
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}  # request id -> block ids in token order
         self._num_published: dict[str, int] = {}  # request id -> leading table blocks already published
@@ -166,7 +182,9 @@ class PagedKVAllocator(KVAllocator):
         table = self._tables.setdefault(rid, [])
         for block in computed:
             if self._ref_cnt[block] == 0:
-                del self._free_queue[block]
+                self._free_queue.remove(block)
+            else:
+                self._free_queue.count_hit(block)
             self._ref_cnt[block] += 1
         table.extend(computed)
         if len(table) == len(computed):  # a fresh table: the hit blocks are published already
@@ -178,8 +196,8 @@ class PagedKVAllocator(KVAllocator):
         return new_blocks
 
     def _pop_free_block(self) -> int:
-        """Take the least recently freed block, evicting its prefix-cache entry; ref count -> 1."""
-        block, _ = self._free_queue.popitem(last=False)
+        """Take the next block in eviction order, evicting its prefix-cache entry; ref count -> 1."""
+        block = self._free_queue.pop()
         self._unpublish(block)
         self._ref_cnt[block] = 1
         return block
@@ -207,7 +225,7 @@ class PagedKVAllocator(KVAllocator):
             if self._ref_cnt[block] == 0:
                 if i >= num_written:  # published for this step's forward, which will not write it
                     self._unpublish(block)
-                self._free_queue[block] = None
+                self._free_queue.push(block)
 
     def _unpublish(self, block: int) -> None:
         """Drop ``block``'s prefix-cache entry (its K/V was never written)."""

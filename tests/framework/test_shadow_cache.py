@@ -18,20 +18,26 @@ from framework.sampling_params import SamplingParams
 from framework.scheduler import Scheduler
 from framework.stop import StopChecker
 from framework.testing.shadow_cache import Arrival, simulate
+from plugins.kv_allocators._eviction import EVICTION_POLICIES
 
-ALLOCATORS = sorted(registry.available("kv_allocator"))
 POLICIES = sorted(registry.available("scheduler"))
+# every registered allocator; paged once per eviction policy
+ALLOCATORS = [("paged", {"eviction": e}) for e in EVICTION_POLICIES] + [
+    (name, {}) for name in sorted(registry.available("kv_allocator")) if name != "paged"]
 
 
-def make_scheduler(allocator: str, policy: str, *, num_blocks: int, block_size: int, max_num_seqs: int = 8,
+def make_scheduler(allocator: tuple[str, dict], policy: str, *, num_blocks: int, block_size: int,
+                   max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int | None = None,
                    long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True) -> Scheduler:
-    """A scheduler over a fresh pool of ``allocator`` with ``policy`` (both by registry name)."""
-    kv = registry.create("kv_allocator", allocator, num_blocks=num_blocks, block_size=block_size,
-                         enable_prefix_caching=enable_prefix_caching)
+    """A scheduler over a fresh pool of ``allocator = (name, params)`` with ``policy`` (registry names)."""
+    name, params = allocator
+    max_model_len = max_model_len or num_blocks * block_size
+    kv = registry.create("kv_allocator", name, num_blocks=num_blocks, block_size=block_size,
+                         enable_prefix_caching=enable_prefix_caching, **params)
     return Scheduler(registry.create("scheduler", policy), kv, StopChecker(tokenizer=None),
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                     max_model_len=max_model_len or num_blocks * block_size,
+                     max_model_len=max_model_len,
                      long_prefill_token_threshold=long_prefill_token_threshold)
 
 
@@ -49,7 +55,7 @@ def test_same_step_preemption_leaves_no_unwritten_block_in_the_prefix_cache():
     """The issue's reproduction: the 24-token request gets slots (publishing blocks that would be
     full after the step), is preempted in the same step by the priority-0 arrival, and on
     re-admission must not hit blocks whose K/V was never computed."""
-    sched = make_scheduler("paged", "priority", num_blocks=7, block_size=4, max_model_len=28,
+    sched = make_scheduler(("paged", {}), "priority", num_blocks=7, block_size=4, max_model_len=28,
                            long_prefill_token_threshold=8)
     long = request("long", list(range(100, 124)), max_tokens=4, priority=5, arrival=0.0)
     short = request("short", [5, 6, 7, 8], max_tokens=2, priority=0, arrival=1.0)
@@ -105,7 +111,7 @@ def pressure_workloads(draw: st.DrawFn) -> dict:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("allocator", ALLOCATORS)
+@pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda a: "-".join([a[0], *map(str, a[1].values())]))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=st.one_of(workloads(), pressure_workloads()))
 def test_shadow_cache_random_workloads(allocator: str, policy: str, w: dict) -> None:

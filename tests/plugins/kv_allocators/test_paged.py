@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from framework.request import Request
 from framework.sampling_params import SamplingParams
+from plugins.kv_allocators._eviction import EVICTION_POLICIES, FreeBlockQueue
 from plugins.kv_allocators.paged import PagedKVAllocator, register_kv_allocators
 
 
@@ -184,6 +185,51 @@ def test_blocks_freed_before_their_forward_are_unpublished() -> None:
     kv.check_invariants()
 
 
+def _cached_blocks(kv: PagedKVAllocator, *prompts: list[int]) -> list[Request]:
+    """Admit, compute and free one request per prompt (each prompt = whole blocks, all cached)."""
+    reqs = [make_request(f"c{i}", p) for i, p in enumerate(prompts)]
+    for r in reqs:
+        admit(kv, r)
+        kv.free(r)
+    return reqs
+
+
+def test_lfu_queue_evicts_fewest_hits_then_least_recently_freed() -> None:
+    q = FreeBlockQueue("lfu", range(3))
+    for block, hits in ((0, 2), (2, 1)):
+        for _ in range(hits):  # a prefix hit revives the block; the request later frees it again
+            q.remove(block)
+            q.push(block)
+    assert [q.pop(), q.pop(), q.pop()] == [1, 2, 0]
+    assert len(q) == 0
+
+
+def test_lru_queue_evicts_least_recently_freed() -> None:
+    q = FreeBlockQueue("lru", range(3))
+    q.remove(0)
+    q.push(0)
+    assert [q.pop(), q.pop(), q.pop()] == [1, 2, 0]
+
+
+def test_fifo_evicts_the_oldest_content_even_if_recently_freed() -> None:
+    kv = PagedKVAllocator(num_blocks=4, block_size=2, eviction="fifo")
+    _cached_blocks(kv, [1, 2], [3, 4], [5, 6])
+    hit = make_request("h", [1, 2, 9])  # block 0 (oldest content) is used and freed last
+    admit(kv, hit)
+    kv.free(hit)
+    new = make_request("new", [7])
+    assert kv.allocate_slots(new, 1) == [0]  # lru would pick block 1
+
+
+def test_unknown_eviction_policy() -> None:
+    from framework import EngineConfig
+
+    with pytest.raises(ValueError, match="lru|lfu|fifo"):
+        PagedKVAllocator(num_blocks=4, block_size=2, eviction="random")
+    problems = PagedKVAllocator.validate(EngineConfig(model="m", kv_allocator_params={"eviction": "mru"}))
+    assert problems and "kv_cache.params.eviction" in problems[0]
+
+
 def test_bad_parameters_raise() -> None:
     with pytest.raises(TypeError, match="unknown parameters"):
         PagedKVAllocator(num_blocks=4, block_size=4, watermark=0.1)
@@ -214,9 +260,10 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
         self.content: dict[int, list[int | None]] = {}
         self.num_added = 0
 
-    @initialize(num_blocks=st.integers(1, 12), block_size=st.integers(1, 4), caching=st.booleans())
-    def init_pool(self, num_blocks: int, block_size: int, caching: bool) -> None:
-        self.kv = PagedKVAllocator(num_blocks, block_size, enable_prefix_caching=caching)
+    @initialize(num_blocks=st.integers(1, 12), block_size=st.integers(1, 4), caching=st.booleans(),
+                eviction=st.sampled_from(EVICTION_POLICIES))
+    def init_pool(self, num_blocks: int, block_size: int, caching: bool, eviction: str) -> None:
+        self.kv = PagedKVAllocator(num_blocks, block_size, enable_prefix_caching=caching, eviction=eviction)
         self.content = {b: [None] * block_size for b in range(num_blocks)}
 
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=12))
