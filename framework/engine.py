@@ -250,7 +250,7 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
             "or lower max_model_len")
     allocator = registry.create("kv_allocator", config.kv_allocator, num_blocks=num_blocks,
                                 block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                                **config.plugin_params("kv_allocator"))
+                                max_model_len=max_model_len, **config.plugin_params("kv_allocator"))
     policy = registry.create("scheduler", config.scheduler, **config.plugin_params("scheduler"))
     scheduler = Scheduler(policy, allocator, StopChecker(loaded.tokenizer), max_num_seqs=config.max_num_seqs,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,

@@ -41,3 +41,46 @@ def hf_greedy(model_path: str, prompt_ids: list[list[int]], max_new_tokens: int,
                 _ORACLE_OUTPUTS[cache_key] = seq[0, len(ids):].tolist()
             outs.append(_ORACLE_OUTPUTS[cache_key])
     return outs
+
+
+STORY_PROMPTS = [
+    "Once upon a time",
+    "Lily",
+    "The dog ran to the park and",
+    "One day, a little boy named Tim went to the store with his mom. He saw a big red ball",
+    "There was a cat.",
+    "Tom and Sue were friends. They liked to play in the garden. One day they found a small bird that could not fly. "
+    "Sue said, \"We have to help the bird!\" Tom nodded and",
+    "The sun was hot",
+    "Once upon a time, in a small town, there lived a kind old man who had a garden full of flowers. Every morning he",
+    "Max had a toy car",
+    "Mom said, \"Time for bed.\" But Ben did not want to sleep. He wanted to",
+    "A big fish swam in the sea. It was very hungry and looked for food. Then it saw a",
+    "Anna liked to draw. She drew a sun, a tree and a house. Her dad came home and",
+    "The bird",
+    "It was a rainy day. Sam could not go outside. He was sad and bored. His sister had an idea: let's build a fort with "
+    "blankets and chairs! They worked hard and",
+    "Zoe found a shiny key under her bed.",
+    "The little bear wanted honey. He climbed the tall tree, but the bees",
+    "Once upon a time there was a girl who loved to sing",
+]
+SHARED_PREFIX = ("Once upon a time, in a small town, there lived a kind old man who had a garden full of flowers. "
+                 "Every morning he watered them and talked to the birds. ")
+PREFIX_PROMPTS = [SHARED_PREFIX + tail for tail in
+                  ["One day", "He had a dog named Spot.", "A girl came by and asked", "The birds sang", "But then",
+                   "His friend Sue", "It was spring and", "The flowers were"]]
+
+
+def assert_greedy_parity(llm, prompts: list[str], priority: list[int] | None = None, max_tokens: int = 24,
+                         model_path: str = STORIES) -> list:
+    """Greedy ``llm.generate`` equals transformers ``generate`` token for token for every prompt."""
+    from framework import SamplingParams
+
+    tok = llm.get_tokenizer()
+    ids = [tok(p).input_ids for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, priority=priority)
+    expected = hf_greedy(model_path, ids, max_tokens)
+    for i, (out, exp) in enumerate(zip(outs, expected)):
+        assert out.outputs[0].token_ids == exp, f"prompt {i} diverged from transformers"
+    return outs

@@ -20,11 +20,21 @@ class KVCacheStats:
     num_free_blocks: int  # blocks with no owner (cached-but-free blocks count as free)
     prefix_queries_tokens: int = 0  # tokens of requests admitted with prefix caching on (once per admission)
     prefix_hits_tokens: int = 0  # of which were served from the prefix cache
+    num_reserved_slots: int = 0  # sum over requests of token slots their allocations reserve
+    num_used_slots: int = 0  # sum over requests of tokens allocated (computed + scheduled)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks owned by some request, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def fragmentation(self) -> float:
+        """Allocated but unused token slots / allocated slots, in [0, 1] (PagedAttention Sec. 2.3's
+        internal fragmentation + reservation waste; shared blocks count once per owner)."""
+        if not self.num_reserved_slots:
+            return 0.0
+        return 1.0 - self.num_used_slots / self.num_reserved_slots
 
     @property
     def hit_rate(self) -> float:
@@ -43,15 +53,18 @@ class KVAllocator(Plugin, ABC):
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         enable_prefix_caching: reuse full blocks whose token content (and prefix) match.
+        max_model_len: prompt + output cap of a request, tokens (the engine passes it; allocators
+            that reserve per request up front, like ``contiguous``, need it).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 **params: Any) -> None:
+                 max_model_len: int | None = None, **params: Any) -> None:
         if params:
             raise TypeError(f"kv allocator {self.name!r} got unknown parameters {sorted(params)}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_model_len = max_model_len
 
     @abstractmethod
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

@@ -76,6 +76,7 @@ class PagedKVAllocator(KVAllocator):
         self._tables: dict[str, list[int]] = {}  # request id -> block ids in token order
         self._num_published: dict[str, int] = {}  # request id -> leading table blocks already published
         self._req_hashes: dict[str, list[int]] = {}  # request id -> chained hashes of its full blocks
+        self._num_tokens: dict[str, int] = {}  # request id -> tokens its table covers (computed + scheduled)
         self._queries_tokens = 0
         self._hits_tokens = 0
 
@@ -179,6 +180,7 @@ class PagedKVAllocator(KVAllocator):
             self._queries_tokens += request.num_tokens
             self._hits_tokens += len(computed) * self.block_size
 
+        self._num_tokens[rid] = num_total
         table = self._tables.setdefault(rid, [])
         for block in computed:
             if self._ref_cnt[block] == 0:
@@ -218,6 +220,7 @@ class PagedKVAllocator(KVAllocator):
         table = self._tables.pop(rid, None)
         self._num_published.pop(rid, None)
         self._req_hashes.pop(rid, None)
+        self._num_tokens.pop(rid, None)
         num_written = request.num_computed_tokens // self.block_size
         for i in range(len(table or ()) - 1, -1, -1):
             block = table[i]
@@ -247,7 +250,9 @@ class PagedKVAllocator(KVAllocator):
     def stats(self) -> KVCacheStats:
         """Pool size, free blocks and cumulative prefix-cache token counters (see class doc)."""
         return KVCacheStats(num_blocks=self.num_blocks, num_free_blocks=self.num_free_blocks,
-                            prefix_queries_tokens=self._queries_tokens, prefix_hits_tokens=self._hits_tokens)
+                            prefix_queries_tokens=self._queries_tokens, prefix_hits_tokens=self._hits_tokens,
+                            num_reserved_slots=self.block_size * sum(map(len, self._tables.values())),
+                            num_used_slots=sum(self._num_tokens.values()))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash; refused (returns False) while any block is owned.

@@ -34,7 +34,7 @@ def make_scheduler(allocator: tuple[str, dict], policy: str, *, num_blocks: int,
     name, params = allocator
     max_model_len = max_model_len or num_blocks * block_size
     kv = registry.create("kv_allocator", name, num_blocks=num_blocks, block_size=block_size,
-                         enable_prefix_caching=enable_prefix_caching, **params)
+                         enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len, **params)
     return Scheduler(registry.create("scheduler", policy), kv, StopChecker(tokenizer=None),
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      max_model_len=max_model_len,
