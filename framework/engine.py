@@ -48,12 +48,13 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None, client_id: str | None = None) -> None:
         """Validate and queue one request.
 
         Args:
             prompt: text (tokenized with the model's tokenizer, special tokens added) or token ids.
             arrival_time: ``time.perf_counter()`` seconds; default now.
+            client_id: the sender, for fair-share policies (``scheduler=fair``).
 
         Raises:
             ValueError: empty prompt, token id outside the vocabulary, prompt longer than
@@ -66,7 +67,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=sampling_params,
-                          prompt=prompt if isinstance(prompt, str) else None, priority=priority,
+                          prompt=prompt if isinstance(prompt, str) else None, priority=priority, client_id=client_id,
                           eos_token_ids=self.eos_token_ids,
                           arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         self.scheduler.add_request(request)

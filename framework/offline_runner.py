@@ -98,7 +98,8 @@ def _submit(engine: Any, item: WorkloadItem, default_sampling: SamplingParams, a
     try:
         overrides = {} if item.max_tokens is None else {"max_tokens": int(item.max_tokens)}
         params = dataclasses.replace(default_sampling, **overrides)  # a fresh copy per request
-        engine.add_request(item.request_id, prompt, params, priority=item.priority, arrival_time=arrival_time)
+        engine.add_request(item.request_id, prompt, params, priority=item.priority, arrival_time=arrival_time,
+                           client_id=item.client_id)
     except ValueError as e:
         logger.warning("request %s rejected: %s", item.request_id, e)
         return str(e)

@@ -59,6 +59,7 @@ class Request:
     sampling_params: SamplingParams
     prompt: str | None = None  # original text, if any
     priority: int = 0  # lower is served first (vLLM convention)
+    client_id: str | None = None  # who sent it (fair-share scheduling); None = the anonymous client
     arrival_time: float = field(default_factory=time.perf_counter)  # seconds, perf_counter clock
     eos_token_ids: frozenset[int] = frozenset()  # model EOS ids (generation_config), may be several
     status: RequestStatus = RequestStatus.WAITING

@@ -10,7 +10,6 @@ PagedAttention", SOSP'23, Sec. 4.5).
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Iterable
 
@@ -44,19 +43,21 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.requests: dict[str, Request] = {}  # every unfinished request by id
-        self.waiting: list[tuple[tuple, int, Request]] = []  # heap of (policy key, seq_no, request)
+        self.waiting: list[Request] = []  # re-ranked by the policy at the start of every schedule()
         self.running: list[Request] = []  # admission order
         self._finished_ids: set[str] = set()  # finished since the last schedule()
         self.num_preemptions_last_step = 0
+        policy.attach(self._num_cached_prefix_tokens)
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a validated request (status WAITING)."""
         self.requests[request.request_id] = request
-        self._push_waiting(request)
+        self.waiting.append(request)
 
-    def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(self.waiting, (self.policy.key(request), request.seq_no, request))
+    def _num_cached_prefix_tokens(self, request: Request) -> int:
+        """Read-only prefix-cache lookup handed to the policy (``lpm``): tokens a hit would serve."""
+        return self.kv.get_computed_blocks(request)[1]
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish the given requests as aborted, freeing their blocks; unknown ids are ignored."""
@@ -68,8 +69,7 @@ class Scheduler:
             if request in self.running:
                 self.running.remove(request)
             else:
-                self.waiting = [e for e in self.waiting if e[-1] is not request]
-                heapq.heapify(self.waiting)
+                self.waiting.remove(request)
             request.status = RequestStatus.FINISHED_ABORTED
             self._finish(request)
             aborted.append(request)
@@ -95,6 +95,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         preempted: set[str] = set()
+        # keys may change over time (aging, prefix hits): rank afresh every step
+        self.waiting = self.policy.sort_waiting(self.waiting)
         self._preempt_for_waiting(preempted)
         num_preempted_for_waiting = len(preempted)
 
@@ -152,13 +154,16 @@ class Scheduler:
         return min(num_new, budget)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0][-1]
+        num_admitted = 0
+        for request in self.waiting:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, budget, num_hit_tokens)
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
-                break
-            heapq.heappop(self.waiting)
+                break  # head-of-line: no skipping ahead of the policy's order (as vLLM)
+            num_admitted += 1
+            self.policy.on_admitted(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens += num_hit_tokens
@@ -166,12 +171,13 @@ class Scheduler:
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        del self.waiting[:num_admitted]
         return budget
 
     def _preempt_for_waiting(self, preempted: set[str]) -> None:
         """Let the head of the waiting queue evict outranked running requests (priority policies)."""
         while self.waiting and self.running:
-            candidate = self.waiting[0][-1]
+            candidate = self.waiting[0]
             victim = self.policy.select_victim(self.running)
             if not self.policy.may_preempt(candidate, victim) or self._can_admit(candidate):
                 return
@@ -191,7 +197,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         preempted.add(request.request_id)
-        self._push_waiting(request)
+        self.waiting.append(request)
 
     # ---- applying results -------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,

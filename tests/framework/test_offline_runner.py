@@ -21,7 +21,7 @@ class FakeEngine:
         self.active: dict[str, dict] = {}
         self.added: list[tuple[str, object, SamplingParams, int, float]] = []
 
-    def add_request(self, request_id, prompt, sampling_params, priority=0, arrival_time=None):
+    def add_request(self, request_id, prompt, sampling_params, priority=0, arrival_time=None, client_id=None):
         ids = prompt if isinstance(prompt, list) else [ord(c) for c in prompt]
         if len(ids) > 5:
             raise ValueError("prompt has too many tokens; max_model_len is 5")

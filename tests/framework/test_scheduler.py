@@ -76,7 +76,7 @@ def check_pool(sched: Scheduler) -> None:
     """Allocator invariants; waiting requests own nothing; shared blocks are identical full prefixes."""
     kv, bs = sched.kv, sched.kv.block_size
     kv.check_invariants()
-    waiting = [e[-1] for e in sched.waiting]
+    waiting = list(sched.waiting)
     assert {r.request_id for r in waiting + sched.running} == set(sched.requests)
     assert len(sched.running) <= sched.max_num_seqs
     for r in waiting:
