@@ -29,6 +29,7 @@ from framework.hydra_config import (  # noqa: E402
     register_config_nodes,
     sampling_params_from_cfg,
 )
+from framework.workloads_synthetic import theoretical_hit_rate, validate_arrivals  # noqa: E402
 
 register_config_nodes()  # every registered plugin name is a valid group option, file or not
 
@@ -48,6 +49,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     engine_config = engine_config_from_cfg(cfg)
     default_sampling = sampling_params_from_cfg(cfg.sampling)
     validate_plugins(engine_config)  # unknown names / capabilities fail before the tracker starts or weights load
+    validate_arrivals(cfg.workload)  # bad rates / traces fail before weights load too
     params = cfg.tracker.get("params")
     tracker_params = {} if params is None else OmegaConf.to_container(params, resolve=True)
     tracker = registry.create("tracker", cfg.tracker.name, run_dir=str(run_dir),
@@ -68,16 +70,32 @@ def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run
 
     engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms,
                                                                   slo_tpot_ms=cfg.slo.tpot_ms))
-    items = build_workload(cfg.workload, engine.tokenizer, vocab_size=getattr(engine, "vocab_size", None))
+    items = build_workload(cfg.workload, engine.tokenizer, vocab_size=getattr(engine, "vocab_size", None),
+                           max_model_len=engine.max_model_len)
     logger.info("running %d requests; outputs in %s", len(items), run_dir)
     records, summary = run_workload(engine, items, default_sampling, progress=True)
     with open(run_dir / "outputs.jsonl", "w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
+    if all(item.prompt_token_ids is not None for item in items):
+        summary["theoretical_prefix_hit_rate"] = theoretical_hit_rate(items, engine.config.block_size)
     (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _write_timeline(run_dir / "steps.csv", engine.metrics.timeline)
     Console().print(render_summary_table(summary))
     registry.plugin_manager().hook.on_run_end(summary=summary)
     return summary
+
+
+def _write_timeline(path: Path, rows: list[dict[str, float]]) -> None:
+    """Per-step KV usage, fragmentation and concurrency as CSV (one row per engine step)."""
+    import csv
+
+    if not rows:
+        return
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 if __name__ == "__main__":

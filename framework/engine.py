@@ -141,7 +141,8 @@ class LLMEngine:
             num_waiting_reqs=self.scheduler.num_waiting,
             num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
             num_prefill_tokens=sched_out.total_num_scheduled_tokens - num_decode, num_decode_tokens=num_decode,
-            kv_cache_usage=kv_stats.usage, prefix_cache_hit_rate=kv_stats.hit_rate,
+            kv_cache_usage=kv_stats.usage, kv_cache_fragmentation=kv_stats.fragmentation,
+            prefix_cache_hit_rate=kv_stats.hit_rate,
             num_preemptions=len(sched_out.preempted_req_ids), schedule_s=t1 - t0,
             prepare_s=runner_out.prepare_s, forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
             update_s=t3 - t2, step_s=t3 - t0, num_generated_tokens=sum(len(v) for v in

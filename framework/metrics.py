@@ -98,6 +98,11 @@ class MetricsCollector:
         self.num_steps = 0
         self.step_time_s = dict.fromkeys((*STEP_PARTS, "step"), 0.0)  # totals, seconds
         self.peak_kv_cache_usage = 0.0
+        self.sum_kv_cache_usage = 0.0  # summed over steps (mean = sum / num_steps)
+        self.sum_kv_cache_fragmentation = 0.0
+        self.sum_num_running_reqs = 0
+        self.peak_num_running_reqs = 0  # concurrency: requests holding KV in one step
+        self.timeline: list[dict[str, float]] = []  # per step: time_s, running, waiting, kv usage, fragmentation
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
         self.num_preemptions = 0
         self._first_s: float | None = None  # perf_counter at the start of the first observed step
@@ -116,6 +121,15 @@ class MetricsCollector:
             self.step_time_s[part] += getattr(stats, f"{part}_s")
         self.step_time_s["step"] += stats.step_s
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, stats.kv_cache_usage)
+        self.sum_kv_cache_usage += stats.kv_cache_usage
+        self.sum_kv_cache_fragmentation += stats.kv_cache_fragmentation
+        self.sum_num_running_reqs += stats.num_running_reqs
+        self.peak_num_running_reqs = max(self.peak_num_running_reqs, stats.num_running_reqs)
+        self.timeline.append({"step": stats.step, "time_s": self._last_s - self._first_s,
+                              "num_running_reqs": stats.num_running_reqs, "num_waiting_reqs": stats.num_waiting_reqs,
+                              "kv_cache_usage": stats.kv_cache_usage,
+                              "kv_cache_fragmentation": stats.kv_cache_fragmentation,
+                              "num_preemptions": stats.num_preemptions})
         self.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
         self.num_preemptions += stats.num_preemptions
 
@@ -144,7 +158,9 @@ class MetricsCollector:
             Flat dict: counts, ``duration_s``, ``request_throughput`` (req/s), ``request_goodput``
             (req/s; ``None`` without SLOs), ``output_throughput`` and ``total_token_throughput``
             (tok/s), ``{mean,median,std,p90,p99}_{ttft,tpot,itl,e2el,queue}_ms``,
-            ``peak_kv_cache_usage``, ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
+            ``peak_kv_cache_usage``, ``mean_kv_cache_usage``, ``mean_kv_cache_fragmentation``,
+            ``peak_num_running_reqs`` / ``mean_num_running_reqs`` (concurrency),
+            ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
             step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time.
         """
         if duration_s is None:
@@ -172,7 +188,12 @@ class MetricsCollector:
             for stat, value in _describe([v for v in values if v is not None]).items():
                 out[f"{stat}_{name}_ms"] = value
         total_step_s = self.step_time_s["step"] or sum(self.step_time_s[p] for p in STEP_PARTS)
-        out.update(peak_kv_cache_usage=self.peak_kv_cache_usage, prefix_cache_hit_rate=self.prefix_cache_hit_rate,
+        steps = max(self.num_steps, 1)
+        out.update(peak_kv_cache_usage=self.peak_kv_cache_usage, mean_kv_cache_usage=self.sum_kv_cache_usage / steps,
+                   mean_kv_cache_fragmentation=self.sum_kv_cache_fragmentation / steps,
+                   peak_num_running_reqs=self.peak_num_running_reqs,
+                   mean_num_running_reqs=self.sum_num_running_reqs / steps,
+                   prefix_cache_hit_rate=self.prefix_cache_hit_rate,
                    num_preemptions=self.num_preemptions, num_steps=self.num_steps, step_s=total_step_s)
         for part in STEP_PARTS:
             out[f"{part}_s"] = self.step_time_s[part]

@@ -109,6 +109,7 @@ class SchedulerStats:
     update_s: float = 0.0  # Scheduler.update_from_output, seconds
     step_s: float = 0.0  # whole step, seconds
     num_generated_tokens: int = 0  # output tokens produced this step
+    kv_cache_fragmentation: float = 0.0  # allocated but unused token slots / allocated slots, [0, 1]
 
     def as_dict(self) -> dict[str, float | int]:
         """Plain-dict form for trackers."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("prompts", "random")
+WORKLOADS = ("prompts", "random", "shared_prefix", "multi_turn", "long_tail")
 MIN_RANDOM_TOKEN_ID = 3  # ids 0-2 are unk/bos/eos in Llama-style vocabularies
 
 
@@ -135,26 +135,51 @@ def random_workload(num_prompts: int, input_len_min: int, input_len_max: int, ou
     return items
 
 
-def build_workload(cfg: Mapping[str, Any], tokenizer: Any, vocab_size: int | None = None) -> list[WorkloadItem]:
-    """Build the workload described by the ``workload`` config group (dispatch on ``name``).
+def build_workload(cfg: Mapping[str, Any], tokenizer: Any, vocab_size: int | None = None,
+                   max_model_len: int | None = None) -> list[WorkloadItem]:
+    """Build the workload described by the ``workload`` config group (dispatch on ``name``), then
+    set arrival times from ``request_rate``/``arrival``/``burstiness`` or ``trace``
+    (``framework.workloads_synthetic.apply_arrivals``).
 
     Args:
-        cfg: ``name: prompts`` (``path``, ``chat``, ``limit``) or ``name: random`` (the arguments of
-            :func:`random_workload` except ``vocab_size``).
+        cfg: ``name: prompts`` (``path``, ``chat``, ``limit``), ``random`` (the arguments of
+            :func:`random_workload` except ``vocab_size``), ``shared_prefix``, ``multi_turn`` or
+            ``long_tail`` (the arguments of their generators in ``framework.workloads_synthetic``).
         tokenizer: the engine's tokenizer (chat template, vocabulary size).
         vocab_size: random ids stay below it; default ``tokenizer.vocab_size``.
+        max_model_len: ``long_tail`` clips prompt + output to it, tokens.
 
     Raises:
         ValueError: an unknown workload name (the valid ones are listed) or bad parameters.
     """
+    from framework import workloads_synthetic as syn
+
     name = cfg.get("name")
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; valid choices: {', '.join(WORKLOADS)} "
+                         "(set workload=<one of them>)")
+    if vocab_size is None and name != "prompts":
+        vocab_size = tokenizer.vocab_size
+    seed = int(cfg.get("seed", 0))
+
+    def args(*keys: str) -> dict[str, Any]:
+        return {k: cfg[k] for k in keys}
+
     if name == "prompts":
-        return load_prompts(cfg["path"], chat=bool(cfg.get("chat", False)), tokenizer=tokenizer,
-                            limit=cfg.get("limit"))
-    if name == "random":
-        if vocab_size is None:
-            vocab_size = tokenizer.vocab_size
-        keys = ("num_prompts", "input_len_min", "input_len_max", "output_len_min", "output_len_max", "seed")
-        return random_workload(**{k: cfg[k] for k in keys}, vocab_size=vocab_size,
-                               request_rate=cfg.get("request_rate"))
-    raise ValueError(f"unknown workload {name!r}; valid choices: {', '.join(WORKLOADS)} (set workload=<one of them>)")
+        items = load_prompts(cfg["path"], chat=bool(cfg.get("chat", False)), tokenizer=tokenizer,
+                             limit=cfg.get("limit"))
+    elif name == "random":
+        items = random_workload(**args("num_prompts", "input_len_min", "input_len_max", "output_len_min",
+                                       "output_len_max"), seed=seed, vocab_size=vocab_size)
+    elif name == "shared_prefix":
+        items = syn.shared_prefix_workload(**args("num_prefixes", "questions_per_prefix", "prefix_len",
+                                                  "question_len", "output_len"), seed=seed, vocab_size=vocab_size)
+    elif name == "multi_turn":
+        items = syn.multi_turn_workload(**args("num_conversations", "turns", "first_len", "turn_len", "output_len",
+                                               "turn_gap_s"), seed=seed, vocab_size=vocab_size)
+    else:
+        items = syn.long_tail_workload(int(cfg["num_prompts"]), seed=seed, vocab_size=vocab_size,
+                                       max_model_len=int(cfg.get("max_model_len") or max_model_len or 2048),
+                                       p50=int(cfg.get("p50", syn.LONG_TAIL_P50)),
+                                       p99=int(cfg.get("p99", syn.LONG_TAIL_P99)))
+    return syn.apply_arrivals(items, cfg, seed)

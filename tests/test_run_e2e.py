@@ -71,3 +71,28 @@ def test_chat_without_template_and_bad_choices_fail_clearly(tmp_path):
     assert proc.returncode != 0 and "fcfs" in proc.stderr and "priority" in proc.stderr
     proc = run_cli("mode=serve", "tracker=none", f"hydra.run.dir={tmp_path / 'c'}")
     assert proc.returncode != 0 and "unknown mode" in proc.stderr
+
+
+def test_shared_prefix_run_reports_kv_metrics_and_timeline(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli("model=stories260K", "workload=shared_prefix", "workload.num_prefixes=2",
+                   "workload.questions_per_prefix=3", "workload.prefix_len=48", "workload.question_len=8",
+                   "workload.output_len=4", "workload.request_rate=200", "kv_cache=radix", "scheduler=lpm",
+                   "tracker=none", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    assert summary["num_requests"] == 6
+    for key in ("theoretical_prefix_hit_rate", "prefix_cache_hit_rate", "peak_num_running_reqs",
+                "mean_num_running_reqs", "mean_kv_cache_usage", "mean_kv_cache_fragmentation", "mean_queue_ms"):
+        assert key in summary, key
+    assert 0 < summary["theoretical_prefix_hit_rate"] <= 1
+    assert summary["prefix_cache_hit_rate"] <= summary["theoretical_prefix_hit_rate"] + 1e-9
+    header = (run_dir / "steps.csv").read_text().splitlines()[0]
+    assert "kv_cache_usage" in header and "num_running_reqs" in header
+
+
+def test_bad_arrivals_fail_before_weights_load(tmp_path):
+    proc = run_cli("model=stories260K", "workload=random", "workload.request_rate=0", "tracker=none",
+                   f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode != 0 and "request_rate must be > 0" in proc.stderr
+    assert "Loading weights" not in proc.stderr
