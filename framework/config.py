@@ -41,6 +41,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # hash-chain prefix reuse in the allocator
     long_prefill_token_threshold: int = 0  # cap per-request prefill chunk, tokens; 0 disables
     seed: int = 0  # engine RNG seed (requests without their own seed)
+    preemption_mode: str = "recompute"  # recompute | swap (KV blocks to a CPU swap space and back)
+    swap_space_bytes: int = 0  # CPU swap space for preemption_mode=swap, bytes
 
     def __post_init__(self) -> None:
         self.validate()
@@ -64,6 +66,11 @@ class EngineConfig:
              f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"),
             (self.max_model_len is None or self.max_model_len >= 2,
              f"max_model_len must be >= 2, got {self.max_model_len}"),
+            (self.preemption_mode in ("recompute", "swap"),
+             f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"),
+            (self.preemption_mode != "swap" or self.swap_space_bytes > 0,
+             "preemption_mode=swap needs engine.swap_space_bytes > 0 (e.g. 1073741824 for 1 GiB of CPU swap)"),
+            (self.swap_space_bytes >= 0, f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}"),
         ]
         for ok, message in checks:
             if not ok:

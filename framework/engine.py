@@ -19,6 +19,7 @@ from framework.sampler import Sampler
 from framework.sampling_params import SamplingParams
 from framework.scheduler import Scheduler
 from framework.stop import StopChecker
+from framework.swap import SwapSpace
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,10 @@ class LLMEngine:
             num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
             num_prefill_tokens=sched_out.total_num_scheduled_tokens - num_decode, num_decode_tokens=num_decode,
             kv_cache_usage=kv_stats.usage, kv_cache_fragmentation=kv_stats.fragmentation,
+            num_preemptions_swap=len(sched_out.swap_out),
+            num_swap_out_blocks=sum(len(b) for b, _ in sched_out.swap_out),
+            num_swap_in_blocks=sum(len(b) for _, b in sched_out.swap_in),
+            swapped_bytes=self.runner.block_bytes * sum(len(b) for b, _ in sched_out.swap_out + sched_out.swap_in),
             prefix_cache_hit_rate=kv_stats.hit_rate,
             num_preemptions=len(sched_out.preempted_req_ids), schedule_s=t1 - t0,
             prepare_s=runner_out.prepare_s, forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
@@ -254,11 +259,14 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
                                 block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                 max_model_len=max_model_len, **config.plugin_params("kv_allocator"))
     policy = registry.create("scheduler", config.scheduler, **config.plugin_params("scheduler"))
+    block_bytes = backend.kv_cache_bytes_per_block(mc.num_hidden_layers)
+    num_swap_blocks = config.swap_space_bytes // block_bytes if config.preemption_mode == "swap" else 0
+    swap_space = SwapSpace(num_swap_blocks) if config.preemption_mode == "swap" else None
     scheduler = Scheduler(policy, allocator, StopChecker(loaded.tokenizer), max_num_seqs=config.max_num_seqs,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-                          long_prefill_token_threshold=config.long_prefill_token_threshold)
+                          long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space)
     runner = ModelRunner(model, backend, num_blocks, mc.num_hidden_layers, kv_dtype, torch.device(config.device),
-                         Sampler(mc.vocab_size, seed=config.seed))
+                         Sampler(mc.vocab_size, seed=config.seed), num_swap_blocks=num_swap_blocks)
     engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size, metrics)
     logger.info("engine ready: %d KV blocks (%.1f MiB), max_model_len=%d", num_blocks,
                 runner.kv_cache_bytes / 2**20, max_model_len)

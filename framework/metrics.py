@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 STEP_PARTS = ("schedule", "prepare", "forward", "sample", "update")  # SchedulerStats.<part>_s
 LATENCIES = ("ttft", "tpot", "itl", "e2el", "queue")
 STATS = ("mean", "median", "std", "p90", "p99")
+_SWAP_COUNTERS = ("num_preemptions_swap", "num_swap_out_blocks", "num_swap_in_blocks", "swapped_bytes")
 
 
 def compute_request_metrics(request: Request) -> RequestMetrics:
@@ -102,6 +103,7 @@ class MetricsCollector:
         self.sum_kv_cache_fragmentation = 0.0
         self.sum_num_running_reqs = 0
         self.peak_num_running_reqs = 0  # concurrency: requests holding KV in one step
+        self.swap_totals = dict.fromkeys(_SWAP_COUNTERS, 0)  # swap preemption counters, summed
         self.timeline: list[dict[str, float]] = []  # per step: time_s, running, waiting, kv usage, fragmentation
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
         self.num_preemptions = 0
@@ -132,6 +134,8 @@ class MetricsCollector:
                               "num_preemptions": stats.num_preemptions})
         self.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
         self.num_preemptions += stats.num_preemptions
+        for key in _SWAP_COUNTERS:
+            self.swap_totals[key] += getattr(stats, key)
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Add one finished request; aborted/rejected ones only count in ``num_failed``."""
@@ -194,7 +198,9 @@ class MetricsCollector:
                    peak_num_running_reqs=self.peak_num_running_reqs,
                    mean_num_running_reqs=self.sum_num_running_reqs / steps,
                    prefix_cache_hit_rate=self.prefix_cache_hit_rate,
-                   num_preemptions=self.num_preemptions, num_steps=self.num_steps, step_s=total_step_s)
+                   num_preemptions=self.num_preemptions,
+                   num_preemptions_recompute=self.num_preemptions - self.swap_totals["num_preemptions_swap"],
+                   **self.swap_totals, num_steps=self.num_steps, step_s=total_step_s)
         for part in STEP_PARTS:
             out[f"{part}_s"] = self.step_time_s[part]
             out[f"{part}_frac"] = self.step_time_s[part] / total_step_s if total_step_s > 0 else 0.0

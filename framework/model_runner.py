@@ -44,17 +44,24 @@ class ModelRunner:
         kv_cache_dtype: cache dtype (model dtype unless a quant method says otherwise).
         device: torch device of model and cache.
         sampler: the sampler.
+        num_swap_blocks: CPU swap-space blocks (``preemption_mode=swap``); 0 allocates none.
     """
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, num_blocks: int, num_layers: int,
-                 kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler) -> None:
+                 kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler, num_swap_blocks: int = 0) -> None:
         self.model = model
         self.backend = backend
         self.device = device
         self.block_size = backend.block_size
         self.sampler = sampler
+        self.block_bytes = backend.kv_cache_bytes_per_block(num_layers)  # one block, all layers, K and V
         shape = backend.get_kv_cache_shape(num_blocks)
         self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(num_layers)]
+        # CPU swap space for preemption_mode=swap (pinned so GPU copies can be asynchronous)
+        swap_shape = backend.get_kv_cache_shape(num_swap_blocks)
+        pin = device.type == "cuda"
+        self.swap_caches = [torch.zeros(swap_shape, dtype=kv_cache_dtype, pin_memory=pin)
+                            for _ in range(num_layers if num_swap_blocks else 0)]
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -69,6 +76,9 @@ class ModelRunner:
             Sampled token ids (and logprobs when asked) by request id, plus the time split.
         """
         t0 = time.perf_counter()
+        self._swap(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(sampled_token_ids={}, prepare_s=time.perf_counter() - t0)
         batch = self._prepare_inputs(scheduler_output)
         metadata = self.backend.build_metadata(batch.common)
         t1 = time.perf_counter()
@@ -85,6 +95,14 @@ class ModelRunner:
                     logprobs[request.request_id] = [out.logprobs[i]]
         t3 = time.perf_counter()
         return ModelRunnerOutput(sampled, logprobs, prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2)
+
+    def _swap(self, so: SchedulerOutput) -> None:
+        """The step's swap copies through the backend: every swap-out, then every swap-in, before
+        the forward (a block freed by a swap-out may be rewritten by this very step)."""
+        for blocks, slots in so.swap_out:
+            self.backend.copy_blocks(self.kv_caches, blocks, self.swap_caches, slots)
+        for slots, blocks in so.swap_in:
+            self.backend.copy_blocks(self.swap_caches, slots, self.kv_caches, blocks)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _BatchInputs:
         """Flatten the scheduled tokens; one Python pass over requests, vectorized over tokens."""

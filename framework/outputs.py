@@ -23,11 +23,14 @@ class SchedulerOutput:
     block_ids: dict[str, list[int]]  # request_id -> its block table (allocator's list, read-only)
     preempted_req_ids: set[str] = field(default_factory=set)  # preempted (recompute) in this step
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
+    # swap preemption: block copies the runner makes before the forward, all outs before all ins
+    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (device blocks, swap slots)
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (swap slots, device blocks)
 
     @property
     def is_empty(self) -> bool:
-        """True when nothing is scheduled (the runner is not called)."""
-        return self.total_num_scheduled_tokens == 0
+        """True when nothing is scheduled and nothing is swapped (the runner is not called)."""
+        return self.total_num_scheduled_tokens == 0 and not self.swap_out and not self.swap_in
 
 
 @dataclass
@@ -110,6 +113,10 @@ class SchedulerStats:
     step_s: float = 0.0  # whole step, seconds
     num_generated_tokens: int = 0  # output tokens produced this step
     kv_cache_fragmentation: float = 0.0  # allocated but unused token slots / allocated slots, [0, 1]
+    num_preemptions_swap: int = 0  # of num_preemptions, those that swapped out (the rest recompute)
+    num_swap_out_blocks: int = 0  # KV blocks copied device -> swap space this step (swap preemption)
+    num_swap_in_blocks: int = 0  # KV blocks copied swap space -> device this step
+    swapped_bytes: int = 0  # bytes moved by this step's swaps (both directions)
 
     def as_dict(self) -> dict[str, float | int]:
         """Plain-dict form for trackers."""

@@ -17,6 +17,7 @@ from framework.interfaces import KVAllocator, SchedulerPolicy
 from framework.outputs import ModelRunnerOutput, SchedulerOutput
 from framework.request import Request, RequestStatus
 from framework.stop import StopChecker
+from framework.swap import SwapSpace
 
 
 class Scheduler:
@@ -30,11 +31,13 @@ class Scheduler:
         max_num_batched_tokens: token budget of one step.
         max_model_len: prompt + output cap, tokens.
         long_prefill_token_threshold: cap on one request's prefill chunk per step (0: none).
+        swap_space: CPU swap slots for ``preemption_mode=swap`` (vLLM's swapping preemption); ``None``
+            preempts by recompute. A victim is swapped when its written blocks fit, else recomputed.
     """
 
     def __init__(self, policy: SchedulerPolicy, kv_allocator: KVAllocator, stop_checker: StopChecker,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0, swap_space: SwapSpace | None = None) -> None:
         self.policy = policy
         self.kv = kv_allocator
         self.stop_checker = stop_checker
@@ -47,6 +50,9 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self._finished_ids: set[str] = set()  # finished since the last schedule()
         self.num_preemptions_last_step = 0
+        self.swap_space = swap_space
+        self._swap_out: list[tuple[list[int], list[int]]] = []  # this step's (device blocks, swap slots)
+        self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's (swap slots, device blocks)
         policy.attach(self._num_cached_prefix_tokens)
 
     # ---- queue management -------------------------------------------------------------
@@ -70,6 +76,8 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
+                if self.swap_space is not None:
+                    self.swap_space.drop(rid)
             request.status = RequestStatus.FINISHED_ABORTED
             self._finish(request)
             aborted.append(request)
@@ -136,7 +144,10 @@ class Scheduler:
             block_ids={r.request_id: self.kv.get_block_ids(r.request_id) for r in scheduled},
             preempted_req_ids=preempted,
             finished_req_ids=self._finished_ids,
+            swap_out=self._swap_out,
+            swap_in=self._swap_in,
         )
+        self._swap_out, self._swap_in = [], []
         self._finished_ids = set()
         self.num_preemptions_last_step = len(preempted)
         now = time.perf_counter()
@@ -158,10 +169,13 @@ class Scheduler:
         for request in self.waiting:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            computed_blocks, num_hit_tokens = self._lookup(request)
             num_new = self._num_new_tokens(request, budget, num_hit_tokens)
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break  # head-of-line: no skipping ahead of the policy's order (as vLLM)
+            if self.swap_space is not None and request.request_id in self.swap_space:
+                slots = self.swap_space.swap_in(request.request_id)
+                self._swap_in.append((slots, self.kv.get_block_ids(request.request_id)[:len(slots)]))
             num_admitted += 1
             self.policy.on_admitted(request)
             if request.num_preemptions == 0:
@@ -186,15 +200,30 @@ class Scheduler:
     def _can_admit(self, request: Request) -> bool:
         if len(self.running) >= self.max_num_seqs:
             return False
-        hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        hit_blocks, num_hit = self._lookup(request)
         first_chunk = self._num_new_tokens(request, self.max_num_batched_tokens, num_hit)
         return self.kv.can_allocate(request, first_chunk, hit_blocks)
 
+    def _lookup(self, request: Request) -> tuple[list[int], int]:
+        """Prefix-cache lookup for admission; a swapped-out request brings its own K/V back instead."""
+        if self.swap_space is not None and request.request_id in self.swap_space:
+            return [], 0
+        return self.kv.get_computed_blocks(request)
+
     def _preempt(self, request: Request, preempted: set[str]) -> None:
+        """Evict a running request: swap its written blocks out when swap space has room (it resumes
+        with its ``num_computed_tokens``), else recompute (it restarts from token 0)."""
         self.running.remove(request)
-        self.kv.free(request)
+        slots = None
+        if self.swap_space is not None and request.num_computed_tokens:
+            num_written = -(-request.num_computed_tokens // self.kv.block_size)
+            slots = self.swap_space.swap_out(request.request_id, num_written)
+            if slots is not None:  # copied before this step's forward can reuse the freed blocks
+                self._swap_out.append((list(self.kv.get_block_ids(request.request_id)[:num_written]), slots))
+        self.kv.free(request)  # frees while num_computed_tokens still counts the written tokens
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        if slots is None:
+            request.num_computed_tokens = 0
         request.num_preemptions += 1
         preempted.add(request.request_id)
         self.waiting.append(request)
@@ -208,6 +237,8 @@ class Scheduler:
             ``(updated, finished)``: requests that got new tokens this step, and those of them
             that finished (their blocks are already freed).
         """
+        if self.swap_space is not None:
+            self.swap_space.end_step()  # the runner has copied this step's swap-ins
         now = time.perf_counter()
         updated: list[Request] = []
         finished: list[Request] = []

@@ -124,6 +124,27 @@ class AttentionBackend(Plugin, ABC):
         per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size
         return per_layer * num_layers * torch.empty((), dtype=self.dtype).element_size()
 
+    def copy_blocks(self, src_caches: list[torch.Tensor], src_block_ids: list[int],
+                    dst_caches: list[torch.Tensor], dst_block_ids: list[int]) -> None:
+        """Copy whole KV blocks between two sets of per-layer caches (swap out / swap in).
+
+        Called by the model runner at the start of a step for ``preemption_mode=swap``. The default
+        copies every layer's tensor along dimension 1 (the block dimension of
+        :meth:`get_kv_cache_shape`); a backend whose cache holds more per block (e.g. quantization
+        scales) overrides this so that everything a block holds moves with it.
+
+        Args:
+            src_caches, dst_caches: one tensor per layer, shaped like :meth:`get_kv_cache_shape`
+                (possibly on different devices: GPU <-> CPU swap space).
+            src_block_ids, dst_block_ids: equal-length block ids; ``src[i]`` goes to ``dst[i]``.
+        """
+        if not src_block_ids:
+            return
+        src_idx = torch.tensor(src_block_ids, device=src_caches[0].device)
+        dst_idx = torch.tensor(dst_block_ids, device=dst_caches[0].device)
+        for src, dst in zip(src_caches, dst_caches, strict=True):
+            dst.index_copy_(1, dst_idx, src.index_select(1, src_idx).to(dst.device))
+
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """Per-step, backend-specific metadata (index tensors, masks, planned kernels).

@@ -8,7 +8,8 @@ correct for a reader iff it was last written by *some* request with the same tok
 ``p``. The shadow cache stores, per slot, a fingerprint of that prefix; each simulated step first
 applies every write of the step (the backend contract: all of a step's K/V is written before any
 read), then asserts that every slot each scheduled request reads holds its own prefix fingerprint.
-Prefix-cache hits, chunked prefill, preemption and eviction all reduce to
+Prefix-cache hits, chunked prefill, preemption (recompute or swap: the step's swap copies are
+mirrored first) and eviction all reduce to
 these two rules, so the simulator catches a stale prefix-cache entry, or a block handed to two
 writers.
 
@@ -40,6 +41,7 @@ class ShadowCache:
 
     block_size: int
     slots: dict[int, int] = field(default_factory=dict)
+    swap: dict[int, int] = field(default_factory=dict)  # swap-space slot -> fingerprint
 
     def slot(self, table: Sequence[int], pos: int) -> int:
         """Cache slot of token position ``pos`` under block table ``table``."""
@@ -53,6 +55,26 @@ def _fingerprints(request: Request, end: int) -> list[int]:
         h = hash((h, token))
         out.append(h)
     return out
+
+
+def apply_swaps(shadow: ShadowCache, out: SchedulerOutput) -> None:
+    """Mirror the step's swap copies (all swap-outs, then all swap-ins) in the shadow cache, as the
+    runner performs them before the forward."""
+    bs = shadow.block_size
+    for blocks, swap_slots in out.swap_out:
+        for block, slot in zip(blocks, swap_slots, strict=True):
+            for off in range(bs):
+                if block * bs + off in shadow.slots:
+                    shadow.swap[slot * bs + off] = shadow.slots[block * bs + off]
+                else:
+                    shadow.swap.pop(slot * bs + off, None)
+    for swap_slots, blocks in out.swap_in:
+        for slot, block in zip(swap_slots, blocks, strict=True):
+            for off in range(bs):
+                if slot * bs + off in shadow.swap:
+                    shadow.slots[block * bs + off] = shadow.swap[slot * bs + off]
+                else:
+                    shadow.slots.pop(block * bs + off, None)
 
 
 def check_step(shadow: ShadowCache, out: SchedulerOutput) -> None:
@@ -117,6 +139,7 @@ def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callab
         while pending and pending[0].step <= step:
             scheduler.add_request(pending.pop(0).request)
         out = scheduler.schedule()
+        apply_swaps(shadow, out)
         check_step(shadow, out)
         scheduler.update_from_output(out, fake_runner(out, token_of))
         if after_step is not None:

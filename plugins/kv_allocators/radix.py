@@ -236,8 +236,9 @@ class RadixKVAllocator(KVAllocator):
         num_needed = self._num_needed(request, num_new_tokens, computed)
         if rid not in self._tables:
             self._admit(request, computed)
+        # blocks already in the table whose K/V is written (a swapped-in request's blocks come later)
         num_written = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        self._insert_written(request, num_written)
+        self._insert_written(request, min(num_written, len(self._tables[rid])))
         new = [self._take_block() for _ in range(num_needed)]
         self._tables[rid].extend(new)
         self._private[rid].update(new)

@@ -17,6 +17,7 @@ from framework.request import Request
 from framework.sampling_params import SamplingParams
 from framework.scheduler import Scheduler
 from framework.stop import StopChecker
+from framework.swap import SwapSpace
 from framework.testing.shadow_cache import Arrival, simulate
 from plugins.kv_allocators._eviction import EVICTION_POLICIES
 
@@ -29,7 +30,8 @@ ALLOCATORS = [("paged", {"eviction": e}) for e in EVICTION_POLICIES] + [
 def make_scheduler(allocator: tuple[str, dict], policy: str, *, num_blocks: int, block_size: int,
                    max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int | None = None,
-                   long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True) -> Scheduler:
+                   long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
+                   swap_slots: int = 0) -> Scheduler:
     """A scheduler over a fresh pool of ``allocator = (name, params)`` with ``policy`` (registry names)."""
     name, params = allocator
     max_model_len = max_model_len or num_blocks * block_size
@@ -38,7 +40,8 @@ def make_scheduler(allocator: tuple[str, dict], policy: str, *, num_blocks: int,
     return Scheduler(registry.create("scheduler", policy), kv, StopChecker(tokenizer=None),
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      max_model_len=max_model_len,
-                     long_prefill_token_threshold=long_prefill_token_threshold)
+                     long_prefill_token_threshold=long_prefill_token_threshold,
+                     swap_space=SwapSpace(swap_slots) if swap_slots else None)
 
 
 def request(rid: str, tokens: list[int], max_tokens: int, priority: int = 0, arrival: float = 0.0) -> Request:
@@ -110,16 +113,18 @@ def pressure_workloads(draw: st.DrawFn) -> dict:
                 reqs=reqs, caching=True)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda a: "-".join([a[0], *map(str, a[1].values())]))
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=st.one_of(workloads(), pressure_workloads()))
-def test_shadow_cache_random_workloads(allocator: str, policy: str, w: dict) -> None:
+def test_shadow_cache_random_workloads(allocator: str, policy: str, mode: str, w: dict) -> None:
     sched = make_scheduler(allocator, policy, num_blocks=w["num_blocks"], block_size=w["block_size"],
                            max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
                            max_model_len=w["max_model_len"],
                            long_prefill_token_threshold=w["long_prefill_token_threshold"],
-                           enable_prefix_caching=w["caching"])
+                           enable_prefix_caching=w["caching"],
+                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0)  # small: swap and fallback
     arrivals = [Arrival(step, request(rid, tokens, max_tokens, priority, arrival=float(step)))
                 for rid, tokens, max_tokens, priority, step in w["reqs"]]
     simulate(sched, arrivals, after_step=_invariants)
