@@ -67,3 +67,22 @@ def test_preemption(make_llm, smollm2_path):
     llm = make_llm(model=smollm2_path, scheduler="priority", max_model_len=128, num_blocks=12, block_size=16)
     _check(llm, smollm2_path, PROMPTS, priority=[(5 * i) % 3 for i in range(len(PROMPTS))])
     assert llm.engine.metrics.summary()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("kv_cache,scheduler,mode", [("radix", "lpm", "swap"), ("paged", "sjf", "recompute"),
+                                                     ("contiguous", "fair", "recompute")])
+def test_kv_research_set(make_llm, smollm2_path, kv_cache, scheduler, mode):
+    """The scheduling/KV research set on the real model: chunked prefill, KV pressure and shared
+    system-prompt prefixes in one batch, every token equal to transformers."""
+    block_bytes = 2 * 4 * 3 * 64 * 4 * 30  # K+V, 4 tokens, 3 kv heads x 64, float32, 30 layers
+    swap = {"preemption_mode": "swap", "swap_space_bytes": 8 * block_bytes} if mode == "swap" else {}
+    llm = make_llm(model=smollm2_path, kv_allocator=kv_cache, scheduler=scheduler, max_model_len=64,
+                   num_blocks=32 if kv_cache == "contiguous" else 16, block_size=4, max_num_batched_tokens=48,
+                   long_prefill_token_threshold=32, **swap)
+    prompts = PROMPTS[:8] + [SYSTEM + p for p in PROMPTS[:4]]
+    _check(llm, smollm2_path, prompts)
+    summary = llm.engine.metrics.summary()
+    if kv_cache != "contiguous":
+        assert summary["num_preemptions"] > 0
+    if mode == "swap":
+        assert summary["num_preemptions_swap"] > 0
