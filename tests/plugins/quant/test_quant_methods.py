@@ -52,8 +52,9 @@ def test_engine_matches_generate_on_same_quantized_model(make_llm, method: str) 
 
 
 def test_quantization_really_shrinks_weights() -> None:
-    from plugins.quant._common import weight_bytes
     from transformers import AutoModelForCausalLM
+
+    from plugins.quant._common import weight_bytes
 
     base = weight_bytes(AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32))
     for method in ("int8_wo", "w8a8", "fp8"):
@@ -67,8 +68,9 @@ def test_tied_embedding_untouched() -> None:
 
 
 def test_int8_wo_perplexity_within_3_percent() -> None:
-    from plugins.quant._eval import heldout_text, perplexity
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plugins.quant._eval import heldout_text, perplexity
 
     ids = AutoTokenizer.from_pretrained(STORIES)(heldout_text(4000))["input_ids"]
     base = perplexity(AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval(), ids)
