@@ -275,6 +275,8 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
     runner = ModelRunner(model, backend, num_blocks, mc.num_hidden_layers, backend.cache_dtype, torch.device(config.device),
                          Sampler(mc.vocab_size, seed=config.seed))
     engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size, metrics)
+    engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
+                                    "kv_cache_bytes_per_block": backend.kv_cache_bytes_per_block(mc.num_hidden_layers)}
     logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",
                 num_blocks, runner.kv_cache_bytes / 2**20, config.kv_cache_dtype,
                 backend.kv_cache_bytes_per_block(mc.num_hidden_layers), max_model_len)

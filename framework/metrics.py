@@ -100,6 +100,7 @@ class MetricsCollector:
         self.peak_kv_cache_usage = 0.0
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
         self.num_preemptions = 0
+        self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block}
         self._first_s: float | None = None  # perf_counter at the start of the first observed step
         self._last_s: float | None = None  # perf_counter at the last observation
 
@@ -145,6 +146,7 @@ class MetricsCollector:
             (req/s; ``None`` without SLOs), ``output_throughput`` and ``total_token_throughput``
             (tok/s), ``{mean,median,std,p90,p99}_{ttft,tpot,itl,e2el,queue}_ms``,
             ``peak_kv_cache_usage``, ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
+            ``kv_cache_dtype``, ``kv_cache_num_blocks``, ``kv_cache_bytes_per_block`` (bytes, all layers),
             step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time.
         """
         if duration_s is None:
@@ -173,7 +175,8 @@ class MetricsCollector:
                 out[f"{stat}_{name}_ms"] = value
         total_step_s = self.step_time_s["step"] or sum(self.step_time_s[p] for p in STEP_PARTS)
         out.update(peak_kv_cache_usage=self.peak_kv_cache_usage, prefix_cache_hit_rate=self.prefix_cache_hit_rate,
-                   num_preemptions=self.num_preemptions, num_steps=self.num_steps, step_s=total_step_s)
+                   num_preemptions=self.num_preemptions, num_steps=self.num_steps, step_s=total_step_s,
+                   **self.kv_cache_info)
         for part in STEP_PARTS:
             out[f"{part}_s"] = self.step_time_s[part]
             out[f"{part}_frac"] = self.step_time_s[part] / total_step_s if total_step_s > 0 else 0.0

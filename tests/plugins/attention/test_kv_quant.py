@@ -86,6 +86,7 @@ def test_engine_more_blocks_and_greedy_agreement(make_llm, kv_cache_dtype):
     base = make_llm(kv_cache_memory_bytes=budget)
     quant = make_llm(kv_cache_memory_bytes=budget, kv_cache_dtype=kv_cache_dtype)
     assert quant.engine.kv_allocator.num_blocks == int(base.engine.kv_allocator.num_blocks * 32 / 12)
+    assert quant.engine.metrics.summary()["kv_cache_num_blocks"] == quant.engine.kv_allocator.num_blocks
     prompts = ["Once upon a time", "The little dog", "Lily and Ben went to the park and"]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
