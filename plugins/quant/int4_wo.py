@@ -6,7 +6,8 @@ Each group of ``group_size`` input channels of an output row has a scale and a z
 CUDA runs torchao ``Int4WeightOnlyConfig`` (tinygemm ``tile_packed_to_4d``, bfloat16 only).
 Reference: gpt-fast (PyTorch, 2023) int4 weight-only; Frantar et al. GPTQ (ICLR'23) Sec. 2 for group-wise.
 
-Params: ``group_size`` (default 128; must divide every quantized layer's ``in_features``),
+Params: ``group_size`` (default 128; must divide every quantized layer's ``in_features``: SmolLM2-135M
+(hidden 576) needs 32 or 64; stories260K (intermediate 172) needs ``skip=[gate_proj, up_proj, down_proj]``),
 ``skip`` (module-name suffixes kept full precision).
 """
 
@@ -84,13 +85,14 @@ class Int4WeightOnly(LinearQuantMethod):
         from framework.model_loader import load_model_config
 
         mc = load_model_config(config.model)
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        q_out, kv_out = mc.num_attention_heads * head_dim, mc.num_key_value_heads * head_dim
         in_features = {"q_proj": mc.hidden_size, "k_proj": mc.hidden_size, "v_proj": mc.hidden_size,
-                       "gate_proj": mc.hidden_size, "up_proj": mc.hidden_size,
-                       "o_proj": mc.num_attention_heads * (getattr(mc, "head_dim", None)
-                                                           or mc.hidden_size // mc.num_attention_heads),
+                       "gate_proj": mc.hidden_size, "up_proj": mc.hidden_size, "o_proj": q_out,
                        "down_proj": mc.intermediate_size}
-        out_features = dict(in_features, q_proj=mc.num_attention_heads * mc.hidden_size // mc.num_attention_heads,
-                            gate_proj=mc.intermediate_size, up_proj=mc.intermediate_size, down_proj=mc.hidden_size)
+        out_features = {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out, "o_proj": mc.hidden_size,
+                        "gate_proj": mc.intermediate_size, "up_proj": mc.intermediate_size,
+                        "down_proj": mc.hidden_size}
         for layer, k in in_features.items():
             if any(layer.endswith(s) for s in skip):
                 continue
