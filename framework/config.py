@@ -38,6 +38,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV blocks; overrides kv_cache_memory_bytes when set
     kv_cache_memory_bytes: int = 1 << 30  # KV cache budget when num_blocks is None, bytes
+    kv_cache_dtype: str = "auto"  # auto (model dtype) | int8 | fp8_e4m3: quantized K/V + per token-head scales
     enable_prefix_caching: bool = True  # hash-chain prefix reuse in the allocator
     long_prefill_token_threshold: int = 0  # cap per-request prefill chunk, tokens; 0 disables
     seed: int = 0  # engine RNG seed (requests without their own seed)
@@ -59,6 +60,8 @@ class EngineConfig:
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
+            (self.kv_cache_dtype in ("auto", "int8", "fp8_e4m3"),
+             f"kv_cache_dtype must be auto, int8 or fp8_e4m3, got {self.kv_cache_dtype!r}"),
             (self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}"),
             (self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}"),
             (self.kv_cache_memory_bytes >= 1, f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"),

@@ -206,6 +206,28 @@ def validate_plugins(config: EngineConfig) -> list[type | None]:
     return classes
 
 
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
+                                                   "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def refuse_prequantized(model_config: Any) -> None:
+    """Refuse a pre-quantized (GPTQ/AWQ/compressed-tensors...) checkpoint before its weights load.
+
+    None of transformers' quantizer back ends for these formats is installed or verified here (they
+    need CUDA kernels or extra packages: gptqmodel, autoawq, compressed-tensors), so servelab loads
+    only unquantized checkpoints and quantizes them itself with ``quant=<method>``.
+
+    Raises:
+        ValueError: the config carries a ``quantization_config`` (names its ``quant_method``).
+    """
+    qc = getattr(model_config, "quantization_config", None)
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
+        raise ValueError(f"pre-quantized checkpoints are not supported (this one is {method!s}): transformers' "
+                         "quantizer for it needs kernels not available here; load the unquantized model and "
+                         "use quant=int8_wo|int4_wo|w8a8|fp8 instead")
+
+
 def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) -> LLMEngine:
     """Validate plugins, load the model, size the KV cache and assemble the engine.
 
@@ -221,6 +243,7 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
 
     validate_plugins(config)
     model_config = load_model_config(config.model)
+    refuse_prequantized(model_config)
     max_pos = int(getattr(model_config, "max_position_embeddings", 0) or 0)
     max_model_len = config.max_model_len or max_pos
     if max_pos and max_model_len > max_pos:
@@ -235,11 +258,10 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
                         attn_implementation=register_attention_implementation())
     model = loaded.model
     dtype = getattr(torch, config.dtype)
-    kv_dtype = dtype
     quant = registry.create("quant", config.quant, **config.plugin_params("quant"))
     if quant is not None:
         model = quant.apply(model)
-        kv_dtype = quant.kv_cache_dtype(dtype)
+    kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or (quant.kv_cache_dtype(dtype) if quant else dtype)
 
     mc = loaded.config
     scale = next((m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")),
@@ -265,10 +287,13 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
     scheduler = Scheduler(policy, allocator, StopChecker(loaded.tokenizer), max_num_seqs=config.max_num_seqs,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                           long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space)
-    runner = ModelRunner(model, backend, num_blocks, mc.num_hidden_layers, kv_dtype, torch.device(config.device),
+    runner = ModelRunner(model, backend, num_blocks, mc.num_hidden_layers, backend.cache_dtype, torch.device(config.device),
                          Sampler(mc.vocab_size, seed=config.seed), num_swap_blocks=num_swap_blocks)
     engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size, metrics)
-    logger.info("engine ready: %d KV blocks (%.1f MiB), max_model_len=%d", num_blocks,
-                runner.kv_cache_bytes / 2**20, max_model_len)
+    engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
+                                    "kv_cache_bytes_per_block": backend.kv_cache_bytes_per_block(mc.num_hidden_layers)}
+    logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",
+                num_blocks, runner.kv_cache_bytes / 2**20, config.kv_cache_dtype,
+                backend.kv_cache_bytes_per_block(mc.num_hidden_layers), max_model_len)
     registry.plugin_manager().hook.on_engine_start(config=config.to_dict())
     return engine

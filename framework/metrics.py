@@ -107,6 +107,7 @@ class MetricsCollector:
         self.timeline: list[dict[str, float]] = []  # per step: time_s, running, waiting, kv usage, fragmentation
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
         self.num_preemptions = 0
+        self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block}
         self._first_s: float | None = None  # perf_counter at the start of the first observed step
         self._last_s: float | None = None  # perf_counter at the last observation
 
@@ -165,6 +166,7 @@ class MetricsCollector:
             ``peak_kv_cache_usage``, ``mean_kv_cache_usage``, ``mean_kv_cache_fragmentation``,
             ``peak_num_running_reqs`` / ``mean_num_running_reqs`` (concurrency),
             ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
+            ``kv_cache_dtype``, ``kv_cache_num_blocks``, ``kv_cache_bytes_per_block`` (bytes, all layers),
             step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time.
         """
         if duration_s is None:
@@ -200,7 +202,8 @@ class MetricsCollector:
                    prefix_cache_hit_rate=self.prefix_cache_hit_rate,
                    num_preemptions=self.num_preemptions,
                    num_preemptions_recompute=self.num_preemptions - self.swap_totals["num_preemptions_swap"],
-                   **self.swap_totals, num_steps=self.num_steps, step_s=total_step_s)
+                   **self.swap_totals, num_steps=self.num_steps, step_s=total_step_s,
+                   **self.kv_cache_info)
         for part in STEP_PARTS:
             out[f"{part}_s"] = self.step_time_s[part]
             out[f"{part}_frac"] = self.step_time_s[part] / total_step_s if total_step_s > 0 else 0.0

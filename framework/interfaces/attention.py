@@ -7,6 +7,7 @@ step), and ``forward`` runs once per layer.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -53,8 +54,14 @@ class AttentionBackend(Plugin, ABC):
         head_size: channels per head.
         scale: softmax scale, usually ``head_size ** -0.5``.
         block_size: tokens per KV block.
-        dtype: KV-cache dtype.
+        dtype: KV-cache element dtype: the model dtype, or ``torch.int8``/``torch.float8_e4m3fn`` when
+            ``engine.kv_cache_dtype`` quantizes the cache (only if listed in ``supported_kv_cache_dtypes``).
         device: torch device of the cache and inputs.
+
+    ``cache_dtype`` is the storage dtype the runner allocates the cache tensors with (``dtype`` unless
+    the backend packs quantized K/V and their scales into bytes). Every KV tensor of a backend is
+    indexed by block id on dim 1 of :meth:`get_kv_cache_shape`, so copying a block (swap, migration)
+    copies its data and its scales together.
 
     Raises:
         ImportError: from ``__init__`` when the backend's kernel library is missing (with the
@@ -68,6 +75,7 @@ class AttentionBackend(Plugin, ABC):
     block_size_multiple: ClassVar[int] = 1  # block_size must be a multiple of this (kernel page-size rule)
     kv_cache_layout: ClassVar[str] = "NHD"  # per layer (2, num_blocks, block_size, kv_heads, head_size)
     supports_cuda_graphs: ClassVar[bool] = False  # forward may be captured in a CUDA graph (static shapes)
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)  # engine.kv_cache_dtype values
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device, **params: Any) -> None:
@@ -79,6 +87,7 @@ class AttentionBackend(Plugin, ABC):
         self.scale = scale
         self.block_size = block_size
         self.dtype = dtype
+        self.cache_dtype = dtype
         self.device = device
 
     @classmethod
@@ -96,6 +105,9 @@ class AttentionBackend(Plugin, ABC):
         if config.block_size % cls.block_size_multiple:
             problems.append(f"attention {cls.name!r} needs block_size to be a multiple of {cls.block_size_multiple} "
                             f"(its paged-KV kernel's page size), got engine.block_size={config.block_size}")
+        if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            problems.append(f"attention {cls.name!r} does not support kv_cache_dtype={config.kv_cache_dtype}; use "
+                            f"one of {', '.join(cls.supported_kv_cache_dtypes)} (attention=torch supports int8, fp8_e4m3)")
         return problems
 
     @classmethod
@@ -120,9 +132,9 @@ class AttentionBackend(Plugin, ABC):
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
 
     def kv_cache_bytes_per_block(self, num_layers: int) -> int:
-        """Bytes one block costs across all layers (K and V), for sizing the pool."""
-        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size
-        return per_layer * num_layers * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes one block costs across all layers (K and V, plus scales if any), for sizing the pool."""
+        per_layer = math.prod(self.get_kv_cache_shape(1))
+        return per_layer * num_layers * torch.empty((), dtype=self.cache_dtype).element_size()
 
     def copy_blocks(self, src_caches: list[torch.Tensor], src_block_ids: list[int],
                     dst_caches: list[torch.Tensor], dst_block_ids: list[int]) -> None:

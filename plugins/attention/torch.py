@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
+from plugins.attention._kv_quant import QMAX, SCALE_BYTES, dequantize_rows, quantize_rows
 
 
 @dataclass
@@ -52,11 +53,17 @@ class TorchAttentionBackend(AttentionBackend):
             head's query heads packed as query rows; ``gqa`` runs SDPA with one query row per head
             and ``enable_gqa=True`` (on CPU ~2x slower end to end; see docs/results.md).
 
+    KV-cache quantization (``engine.kv_cache_dtype=int8|fp8_e4m3``): the cache is
+    ``(2, num_blocks, block_size, num_kv_heads, head_size + 4)`` int8, quantized values plus a
+    float32 scale per (token, head) (see ``plugins/attention/_kv_quant.py``); K/V are dequantized to
+    the query dtype after the block gather.
+
     Raises:
         ValueError: for an unknown ``decode_kernel``.
     """
 
     name = "torch"
+    supported_kv_cache_dtypes = ("auto", "int8", "fp8_e4m3")
     DECODE_KERNELS = ("packed", "gqa")
 
     def __init__(self, *args: object, decode_kernel: str = "packed", **kwargs: object) -> None:
@@ -64,6 +71,14 @@ class TorchAttentionBackend(AttentionBackend):
         if decode_kernel not in self.DECODE_KERNELS:
             raise ValueError(f"decode_kernel must be one of {self.DECODE_KERNELS}, got {decode_kernel!r}")
         self.decode_kernel = decode_kernel
+        self.kv_quant = self.dtype if self.dtype in QMAX else None  # int8 / float8_e4m3fn or None
+        if self.kv_quant is not None:
+            self.cache_dtype = torch.int8
+
+    def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """``(2, num_blocks, block_size, kv_heads, head_size)``; ``head_size + 4`` bytes when quantized."""
+        extra = SCALE_BYTES if self.kv_quant is not None else 0
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size + extra)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         """Split into decode/prefill segments and build gather indices and masks (once per step)."""
@@ -109,7 +124,9 @@ class TorchAttentionBackend(AttentionBackend):
                 kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
         """Write K/V at ``slot_mapping``, then attend per segment; see ``AttentionBackend.forward``."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, kv_heads, head_size)
-        flat_shape = (-1, self.num_kv_heads, self.head_size)
+        flat_shape = (-1, self.num_kv_heads, key_cache.shape[-1])
+        if self.kv_quant is not None:
+            key, value = quantize_rows(key, self.kv_quant), quantize_rows(value, self.kv_quant)
         key_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
         value_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
         out = torch.empty_like(query)
@@ -122,9 +139,11 @@ class TorchAttentionBackend(AttentionBackend):
                 seg: _Segment) -> torch.Tensor:
         num_reqs = seg.block_table.shape[0]
         # gathered k/v: [R, blocks * block_size, kv_heads, D] -> [R, kv_heads, S, D]
-        k = key_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, self.head_size).transpose(1, 2)
-        v = value_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, self.head_size).transpose(1, 2)
-        k, v = k.to(query.dtype), v.to(query.dtype)
+        k = key_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, key_cache.shape[-1])
+        v = value_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, key_cache.shape[-1])
+        if self.kv_quant is not None:
+            k, v = dequantize_rows(k, self.kv_quant, query.dtype), dequantize_rows(v, self.kv_quant, query.dtype)
+        k, v = k.transpose(1, 2).to(query.dtype), v.transpose(1, 2).to(query.dtype)
         if seg.query_index is None:
             return self._decode_attend(query, k, v, seg.mask)
         q = query[seg.query_index].transpose(1, 2)  # prefill chunks: [R, H, max_q, D]

@@ -1,0 +1,139 @@
+"""``quant=int4_wo``: int4 weight-only, group-wise asymmetric (tinygemm layout), gpt-fast style.
+
+Each group of ``group_size`` input channels of an output row has a scale and a zero point:
+``w ~= (q - 8) * scale + zero`` with ``q`` in ``[0, 15]``. CPU runs torch's own
+``aten._weight_int4pack_mm_for_cpu`` on weights packed by ``aten._convert_weight_to_int4pack_for_cpu``;
+CUDA runs torchao ``Int4WeightOnlyConfig`` (tinygemm ``tile_packed_to_4d``, bfloat16 only).
+Reference: gpt-fast (PyTorch, 2023) int4 weight-only; Frantar et al. GPTQ (ICLR'23) Sec. 2 for group-wise.
+
+Params: ``group_size`` (default 128; must divide every quantized layer's ``in_features``: SmolLM2-135M
+(hidden 576) needs 32 or 64; stories260K (intermediate 172) needs ``skip=[gate_proj, up_proj, down_proj]``),
+``skip`` (module-name suffixes kept full precision).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from framework import hookimpl
+from framework.hookspecs import Register
+from plugins.quant._common import LinearQuantMethod, torchao_quantize
+
+if TYPE_CHECKING:
+    from framework.config import EngineConfig
+
+GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm / CPU int4pack kernels accept
+
+
+class Int4PackedLinear(torch.nn.Module):
+    """CPU int4 weight-only linear on torch's ``_weight_int4pack_mm_for_cpu``.
+
+    Buffers: ``packed`` ``(out, in/2)`` uint8; ``scales_and_zeros`` ``(in/group_size, out, 2)`` in
+    the activation dtype. ``forward``: ``x (..., in)`` float -> ``(..., out)`` same dtype.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, group_size: int) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        out_f, in_f = w.shape
+        wg = w.view(out_f, in_f // group_size, group_size)
+        lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp(min=1e-6)
+        q = ((wg - lo) / scale).round().clamp(0, 15).to(torch.int32).view(out_f, in_f)
+        zero = lo + 8 * scale
+        sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], -1).transpose(0, 1).contiguous()
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("scales_and_zeros", sz.to(linear.weight.dtype))
+        self.bias = linear.bias
+        self.in_features, self.out_features, self.group_size = in_f, out_f, group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (..., in_features)`` -> ``(..., out_features)``."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed,
+                                                         self.group_size, self.scales_and_zeros)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+
+class Int4WeightOnly(LinearQuantMethod):
+    """Group-wise int4 weights; ``lm_head``/embedding untouched.
+
+    Raises:
+        ValueError: ``group_size`` not one of ``GROUP_SIZES`` or not dividing a layer's ``in_features``.
+    """
+
+    name = "int4_wo"
+
+    def __init__(self, group_size: int = 128, **params: Any) -> None:
+        super().__init__(**params)
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"quant.params.group_size must be one of {GROUP_SIZES}, got {group_size}")
+        self.group_size = group_size
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> list[str]:
+        """Group size allowed and dividing the model's hidden/intermediate sizes (from config.json);
+        bfloat16 on CUDA."""
+        problems = super().validate(config)
+        params = config.plugin_params("quant")
+        group = params.get("group_size", 128)
+        skip = tuple(params.get("skip", ()))
+        if group not in GROUP_SIZES:
+            return problems + [f"quant.params.group_size must be one of {GROUP_SIZES}, got {group}"]
+        from framework.model_loader import load_model_config
+
+        mc = load_model_config(config.model)
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        q_out, kv_out = mc.num_attention_heads * head_dim, mc.num_key_value_heads * head_dim
+        in_features = {"q_proj": mc.hidden_size, "k_proj": mc.hidden_size, "v_proj": mc.hidden_size,
+                       "gate_proj": mc.hidden_size, "up_proj": mc.hidden_size, "o_proj": q_out,
+                       "down_proj": mc.intermediate_size}
+        out_features = {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out, "o_proj": mc.hidden_size,
+                        "gate_proj": mc.intermediate_size, "up_proj": mc.intermediate_size,
+                        "down_proj": mc.hidden_size}
+        for layer, k in in_features.items():
+            if any(layer.endswith(s) for s in skip):
+                continue
+            if k % group:
+                problems.append(f"int4_wo: group_size={group} does not divide {layer}.in_features={k}; choose a "
+                                f"group_size dividing it or keep it full precision with quant.params.skip=[{layer}]")
+            if out_features[layer] % 16:
+                problems.append(f"int4_wo: the int4 kernel needs out_features % 16 == 0 but {layer} has "
+                                f"{out_features[layer]}; keep it full precision with quant.params.skip=[{layer}]")
+        if config.device.startswith("cuda") and config.dtype != "bfloat16":
+            problems.append(f"int4_wo on CUDA runs the bfloat16 tinygemm kernel; use dtype=bfloat16, got {config.dtype}")
+        return problems
+
+    def selected(self, name: str, module: torch.nn.Module) -> bool:
+        """Selected linears; raises ``ValueError`` if ``group_size`` does not divide one's ``in_features``."""
+        if not super().selected(name, module):
+            return False
+        if module.in_features % self.group_size:
+            raise ValueError(f"int4_wo: group_size={self.group_size} does not divide {name}.in_features="
+                             f"{module.in_features}; pick another group_size or quant.params.skip=[{name}]")
+        return True
+
+    def quantize_linears(self, decoder: torch.nn.Module) -> None:
+        """CPU: swap in :class:`Int4PackedLinear`; CUDA: torchao ``Int4WeightOnlyConfig``."""
+        param = next(decoder.parameters())
+        if param.device.type == "cuda":
+            from torchao.quantization import Int4WeightOnlyConfig
+
+            self.backend_note = f"torchao Int4WeightOnlyConfig tinygemm (CUDA), group_size={self.group_size}"
+            torchao_quantize(decoder, Int4WeightOnlyConfig(group_size=self.group_size,
+                                                           int4_packing_format="tile_packed_to_4d"), self)
+            return
+        self.backend_note = f"aten._weight_int4pack_mm_for_cpu, group_size={self.group_size}"
+        targets = [(n, m) for n, m in decoder.named_modules() if self.selected(n, m)]
+        for name, module in targets:
+            parent_name, _, child = name.rpartition(".")
+            parent = decoder.get_submodule(parent_name) if parent_name else decoder
+            setattr(parent, child, Int4PackedLinear(module, self.group_size))
+
+
+@hookimpl
+def register_quant_methods(register: Register) -> None:
+    """Register ``int4_wo``."""
+    register("int4_wo", Int4WeightOnly)

@@ -1,0 +1,116 @@
+"""Weight quant methods: engine greedy == transformers ``generate`` on the same quantized model (float32),
+perplexity bound for int8_wo, and clear errors before weights load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import STORIES
+
+from framework import registry
+from framework.config import EngineConfig
+from framework.engine import validate_plugins
+from framework.sampling_params import SamplingParams
+
+# stories260K: hidden 64, intermediate 172 (not a multiple of 16/32), so int4 keeps the MLP full precision
+METHODS = {
+    "int8_wo": {},
+    "int4_wo": {"group_size": 32, "skip": ["gate_proj", "up_proj", "down_proj"]},
+    "w8a8": {},
+    "fp8": {},
+}
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park and"]
+MAX_NEW = 24
+
+
+def _quantized_hf_model(method: str, params: dict) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+    return registry.create("quant", method, **params).apply(model)
+
+
+def _generate(model: torch.nn.Module, ids: list[int]) -> list[int]:
+    with torch.inference_mode():
+        seq = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return seq[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_engine_matches_generate_on_same_quantized_model(make_llm, method: str) -> None:
+    """Token-for-token equality (float32 activations; all four methods keep float32 activations on CPU
+    except w8a8, whose per-token activation quantization is row-independent, so batching cannot change it)."""
+    llm = make_llm(quant=method, quant_params=METHODS[method], num_blocks=64)
+    tok = llm.engine.tokenizer
+    prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
+                        SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    oracle = _quantized_hf_model(method, METHODS[method])
+    for ids, out in zip(prompt_ids, outs):
+        assert list(out.outputs[0].token_ids) == _generate(oracle, ids)
+
+
+def test_quantization_really_shrinks_weights() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from plugins.quant._common import weight_bytes
+
+    base = weight_bytes(AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32))
+    for method in ("int8_wo", "w8a8", "fp8"):
+        assert weight_bytes(_quantized_hf_model(method, {})) < 0.5 * base
+
+
+def test_tied_embedding_untouched() -> None:
+    model = _quantized_hf_model("int8_wo", {})
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert type(model.lm_head.weight) is torch.nn.Parameter and model.lm_head.weight.dtype == torch.float32
+
+
+def test_int8_wo_perplexity_within_3_percent() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plugins.quant._eval import heldout_text, perplexity
+
+    ids = AutoTokenizer.from_pretrained(STORIES)(heldout_text(4000))["input_ids"]
+    base = perplexity(AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval(), ids)
+    quant = perplexity(_quantized_hf_model("int8_wo", {}), ids)
+    assert abs(quant / base - 1) < 0.03, (base, quant)
+
+
+def _problems(**kwargs) -> str:
+    with pytest.raises(ValueError) as err:
+        validate_plugins(EngineConfig(model=STORIES, **kwargs))
+    return str(err.value)
+
+
+def test_unknown_method_lists_choices() -> None:
+    with pytest.raises(registry.UnknownPluginError, match="int8_wo"):
+        validate_plugins(EngineConfig(model=STORIES, quant="int3"))
+
+
+def test_group_size_not_dividing_layer_refused_before_load() -> None:
+    # intermediate_size=172: 32 does not divide down_proj.in_features
+    msg = _problems(quant="int4_wo", quant_params={"group_size": 32, "skip": ["gate_proj", "up_proj"]})
+    assert "does not divide down_proj.in_features=172" in msg and "quant.params.skip" in msg
+    msg = _problems(quant="int4_wo", quant_params={"group_size": 128, "skip": ["gate_proj", "up_proj", "down_proj"]})
+    assert "group_size=128 does not divide q_proj.in_features=64" in msg
+    assert "must be one of" in _problems(quant="int4_wo", quant_params={"group_size": 48})
+
+
+def test_method_the_device_cannot_run() -> None:
+    msg = _problems(quant="int4_wo", device="cuda", dtype="float32",
+                    quant_params={"group_size": 32, "skip": ["gate_proj", "up_proj", "down_proj"]})
+    assert "use dtype=bfloat16" in msg
+
+
+def test_prequantized_checkpoint_refused() -> None:
+    from transformers import AutoConfig
+
+    from framework.engine import refuse_prequantized
+
+    config = AutoConfig.from_pretrained(STORIES)
+    refuse_prequantized(config)  # plain checkpoint: fine
+    config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    with pytest.raises(ValueError, match="pre-quantized checkpoints are not supported.*gptq"):
+        refuse_prequantized(config)
