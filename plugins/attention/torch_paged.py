@@ -9,8 +9,8 @@ inside the generated C++ reduction loops, so no per-request copy of the context 
 (the ``torch`` reference backend gathers ``[R, S, KVH, D]`` per layer). GQA never repeats K/V:
 each KV head's ``G = H / KVH`` query heads are an extra broadcast dimension.
 
-Recompiles are bounded by ``dynamic=True`` (symbolic token count and context length); the number
-of graph compilations is counted in :data:`COMPILE_STATS`. Where the compiler is unavailable
+Recompiles are bounded by marking the batch dims dynamic (tokens, requests, block-table width, key
+positions; heads and head size stay static) without duck sizing; the number of graph compilations is counted in :data:`COMPILE_STATS`. Where the compiler is unavailable
 (``compile: false``, no C++ toolchain, or a compile error) the same function runs in eager mode,
 with a one-time warning; eager materialises the gather and is slower than the ``torch`` backend.
 """
@@ -36,7 +36,7 @@ COMPILE_STATS: dict[str, float] = {"graphs": 0, "seconds": 0.0}
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, token_req: torch.Tensor, token_pos: torch.Tensor,
-                    num_kv: int, scale: float) -> torch.Tensor:
+                    kv_pos: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal paged attention of each token over its request's cached keys.
 
     Args:
@@ -45,8 +45,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         block_table: ``[R, max_blocks]`` int64 block ids per request.
         token_req: ``[T]`` int64 request row of each token.
         token_pos: ``[T]`` int64 absolute position of each token; it attends to ``0..token_pos``.
-        num_kv: ``S``, key positions scanned per token (``>= max(token_pos) + 1``,
-            ``<= max_blocks * block_size``).
+        kv_pos: ``[S]`` int64 ``arange(S)``, the key positions scanned per token
+            (``S >= max(token_pos) + 1`` and ``<= max_blocks * block_size``).
         scale: softmax scale.
 
     Returns:
@@ -55,7 +55,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     block_size = key_cache.shape[1]
     k_flat = key_cache.flatten(0, 1)  # [slots, KVH, D], a view: no copy
     v_flat = value_cache.flatten(0, 1)
-    j = torch.arange(num_kv, device=query.device)
+    j = kv_pos
     slots = block_table[token_req[:, None], j[None, :] // block_size] * block_size + j[None, :] % block_size  # [T, S]
     q = query.float() * scale
     k = k_flat[slots].float()  # [T, S, KVH, D]; fused into the reduction below when compiled
@@ -84,8 +84,25 @@ _COMPILED: dict[str, Any] = {}
 def _compiled_kernel() -> Any:
     """The process-wide compiled :func:`paged_attention` (one cache of graphs for all layers)."""
     if "fn" not in _COMPILED:
-        _COMPILED["fn"] = torch.compile(paged_attention, backend=_counting_inductor, dynamic=True, fullgraph=True)
+        _COMPILED["fn"] = torch.compile(paged_attention, backend=_counting_inductor, fullgraph=True)
     return _COMPILED["fn"]
+
+
+def _call_compiled(fn: Any, args: tuple[Any, ...]) -> torch.Tensor:
+    """Call with the batch dims symbolic: tokens, requests, block-table columns, key positions.
+
+    Heads, head size and block size stay static (constants in the generated loops). Duck sizing is
+    off so that two batch dims that happen to be equal in the first step do not share a symbol
+    (which would recompile on the next step); sizes 0/1 still specialise (e.g. batch-1 decode).
+    """
+    from torch.fx.experimental import _config as fx_config
+
+    query, _, _, block_table, token_req, token_pos, kv_pos, _ = args
+    for tensor, dims in ((query, (0,)), (block_table, (0, 1)), (token_req, (0,)), (token_pos, (0,)), (kv_pos, (0,))):
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    with fx_config.patch(use_duck_shape=False):
+        return fn(*args)
 
 
 @dataclass
@@ -96,7 +113,7 @@ class PagedAttentionMetadata:
     block_table: torch.Tensor  # (num_reqs, num_blocks_needed) int64
     token_req: torch.Tensor  # (num_tokens,) int64 request row of each token
     token_pos: torch.Tensor  # (num_tokens,) int64 absolute position of each token
-    num_kv: int  # key positions scanned per token: max seq_len rounded up to a block
+    kv_pos: torch.Tensor  # (S,) int64 arange of the key positions scanned: max seq_len rounded up to a block
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
@@ -128,7 +145,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         token_pos = common.context_lens.long()[token_req] + offset
         num_blocks = -(-max(common.seq_lens_cpu) // self.block_size)
         return PagedAttentionMetadata(common.slot_mapping, common.block_table[:, :num_blocks].long(),
-                                      token_req, token_pos, num_blocks * self.block_size)
+                                      token_req, token_pos, torch.arange(num_blocks * self.block_size, device=device))
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: PagedAttentionMetadata) -> torch.Tensor:
@@ -140,9 +157,9 @@ class TorchPagedAttentionBackend(AttentionBackend):
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size)
         args = (q, key_cache, value_cache, metadata.block_table, metadata.token_req, metadata.token_pos,
-                metadata.num_kv, self.scale)
+                metadata.kv_pos, self.scale)
         try:
-            out = self._fn(*args)
+            out = paged_attention(*args) if self._fn is paged_attention else _call_compiled(self._fn, args)
         except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same math, eager
             if self._fn is paged_attention:
                 raise
