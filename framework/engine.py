@@ -93,11 +93,18 @@ class LLMEngine:
                              "shorten the prompt or raise max_model_len (up to the model's max positions)")
         return token_ids
 
-    def abort_request(self, request_id: str | list[str]) -> None:
-        """Abort running or waiting requests; their blocks are freed. Unknown ids are ignored."""
+    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
+        """Abort running or waiting requests at any point between or inside steps.
+
+        Their blocks are freed at once; tokens a runner already sampled for them in the current
+        step are dropped by the scheduler. Unknown or already finished ids are ignored.
+
+        Returns:
+            One final ``RequestOutput`` per aborted request (``finished=True``,
+            ``finish_reason="abort"``, the tokens produced so far). ``step()`` does not repeat them.
+        """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for request in self.scheduler.abort_requests(ids):
-            self._report_finished(request)
+        return [self._report_finished(request) for request in self.scheduler.abort_requests(ids)]
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
