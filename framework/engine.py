@@ -16,7 +16,7 @@ from framework.model_runner import ModelRunner
 from framework.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerStats
 from framework.request import Request
 from framework.sampler import Sampler
-from framework.sampling_params import SamplingParams
+from framework.sampling_params import RequestOutputKind, SamplingParams
 from framework.scheduler import Scheduler
 from framework.stop import StopChecker
 from framework.swap import SwapSpace
@@ -45,6 +45,7 @@ class LLMEngine:
         self.max_model_len = scheduler.max_model_len
         self.metrics = metrics or MetricsCollector()
         self.num_steps = 0
+        self._sent: dict[str, tuple[int, int]] = {}  # DELTA requests: (chars, tokens) already reported
         self._hook = registry.plugin_manager().hook
 
     # ---- requests ---------------------------------------------------------------------
@@ -95,11 +96,18 @@ class LLMEngine:
                              "shorten the prompt or raise max_model_len (up to the model's max positions)")
         return token_ids
 
-    def abort_request(self, request_id: str | list[str]) -> None:
-        """Abort running or waiting requests; their blocks are freed. Unknown ids are ignored."""
+    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
+        """Abort running or waiting requests at any point between or inside steps.
+
+        Their blocks are freed at once; tokens a runner already sampled for them in the current
+        step are dropped by the scheduler. Unknown or already finished ids are ignored.
+
+        Returns:
+            One final ``RequestOutput`` per aborted request (``finished=True``,
+            ``finish_reason="abort"``, the tokens produced so far). ``step()`` does not repeat them.
+        """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for request in self.scheduler.abort_requests(ids):
-            self._report_finished(request)
+        return [self._report_finished(request) for request in self.scheduler.abort_requests(ids)]
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -129,7 +137,7 @@ class LLMEngine:
         for request, output in zip(updated, outputs):
             if request.is_finished:
                 self._observe_finished(output)
-        return outputs
+        return [o for o in outputs if o is not None]
 
     def _observe_step(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request],
                       times: tuple[float, float, float, float]) -> None:
@@ -166,12 +174,31 @@ class LLMEngine:
         self.metrics.observe_finished(output)
         self._hook.on_request_finished(output=output)
 
-    def _make_output(self, request: Request) -> RequestOutput:
+    def _make_output(self, request: Request) -> RequestOutput | None:
+        """The caller's view of ``request`` after a step, shaped by ``sampling_params.output_kind``.
+
+        ``CUMULATIVE`` copies text/tokens so far; ``DELTA`` gives only what is new since this
+        request's previous output (no full-list copy); ``FINAL_ONLY`` gives None until finished.
+        While running, the last ``len(longest stop string) - 1`` characters are held back, so a
+        stop string that spans two steps never reaches a stream before it is trimmed.
+        """
+        params = request.sampling_params
         finished = request.is_finished
+        kind = params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        text = request.output_text
+        if not finished and params.stop and not params.include_stop_str_in_output:
+            text = text[:max(0, len(text) - (max(len(s) for s in params.stop) - 1))]
+        token_ids, logprobs = request.output_token_ids, request.logprobs
+        if kind is RequestOutputKind.DELTA:
+            sent_chars, sent_tokens = self._sent.pop(request.request_id, (0, 0))
+            if not finished:
+                self._sent[request.request_id] = (max(sent_chars, len(text)), len(token_ids))
+            text, token_ids, logprobs = text[sent_chars:], token_ids[sent_tokens:], logprobs[sent_tokens:]
         completion = CompletionOutput(
-            index=0, text=request.output_text, token_ids=list(request.output_token_ids),
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-            logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None)
+            index=0, text=text, token_ids=list(token_ids), finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason, logprobs=list(logprobs) if params.logprobs is not None else None)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
                              metrics=compute_request_metrics(request) if finished else None, error=request.error)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from typing import Any
 from framework.config import EngineConfig
 from framework.engine import LLMEngine, build_engine
 from framework.outputs import CompletionOutput, RequestOutput
-from framework.sampling_params import SamplingParams
+from framework.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class LLM:
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
         for p in params:
             p.validate()
+        # only final outputs are kept here: don't build per-step outputs (vLLM's LLM does the same)
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
 
         results: dict[str, RequestOutput] = {}
         order = []

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's ``RequestOutputKind``).
+
+    ``CUMULATIVE``: all text/tokens so far, every step. ``DELTA``: only what is new since the
+    previous output of that request. ``FINAL_ONLY``: one output, when the request finishes.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -34,6 +47,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logprobs: int | None = None  # number of top log-probabilities returned per sampled position
     skip_special_tokens: bool = True  # passed to the tokenizer when detokenizing
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each step's RequestOutput holds
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +82,8 @@ class SamplingParams:
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}"),
+            (isinstance(self.output_kind, RequestOutputKind),
+             f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -233,6 +233,10 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> tuple[list[Request], list[Request]]:
         """Advance computed tokens, append sampled tokens, check stops, free finished requests.
 
+        Requests aborted between :meth:`schedule` and this call (or otherwise finished or unknown)
+        are skipped: their sampled tokens are dropped and nothing of theirs is touched. Runner
+        results for request ids that were not scheduled are ignored.
+
         Returns:
             ``(updated, finished)``: requests that got new tokens this step, and those of them
             that finished (their blocks are already freed).
@@ -243,6 +247,8 @@ class Scheduler:
         updated: list[Request] = []
         finished: list[Request] = []
         for request in scheduler_output.scheduled_requests:
+            if request.is_finished or self.requests.get(request.request_id) is not request:
+                continue  # aborted (or finished) after schedule(): its blocks are gone, drop its results
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
             new_tokens = runner_output.sampled_token_ids.get(request.request_id)
             if not new_tokens:

@@ -1,0 +1,80 @@
+"""Incremental detokenization and stop-string matching (vLLM V1 ``IncrementalDetokenizer``).
+
+Text is produced with the tokenizer's own ``decode`` over a short window of ids, the "prefix /
+read offset" scheme of vLLM (``vllm/transformers_utils/detokenizer_utils.py``): the new text of a
+step is ``decode(ids[prefix:]) - decode(ids[prefix:read])``; it is emitted only when it does not
+end in U+FFFD, so a multi-byte character split over several byte tokens (SentencePiece byte
+fallback, byte-level BPE) is held until complete. Works for SentencePiece and byte-level BPE
+tokenizers alike because both differences are taken with the same decoder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Output text of one request, grown one token at a time, with stop strings checked on the new text.
+
+    Each :meth:`append` decodes O(window) tokens (usually 2), never the whole output, and searches
+    stop strings only in the last ``len(new text) + max stop length - 1`` characters.
+
+    Args:
+        tokenizer: HF tokenizer (``decode(ids, skip_special_tokens=...) -> str``).
+        skip_special_tokens: passed to ``decode``.
+        stop: stop strings; the text is cut at the first match.
+        include_stop_str_in_output: keep the matched stop string in ``text``.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stop: list[str] | None = None,
+                 include_stop_str_in_output: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or [])
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.token_ids: list[int] = []  # output ids seen so far
+        self.prefix_offset = 0  # window start (context for the decoder), index into token_ids
+        self.read_offset = 0  # ids before this are already in ``text``
+        self.text = ""  # output text so far (trimmed at a stop string once one matched)
+        self.stop_reason: str | None = None  # the stop string that matched, if any
+
+    @property
+    def stop_buffer_length(self) -> int:
+        """Characters a stream must hold back while running: a stop string may still complete there."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Add one output token; returns the stop string it completed (``text`` is then trimmed), else None.
+
+        ``check_stop=False`` (before ``min_tokens``) only grows the text.
+        """
+        if self.stop_reason is not None:
+            return self.stop_reason
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            return None  # nothing printable yet (special token skipped, or an incomplete character)
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += delta
+        return self._check_stop(len(delta)) if check_stop else None
+
+    def _check_stop(self, num_new_chars: int) -> str | None:
+        for stop in self.stop:
+            start = max(0, len(self.text) - num_new_chars - len(stop) + 1)
+            pos = self.text.find(stop, start)
+            if pos >= 0:
+                self.text = self.text[:pos + len(stop)] if self.include_stop_str_in_output else self.text[:pos]
+                self.stop_reason = stop
+                return stop
+        return None
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
