@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +54,7 @@ class ModelRunner:
         self.device = device
         self.block_size = backend.block_size
         self.sampler = sampler
+        self.structured_output: Any = None  # StructuredOutputManager; set by build_engine when grammar != none
         shape = backend.get_kv_cache_shape(num_blocks)
         self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(num_layers)]
 
@@ -78,6 +80,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         sampled, logprobs = {}, {}
         if batch.sample_requests:
+            if self.structured_output is not None:  # grammar bitmask before any sampling path
+                self.structured_output.apply_bitmask(logits, batch.sample_requests)
             out = self.sampler(logits, batch.sample_requests)
             for i, request in enumerate(batch.sample_requests):
                 sampled[request.request_id] = [out.token_ids[i]]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from framework.structured_output_params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -34,12 +36,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logprobs: int | None = None  # number of top log-probabilities returned per sampled position
     skip_special_tokens: bool = True  # passed to the tokenizer when detokenizing
+    structured_outputs: StructuredOutputsParams | None = None  # output constraint (needs grammar != none)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -68,6 +73,8 @@ class SamplingParams:
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             f"structured_outputs must be StructuredOutputsParams or None, got {self.structured_outputs!r}"),
         ]
         for ok, message in checks:
             if not ok:
