@@ -29,6 +29,8 @@ class WorkloadItem:
     priority: int = 0  # lower is served first (priority scheduler)
     max_tokens: int | None = None  # overrides the run's sampling.max_tokens when set
     arrival_time_s: float | None = None  # offset from the run start, seconds; None = at start
+    # vLLM ``structured_outputs`` fields, e.g. {"json": {...schema...}} or {"regex": "..."}
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.prompt is None and self.prompt_token_ids is None:
@@ -71,7 +73,7 @@ def render_chat(prompt: str, tokenizer: Any) -> str:
 
 def load_prompts(path: str | Path, chat: bool, tokenizer: Any, limit: int | None = None) -> list[WorkloadItem]:
     """Read prompts from ``.txt`` (one per line) or ``.jsonl`` (``prompt``; optional ``priority``,
-    ``max_tokens``, ``arrival_time_s``, ``request_id``).
+    ``max_tokens``, ``arrival_time_s``, ``request_id``, ``structured_outputs``).
 
     With ``chat`` each prompt is rendered as a user turn by the chat template and tokenized here
     without adding special tokens again (the template already holds them); ``prompt`` keeps the
@@ -93,7 +95,8 @@ def load_prompts(path: str | Path, chat: bool, tokenizer: Any, limit: int | None
             token_ids = list(tokenizer(text, add_special_tokens=False).input_ids)
         items.append(WorkloadItem(request_id=str(rec.get("request_id", f"prompt-{i}")), prompt=text,
                                   prompt_token_ids=token_ids, priority=int(rec.get("priority", 0)),
-                                  max_tokens=rec.get("max_tokens"), arrival_time_s=rec.get("arrival_time_s")))
+                                  max_tokens=rec.get("max_tokens"), arrival_time_s=rec.get("arrival_time_s"),
+                                  structured_outputs=rec.get("structured_outputs")))
     return items
 
 

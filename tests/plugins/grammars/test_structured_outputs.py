@@ -4,12 +4,9 @@ greedy equals transformers greedy under the same mask, and bad constraints fail 
 
 from __future__ import annotations
 
-import json
-import re
-
-import jsonschema
 import pytest
 import torch
+from grammar_helpers import CHOICES, PROMPTS, SPECS, MaskProcessor, check_output
 from helpers import STORIES
 
 from framework import SamplingParams, StructuredOutputsParams
@@ -18,45 +15,7 @@ from framework import SamplingParams, StructuredOutputsParams
 # inconsistent with its own parser on stories260K's tiny byte-fallback sentencepiece vocabulary
 # (after "T" it allows "e" where the grammar forces "h"), so its requests abort with an error there.
 ENGINES = ["xgrammar"]
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,6}$"},
-        "age": {"type": "integer", "minimum": 1, "maximum": 99},
-        "score": {"type": "number", "minimum": 0, "maximum": 10},
-        "pet": {"enum": ["cat", "dog", "fish"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 1, "maxItems": 2},
-        "home": {"type": "object", "properties": {"town": {"type": "string", "maxLength": 6},
-                                                  "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
-                 "required": ["town", "zip"], "additionalProperties": False},
-    },
-    "required": ["name", "age", "score", "pet", "tags", "home"],
-    "additionalProperties": False,
-}
-REGEX = r"[a-z]{2,5}-\d{1,3}"
-CHOICES = ["red", "green", "blue"]
-EBNF = 'root ::= "The " animal " is " mood "."\nanimal ::= "cat" | "dog"\nmood ::= "happy" | "sad"'
-EBNF_RE = re.compile(r"The (cat|dog) is (happy|sad)\.")
-PROMPTS = ["Once upon a time", "Tom had a big red ball", "The sun"]
-MAX_TOKENS = 200  # enough for every constraint above to close on stories260K's 512-token vocabulary
-
-
-def _check(kind: str, text: str) -> None:
-    if kind == "json":
-        jsonschema.validate(json.loads(text), SCHEMA)
-    elif kind == "regex":
-        assert re.fullmatch(REGEX, text), text
-    elif kind == "choice":
-        assert text in CHOICES
-    elif kind == "grammar":
-        assert EBNF_RE.fullmatch(text), text
-    else:
-        assert isinstance(json.loads(text), dict)
-
-
-SPECS = {"json": SCHEMA, "regex": REGEX, "choice": CHOICES, "grammar": EBNF, "json_object": True}
-
-
+MAX_TOKENS = 200  # enough for every constraint to close on stories260K's 512-token vocabulary
 @pytest.mark.parametrize("grammar", ENGINES)
 def test_every_output_satisfies_its_constraint(make_llm, grammar):
     llm = make_llm(model=STORIES, grammar=grammar)
@@ -76,28 +35,10 @@ def test_every_output_satisfies_its_constraint(make_llm, grammar):
             assert len(completion.token_ids) == MAX_TOKENS
             continue
         assert completion.finish_reason == "stop", (kind, completion)
-        _check(kind, completion.text)
+        check_output(kind, completion.text)
     stopped = {k for k, o in zip(kinds, outs) if o.outputs[0].finish_reason == "stop"}
     assert stopped >= {"json", "regex", "choice", "grammar"}, [(k, o.outputs[0]) for k, o in zip(kinds, outs)]
     assert all(o.outputs[0].finish_reason == "stop" for k, o in zip(kinds, outs) if k in ("regex", "choice", "grammar"))
-
-
-class _MaskProcessor:
-    """transformers ``LogitsProcessor`` driving a matcher from the same compiled grammar."""
-
-    def __init__(self, grammar, compiled, prompt_len: int, vocab: int):
-        from framework.structured_output import apply_token_bitmask
-
-        self.matcher, self.prompt_len, self.apply = grammar.matcher(compiled), prompt_len, apply_token_bitmask
-        self.bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[1] > self.prompt_len:
-            assert self.matcher.accept_token(int(input_ids[0, -1]))
-        self.bitmask.fill_(-1)
-        self.matcher.fill_bitmask(self.bitmask, 0)
-        self.apply(scores, self.bitmask, [0])
-        return scores
 
 
 @pytest.mark.parametrize("grammar", ENGINES)
@@ -112,7 +53,7 @@ def test_greedy_matches_transformers_with_same_mask(make_llm, grammar):
         out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so))[0]
         ids = out.prompt_token_ids
         compiled = manager.grammar.compile(*so.kind_and_spec())
-        proc = _MaskProcessor(manager.grammar, compiled, len(ids), manager.vocab_size)
+        proc = MaskProcessor(manager.grammar, compiled, len(ids), manager.vocab_size)
         with torch.inference_mode():
             seq = model.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False,
                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long),

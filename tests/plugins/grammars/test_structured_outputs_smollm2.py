@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_structured_outputs import SPECS, _check, _MaskProcessor
+from grammar_helpers import SPECS, MaskProcessor, check_output
 
 from framework import SamplingParams, StructuredOutputsParams
 
@@ -39,7 +39,7 @@ def test_constraints_hold_on_smollm2(make_llm, smollm2_path, grammar):
             assert len(completion.token_ids) == MAX_TOKENS
             continue
         assert completion.finish_reason == "stop"
-        _check(kind, completion.text)
+        check_output(kind, completion.text)
     assert all(o.outputs[0].finish_reason == "stop" for k, o in zip(kinds, outs) if k in ("regex", "choice", "grammar"))
 
 
@@ -52,7 +52,7 @@ def test_greedy_matches_transformers_with_same_mask_smollm2(make_llm, smollm2_pa
     so = StructuredOutputsParams(json=SPECS["json"])
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so))[0]
     ids = out.prompt_token_ids
-    proc = _MaskProcessor(manager.grammar, manager.grammar.compile(*so.kind_and_spec()), len(ids), manager.vocab_size)
+    proc = MaskProcessor(manager.grammar, manager.grammar.compile(*so.kind_and_spec()), len(ids), manager.vocab_size)
     oracle = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
     with torch.inference_mode():
         seq = oracle.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False,
