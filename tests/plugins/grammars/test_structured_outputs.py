@@ -97,3 +97,20 @@ def test_abort_while_compiling_frees_everything(make_llm):
     llm.engine.add_request("r0", "Hi", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")))
     llm.engine.abort_request("r0")
     assert not llm.engine.has_unfinished_requests() and "r0" not in llm.engine.structured_output
+
+
+@pytest.mark.parametrize("grammar", ENGINES)
+def test_matcher_validate_and_rollback_for_spec_decode(make_llm, grammar):
+    llm = make_llm(model=STORIES, grammar=grammar)
+    manager = llm.engine.structured_output
+    tok = llm.engine.tokenizer
+    matcher = manager.grammar.matcher(manager.grammar.compile("regex", "abcabc"))
+    good = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in b"abcabc"]
+    draft = good[:3] + [tok.convert_tokens_to_ids("<0x7A>")] + good[4:]  # "abcz.." rejected at 3
+    assert matcher.validate_tokens(draft) == 3
+    assert matcher.validate_tokens(good) == 6  # nothing advanced by the previous call
+    assert all(matcher.accept_token(t) for t in good[:5])
+    matcher.rollback(2)  # back to "abc"
+    assert matcher.validate_tokens(good[3:]) == 3 and not matcher.accept_token(good[1])
+    assert all(matcher.accept_token(t) for t in good[3:])
+    assert not matcher.is_terminated() and matcher.accept_token(2) and matcher.is_terminated()

@@ -58,4 +58,6 @@ def test_greedy_matches_transformers_with_same_mask_smollm2(make_llm, smollm2_pa
         seq = oracle.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False,
                               attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                               logits_processor=LogitsProcessorList([proc]))
-    assert out.outputs[0].token_ids == seq[0, len(ids):].tolist()
+    ours, theirs = out.outputs[0].token_ids, seq[0, len(ids):].tolist()
+    # llguidance reports termination once only EOS can follow, so the engine may stop one EOS earlier
+    assert theirs[:len(ours)] == ours and (theirs[len(ours):] == [] or (len(theirs) == len(ours) + 1 and theirs[-1] in llm.engine.eos_token_ids))
