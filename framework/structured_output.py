@@ -110,6 +110,25 @@ class StructuredOutputManager:
             self.matchers[requests[i].request_id].fill_bitmask(bitmask, i)
         apply_token_bitmask(logits, bitmask, rows)
 
+    def fill_draft_bitmask(self, bitmask: torch.Tensor, first_row: int, request_id: str,
+                           draft_token_ids: list[int]) -> int:
+        """Speculative decoding: fill rows ``first_row .. first_row + n`` of ``bitmask`` with the
+        masks after accepting ``draft_token_ids[:j]`` for ``j = 0..n`` (``n`` = the longest valid
+        draft prefix), then roll the matcher back so its state is unchanged.
+
+        Returns:
+            ``n``; the caller truncates the draft to ``draft_token_ids[:n]`` (the verify rows of the
+            rest would be fully masked).
+        """
+        matcher = self.matchers[request_id]
+        n = matcher.validate_tokens(draft_token_ids)
+        for j in range(n + 1):
+            matcher.fill_bitmask(bitmask, first_row + j)
+            if j < n:
+                matcher.accept_token(draft_token_ids[j])
+        matcher.rollback(n)
+        return n
+
     def advance(self, request: Request) -> tuple[bool, str | None]:
         """Feed the matcher the output tokens appended since the last call.
 

@@ -114,3 +114,22 @@ def test_matcher_validate_and_rollback_for_spec_decode(make_llm, grammar):
     assert matcher.validate_tokens(good[3:]) == 3 and not matcher.accept_token(good[1])
     assert all(matcher.accept_token(t) for t in good[3:])
     assert not matcher.is_terminated() and matcher.accept_token(2) and matcher.is_terminated()
+
+
+def test_fill_draft_bitmask_rows_and_state_unchanged(make_llm):
+    llm = make_llm(model=STORIES)
+    manager = llm.engine.structured_output
+    tok = llm.engine.tokenizer
+    ids = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in b"abz"]
+    manager.matchers["r"] = manager.grammar.matcher(manager.grammar.compile("regex", "abc"))
+    bitmask = torch.zeros(4, manager.num_words, dtype=torch.int32)
+    assert manager.fill_draft_bitmask(bitmask, 0, "r", ids) == 2  # "z" is not allowed after "ab"
+
+    def allowed(row):
+        return [t for t in range(manager.vocab_size) if (int(bitmask[row, t // 32]) >> (t % 32)) & 1]
+
+    c = tok.convert_tokens_to_ids("<0x63>")
+    assert ids[0] in allowed(0) and ids[1] in allowed(1) and c in allowed(2) and ids[2] not in allowed(2)
+    assert not bitmask[3].any()  # rows past n untouched
+    assert manager.matchers["r"].validate_tokens(ids[:2] + [c]) == 3  # state rolled back to the start
+    manager.discard("r")
