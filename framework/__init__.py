@@ -12,11 +12,12 @@ from framework.config import EngineConfig
 from framework.hookspecs import hookimpl
 from framework.outputs import CompletionOutput, RequestOutput
 from framework.sampling_params import SamplingParams
+from framework.structured_output_params import StructuredOutputsParams
 
 _LAZY = {"LLM": "framework.llm", "LLMEngine": "framework.engine", "build_engine": "framework.engine"}
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
-           "build_engine", "hookimpl"]
+           "StructuredOutputsParams", "build_engine", "hookimpl"]
 
 
 def __getattr__(name: str) -> Any:

@@ -30,7 +30,7 @@ class EngineConfig:
     drafter_params: dict[str, Any] = field(default_factory=dict)
     quant: str = "none"
     quant_params: dict[str, Any] = field(default_factory=dict)
-    grammar: str = "none"
+    grammar: str = "xgrammar"
     grammar_params: dict[str, Any] = field(default_factory=dict)
     max_num_seqs: int = 256  # max requests in one step's batch
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)

@@ -20,11 +20,12 @@ from framework.sampling_params import RequestOutputKind, SamplingParams
 from framework.scheduler import Scheduler
 from framework.stop import StopChecker
 from framework.swap import SwapSpace
+from framework.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 # plugins the engine loop can drive today; others are rejected before the model loads
-_ENGINE_SUPPORTS_NONE_ONLY = ("drafter", "grammar")
+_ENGINE_SUPPORTS_NONE_ONLY = ("drafter",)
 
 
 class LLMEngine:
@@ -35,7 +36,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any,
-                 eos_token_ids: frozenset[int], vocab_size: int, metrics: MetricsCollector | None = None) -> None:
+                 eos_token_ids: frozenset[int], vocab_size: int, metrics: MetricsCollector | None = None,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.scheduler = scheduler
         self.runner = runner
@@ -47,6 +49,9 @@ class LLMEngine:
         self.num_steps = 0
         self._sent: dict[str, tuple[int, int]] = {}  # DELTA requests: (chars, tokens) already reported
         self._hook = registry.plugin_manager().hook
+        # structured requests wait here (outside the scheduler) while their grammar compiles
+        self.structured_output = structured_output
+        self._compiling: dict[str, Request] = {}
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -65,13 +70,20 @@ class LLMEngine:
         """
         sampling_params = sampling_params or SamplingParams()
         sampling_params.validate()
+        if sampling_params.structured_outputs is not None and self.structured_output is None:
+            raise ValueError("structured_outputs needs a grammar engine but grammar=none; "
+                             "use grammar=xgrammar (default) or grammar=llguidance")
         token_ids = self.tokenize(prompt)
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self._compiling:
             raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=sampling_params,
                           prompt=prompt if isinstance(prompt, str) else None, priority=priority, client_id=client_id,
                           eos_token_ids=self.eos_token_ids,
                           arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        if sampling_params.structured_outputs is not None:
+            self.structured_output.submit(request)
+            self._compiling[request_id] = request
+            return
         self.scheduler.add_request(request)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -107,11 +119,16 @@ class LLMEngine:
             ``finish_reason="abort"``, the tokens produced so far). ``step()`` does not repeat them.
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        return [self._report_finished(request) for request in self.scheduler.abort_requests(ids)]
+        outputs = [self._fail(self._compiling.pop(rid), None) for rid in ids if rid in self._compiling]
+        for request in self.scheduler.abort_requests(ids):
+            if self.structured_output is not None:
+                self.structured_output.discard(request.request_id)
+            outputs.append(self._report_finished(request))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -122,6 +139,7 @@ class LLMEngine:
             ones with ``finished=True``, final ``text`` and ``metrics``).
         """
         t0 = time.perf_counter()
+        failed = self._admit_compiled()
         sched_out = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched_out.is_empty:
@@ -130,14 +148,60 @@ class LLMEngine:
             runner_out = self.runner.execute_model(sched_out)
         t2 = time.perf_counter()
         updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
+        self._advance_grammars(updated)
         t3 = time.perf_counter()
-        outputs = [self._make_output(r) for r in updated]
+        outputs = failed + [self._make_output(r) for r in updated]
         if not sched_out.is_empty:
             self._observe_step(sched_out, runner_out, updated, (t0, t1, t2, t3))
-        for request, output in zip(updated, outputs):
+        for request, output in zip(updated, outputs[len(failed):]):
             if request.is_finished:
                 self._observe_finished(output)
         return [o for o in outputs if o is not None]
+
+    # ---- structured output ------------------------------------------------------------
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand requests whose grammar compiled to the scheduler; fail those whose compile failed.
+        Returns the failed requests' outputs. Waits briefly when nothing else can run."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            self.structured_output.wait_any(timeout_s=0.05)
+        failed = []
+        for rid in [r for r in self._compiling if self.structured_output.is_ready(r)]:
+            request = self._compiling.pop(rid)
+            error = self.structured_output.start(request)
+            if error is None:
+                self.scheduler.add_request(request)
+            else:
+                failed.append(self._fail(request, error))
+        return failed
+
+    def _fail(self, request: Request, error: str | None) -> RequestOutput:
+        """Finish a request that never reached the scheduler as aborted (``error`` set)."""
+        from framework.request import RequestStatus
+
+        self.structured_output.discard(request.request_id)
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.error = error
+        request.times.finished_s = time.perf_counter()
+        return self._report_finished(request)
+
+    def _advance_grammars(self, updated: list[Request]) -> None:
+        """Advance matchers on the tokens the scheduler appended; a terminated grammar finishes its
+        request with ``stop``, a violating token aborts it with an error."""
+        from framework.request import RequestStatus
+
+        if self.structured_output is None:
+            return
+        for request in updated:
+            terminated, error = self.structured_output.advance(request)
+            if request.is_finished:
+                self.structured_output.discard(request.request_id)
+            elif terminated or error:
+                self.scheduler.abort_requests([request.request_id])
+                self.structured_output.discard(request.request_id)
+                request.status = RequestStatus.FINISHED_ABORTED if error else RequestStatus.FINISHED_STOPPED
+                request.error = error
 
     def _observe_step(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request],
                       times: tuple[float, float, float, float]) -> None:
@@ -316,7 +380,13 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
                           long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space)
     runner = ModelRunner(model, backend, num_blocks, mc.num_hidden_layers, backend.cache_dtype, torch.device(config.device),
                          Sampler(mc.vocab_size, seed=config.seed), num_swap_blocks=num_swap_blocks)
-    engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size, metrics)
+    structured = None
+    if config.grammar != "none":
+        grammar = registry.create("grammar", config.grammar, tokenizer=loaded.tokenizer, vocab_size=mc.vocab_size,
+                                  eos_token_ids=loaded.eos_token_ids, **config.plugin_params("grammar"))
+        structured = runner.structured_output = StructuredOutputManager(grammar, mc.vocab_size)
+    engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size, metrics,
+                       structured)
     engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
                                     "kv_cache_bytes_per_block": backend.kv_cache_bytes_per_block(mc.num_hidden_layers)}
     logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ class ModelRunner:
         self.block_size = backend.block_size
         self.sampler = sampler
         self.block_bytes = backend.kv_cache_bytes_per_block(num_layers)  # one block, all layers, K and V
+        self.structured_output: Any = None  # StructuredOutputManager; set by build_engine when grammar != none
         shape = backend.get_kv_cache_shape(num_blocks)
         self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(num_layers)]
         # CPU swap space for preemption_mode=swap (pinned so GPU copies can be asynchronous)
@@ -88,6 +90,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         sampled, logprobs = {}, {}
         if batch.sample_requests:
+            if self.structured_output is not None:  # grammar bitmask before any sampling path
+                self.structured_output.apply_bitmask(logits, batch.sample_requests)
             out = self.sampler(logits, batch.sample_requests)
             for i, request in enumerate(batch.sample_requests):
                 sampled[request.request_id] = [out.token_ids[i]]

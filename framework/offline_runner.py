@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from framework.outputs import RequestOutput
 from framework.sampling_params import SamplingParams
+from framework.structured_output_params import StructuredOutputsParams
 from framework.workload import WorkloadItem
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,9 @@ def _submit(engine: Any, item: WorkloadItem, default_sampling: SamplingParams, a
     """Add one item to the engine; returns the rejection message, or ``None`` when queued."""
     prompt = item.prompt_token_ids if item.prompt_token_ids is not None else item.prompt
     try:
-        overrides = {} if item.max_tokens is None else {"max_tokens": int(item.max_tokens)}
+        overrides: dict = {} if item.max_tokens is None else {"max_tokens": int(item.max_tokens)}
+        if item.structured_outputs is not None:
+            overrides["structured_outputs"] = StructuredOutputsParams.from_dict(item.structured_outputs)
         params = dataclasses.replace(default_sampling, **overrides)  # a fresh copy per request
         engine.add_request(item.request_id, prompt, params, priority=item.priority, arrival_time=arrival_time,
                            client_id=item.client_id)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from framework.structured_output_params import StructuredOutputsParams
+
 
 class RequestOutputKind(enum.Enum):
     """What each ``RequestOutput`` of a request carries (vLLM's ``RequestOutputKind``).
@@ -48,12 +50,15 @@ class SamplingParams:
     logprobs: int | None = None  # number of top log-probabilities returned per sampled position
     skip_special_tokens: bool = True  # passed to the tokenizer when detokenizing
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each step's RequestOutput holds
+    structured_outputs: StructuredOutputsParams | None = None  # output constraint (needs grammar != none)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -84,6 +89,8 @@ class SamplingParams:
             (self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}"),
             (isinstance(self.output_kind, RequestOutputKind),
              f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             f"structured_outputs must be StructuredOutputsParams or None, got {self.structured_outputs!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -30,6 +30,8 @@ class WorkloadItem:
     max_tokens: int | None = None  # overrides the run's sampling.max_tokens when set
     arrival_time_s: float | None = None  # offset from the run start, seconds; None = at start
     client_id: str | None = None  # sender, for fair-share scheduling (scheduler=fair)
+    # vLLM ``structured_outputs`` fields, e.g. {"json": {...schema...}} or {"regex": "..."}
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.prompt is None and self.prompt_token_ids is None:
@@ -72,7 +74,7 @@ def render_chat(prompt: str, tokenizer: Any) -> str:
 
 def load_prompts(path: str | Path, chat: bool, tokenizer: Any, limit: int | None = None) -> list[WorkloadItem]:
     """Read prompts from ``.txt`` (one per line) or ``.jsonl`` (``prompt``; optional ``priority``,
-    ``max_tokens``, ``arrival_time_s``, ``request_id``, ``client_id``).
+    ``max_tokens``, ``arrival_time_s``, ``request_id``, ``client_id``, ``structured_outputs``).
 
     With ``chat`` each prompt is rendered as a user turn by the chat template and tokenized here
     without adding special tokens again (the template already holds them); ``prompt`` keeps the
@@ -95,7 +97,8 @@ def load_prompts(path: str | Path, chat: bool, tokenizer: Any, limit: int | None
         items.append(WorkloadItem(request_id=str(rec.get("request_id", f"prompt-{i}")), prompt=text,
                                   prompt_token_ids=token_ids, priority=int(rec.get("priority", 0)),
                                   max_tokens=rec.get("max_tokens"), arrival_time_s=rec.get("arrival_time_s"),
-                                  client_id=rec.get("client_id")))
+                                  client_id=rec.get("client_id"),
+                                  structured_outputs=rec.get("structured_outputs")))
     return items
 
 

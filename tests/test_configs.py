@@ -49,7 +49,7 @@ def test_defaults_map_onto_engine_config():
     config = engine_config_from_cfg(cfg)
     assert (config.model, config.dtype, config.scheduler, config.kv_allocator, config.attention) == (
         "smollm2", "bfloat16", "fcfs", "paged", "torch")
-    assert (config.drafter, config.quant, config.grammar) == ("none", "none", "none")
+    assert (config.drafter, config.quant, config.grammar) == ("none", "none", "xgrammar")
     assert config.max_num_batched_tokens == 2048 and config.kv_cache_memory_bytes == 1 << 30
     assert sampling_params_from_cfg(cfg.sampling).greedy
     assert Path(cfg.workload.path).is_absolute() and Path(cfg.workload.path).is_file()

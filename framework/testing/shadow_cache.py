@@ -148,3 +148,50 @@ def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callab
         assert step < max_steps, f"scheduler made no progress in {max_steps} steps"
     return step
 
+
+
+def check_against_shadow_cache(allocator_cls: type, policies: Sequence[str] = ("fcfs", "priority"),
+                               num_workloads: int = 30, seed: int = 0, **allocator_params: object) -> None:
+    """Conformance check for a KV allocator plugin: seeded random workloads (shared prefixes, chunked
+    prefill, KV pressure, priorities) through the real scheduler with each policy and both preemption
+    modes, every step checked against the shadow cache and the allocator returning every block.
+
+    Args:
+        allocator_cls: a ``KVAllocator`` subclass, constructed with ``num_blocks``, ``block_size``,
+            ``enable_prefix_caching``, ``max_model_len`` and ``allocator_params``.
+        policies: registered scheduler policy names to drive it with.
+        num_workloads: random workloads per (policy, preemption mode).
+
+    Raises:
+        AssertionError: a stale/foreign KV read, a leaked block, or no progress.
+    """
+    import random
+
+    from framework import registry
+    from framework.sampling_params import SamplingParams
+    from framework.stop import StopChecker
+    from framework.swap import SwapSpace
+
+    rng = random.Random(seed)
+    for policy in policies:
+        for swap in (False, True):
+            for _ in range(num_workloads):
+                bs, num_blocks = rng.choice([1, 2, 4]), rng.randint(6, 16)
+                max_len = num_blocks * bs
+                kv = allocator_cls(num_blocks=num_blocks, block_size=bs, enable_prefix_caching=rng.random() < 0.8,
+                                   max_model_len=max_len, **allocator_params)
+                sched = Scheduler(registry.create("scheduler", policy), kv, StopChecker(tokenizer=None),
+                                  max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(max(4, bs), 32),
+                                  max_model_len=max_len, long_prefill_token_threshold=rng.choice([0, 2, 4, 8]),
+                                  swap_space=SwapSpace(num_blocks // 2) if swap else None)
+                base = [rng.randint(3, 6) for _ in range(max_len)]
+                arrivals = []
+                for i in range(rng.randint(1, 6)):
+                    tokens = (base[:rng.randint(0, max_len // 2)] + [rng.randint(3, 9) for _ in range(
+                        rng.randint(1, max(1, max_len // 2)))])[:max_len - 1]
+                    params = SamplingParams(max_tokens=rng.randint(1, max(1, min(6, max_len - len(tokens)))))
+                    step = rng.randint(0, 4)
+                    arrivals.append(Arrival(step, Request(f"r{i}", tokens, params, priority=rng.randint(0, 3),
+                                                          arrival_time=float(step), eos_token_ids=frozenset())))
+                simulate(sched, arrivals)
+                assert kv.num_free_blocks == kv.num_blocks, f"{allocator_cls.__name__} leaked KV blocks"
