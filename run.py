@@ -1,7 +1,7 @@
 """servelab entry point: ``python run.py [group=option ...] [key=value ...]`` (``-m`` for sweeps).
 
 One offline run: compose the Hydra config, build the tracker and the engine, run the workload,
-and write ``outputs.jsonl``, ``metrics.json`` and ``resolved_config.yaml`` into the Hydra run dir
+and write ``outputs.jsonl``, ``metrics.json``, ``resolved_config.yaml`` and ``run_record.json`` into the Hydra run dir
 (``outputs/<date>/<time>/``; Hydra adds ``.hydra/``). Also installed as the ``servelab`` command.
 """
 
@@ -29,6 +29,7 @@ from framework.hydra_config import (  # noqa: E402
     register_config_nodes,
     sampling_params_from_cfg,
 )
+from framework.run_record import write_run_record  # noqa: E402
 
 register_config_nodes()  # every registered plugin name is a valid group option, file or not
 
@@ -48,10 +49,15 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     engine_config = engine_config_from_cfg(cfg)
     default_sampling = sampling_params_from_cfg(cfg.sampling)
     validate_plugins(engine_config)  # unknown names / capabilities fail before the tracker starts or weights load
+    record = write_run_record(run_dir, cfg, engine_config)  # run_record.json: versions, git sha, plugin packages
     params = cfg.tracker.get("params")
     tracker_params = {} if params is None else OmegaConf.to_container(params, resolve=True)
+    if "group" in tracker_params and tracker_params["group"] is None:
+        tracker_params["group"] = record["sweep_group"]  # every job of a multirun in one tracker group
     tracker = registry.create("tracker", cfg.tracker.name, run_dir=str(run_dir),
-                              config=OmegaConf.to_container(cfg, resolve=True), **tracker_params)
+                              config={**OmegaConf.to_container(cfg, resolve=True),
+                                      "servelab_run": {k: v for k, v in record.items() if k != "config"}},
+                              **tracker_params)
     with contextlib.ExitStack() as stack:
         if tracker is not None:
             stack.callback(tracker.close)

@@ -4,7 +4,12 @@ plus subcommands.
     servelab results SWEEP_DIR [--plot KEY ...]   sweep dir -> CSV/Markdown table, PNGs, HTML
     servelab plugins                               every registered plugin per kind, package, capabilities
     servelab serve [overrides]                     == python run.py mode=serve [overrides]
-    servelab rerun RUN_DIR [overrides]             == python run.py --config-dir RUN_DIR/.hydra --config-name config
+    servelab rerun RUN_DIR [key=value ...]         == python run.py --config-path RUN_DIR/.hydra --config-name config
+
+``--config-path`` (not ``--config-dir``): Hydra searches ``--config-dir`` *after* the app's own
+``conf/``, whose ``config.yaml`` would then win; ``--config-path`` replaces the primary dir. The
+saved config is fully composed (no defaults list), so overrides are plain keys
+(``tracker.name=none``), not group choices.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ def rerun_argv(run_dir: str | Path, overrides: list[str]) -> list[str]:
     n = 0
     while (hydra_dir.parent / f"rerun-{n}").exists():
         n += 1
-    return ["--config-dir", str(hydra_dir), "--config-name", "config",
+    return ["--config-path", str(hydra_dir), "--config-name", "config",
             f"hydra.run.dir={hydra_dir.parent / f'rerun-{n}'}", *overrides]
 
 

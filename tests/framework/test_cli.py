@@ -39,6 +39,6 @@ def test_rerun_argv_points_hydra_at_the_saved_config(tmp_path):
         cli.rerun_argv(tmp_path, [])
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "config.yaml").write_text("mode: offline\n")
-    argv = cli.rerun_argv(tmp_path, ["tracker=none"])
-    assert argv[:4] == ["--config-dir", str(tmp_path / ".hydra"), "--config-name", "config"]
-    assert argv[4] == f"hydra.run.dir={tmp_path / 'rerun-0'}" and argv[5] == "tracker=none"
+    argv = cli.rerun_argv(tmp_path, ["tracker.name=none"])
+    assert argv[:4] == ["--config-path", str(tmp_path / ".hydra"), "--config-name", "config"]
+    assert argv[4] == f"hydra.run.dir={tmp_path / 'rerun-0'}" and argv[5] == "tracker.name=none"
