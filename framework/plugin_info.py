@@ -27,12 +27,6 @@ def _capabilities(cls: type) -> tuple[str, str]:
     return devices, ", ".join(str(d).removeprefix("torch.") for d in dtypes) if dtypes else "any"
 
 
-def _sources() -> dict[int, tuple[str, str]]:
-    """``id(plugin object) -> (distribution name, version)`` for every entry-point-loaded plugin."""
-    return {id(plugin): (dist.project_name, dist.version) for plugin, dist in
-            registry.plugin_manager().list_plugin_distinfo()}
-
-
 def list_plugins() -> list[PluginInfo]:
     """Every registered implementation of every kind, in kind order then registration order.
 
@@ -40,7 +34,6 @@ def list_plugins() -> list[PluginInfo]:
         TypeError: see :func:`framework.registry.available` (bad class, duplicate name).
     """
     pm = registry.plugin_manager()
-    sources = _sources()
     out = []
     for kind, (hook_name, _, _) in registry.KINDS.items():
         classes = registry.available(kind)  # validates subclassing / duplicates
@@ -49,7 +42,7 @@ def list_plugins() -> list[PluginInfo]:
             names: list[str] = []
             impl.function(register=lambda name, cls, names=names: names.append(name))
             for name in names:
-                origin.setdefault(name, sources.get(id(impl.plugin), ("(runtime)", "")))
+                origin.setdefault(name, registry.plugin_source(impl.plugin))
         for name, cls in classes.items():
             package, version = origin.get(name, ("(runtime)", ""))
             out.append(PluginInfo(kind, name, f"{cls.__module__}.{cls.__qualname__}", package, version,
