@@ -66,3 +66,11 @@ def test_config_is_flattened_and_group_and_charts_are_logged(tmp_path):
     assert tracker.run.group == "2026-01-01_12-00-00" and tracker.run.job_type == "ablation"
     _drive(tracker)
     assert tracker._series["step"] == [0, 1, 2] and tracker._series["num_waiting_reqs"] == [1.0, 1.0, 1.0]
+
+
+def test_register_trackers_hookimpl_registers_wandb():
+    from plugins.trackers import wandb as module
+
+    seen = []
+    module.register_trackers(register=lambda name, cls: seen.append((name, cls)))
+    assert seen == [("wandb", WandbTracker)]
