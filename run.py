@@ -76,7 +76,15 @@ def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run
                                                                   slo_tpot_ms=cfg.slo.tpot_ms))
     items = build_workload(cfg.workload, engine.tokenizer, vocab_size=getattr(engine, "vocab_size", None))
     logger.info("running %d requests; outputs in %s", len(items), run_dir)
-    records, summary = run_workload(engine, items, default_sampling, progress=True)
+    with contextlib.ExitStack() as stack:
+        if cfg.get("ui", "progress") == "dashboard":  # live rich dashboard fed by the lifecycle hooks
+            from framework.dashboard import Dashboard
+
+            dashboard = stack.enter_context(Dashboard(total_requests=len(items)))
+            stack.enter_context(registry.registered(dashboard, name="dashboard"))
+        elif cfg.get("ui", "progress") not in ("progress", "none"):
+            raise ValueError(f"unknown ui {cfg.ui!r}; valid: progress, dashboard, none")
+        records, summary = run_workload(engine, items, default_sampling, progress=cfg.get("ui", "progress") == "progress")
     with open(run_dir / "outputs.jsonl", "w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
