@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from helpers import STORIES
 
+from plugins.attention.torch import TorchAttentionBackend
 from plugins.kv_allocators.paged import PagedKVAllocator
 from plugins.schedulers.fcfs import FCFSPolicy
 from plugins.schedulers.priority import PriorityPolicy
-from servelab.testing import check_kv_allocator, check_policy_contract, check_scheduler_policy
+from servelab.testing import check_attention_backend, check_kv_allocator, check_policy_contract, check_scheduler_policy
 
 
 def test_builtin_policies_pass_the_contract():
@@ -45,3 +46,19 @@ def test_a_leaking_allocator_is_caught():
 
     with pytest.raises(AssertionError):
         check_kv_allocator(Leaky)
+
+
+@pytest.mark.parametrize("decode_kernel", TorchAttentionBackend.DECODE_KERNELS)
+def test_torch_attention_passes_the_reference_check(decode_kernel):
+    check_attention_backend(TorchAttentionBackend, decode_kernel=decode_kernel)
+
+
+def test_a_wrong_backend_is_caught():
+    class NoScale(TorchAttentionBackend):
+        name = "noscale"
+
+        def forward(self, layer_idx, query, key, value, kv_cache, metadata):
+            return super().forward(layer_idx, query * 2.0, key, value, kv_cache, metadata)
+
+    with pytest.raises(AssertionError, match="reference"):
+        check_attention_backend(NoScale)
