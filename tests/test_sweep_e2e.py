@@ -75,3 +75,16 @@ def test_joblib_launcher_sweep(tmp_path):
 def test_results_on_a_missing_dir_fails_clearly(tmp_path):
     proc = servelab("results", str(tmp_path / "nope"))
     assert proc.returncode != 0 and "not found" in proc.stderr
+
+
+def test_local_ray_launcher_sweep(tmp_path):
+    """Only where the optional ``ray`` extra is installed (``pip install -e ".[ray]" "torch==2.13.0"``; it pins
+    cloudpickle 2.2.1, which conflicts with joblib>=1.6's cloudpickle>=3, so the default env leaves it out)."""
+    import pytest
+
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher")
+    sweep = tmp_path / "sweep"
+    proc = servelab("-m", *GRID, "tracker=none", "hydra/launcher=ray", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in sweep.iterdir() if (p / "metrics.json").is_file()) == ["0", "1", "2", "3"]
+    check_results(sweep)
