@@ -1,7 +1,7 @@
 """servelab entry point: ``python run.py [group=option ...] [key=value ...]`` (``-m`` for sweeps).
 
 One offline run: compose the Hydra config, build the tracker and the engine, run the workload,
-and write ``outputs.jsonl``, ``metrics.json`` and ``resolved_config.yaml`` into the Hydra run dir
+and write ``outputs.jsonl``, ``metrics.json``, ``resolved_config.yaml`` and ``run_record.json`` into the Hydra run dir
 (``outputs/<date>/<time>/``; Hydra adds ``.hydra/``). Also installed as the ``servelab`` command.
 """
 
@@ -29,6 +29,7 @@ from framework.hydra_config import (  # noqa: E402
     register_config_nodes,
     sampling_params_from_cfg,
 )
+from framework.run_record import write_run_record  # noqa: E402
 from framework.workloads_synthetic import theoretical_hit_rate, validate_arrivals  # noqa: E402
 
 register_config_nodes()  # every registered plugin name is a valid group option, file or not
@@ -50,10 +51,15 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     default_sampling = sampling_params_from_cfg(cfg.sampling)
     validate_plugins(engine_config)  # unknown names / capabilities fail before the tracker starts or weights load
     validate_arrivals(cfg.workload)  # bad rates / traces fail before weights load too
+    record = write_run_record(run_dir, cfg, engine_config)  # run_record.json: versions, git sha, plugin packages
     params = cfg.tracker.get("params")
     tracker_params = {} if params is None else OmegaConf.to_container(params, resolve=True)
+    if "group" in tracker_params and tracker_params["group"] is None:
+        tracker_params["group"] = record["sweep_group"]  # every job of a multirun in one tracker group
     tracker = registry.create("tracker", cfg.tracker.name, run_dir=str(run_dir),
-                              config=OmegaConf.to_container(cfg, resolve=True), **tracker_params)
+                              config={**OmegaConf.to_container(cfg, resolve=True),
+                                      "servelab_run": {k: v for k, v in record.items() if k != "config"}},
+                              **tracker_params)
     with contextlib.ExitStack() as stack:
         if tracker is not None:
             stack.callback(tracker.close)
@@ -73,7 +79,15 @@ def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run
     items = build_workload(cfg.workload, engine.tokenizer, vocab_size=getattr(engine, "vocab_size", None),
                            max_model_len=engine.max_model_len)
     logger.info("running %d requests; outputs in %s", len(items), run_dir)
-    records, summary = run_workload(engine, items, default_sampling, progress=True)
+    with contextlib.ExitStack() as stack:
+        if cfg.get("ui", "progress") == "dashboard":  # live rich dashboard fed by the lifecycle hooks
+            from framework.dashboard import Dashboard
+
+            dashboard = stack.enter_context(Dashboard(total_requests=len(items)))
+            stack.enter_context(registry.registered(dashboard, name="dashboard"))
+        elif cfg.get("ui", "progress") not in ("progress", "none"):
+            raise ValueError(f"unknown ui {cfg.ui!r}; valid: progress, dashboard, none")
+        records, summary = run_workload(engine, items, default_sampling, progress=cfg.get("ui", "progress") == "progress")
     with open(run_dir / "outputs.jsonl", "w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")

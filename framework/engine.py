@@ -19,8 +19,8 @@ from framework.sampler import Sampler
 from framework.sampling_params import RequestOutputKind, SamplingParams
 from framework.scheduler import Scheduler
 from framework.stop import StopChecker
-from framework.swap import SwapSpace
 from framework.structured_output import StructuredOutputManager
+from framework.swap import SwapSpace
 
 logger = logging.getLogger(__name__)
 

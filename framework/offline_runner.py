@@ -20,11 +20,13 @@ logger = logging.getLogger(__name__)
 
 
 def _record(item: WorkloadItem, output: RequestOutput | None, error: str | None = None) -> dict[str, Any]:
-    """One ``outputs.jsonl`` line: request_id, prompt, text, token_ids, finish_reason, error, metrics."""
+    """One ``outputs.jsonl`` line: request_id, prompt (as the user wrote it), rendered_prompt (the text sent,
+    chat template applied; ``None`` for token-id prompts), text, token_ids, finish_reason, error, metrics."""
     completion = output.outputs[0] if output is not None and output.outputs else None
     return {
         "request_id": item.request_id,
-        "prompt": item.prompt,
+        "prompt": item.raw_prompt if item.raw_prompt is not None else item.prompt,
+        "rendered_prompt": item.prompt,
         "text": completion.text if completion else "",
         "token_ids": list(completion.token_ids) if completion else [],
         "finish_reason": completion.finish_reason if completion else "abort",

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
+from importlib import metadata
 from typing import Any
 
 import pluggy
@@ -19,6 +21,7 @@ from framework.interfaces import (
     SchedulerPolicy,
     Tracker,
 )
+from framework.interfaces.base import INTERFACE_VERSION
 
 ENTRY_POINT_GROUP = "servelab.plugins"
 
@@ -36,10 +39,43 @@ KINDS: dict[str, tuple[str, type, str]] = {
 OPTIONAL_KINDS = ("drafter", "quant", "grammar", "tracker")
 
 _plugin_manager: pluggy.PluginManager | None = None
+_sources: dict[int, tuple[str, str]] = {}  # id(plugin object) -> (distribution, version) of entry-point plugins
 
 
 class UnknownPluginError(ValueError):
     """An unknown plugin name; the message lists the valid choices."""
+
+
+class PluginConflictError(TypeError):
+    """Two plugins (usually two packages) register the same name for one kind."""
+
+
+class PluginVersionError(TypeError):
+    """A plugin targets another plugin-interface version than this servelab provides."""
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    """Register every ``servelab.plugins`` entry point; one that fails to import only warns (naming its
+    package and the error) so that the other plugins still load."""
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = (ep.dist.metadata["Name"], ep.dist.version) if ep.dist is not None else ("(unknown)", "")
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as e:  # noqa: BLE001 - any import error of a third-party package
+            warnings.warn(f"servelab plugin {ep.name!r} from package {dist[0]} {dist[1]} failed to import "
+                          f"({type(e).__name__}: {e}); its plugins are unavailable, the others still load",
+                          RuntimeWarning, stacklevel=2)
+            continue
+        pm.register(plugin, name=ep.name)
+        _sources[id(plugin)] = dist
+
+
+def plugin_source(plugin: object) -> tuple[str, str]:
+    """``(distribution, version)`` that provided a registered plugin object; ``("(runtime)", "")`` for
+    plugins registered in-process (tests, trackers)."""
+    return _sources.get(id(plugin), ("(runtime)", ""))
 
 
 def plugin_manager() -> pluggy.PluginManager:
@@ -48,7 +84,7 @@ def plugin_manager() -> pluggy.PluginManager:
     if _plugin_manager is None:
         pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         pm.add_hookspecs(hookspecs)
-        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        _load_entry_points(pm)
         _plugin_manager = pm
     return _plugin_manager
 
@@ -69,23 +105,35 @@ def available(kind: str) -> dict[str, type]:
 
     Raises:
         KeyError: for an unknown kind (the valid kinds are listed).
-        TypeError: when a plugin registers a class that does not subclass the kind's ABC, or
-            registers one name twice with different classes.
+        TypeError: when a plugin registers a class that does not subclass the kind's ABC.
+        PluginConflictError: one name registered with two classes (the message names both packages).
+        PluginVersionError: a class whose ``interface_version`` differs from ``INTERFACE_VERSION``.
     """
     if kind not in KINDS:
         raise KeyError(f"unknown plugin kind {kind!r}; kinds are {sorted(KINDS)}")
     hook_name, base, _ = KINDS[kind]
-    found: dict[str, type] = {}
+    found: dict[str, tuple[type, str]] = {}  # name -> (class, "package version")
 
-    def register(name: str, cls: type) -> None:
+    def check(name: str, cls: type, origin: str) -> None:
         if not (isinstance(cls, type) and issubclass(cls, base)):
-            raise TypeError(f"{kind} plugin {name!r} must subclass {base.__name__}, got {cls!r}")
-        if name in found and found[name] is not cls:
-            raise TypeError(f"{kind} name {name!r} registered twice ({found[name]!r} and {cls!r})")
-        found[name] = cls
+            raise TypeError(f"{kind} plugin {name!r} from {origin} must subclass {base.__name__}, got {cls!r}")
+        version = getattr(cls, "interface_version", INTERFACE_VERSION)
+        if version != INTERFACE_VERSION:
+            raise PluginVersionError(
+                f"{kind} plugin {name!r} from {origin} targets servelab plugin interface v{version}, but this "
+                f"servelab provides v{INTERFACE_VERSION}; upgrade the plugin package (or servelab) so they match")
+        if name in found and found[name][0] is not cls:
+            raise PluginConflictError(
+                f"{kind} name {name!r} is registered twice: by {found[name][1]} ({found[name][0].__module__}."
+                f"{found[name][0].__qualname__}) and by {origin} ({cls.__module__}.{cls.__qualname__}); "
+                "uninstall one of the packages or rename one plugin")
+        found[name] = (cls, origin)
 
-    getattr(plugin_manager().hook, hook_name)(register=register)
-    return found
+    for impl in reversed(getattr(plugin_manager().hook, hook_name).get_hookimpls()):  # pluggy call order
+        package, version = plugin_source(impl.plugin)
+        origin = f"package {package} {version}".rstrip() if package != "(runtime)" else f"plugin {impl.plugin_name!r}"
+        impl.function(register=lambda name, cls, origin=origin: check(name, cls, origin))
+    return {name: cls for name, (cls, _) in found.items()}
 
 
 def choices(kind: str) -> list[str]:

@@ -25,6 +25,7 @@ class WorkloadItem:
 
     request_id: str
     prompt: str | None = None  # text as sent (chat template already applied), or None for token-id prompts
+    raw_prompt: str | None = None  # the prompt as the user wrote it (before the chat template); None = ``prompt``
     prompt_token_ids: list[int] | None = None  # (num_prompt_tokens,) ids; bypasses the engine's tokenizer
     priority: int = 0  # lower is served first (priority scheduler)
     max_tokens: int | None = None  # overrides the run's sampling.max_tokens when set
@@ -72,18 +73,33 @@ def render_chat(prompt: str, tokenizer: Any) -> str:
                                          tokenize=False)
 
 
-def load_prompts(path: str | Path, chat: bool, tokenizer: Any, limit: int | None = None) -> list[WorkloadItem]:
+def resolve_chat(chat: bool | str, tokenizer: Any) -> bool:
+    """Whether prompts go through the chat template: ``"auto"`` = exactly when ``tokenizer`` has one.
+
+    Raises:
+        ValueError: ``chat`` is not ``"auto"``, ``True`` or ``False``.
+    """
+    if chat == "auto":
+        return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+    if isinstance(chat, bool):
+        return chat
+    raise ValueError(f"workload.chat must be auto, true or false; got {chat!r}")
+
+
+def load_prompts(path: str | Path, chat: bool | str, tokenizer: Any, limit: int | None = None) -> list[WorkloadItem]:
     """Read prompts from ``.txt`` (one per line) or ``.jsonl`` (``prompt``; optional ``priority``,
     ``max_tokens``, ``arrival_time_s``, ``request_id``, ``client_id``, ``structured_outputs``).
 
-    With ``chat`` each prompt is rendered as a user turn by the chat template and tokenized here
-    without adding special tokens again (the template already holds them); ``prompt`` keeps the
-    rendered text.
+    With ``chat`` (``True``, or ``"auto"`` on a tokenizer with a chat template) each prompt is
+    rendered as a user turn by the chat template and tokenized here without adding special tokens
+    again (the template already holds them); ``prompt`` keeps the rendered text and ``raw_prompt``
+    the text as written.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: bad extension, bad JSONL line, or ``chat`` without a chat template.
+        ValueError: bad extension, bad JSONL line, bad ``chat``, or ``chat=True`` without a chat template.
     """
+    chat = resolve_chat(chat, tokenizer)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"workload file not found: {path} (set workload.path=<file>)")
@@ -95,6 +111,7 @@ def load_prompts(path: str | Path, chat: bool, tokenizer: Any, limit: int | None
             text = render_chat(text, tokenizer)
             token_ids = list(tokenizer(text, add_special_tokens=False).input_ids)
         items.append(WorkloadItem(request_id=str(rec.get("request_id", f"prompt-{i}")), prompt=text,
+                                  raw_prompt=rec["prompt"],
                                   prompt_token_ids=token_ids, priority=int(rec.get("priority", 0)),
                                   max_tokens=rec.get("max_tokens"), arrival_time_s=rec.get("arrival_time_s"),
                                   client_id=rec.get("client_id"),
@@ -145,7 +162,7 @@ def build_workload(cfg: Mapping[str, Any], tokenizer: Any, vocab_size: int | Non
     (``framework.workloads_synthetic.apply_arrivals``).
 
     Args:
-        cfg: ``name: prompts`` (``path``, ``chat``, ``limit``), ``random`` (the arguments of
+        cfg: ``name: prompts`` (``path``, ``chat``: auto|true|false, ``limit``), ``random`` (the arguments of
             :func:`random_workload` except ``vocab_size``), ``shared_prefix``, ``multi_turn`` or
             ``long_tail`` (the arguments of their generators in ``framework.workloads_synthetic``).
         tokenizer: the engine's tokenizer (chat template, vocabulary size).
@@ -169,7 +186,7 @@ def build_workload(cfg: Mapping[str, Any], tokenizer: Any, vocab_size: int | Non
         return {k: cfg[k] for k in keys}
 
     if name == "prompts":
-        items = load_prompts(cfg["path"], chat=bool(cfg.get("chat", False)), tokenizer=tokenizer,
+        items = load_prompts(cfg["path"], chat=cfg.get("chat", "auto"), tokenizer=tokenizer,
                              limit=cfg.get("limit"))
     elif name == "random":
         items = random_workload(**args("num_prompts", "input_len_min", "input_len_max", "output_len_min",

@@ -65,7 +65,7 @@ def test_rejected_prompt_is_recorded_and_others_run(tmp_path):
 
 
 def test_chat_without_template_and_bad_choices_fail_clearly(tmp_path):
-    proc = run_cli("model=stories260K", "tracker=none", f"hydra.run.dir={tmp_path / 'a'}")  # chat: true by default
+    proc = run_cli("model=stories260K", "tracker=none", "workload.chat=true", f"hydra.run.dir={tmp_path / 'a'}")
     assert proc.returncode != 0 and "workload.chat=false" in proc.stderr
     proc = run_cli("scheduler=nope", f"hydra.run.dir={tmp_path / 'b'}")
     assert proc.returncode != 0 and "fcfs" in proc.stderr and "priority" in proc.stderr

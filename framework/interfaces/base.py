@@ -7,6 +7,11 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     from framework.config import EngineConfig
 
+# Version of the plugin interfaces (hookspecs + the ABCs in framework.interfaces). Bumped on any
+# incompatible change; a plugin class states the version it targets in ``interface_version`` and the
+# registry refuses a mismatch with a clear error (see docs/plugins.md, "Versioning").
+INTERFACE_VERSION = 1
+
 
 class Plugin:
     """Base of all plugin ABCs.
@@ -17,6 +22,7 @@ class Plugin:
 
     name: ClassVar[str] = ""  # registry key; equals the module name and conf/<group>/<name>.yaml
     requires_cuda: ClassVar[bool] = False  # True for GPU-only kernels
+    interface_version: ClassVar[int] = INTERFACE_VERSION  # plugin-interface version this class targets
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:

@@ -142,3 +142,21 @@ def test_shipped_prompts_file():
     prefix = lines[0][:200]
     assert sum(line.startswith(prefix) for line in lines) >= 8
     assert min(map(len, lines)) < 40 < 400 < max(map(len, lines))
+
+
+def test_chat_auto_uses_the_template_when_there_is_one(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("Hi\n")
+    (item,) = load_prompts(path, chat="auto", tokenizer=FakeChatTokenizer())
+    assert item.prompt == "<user>Hi</user><assistant>" and item.raw_prompt == "Hi"
+    (plain,) = load_prompts(path, chat="auto", tokenizer=NoTemplateTokenizer())
+    assert plain.prompt == "Hi" and plain.prompt_token_ids is None
+    (none_tok,) = build_workload({"name": "prompts", "path": str(path)}, tokenizer=None)  # chat defaults to auto
+    assert none_tok.prompt == "Hi"
+
+
+def test_chat_rejects_other_values(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("Hi\n")
+    with pytest.raises(ValueError, match="auto, true or false"):
+        load_prompts(path, chat="yes", tokenizer=FakeChatTokenizer())

@@ -101,3 +101,10 @@ def test_unknown_decode_kernel_rejected():
 def test_unknown_param_rejected():
     with pytest.raises(TypeError, match="unknown parameters"):
         TorchAttentionBackend(H, KVH, D, 1.0, BS, torch.float32, torch.device("cpu"), window=4)
+
+
+def test_kv_cache_shape_and_bytes_per_block():
+    backend = TorchAttentionBackend(num_heads=4, num_kv_heads=2, head_size=8, scale=8 ** -0.5, block_size=16,
+                                    dtype=torch.float16, device=torch.device("cpu"))
+    assert backend.get_kv_cache_shape(10) == (2, 10, 16, 2, 8)
+    assert backend.kv_cache_bytes_per_block(num_layers=3) == 2 * 16 * 2 * 8 * 3 * 2  # K+V, fp16 = 2 bytes

@@ -56,3 +56,21 @@ def test_bad_mode_and_unknown_param(tmp_path):
         WandbTracker(run_dir=str(tmp_path), mode="cloud")
     with pytest.raises(TypeError, match="projekt"):
         WandbTracker(run_dir=str(tmp_path), mode="disabled", projekt="x")
+
+
+def test_config_is_flattened_and_group_and_charts_are_logged(tmp_path):
+    tracker = registry.create("tracker", "wandb", run_dir=str(tmp_path), mode="offline", project="servelab-test",
+                              config={"scheduler": {"name": "fcfs"}, "engine": {"max_num_seqs": 8}},
+                              group="2026-01-01_12-00-00", job_type="ablation")
+    assert tracker.run.config["scheduler.name"] == "fcfs" and tracker.run.config["engine.max_num_seqs"] == 8
+    assert tracker.run.group == "2026-01-01_12-00-00" and tracker.run.job_type == "ablation"
+    _drive(tracker)
+    assert tracker._series["step"] == [0, 1, 2] and tracker._series["num_waiting_reqs"] == [1.0, 1.0, 1.0]
+
+
+def test_register_trackers_hookimpl_registers_wandb():
+    from plugins.trackers import wandb as module
+
+    seen = []
+    module.register_trackers(register=lambda name, cls: seen.append((name, cls)))
+    assert seen == [("wandb", WandbTracker)]

@@ -1,0 +1,1 @@
+"""servelab-plugin-example: ``scheduler=lifo`` and ``kv_cache=peak_paged`` for servelab."""
