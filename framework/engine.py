@@ -11,6 +11,7 @@ import torch
 from framework import registry
 from framework.config import PLUGIN_FIELDS, EngineConfig
 from framework.forward_context import register_attention_implementation
+from framework.interfaces import Drafter
 from framework.metrics import MetricsCollector, compute_request_metrics
 from framework.model_runner import ModelRunner
 from framework.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerStats
@@ -23,7 +24,7 @@ from framework.stop import StopChecker
 logger = logging.getLogger(__name__)
 
 # plugins the engine loop can drive today; others are rejected before the model loads
-_ENGINE_SUPPORTS_NONE_ONLY = ("drafter", "grammar")
+_ENGINE_SUPPORTS_NONE_ONLY = ("grammar",)
 
 
 class LLMEngine:
@@ -34,8 +35,10 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any,
-                 eos_token_ids: frozenset[int], vocab_size: int, metrics: MetricsCollector | None = None) -> None:
+                 eos_token_ids: frozenset[int], vocab_size: int, metrics: MetricsCollector | None = None,
+                 drafter: Drafter | None = None) -> None:
         self.config = config
+        self.drafter = drafter
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -121,16 +124,34 @@ class LLMEngine:
         t2 = time.perf_counter()
         updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
         t3 = time.perf_counter()
+        draft_s = self._propose_drafts(sched_out, finished) if self.drafter is not None else 0.0
         outputs = [self._make_output(r) for r in updated]
         if not sched_out.is_empty:
-            self._observe_step(sched_out, runner_out, updated, (t0, t1, t2, t3))
+            self._observe_step(sched_out, runner_out, updated, (t0, t1, t2, t3), draft_s)
         for request, output in zip(updated, outputs):
             if request.is_finished:
                 self._observe_finished(output)
         return outputs
 
+    def _propose_drafts(self, sched_out: Any, finished: list[Request]) -> float:
+        """Tell the drafter which requests left, then draft for running requests in their decode
+        phase (all tokens but the last computed). Drafts are capped so that verifying them can
+        reach neither ``max_model_len`` nor ``max_tokens``. Returns the drafter time, seconds."""
+        t0 = time.perf_counter()
+        gone = sched_out.preempted_req_ids | sched_out.finished_req_ids | {r.request_id for r in finished}
+        if gone:
+            self.drafter.on_requests_freed(gone)
+        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        if decoding:
+            drafts = self.drafter.propose(decoding)
+            for request in decoding:
+                max_tokens = request.sampling_params.max_tokens or self.max_model_len
+                room = min(self.max_model_len - request.num_tokens, max_tokens - request.num_output_tokens) - 1
+                request.spec_token_ids = list(drafts.get(request.request_id, ()))[:max(room, 0)]
+        return time.perf_counter() - t0
+
     def _observe_step(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request],
-                      times: tuple[float, float, float, float]) -> None:
+                      times: tuple[float, float, float, float], draft_s: float = 0.0) -> None:
         t0, t1, t2, t3 = times
         n = sched_out.num_scheduled_tokens
         num_decode = sum(1 for v in n.values() if v == 1)
@@ -145,6 +166,9 @@ class LLMEngine:
             prepare_s=runner_out.prepare_s, forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
             update_s=t3 - t2, step_s=t3 - t0, num_generated_tokens=sum(len(v) for v in
                                                                           runner_out.sampled_token_ids.values()),
+            num_spec_reqs=len(sched_out.scheduled_spec_decode_tokens),
+            num_draft_tokens=sum(len(v) for v in sched_out.scheduled_spec_decode_tokens.values()),
+            num_accepted_tokens=sum(runner_out.num_accepted_tokens.values()), draft_s=draft_s,
         )
         self.num_steps += 1
         self.metrics.observe_step(stats)
@@ -252,7 +276,11 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
                           long_prefill_token_threshold=config.long_prefill_token_threshold)
     runner = ModelRunner(model, backend, num_blocks, mc.num_hidden_layers, kv_dtype, torch.device(config.device),
                          Sampler(mc.vocab_size, seed=config.seed))
-    engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size, metrics)
+    drafter = registry.create("drafter", config.drafter, **config.plugin_params("drafter"))
+    if drafter is not None:
+        drafter.load(model=model, model_config=mc, config=config)
+    engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size, metrics,
+                       drafter)
     logger.info("engine ready: %d KV blocks (%.1f MiB), max_model_len=%d", num_blocks,
                 runner.kv_cache_bytes / 2**20, max_model_len)
     registry.plugin_manager().hook.on_engine_start(config=config.to_dict())

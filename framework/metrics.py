@@ -100,6 +100,10 @@ class MetricsCollector:
         self.peak_kv_cache_usage = 0.0
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
         self.num_preemptions = 0
+        self.num_generated_tokens = 0  # output tokens over all steps
+        # speculative decoding totals (SchedulerStats field names)
+        self.spec = dict.fromkeys(("num_spec_reqs", "num_draft_tokens", "num_accepted_tokens", "draft_s"), 0)
+        self.spec_verify_s = 0.0  # forward + sample time of steps that verified drafts, seconds
         self._first_s: float | None = None  # perf_counter at the start of the first observed step
         self._last_s: float | None = None  # perf_counter at the last observation
 
@@ -118,6 +122,11 @@ class MetricsCollector:
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, stats.kv_cache_usage)
         self.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
         self.num_preemptions += stats.num_preemptions
+        self.num_generated_tokens += stats.num_generated_tokens
+        for key in self.spec:
+            self.spec[key] += getattr(stats, key)
+        if stats.num_draft_tokens:
+            self.spec_verify_s += stats.forward_s + stats.sample_s
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Add one finished request; aborted/rejected ones only count in ``num_failed``."""
@@ -177,7 +186,19 @@ class MetricsCollector:
         for part in STEP_PARTS:
             out[f"{part}_s"] = self.step_time_s[part]
             out[f"{part}_frac"] = self.step_time_s[part] / total_step_s if total_step_s > 0 else 0.0
+        out["tokens_per_forward"] = self.num_generated_tokens / self.num_steps if self.num_steps else 0.0
+        if self.spec["num_draft_tokens"]:
+            out.update(self._spec_summary())
         return out
+
+    def _spec_summary(self) -> dict[str, float | int]:
+        """Speculative decoding: acceptance rate (accepted / drafted), mean accepted length per
+        verify step (accepted drafts + the target's own token, so 1..k+1), drafter vs verify time."""
+        s = self.spec
+        return {"spec_num_draft_tokens": s["num_draft_tokens"], "spec_num_accepted_tokens": s["num_accepted_tokens"],
+                "spec_acceptance_rate": s["num_accepted_tokens"] / s["num_draft_tokens"],
+                "spec_mean_accepted_length": (s["num_accepted_tokens"] + s["num_spec_reqs"]) / s["num_spec_reqs"],
+                "spec_draft_s": s["draft_s"], "spec_verify_s": self.spec_verify_s}
 
 
 def _fmt(value: Any, digits: int = 2) -> str:

@@ -23,6 +23,9 @@ class SchedulerOutput:
     block_ids: dict[str, list[int]]  # request_id -> its block table (allocator's list, read-only)
     preempted_req_ids: set[str] = field(default_factory=set)  # preempted (recompute) in this step
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
+    # request_id -> the draft tokens among its scheduled tokens (the last len(...) of them); only
+    # requests that verify drafts this step have an entry (speculative decoding)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -43,6 +46,8 @@ class ModelRunnerOutput:
     prepare_s: float = 0.0  # input preparation time, seconds
     forward_s: float = 0.0  # model forward time, seconds
     sample_s: float = 0.0  # logits processing + sampling time, seconds
+    # request_id -> draft tokens accepted this step (speculative decoding; <= its scheduled drafts)
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,6 +114,10 @@ class SchedulerStats:
     update_s: float = 0.0  # Scheduler.update_from_output, seconds
     step_s: float = 0.0  # whole step, seconds
     num_generated_tokens: int = 0  # output tokens produced this step
+    num_spec_reqs: int = 0  # requests that verified drafts this step (speculative decoding)
+    num_draft_tokens: int = 0  # draft tokens verified this step
+    num_accepted_tokens: int = 0  # of which the target accepted
+    draft_s: float = 0.0  # drafter time after this step (proposing the next drafts), seconds
 
     def as_dict(self) -> dict[str, float | int]:
         """Plain-dict form for trackers."""

@@ -127,6 +127,7 @@ class Scheduler:
             budget = self._admit_waiting(budget, num_scheduled)
 
         scheduled = [r for r in self.running if r.request_id in num_scheduled]
+        spec_tokens = self._scheduled_spec_tokens(scheduled, num_scheduled)
         out = SchedulerOutput(
             scheduled_requests=scheduled,
             num_scheduled_tokens=num_scheduled,
@@ -134,6 +135,7 @@ class Scheduler:
             block_ids={r.request_id: self.kv.get_block_ids(r.request_id) for r in scheduled},
             preempted_req_ids=preempted,
             finished_req_ids=self._finished_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self._finished_ids = set()
         self.num_preemptions_last_step = len(preempted)
@@ -146,10 +148,23 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int, num_hit_tokens: int = 0) -> int:
         """Tokens to compute this step: the remainder after ``num_computed_tokens`` plus prefix
         hits, capped by ``long_prefill_token_threshold`` and the budget."""
-        num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+        num_new = request.num_tokens_with_spec - request.num_computed_tokens - num_hit_tokens
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         return min(num_new, budget)
+
+    @staticmethod
+    def _scheduled_spec_tokens(scheduled: list[Request], num_scheduled: dict[str, int]) -> dict[str, list[int]]:
+        """request_id -> the drafts among its scheduled tokens (drafts trimmed by the budget drop off
+        the end; a request whose real tokens did not all fit verifies none)."""
+        out: dict[str, list[int]] = {}
+        for request in scheduled:
+            if not request.spec_token_ids:
+                continue
+            n_spec = num_scheduled[request.request_id] - (request.num_tokens - request.num_computed_tokens)
+            if n_spec > 0:
+                out[request.request_id] = request.spec_token_ids[:n_spec]
+        return out
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -189,6 +204,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         preempted.add(request.request_id)
         self._push_waiting(request)
@@ -206,7 +222,13 @@ class Scheduler:
         updated: list[Request] = []
         finished: list[Request] = []
         for request in scheduler_output.scheduled_requests:
-            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
+            rid = request.request_id
+            # speculative decoding: only accepted drafts count as computed; the KV of rejected
+            # positions is overwritten by later steps
+            num_rejected = (len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
+                            - runner_output.num_accepted_tokens.get(rid, 0))
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid] - num_rejected
+            request.spec_token_ids = []
             new_tokens = runner_output.sampled_token_ids.get(request.request_id)
             if not new_tokens:
                 continue
