@@ -166,7 +166,7 @@ class LLMEngine:
             prepare_s=runner_out.prepare_s, forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
             update_s=t3 - t2, step_s=t3 - t0, num_generated_tokens=sum(len(v) for v in
                                                                           runner_out.sampled_token_ids.values()),
-            num_spec_reqs=len(sched_out.scheduled_spec_decode_tokens),
+            num_sampled_reqs=len(updated), num_spec_reqs=len(sched_out.scheduled_spec_decode_tokens),
             num_draft_tokens=sum(len(v) for v in sched_out.scheduled_spec_decode_tokens.values()),
             num_accepted_tokens=sum(runner_out.num_accepted_tokens.values()), draft_s=draft_s,
         )

@@ -101,6 +101,7 @@ class MetricsCollector:
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
         self.num_preemptions = 0
         self.num_generated_tokens = 0  # output tokens over all steps
+        self.num_sampled_reqs = 0  # (request, step) pairs that produced tokens: target forwards per request
         # speculative decoding totals (SchedulerStats field names)
         self.spec = dict.fromkeys(("num_spec_reqs", "num_draft_tokens", "num_accepted_tokens", "draft_s"), 0)
         self.spec_verify_s = 0.0  # forward + sample time of steps that verified drafts, seconds
@@ -123,6 +124,7 @@ class MetricsCollector:
         self.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
         self.num_preemptions += stats.num_preemptions
         self.num_generated_tokens += stats.num_generated_tokens
+        self.num_sampled_reqs += stats.num_sampled_reqs
         for key in self.spec:
             self.spec[key] += getattr(stats, key)
         if stats.num_draft_tokens:
@@ -154,7 +156,11 @@ class MetricsCollector:
             (req/s; ``None`` without SLOs), ``output_throughput`` and ``total_token_throughput``
             (tok/s), ``{mean,median,std,p90,p99}_{ttft,tpot,itl,e2el,queue}_ms``,
             ``peak_kv_cache_usage``, ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
-            step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time.
+            step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time,
+            ``tokens_per_forward`` (output tokens per request per target forward) and, when a
+            drafter verified drafts, ``spec_acceptance_rate``, ``spec_mean_accepted_length`` (tokens
+            per verify step incl. the target's own), ``spec_num_{draft,accepted}_tokens``,
+            ``spec_draft_s`` and ``spec_verify_s`` (forward + sample time of verifying steps).
         """
         if duration_s is None:
             duration_s = 0.0 if self._first_s is None else self._last_s - self._first_s
@@ -186,7 +192,9 @@ class MetricsCollector:
         for part in STEP_PARTS:
             out[f"{part}_s"] = self.step_time_s[part]
             out[f"{part}_frac"] = self.step_time_s[part] / total_step_s if total_step_s > 0 else 0.0
-        out["tokens_per_forward"] = self.num_generated_tokens / self.num_steps if self.num_steps else 0.0
+        # output tokens per request per target forward: 1 without speculation, up to k+1 with it
+        out["tokens_per_forward"] = (self.num_generated_tokens / self.num_sampled_reqs
+                                     if self.num_sampled_reqs else 0.0)
         if self.spec["num_draft_tokens"]:
             out.update(self._spec_summary())
         return out

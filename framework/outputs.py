@@ -114,6 +114,7 @@ class SchedulerStats:
     update_s: float = 0.0  # Scheduler.update_from_output, seconds
     step_s: float = 0.0  # whole step, seconds
     num_generated_tokens: int = 0  # output tokens produced this step
+    num_sampled_reqs: int = 0  # requests that got >= 1 token this step
     num_spec_reqs: int = 0  # requests that verified drafts this step (speculative decoding)
     num_draft_tokens: int = 0  # draft tokens verified this step
     num_accepted_tokens: int = 0  # of which the target accepted

@@ -43,7 +43,7 @@ def test_whole_batch(make_llm, drafter, k):
     summary = _check(make_llm(drafter=drafter, drafter_params={"num_speculative_tokens": k}))
     assert summary["spec_num_accepted_tokens"] < summary["spec_num_draft_tokens"], "expected some rejections"
     assert 1.0 < summary["spec_mean_accepted_length"] <= k + 1
-    assert summary["tokens_per_forward"] > 0
+    assert 1.0 < summary["tokens_per_forward"] <= k + 1
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
