@@ -5,7 +5,7 @@ and prefix caching, mixed with requests that do not speculate."""
 from __future__ import annotations
 
 import pytest
-from helpers import STORIES, hf_greedy
+from helpers import STORIES, STORIES_DRAFT, hf_greedy
 
 from framework import SamplingParams
 
@@ -21,7 +21,12 @@ PROMPTS = [
     "Once upon a time, in a small town, there lived a kind old man who had a garden full of flowers. Every morning he",
 ]
 MAX_TOKENS = 40
-DRAFTERS = ["ngram"]
+DRAFTERS = ["ngram", "draft_model"]
+EXTRA = {"ngram": {}, "draft_model": {"model": STORIES_DRAFT}}
+
+
+def _params(drafter, k):
+    return {"num_speculative_tokens": k, **EXTRA[drafter]}
 
 
 def _check(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS):
@@ -40,7 +45,7 @@ def _check(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS):
 @pytest.mark.parametrize("drafter", DRAFTERS)
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_whole_batch(make_llm, drafter, k):
-    summary = _check(make_llm(drafter=drafter, drafter_params={"num_speculative_tokens": k}))
+    summary = _check(make_llm(drafter=drafter, drafter_params=_params(drafter, k)))
     assert summary["spec_num_accepted_tokens"] < summary["spec_num_draft_tokens"], "expected some rejections"
     assert 1.0 < summary["spec_mean_accepted_length"] <= k + 1
     assert 1.0 < summary["tokens_per_forward"] <= k + 1
@@ -49,14 +54,14 @@ def test_whole_batch(make_llm, drafter, k):
 @pytest.mark.parametrize("drafter", DRAFTERS)
 @pytest.mark.parametrize("k", [1, 4])
 def test_chunked_prefill_budget_trims_drafts(make_llm, drafter, k):
-    llm = make_llm(drafter=drafter, drafter_params={"num_speculative_tokens": k}, max_num_batched_tokens=12,
+    llm = make_llm(drafter=drafter, drafter_params=_params(drafter, k), max_num_batched_tokens=12,
                    long_prefill_token_threshold=8)
     _check(llm)
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_preemption(make_llm, drafter):
-    llm = make_llm(drafter=drafter, drafter_params={"num_speculative_tokens": 4}, num_blocks=36, block_size=16,
+    llm = make_llm(drafter=drafter, drafter_params=_params(drafter, 4), num_blocks=36, block_size=16,
                    enable_prefix_caching=False)
     _check(llm, PROMPTS + PROMPTS, max_tokens=64)
     assert llm.engine.metrics.summary()["num_preemptions"] > 0
@@ -64,7 +69,7 @@ def test_preemption(make_llm, drafter):
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_prefix_caching_chunks_preemption(make_llm, drafter):
-    llm = make_llm(drafter=drafter, drafter_params={"num_speculative_tokens": 2}, block_size=4, num_blocks=140,
+    llm = make_llm(drafter=drafter, drafter_params=_params(drafter, 2), block_size=4, num_blocks=140,
                    max_num_batched_tokens=40)
     _check(llm, PROMPTS + PROMPTS, max_tokens=40)
     assert llm.engine.kv_allocator.stats().hit_rate > 0
@@ -78,7 +83,7 @@ def test_mixed_with_non_speculating_requests(make_llm, drafter):
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     sampled = SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, seed=7)
     params = [greedy, sampled, greedy, sampled]
-    spec = make_llm(drafter=drafter, drafter_params={"num_speculative_tokens": 3})
+    spec = make_llm(drafter=drafter, drafter_params=_params(drafter, 3))
     outs = spec.generate(prompts, params)
     tok = spec.get_tokenizer()
     expected = hf_greedy(STORIES, [tok(p).input_ids for p in prompts], MAX_TOKENS)
