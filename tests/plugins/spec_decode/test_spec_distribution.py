@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import STORIES
+from helpers import STORIES, STORIES_DRAFT
 
 from framework import SamplingParams, hookimpl, registry
 
@@ -71,10 +71,13 @@ class _BadPlugin:
         register("always_same", _BadDrafter)
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "always_same"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model", "always_same"])
 def test_rejection_sampling_keeps_target_distribution(make_llm, drafter):
+    params = {} if drafter == "none" else {"num_speculative_tokens": 3}
+    if drafter == "draft_model":
+        params["model"] = STORIES_DRAFT
     with registry.registered(_BadPlugin()):
-        llm = make_llm(drafter=drafter, drafter_params={} if drafter == "none" else {"num_speculative_tokens": 3})
+        llm = make_llm(drafter=drafter, drafter_params=params)
     ids = llm.get_tokenizer()(PROMPT).input_ids
     params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=1000 + i) for i in range(NUM_SAMPLES)]
     outs = llm.generate([{"prompt_token_ids": ids}] * NUM_SAMPLES, params)

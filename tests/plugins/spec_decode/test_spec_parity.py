@@ -37,6 +37,9 @@ def _check(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS):
     for i, (out, exp) in enumerate(zip(outs, expected)):
         assert out.outputs[0].token_ids == exp, f"prompt {i} diverged from transformers"
     summary = llm.engine.metrics.summary()
+    draft_kv = getattr(llm.engine.drafter, "kv", None)
+    if draft_kv is not None:  # the draft model's own block pool is empty again (no leak)
+        assert draft_kv.num_free_blocks == draft_kv.num_blocks, "draft KV blocks leaked"
     assert summary["spec_num_draft_tokens"] > 0, "the drafter never proposed: the test checks nothing"
     assert summary["spec_num_accepted_tokens"] > 0
     return summary
