@@ -7,7 +7,9 @@ Systems (greedy, ``ignore_eos``, every request emits exactly ``--output-len`` to
 * ``ours_<drafter>_k<k>`` the same with ``drafter=<drafter>`` and ``num_speculative_tokens=k``;
 * ``hf_nospec``          ``model.generate`` one prompt at a time (batch 1 only);
 * ``hf_prompt_lookup_k<k>`` ``model.generate(prompt_lookup_num_tokens=k)`` (transformers' n-gram
-  assisted generation; batch 1 only, transformers does not batch assisted generation).
+  assisted generation; batch 1 only, transformers does not batch assisted generation);
+* ``hf_assisted_k<k>``   ``model.generate(assistant_model=draft, num_assistant_tokens=k,
+  num_assistant_tokens_schedule="constant")`` when ``--draft-model`` is given (batch 1 only).
 
 Batch 1 runs the prompts one after another; batch N submits N at a time to ``generate``.
 Workloads: ``chat`` (the shipped ``data/prompts.txt``, chat template when the tokenizer has one)
@@ -15,7 +17,7 @@ and ``grounded`` (a passage from the same file, then "Repeat the passage above w
 then continue it"), where prompt lookup should shine. Printed: output tok/s, acceptance rate, mean
 accepted length, speed-up over ``ours_nospec`` and over the transformers system of the same kind.
 
-Drafters available today: ``ngram`` (``draft_model`` and ``eagle`` are not implemented yet).
+Drafters: ``ngram`` and ``draft_model`` (needs ``--draft-model PATH``); ``eagle`` is not implemented yet.
 
 Example (the lead's quiet-machine run)::
 
@@ -70,11 +72,13 @@ def build_prompts(workload: str, tokenizer: Any, num_prompts: int, prompts_file:
 
 
 def run_ours(model: str, dtype: str, prompts: list[list[int]], batch: int, output_len: int,
-             drafter: str = "none", k: int = 0) -> dict[str, Any]:
+             drafter: str = "none", k: int = 0, draft_model: str | None = None) -> dict[str, Any]:
     """Output tok/s and speculation stats of our engine over ``prompts``, ``batch`` at a time."""
     from framework import LLM, SamplingParams
 
-    params = {"num_speculative_tokens": k} if drafter != "none" else {}
+    params: dict[str, Any] = {"num_speculative_tokens": k} if drafter != "none" else {}
+    if drafter == "draft_model":
+        params["model"] = draft_model
     llm = LLM(model=model, dtype=dtype, drafter=drafter, drafter_params=params, enable_prefix_caching=False)
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=4))  # warmup
@@ -90,12 +94,18 @@ def run_ours(model: str, dtype: str, prompts: list[list[int]], batch: int, outpu
             "draft_s": s.get("spec_draft_s"), "verify_s": s.get("spec_verify_s")}
 
 
-def run_hf(model: str, dtype: str, prompts: list[list[int]], output_len: int, k: int = 0) -> dict[str, Any]:
-    """transformers ``generate`` at batch 1, with prompt lookup when ``k > 0``."""
+def run_hf(model: str, dtype: str, prompts: list[list[int]], output_len: int, k: int = 0,
+           draft_model: str | None = None) -> dict[str, Any]:
+    """transformers ``generate`` at batch 1: prompt lookup when ``k > 0``, assisted generation with
+    ``draft_model`` when given."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
-    kwargs = {"prompt_lookup_num_tokens": k} if k else {}
+    kwargs: dict[str, Any] = {"prompt_lookup_num_tokens": k} if k else {}
+    if draft_model:
+        kwargs = {"assistant_model": AutoModelForCausalLM.from_pretrained(draft_model, dtype=getattr(torch, dtype)),
+                  "num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant"}
+        hf.generation_config.num_assistant_tokens = k
     n_out, t0 = 0, time.perf_counter()
     with torch.inference_mode():
         for ids in prompts:
@@ -114,7 +124,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--workloads", default="chat,grounded")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--ks", default="1,2,4")
-    p.add_argument("--drafters", default="ngram")
+    p.add_argument("--drafters", default="ngram", help="comma list of ngram,draft_model")
+    p.add_argument("--draft-model", default=None, help="draft_model's model (e.g. stories260K-draft)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompts-file", default=str(REPO_ROOT / "data" / "prompts.txt"))
@@ -129,6 +140,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     ks = [int(k) for k in args.ks.split(",")]
+    draft = resolve_model(args.draft_model) if args.draft_model else None
     rows: list[dict[str, Any]] = []
     for workload in args.workloads.split(","):
         prompts = build_prompts(workload, tokenizer, args.num_prompts, args.prompts_file)
@@ -138,12 +150,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             for drafter in args.drafters.split(","):
                 for k in ks:
                     rows.append({**base, "system": f"ours_{drafter}_k{k}", "k": k,
-                                 **run_ours(model, args.dtype, prompts, batch, args.output_len, drafter, k)})
+                                 **run_ours(model, args.dtype, prompts, batch, args.output_len, drafter, k,
+                                            draft)})
             if batch == 1 and not args.no_hf:
                 rows.append({**base, "system": "hf_nospec", **run_hf(model, args.dtype, prompts, args.output_len)})
                 for k in ks:
                     rows.append({**base, "system": f"hf_prompt_lookup_k{k}", "k": k,
                                  **run_hf(model, args.dtype, prompts, args.output_len, k)})
+                    if draft:
+                        rows.append({**base, "system": f"hf_assisted_k{k}", "k": k,
+                                     **run_hf(model, args.dtype, prompts, args.output_len, k, draft)})
     _print(rows)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
@@ -158,7 +174,8 @@ def _print(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         same = [x for x in rows if x["workload"] == r["workload"] and x["batch"] == r["batch"]]
         nospec = next(x for x in same if x["system"] == "ours_nospec")["output_tok_s"]
-        peer_name = f"hf_prompt_lookup_k{r['k']}" if "ngram" in r["system"] else "hf_nospec"
+        peer_name = ({"ngram": f"hf_prompt_lookup_k{r.get('k')}", "draft_model": f"hf_assisted_k{r.get('k')}"}
+                     .get(r["system"].split("_k")[0].removeprefix("ours_"), "hf_nospec"))
         peer = next((x["output_tok_s"] for x in same if x["system"] == peer_name), None)
         vs_hf = f"{r['output_tok_s'] / peer:.2f}x" if peer and r["system"].startswith("ours") else "-"
         fmt = (lambda v: "-" if v is None else f"{v:.2f}")  # noqa: E731
