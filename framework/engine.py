@@ -99,7 +99,10 @@ class LLMEngine:
     def abort_request(self, request_id: str | list[str]) -> None:
         """Abort running or waiting requests; their blocks are freed. Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for request in self.scheduler.abort_requests(ids):
+        aborted = self.scheduler.abort_requests(ids)
+        if self.drafter is not None and aborted:  # drop drafter state now, not at the next step
+            self.drafter.on_requests_freed({r.request_id for r in aborted})
+        for request in aborted:
             self._report_finished(request)
 
     def has_unfinished_requests(self) -> bool:

@@ -38,3 +38,17 @@ def test_draft_model_other_vocabulary(tmp_path):
 def test_ngram_bad_lookup_sizes():
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         LLM(model=STORIES, drafter="ngram", drafter_params={"prompt_lookup_min": 3, "prompt_lookup_max": 2})
+
+
+def test_abort_frees_draft_model_state(make_llm):
+    from framework import SamplingParams
+
+    llm = make_llm(drafter="draft_model", drafter_params={"num_speculative_tokens": 2, "model": STORIES_DRAFT})
+    engine = llm.engine
+    engine.add_request("a", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=32))
+    engine.add_request("b", "Lily went to the park", SamplingParams(temperature=0.0, max_tokens=32))
+    for _ in range(4):
+        engine.step()
+    assert engine.drafter.kv.num_free_blocks < engine.drafter.kv.num_blocks
+    engine.abort_request(["a", "b"])
+    assert engine.drafter.kv.num_free_blocks == engine.drafter.kv.num_blocks
