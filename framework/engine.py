@@ -11,6 +11,7 @@ import torch
 from framework import registry
 from framework.config import PLUGIN_FIELDS, EngineConfig
 from framework.forward_context import register_attention_implementation
+from framework.interfaces import Drafter
 from framework.metrics import MetricsCollector, compute_request_metrics
 from framework.model_runner import ModelRunner
 from framework.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerStats
@@ -25,7 +26,7 @@ from framework.swap import SwapSpace
 logger = logging.getLogger(__name__)
 
 # plugins the engine loop can drive today; others are rejected before the model loads
-_ENGINE_SUPPORTS_NONE_ONLY = ("drafter",)
+_ENGINE_SUPPORTS_NONE_ONLY: tuple[str, ...] = ()
 
 
 class LLMEngine:
@@ -37,8 +38,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any,
                  eos_token_ids: frozenset[int], vocab_size: int, metrics: MetricsCollector | None = None,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None,
+                 drafter: Drafter | None = None) -> None:
         self.config = config
+        self.drafter = drafter
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -120,7 +123,10 @@ class LLMEngine:
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         outputs = [self._fail(self._compiling.pop(rid), None) for rid in ids if rid in self._compiling]
-        for request in self.scheduler.abort_requests(ids):
+        aborted = self.scheduler.abort_requests(ids)
+        if self.drafter is not None and aborted:  # drop drafter state now, not at the next step
+            self.drafter.on_requests_freed({r.request_id for r in aborted})
+        for request in aborted:
             if self.structured_output is not None:
                 self.structured_output.discard(request.request_id)
             outputs.append(self._report_finished(request))
@@ -150,9 +156,10 @@ class LLMEngine:
         updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
         self._advance_grammars(updated)
         t3 = time.perf_counter()
+        draft_s = self._propose_drafts(sched_out, finished, updated) if self.drafter is not None else 0.0
         outputs = failed + [self._make_output(r) for r in updated]
         if not sched_out.is_empty:
-            self._observe_step(sched_out, runner_out, updated, (t0, t1, t2, t3))
+            self._observe_step(sched_out, runner_out, updated, (t0, t1, t2, t3), draft_s)
         for request, output in zip(updated, outputs[len(failed):]):
             if request.is_finished:
                 self._observe_finished(output)
@@ -203,8 +210,29 @@ class LLMEngine:
                 request.status = RequestStatus.FINISHED_ABORTED if error else RequestStatus.FINISHED_STOPPED
                 request.error = error
 
+    def _propose_drafts(self, sched_out: Any, finished: list[Request], updated: list[Request]) -> float:
+        """Tell the drafter which requests left, then draft for running requests in their decode
+        phase (all tokens but the last computed). Drafts are capped so that verifying them can
+        reach neither ``max_model_len`` nor ``max_tokens``. Requests with structured outputs are
+        not drafted for (they decode one grammar-masked token per step). Returns the drafter
+        time, seconds."""
+        t0 = time.perf_counter()
+        gone = (sched_out.preempted_req_ids | sched_out.finished_req_ids | {r.request_id for r in finished}
+                | {r.request_id for r in updated if r.is_finished})
+        if gone:
+            self.drafter.on_requests_freed(gone)
+        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1
+                    and r.sampling_params.structured_outputs is None]
+        if decoding:
+            drafts = self.drafter.propose(decoding)
+            for request in decoding:
+                max_tokens = request.sampling_params.max_tokens or self.max_model_len
+                room = min(self.max_model_len - request.num_tokens, max_tokens - request.num_output_tokens) - 1
+                request.spec_token_ids = list(drafts.get(request.request_id, ()))[:max(room, 0)]
+        return time.perf_counter() - t0
+
     def _observe_step(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request],
-                      times: tuple[float, float, float, float]) -> None:
+                      times: tuple[float, float, float, float], draft_s: float = 0.0) -> None:
         t0, t1, t2, t3 = times
         n = sched_out.num_scheduled_tokens
         num_decode = sum(1 for v in n.values() if v == 1)
@@ -224,6 +252,9 @@ class LLMEngine:
             prepare_s=runner_out.prepare_s, forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
             update_s=t3 - t2, step_s=t3 - t0, num_generated_tokens=sum(len(v) for v in
                                                                           runner_out.sampled_token_ids.values()),
+            num_sampled_reqs=len(updated), num_spec_reqs=len(sched_out.scheduled_spec_decode_tokens),
+            num_draft_tokens=sum(len(v) for v in sched_out.scheduled_spec_decode_tokens.values()),
+            num_accepted_tokens=sum(runner_out.num_accepted_tokens.values()), draft_s=draft_s,
         )
         self.num_steps += 1
         self.metrics.observe_step(stats)
@@ -385,8 +416,11 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
         grammar = registry.create("grammar", config.grammar, tokenizer=loaded.tokenizer, vocab_size=mc.vocab_size,
                                   eos_token_ids=loaded.eos_token_ids, **config.plugin_params("grammar"))
         structured = runner.structured_output = StructuredOutputManager(grammar, mc.vocab_size)
+    drafter = registry.create("drafter", config.drafter, **config.plugin_params("drafter"))
+    if drafter is not None:
+        drafter.load(model=model, model_config=mc, config=config)
     engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size, metrics,
-                       structured)
+                       structured, drafter)
     engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
                                     "kv_cache_bytes_per_block": backend.kv_cache_bytes_per_block(mc.num_hidden_layers)}
     logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",

@@ -108,6 +108,11 @@ class MetricsCollector:
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
         self.num_preemptions = 0
         self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block}
+        self.num_generated_tokens = 0  # output tokens over all steps
+        self.num_sampled_reqs = 0  # (request, step) pairs that produced tokens: target forwards per request
+        # speculative decoding totals (SchedulerStats field names)
+        self.spec = dict.fromkeys(("num_spec_reqs", "num_draft_tokens", "num_accepted_tokens", "draft_s"), 0)
+        self.spec_verify_s = 0.0  # forward + sample time of steps that verified drafts, seconds
         self._first_s: float | None = None  # perf_counter at the start of the first observed step
         self._last_s: float | None = None  # perf_counter at the last observation
 
@@ -137,6 +142,12 @@ class MetricsCollector:
         self.num_preemptions += stats.num_preemptions
         for key in _SWAP_COUNTERS:
             self.swap_totals[key] += getattr(stats, key)
+        self.num_generated_tokens += stats.num_generated_tokens
+        self.num_sampled_reqs += stats.num_sampled_reqs
+        for key in self.spec:
+            self.spec[key] += getattr(stats, key)
+        if stats.num_draft_tokens:
+            self.spec_verify_s += stats.forward_s + stats.sample_s
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Add one finished request; aborted/rejected ones only count in ``num_failed``."""
@@ -167,7 +178,11 @@ class MetricsCollector:
             ``peak_num_running_reqs`` / ``mean_num_running_reqs`` (concurrency),
             ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
             ``kv_cache_dtype``, ``kv_cache_num_blocks``, ``kv_cache_bytes_per_block`` (bytes, all layers),
-            step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time.
+            step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time,
+            ``tokens_per_forward`` (output tokens per request per target forward) and, when a
+            drafter verified drafts, ``spec_acceptance_rate``, ``spec_mean_accepted_length`` (tokens
+            per verify step incl. the target's own), ``spec_num_{draft,accepted}_tokens``,
+            ``spec_draft_s`` and ``spec_verify_s`` (forward + sample time of verifying steps).
         """
         if duration_s is None:
             duration_s = 0.0 if self._first_s is None else self._last_s - self._first_s
@@ -207,7 +222,21 @@ class MetricsCollector:
         for part in STEP_PARTS:
             out[f"{part}_s"] = self.step_time_s[part]
             out[f"{part}_frac"] = self.step_time_s[part] / total_step_s if total_step_s > 0 else 0.0
+        # output tokens per request per target forward: 1 without speculation, up to k+1 with it
+        out["tokens_per_forward"] = (self.num_generated_tokens / self.num_sampled_reqs
+                                     if self.num_sampled_reqs else 0.0)
+        if self.spec["num_draft_tokens"]:
+            out.update(self._spec_summary())
         return out
+
+    def _spec_summary(self) -> dict[str, float | int]:
+        """Speculative decoding: acceptance rate (accepted / drafted), mean accepted length per
+        verify step (accepted drafts + the target's own token, so 1..k+1), drafter vs verify time."""
+        s = self.spec
+        return {"spec_num_draft_tokens": s["num_draft_tokens"], "spec_num_accepted_tokens": s["num_accepted_tokens"],
+                "spec_acceptance_rate": s["num_accepted_tokens"] / s["num_draft_tokens"],
+                "spec_mean_accepted_length": (s["num_accepted_tokens"] + s["num_spec_reqs"]) / s["num_spec_reqs"],
+                "spec_draft_s": s["draft_s"], "spec_verify_s": self.spec_verify_s}
 
 
 def _fmt(value: Any, digits: int = 2) -> str:

@@ -18,6 +18,7 @@ import torch
 from framework.forward_context import ForwardContext, forward_context
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from framework.outputs import ModelRunnerOutput, SchedulerOutput
+from framework.rejection_sampler import RejectionSampler
 from framework.request import Request
 from framework.sampler import Sampler
 
@@ -30,8 +31,9 @@ class _BatchInputs:
     input_ids: torch.Tensor  # (1, num_tokens) int64
     positions: torch.Tensor  # (1, num_tokens) int64
     common: CommonAttentionMetadata
-    sample_requests: list[Request]  # requests whose last scheduled token reaches num_tokens
-    logits_index: torch.Tensor  # (num_sample_requests,) int64 flattened token index to sample from
+    sample_requests: list[Request]  # requests whose last scheduled token reaches num_tokens (+ drafts)
+    logits_index: torch.Tensor  # (num_sample_rows,) int64 flattened token index of each sampled row
+    num_spec: list[int]  # per sample request: drafts verified this step (rows = num_spec + 1)
 
 
 class ModelRunner:
@@ -57,6 +59,7 @@ class ModelRunner:
         self.sampler = sampler
         self.block_bytes = backend.kv_cache_bytes_per_block(num_layers)  # one block, all layers, K and V
         self.structured_output: Any = None  # StructuredOutputManager; set by build_engine when grammar != none
+        self.rejection_sampler = RejectionSampler(sampler)
         shape = backend.get_kv_cache_shape(num_blocks)
         self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(num_layers)]
         # CPU swap space for preemption_mode=swap (pinned so GPU copies can be asynchronous)
@@ -88,17 +91,41 @@ class ModelRunner:
             logits = self.model(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False,
                                 logits_to_keep=batch.logits_index).logits[0]  # (num_sample, vocab)
         t2 = time.perf_counter()
-        sampled, logprobs = {}, {}
+        sampled, logprobs, accepted = {}, {}, {}
         if batch.sample_requests:
-            if self.structured_output is not None:  # grammar bitmask before any sampling path
-                self.structured_output.apply_bitmask(logits, batch.sample_requests)
-            out = self.sampler(logits, batch.sample_requests)
-            for i, request in enumerate(batch.sample_requests):
-                sampled[request.request_id] = [out.token_ids[i]]
-                if out.logprobs is not None and request.sampling_params.logprobs is not None:
-                    logprobs[request.request_id] = [out.logprobs[i]]
+            plain = [i for i, n in enumerate(batch.num_spec) if n == 0]
+            row_start = np.concatenate([[0], np.cumsum(np.array(batch.num_spec) + 1)])
+            if plain:
+                reqs = [batch.sample_requests[i] for i in plain]
+                rows = (logits[torch.from_numpy(row_start[plain]).to(logits.device)]
+                        if len(plain) < len(batch.num_spec) else logits)
+                if self.structured_output is not None:  # grammar bitmask before sampling (never drafted)
+                    self.structured_output.apply_bitmask(rows, reqs)
+                out = self.sampler(rows, reqs)
+                for j, request in enumerate(reqs):
+                    sampled[request.request_id] = [out.token_ids[j]]
+                    if out.logprobs is not None and request.sampling_params.logprobs is not None:
+                        logprobs[request.request_id] = [out.logprobs[j]]
+            if len(plain) < len(batch.num_spec):
+                self._verify(logits, batch, row_start, so=scheduler_output, out=(sampled, logprobs, accepted))
         t3 = time.perf_counter()
-        return ModelRunnerOutput(sampled, logprobs, prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2)
+        return ModelRunnerOutput(sampled, logprobs, prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2,
+                                 num_accepted_tokens=accepted)
+
+    def _verify(self, logits: torch.Tensor, batch: _BatchInputs, row_start: np.ndarray, so: SchedulerOutput,
+                out: tuple[dict, dict, dict]) -> None:
+        """Rejection-sample the speculating requests' k+1 rows each; fills ``out`` in place."""
+        sampled, logprobs, accepted = out
+        spec = [i for i, n in enumerate(batch.num_spec) if n > 0]
+        rows = np.concatenate([np.arange(row_start[i], row_start[i + 1]) for i in spec])
+        reqs = [batch.sample_requests[i] for i in spec]
+        drafts = [so.scheduled_spec_decode_tokens[r.request_id] for r in reqs]
+        res = self.rejection_sampler(logits[torch.from_numpy(rows).to(logits.device)], reqs, drafts)
+        for j, request in enumerate(reqs):
+            sampled[request.request_id] = res.token_ids[j]
+            accepted[request.request_id] = res.num_accepted[j]
+            if res.logprobs is not None and request.sampling_params.logprobs is not None:
+                logprobs[request.request_id] = res.logprobs[j]
 
     def _swap(self, so: SchedulerOutput) -> None:
         """The step's swap copies through the backend: every swap-out, then every swap-in, before
@@ -117,9 +144,15 @@ class ModelRunner:
         query_lens = np.array([n_sched[r.request_id] for r in requests], dtype=np.int64)
         context_lens = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
         seq_lens = context_lens + query_lens
+        spec = so.scheduled_spec_decode_tokens
+        num_spec = np.array([len(spec.get(r.request_id, ())) for r in requests], dtype=np.int64)
         token_ids: list[int] = []
-        for request, start, n in zip(requests, context_lens.tolist(), query_lens.tolist()):
-            token_ids.extend(request.all_token_ids[start:start + n])
+        for request, start, n, k in zip(requests, context_lens.tolist(), query_lens.tolist(), num_spec.tolist()):
+            if k:  # verify: the real tokens, then the drafts
+                token_ids.extend(request.all_token_ids[start:start + n - k])
+                token_ids.extend(spec[request.request_id])
+            else:
+                token_ids.extend(request.all_token_ids[start:start + n])
         query_start_loc = np.zeros(len(requests) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -133,8 +166,14 @@ class ModelRunner:
         slot_mapping = (block_table[req_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)
 
-        is_last = seq_lens == np.array([r.num_tokens for r in requests], dtype=np.int64)
+        is_last = seq_lens == np.array([r.num_tokens for r in requests], dtype=np.int64) + num_spec
         sample_idx = np.nonzero(is_last)[0]
+        # k+1 rows per speculating request: the positions of its last real token and its drafts
+        sample_k = num_spec[sample_idx]
+        row_req = np.repeat(sample_idx, sample_k + 1)
+        row_off = np.arange(int((sample_k + 1).sum())) - np.repeat(np.cumsum(sample_k + 1) - (sample_k + 1),
+                                                                   sample_k + 1)
+        logits_index = query_start_loc[row_req + 1] - np.repeat(sample_k + 1, sample_k + 1) + row_off
         dev = self.device
         common = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(query_start_loc).to(dev, torch.int32),
@@ -153,5 +192,6 @@ class ModelRunner:
             positions=torch.from_numpy(positions).to(dev)[None],
             common=common,
             sample_requests=[requests[i] for i in sample_idx.tolist()],
-            logits_index=torch.from_numpy(query_start_loc[sample_idx + 1] - 1).to(dev),
+            logits_index=torch.from_numpy(logits_index).to(dev),
+            num_spec=sample_k.tolist(),
         )

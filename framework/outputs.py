@@ -26,6 +26,9 @@ class SchedulerOutput:
     # swap preemption: block copies the runner makes before the forward, all outs before all ins
     swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (device blocks, swap slots)
     swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (swap slots, device blocks)
+    # request_id -> the draft tokens among its scheduled tokens (the last len(...) of them); only
+    # requests that verify drafts this step have an entry (speculative decoding)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -46,6 +49,8 @@ class ModelRunnerOutput:
     prepare_s: float = 0.0  # input preparation time, seconds
     forward_s: float = 0.0  # model forward time, seconds
     sample_s: float = 0.0  # logits processing + sampling time, seconds
+    # request_id -> draft tokens accepted this step (speculative decoding; <= its scheduled drafts)
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +122,11 @@ class SchedulerStats:
     num_swap_out_blocks: int = 0  # KV blocks copied device -> swap space this step (swap preemption)
     num_swap_in_blocks: int = 0  # KV blocks copied swap space -> device this step
     swapped_bytes: int = 0  # bytes moved by this step's swaps (both directions)
+    num_sampled_reqs: int = 0  # requests that got >= 1 token this step
+    num_spec_reqs: int = 0  # requests that verified drafts this step (speculative decoding)
+    num_draft_tokens: int = 0  # draft tokens verified this step
+    num_accepted_tokens: int = 0  # of which the target accepted
+    draft_s: float = 0.0  # drafter time after this step (proposing the next drafts), seconds
 
     def as_dict(self) -> dict[str, float | int]:
         """Plain-dict form for trackers."""

@@ -74,6 +74,9 @@ class Request:
     error: str | None = None  # why it was rejected, for FINISHED_ABORTED by validation
     generator: torch.Generator | None = None  # per-request RNG when sampling_params.seed is set
     seq_no: int = field(default_factory=lambda: next(_arrival_counter))  # FIFO tie-breaker
+    # draft tokens proposed for the next step (speculative decoding); never output, never hashed
+    # into the prefix cache; set by the engine from the drafter, cleared by the scheduler
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -90,6 +93,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt + output length in tokens."""
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Prompt + output + draft tokens (vLLM V1): what the scheduler catches up with."""
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -263,6 +263,22 @@ class Sampler:
         Greedy rows run with temperature 1 and draw no random numbers; the caller overwrites their
         result. Returns (num_reqs,) int64 token ids on ``logits.device``.
         """
+        probs = self.processed_probs(logits, requests)
+        q = self._exponential(requests, probs.shape[1]).to(probs.device)
+        return (probs / q).argmax(dim=1)
+
+    def processed_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Probabilities after temperature, min-p and top-k/top-p (greedy rows: temperature 1).
+
+        Shared with the rejection sampler so verification sees the same target distribution.
+
+        Args:
+            logits: (num_rows, vocab) float32 after min_tokens and penalties.
+            requests: one per row (rows may repeat a request).
+
+        Returns:
+            (num_rows, vocab) float32 probabilities on ``logits.device``.
+        """
         params = [r.sampling_params for r in requests]
         device = logits.device
         temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
@@ -275,9 +291,7 @@ class Sampler:
         if any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params):
             logits = apply_top_k_top_p(logits, torch.tensor(top_k, dtype=torch.int64, device=device),
                                        self._param(params, "top_p", device))
-        probs = logits.softmax(dim=1)
-        q = self._exponential(requests, vocab).to(device)
-        return (probs / q).argmax(dim=1)
+        return logits.softmax(dim=1)
 
     def _exponential(self, requests: list[Request], vocab: int) -> torch.Tensor:
         """(num_reqs, vocab) float32 CPU ``Exp(1)`` draws for the exponential race.

@@ -137,6 +137,7 @@ class Scheduler:
             budget = self._admit_waiting(budget, num_scheduled)
 
         scheduled = [r for r in self.running if r.request_id in num_scheduled]
+        spec_tokens = self._scheduled_spec_tokens(scheduled, num_scheduled)
         out = SchedulerOutput(
             scheduled_requests=scheduled,
             num_scheduled_tokens=num_scheduled,
@@ -146,6 +147,7 @@ class Scheduler:
             finished_req_ids=self._finished_ids,
             swap_out=self._swap_out,
             swap_in=self._swap_in,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self._swap_out, self._swap_in = [], []
         self._finished_ids = set()
@@ -159,10 +161,23 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int, num_hit_tokens: int = 0) -> int:
         """Tokens to compute this step: the remainder after ``num_computed_tokens`` plus prefix
         hits, capped by ``long_prefill_token_threshold`` and the budget."""
-        num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+        num_new = request.num_tokens_with_spec - request.num_computed_tokens - num_hit_tokens
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         return min(num_new, budget)
+
+    @staticmethod
+    def _scheduled_spec_tokens(scheduled: list[Request], num_scheduled: dict[str, int]) -> dict[str, list[int]]:
+        """request_id -> the drafts among its scheduled tokens (drafts trimmed by the budget drop off
+        the end; a request whose real tokens did not all fit verifies none)."""
+        out: dict[str, list[int]] = {}
+        for request in scheduled:
+            if not request.spec_token_ids:
+                continue
+            n_spec = num_scheduled[request.request_id] - (request.num_tokens - request.num_computed_tokens)
+            if n_spec > 0:
+                out[request.request_id] = request.spec_token_ids[:n_spec]
+        return out
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
         num_admitted = 0
@@ -224,6 +239,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         if slots is None:
             request.num_computed_tokens = 0
+        request.spec_token_ids = []  # drafts are re-proposed after re-admission
         request.num_preemptions += 1
         preempted.add(request.request_id)
         self.waiting.append(request)
@@ -249,7 +265,13 @@ class Scheduler:
         for request in scheduler_output.scheduled_requests:
             if request.is_finished or self.requests.get(request.request_id) is not request:
                 continue  # aborted (or finished) after schedule(): its blocks are gone, drop its results
-            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
+            rid = request.request_id
+            # speculative decoding: only accepted drafts count as computed; the KV of rejected
+            # positions is overwritten by later steps
+            num_rejected = (len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
+                            - runner_output.num_accepted_tokens.get(rid, 0))
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid] - num_rejected
+            request.spec_token_ids = []
             new_tokens = runner_output.sampled_token_ids.get(request.request_id)
             if not new_tokens:
                 continue

@@ -3,35 +3,74 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from framework.interfaces.base import Plugin
 
 if TYPE_CHECKING:
+    import torch
+
+    from framework.config import EngineConfig
     from framework.request import Request
 
 
 class Drafter(Plugin, ABC):
     """Proposes up to ``num_speculative_tokens`` draft tokens per request.
 
-    The target model verifies the drafts in one forward (Leviathan et al. 2023, "Fast Inference
-    from Transformers via Speculative Decoding", Sec. 2.3: rejection sampling keeps the target
-    distribution). Config ``spec_decode=none`` selects no drafter.
+    Drafters only propose; the framework verifies (``framework.rejection_sampler``: greedy
+    matching, or rejection sampling per Leviathan et al. 2023, "Fast Inference from Transformers
+    via Speculative Decoding", Sec. 2.3, which keeps the target distribution). Config
+    ``spec_decode=none`` selects no drafter.
+
+    Life cycle: constructed with its params, :meth:`load` once the target model is loaded, then
+    per engine step :meth:`on_requests_freed` (requests that finished, were aborted or preempted:
+    drop their state) and :meth:`propose` (requests in their decode phase).
 
     Args:
-        num_speculative_tokens: k, the draft length per step.
+        num_speculative_tokens: k, the draft length per step (tokens).
+
+    Raises:
+        ValueError: ``num_speculative_tokens < 1``.
     """
 
     def __init__(self, num_speculative_tokens: int = 4, **params: Any) -> None:
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        self.num_speculative_tokens = num_speculative_tokens
+        if int(num_speculative_tokens) < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}; "
+                             "set spec_decode.params.num_speculative_tokens=1 or more (or spec_decode=none)")
+        self.num_speculative_tokens = int(num_speculative_tokens)
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> list[str]:
+        """Pre-flight checks before weights load: ``num_speculative_tokens >= 1``."""
+        problems = super().validate(config)
+        k = config.drafter_params.get("num_speculative_tokens", 4)
+        if not isinstance(k, int) or k < 1:
+            problems.append(f"spec_decode {cls.name!r}: num_speculative_tokens must be an integer >= 1, got {k!r}; "
+                            "set spec_decode.params.num_speculative_tokens=4 (or spec_decode=none)")
+        return problems
+
+    def load(self, model: torch.nn.Module, model_config: Any, config: EngineConfig) -> None:  # noqa: B027
+        """Called once after the target model loads; drafters with their own weights load them here.
+
+        The base drafter needs nothing from the target (stateless drafters keep this default).
+
+        Raises:
+            ValueError: the drafter does not fit the target (e.g. another vocabulary).
+        """
+
+    def on_requests_freed(self, request_ids: Iterable[str]) -> None:  # noqa: B027
+        """Drop per-request state (KV, hidden states) of finished, aborted or preempted requests.
+
+        Stateless drafters (n-gram) keep this default, which holds nothing to drop.
+        """
 
     @abstractmethod
     def propose(self, requests: list[Request]) -> dict[str, list[int]]:
         """Draft tokens for each request that is in its decode phase.
 
-        Called by the engine after a step's outputs are appended. Must not mutate requests.
+        Called by the engine after a step's outputs are appended, for running requests whose
+        tokens are all computed but the last. Must not mutate requests.
 
         Returns:
             request_id -> up to ``num_speculative_tokens`` token ids (empty list: no proposal).

@@ -118,7 +118,8 @@ def test_abort_running_and_waiting(make_llm):
     assert [o.request_id for o in outs] == ["keep"]
 
 
-def test_spec_decode_kind_not_driven_yet():
+def test_drafter_bad_num_speculative_tokens_before_weights_load():
+    """A third-party drafter gets the base checks; the error names the fix and comes before loading."""
     class _Drafter(registry.KINDS["drafter"][1]):
         name = "dummy_drafter"
 
@@ -131,5 +132,5 @@ def test_spec_decode_kind_not_driven_yet():
             register("dummy_drafter", _Drafter)
 
     with registry.registered(_Plugin()):
-        with pytest.raises(ValueError, match="spec_decode=none"):
-            LLM(model=MISSING_MODEL, drafter="dummy_drafter")
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            LLM(model=MISSING_MODEL, drafter="dummy_drafter", drafter_params={"num_speculative_tokens": 0})

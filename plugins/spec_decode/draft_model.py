@@ -1,0 +1,158 @@
+"""Draft-model drafter: a smaller model with the same tokenizer proposes k tokens greedily.
+
+Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and Chen et
+al. 2023 ("Accelerating Large Language Model Decoding with Speculative Sampling"): the draft model
+runs k cheap autoregressive steps, the target verifies them in one forward. The draft model has
+its own attention backend instance, its own paged KV cache (its own layer count and head shape)
+and its own block pool; it runs through a second :class:`framework.model_runner.ModelRunner`, so
+its steps are flattened batches like the target's. Its KV is kept across steps: after a verify
+step only the longest common prefix of what it computed and the request's accepted tokens is
+reused, the rest is recomputed (rejected positions are overwritten).
+
+Drafts are greedy (the draft's argmax), so ``q`` is one-hot and verification is exact for any
+sampling parameters (``framework.rejection_sampler``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from framework import hookimpl
+from framework.config import EngineConfig
+from framework.hookspecs import Register
+from framework.interfaces import Drafter
+from framework.request import Request
+from framework.sampling_params import SamplingParams
+
+
+class DraftModelDrafter(Drafter):
+    """``spec_decode=draft_model spec_decode.params.model=PATH``.
+
+    Args:
+        num_speculative_tokens: k, tokens drafted per step.
+        model: path (or ``models/`` name) of the draft model; must share the target's vocabulary.
+        num_blocks: draft KV blocks; default enough for ``max_num_seqs`` requests of
+            ``max_model_len`` tokens, capped by the target's ``kv_cache_memory_bytes``.
+
+    Raises:
+        ValueError: no model given (also reported by :meth:`validate` before weights load).
+    """
+
+    name = "draft_model"
+
+    def __init__(self, num_speculative_tokens: int = 4, model: str | None = None, num_blocks: int | None = None,
+                 **params: Any) -> None:
+        super().__init__(num_speculative_tokens, **params)
+        if not model:
+            raise ValueError("spec_decode=draft_model needs spec_decode.params.model=PATH (e.g. models/stories260K-draft)")
+        self.model_path = model
+        self.num_blocks = num_blocks
+        self._states: dict[str, Request] = {}  # request_id -> shadow request tracking the draft KV
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> list[str]:
+        """Model path given and present, and its vocabulary equals the target's (configs only)."""
+        problems = super().validate(config)
+        path = config.drafter_params.get("model")
+        if not path:
+            return problems + ["spec_decode=draft_model needs spec_decode.params.model=PATH "
+                               "(e.g. models/stories260K-draft)"]
+        from framework.model_loader import load_model_config
+
+        try:
+            draft_vocab = load_model_config(path).vocab_size
+            target_vocab = load_model_config(config.model).vocab_size
+        except (OSError, ValueError) as exc:
+            return problems + [f"spec_decode=draft_model: cannot read the draft model {path!r} ({exc}); "
+                               "give an existing model folder in spec_decode.params.model"]
+        if draft_vocab != target_vocab:
+            problems.append(f"spec_decode=draft_model: draft vocabulary {draft_vocab} != target vocabulary "
+                            f"{target_vocab}; the draft model must share the target's tokenizer")
+        return problems
+
+    def load(self, model: torch.nn.Module, model_config: Any, config: EngineConfig) -> None:
+        """Load the draft model, its attention backend, KV cache, block pool and runner."""
+        from framework import registry
+        from framework.forward_context import register_attention_implementation
+        from framework.model_loader import load_model
+        from framework.model_runner import ModelRunner
+        from framework.sampler import Sampler
+
+        loaded = load_model(str(Path(self.model_path)), dtype=config.dtype, device=config.device,
+                            attn_implementation=register_attention_implementation())
+        mc = loaded.config
+        if mc.vocab_size != model_config.vocab_size:
+            raise ValueError(f"draft vocabulary {mc.vocab_size} != target vocabulary {model_config.vocab_size}")
+        head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        dtype = getattr(torch, config.dtype)
+        backend = registry.create("attention", config.attention, num_heads=mc.num_attention_heads,
+                                  num_kv_heads=mc.num_key_value_heads, head_size=head_size, scale=head_size ** -0.5,
+                                  block_size=config.block_size, dtype=dtype, device=torch.device(config.device),
+                                  **config.plugin_params("attention"))
+        max_len = config.max_model_len or mc.max_position_embeddings
+        self.max_len = min(max_len, mc.max_position_embeddings)  # draft positions stay below this
+        wanted = config.max_num_seqs * -(-max_len // config.block_size)
+        budget = config.kv_cache_memory_bytes // backend.kv_cache_bytes_per_block(mc.num_hidden_layers)
+        num_blocks = self.num_blocks or max(-(-max_len // config.block_size), min(wanted, budget))
+        self.kv = registry.create("kv_allocator", "paged", num_blocks=num_blocks, block_size=config.block_size,
+                                  enable_prefix_caching=False)
+        self.runner = ModelRunner(loaded.model, backend, num_blocks, mc.num_hidden_layers, dtype,
+                                  torch.device(config.device), Sampler(mc.vocab_size))
+
+    def on_requests_freed(self, request_ids: Any) -> None:
+        """Free the draft KV blocks of finished, aborted or preempted requests."""
+        for rid in request_ids:
+            state = self._states.pop(rid, None)
+            if state is not None:
+                self.kv.free(state)
+
+    def _sync(self, request: Request) -> Request:
+        """The request's shadow, its tokens replaced by the request's and its computed count cut to
+        the longest common prefix of old and new tokens (draft KV beyond it is stale)."""
+        state = self._states.get(request.request_id)
+        if state is None:
+            state = Request(request_id=request.request_id, prompt_token_ids=list(request.all_token_ids),
+                            sampling_params=SamplingParams(temperature=0.0, max_tokens=None))
+            self._states[request.request_id] = state
+            return state
+        old = np.asarray(state.all_token_ids[:state.num_computed_tokens], dtype=np.int64)
+        new = np.asarray(request.all_token_ids[:len(old)], dtype=np.int64)
+        diff = np.flatnonzero(old[:len(new)] != new)
+        common = int(diff[0]) if diff.size else len(new)
+        state.all_token_ids = list(request.all_token_ids)
+        state.num_computed_tokens = min(common, request.num_tokens - 1)
+        return state
+
+    def propose(self, requests: list[Request]) -> dict[str, list[int]]:
+        """k greedy draft steps over all requests at once (the first also catches up the context)."""
+        from framework.outputs import SchedulerOutput
+
+        states = [self._sync(r) for r in requests]
+        drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        for _ in range(self.num_speculative_tokens):
+            active = [s for s in states if s.num_tokens < self.max_len
+                      and self.kv.allocate_slots(s, s.num_tokens - s.num_computed_tokens) is not None]
+            if not active:
+                break
+            n = {s.request_id: s.num_tokens - s.num_computed_tokens for s in active}
+            so = SchedulerOutput(scheduled_requests=active, num_scheduled_tokens=n,
+                                 total_num_scheduled_tokens=sum(n.values()),
+                                 block_ids={s.request_id: self.kv.get_block_ids(s.request_id) for s in active})
+            out = self.runner.execute_model(so)
+            for s in active:
+                s.num_computed_tokens += n[s.request_id]
+                token = out.sampled_token_ids[s.request_id][0]
+                s.all_token_ids.append(token)
+                drafts[s.request_id].append(token)
+            states = active
+        return drafts
+
+
+@hookimpl
+def register_drafters(register: Register) -> None:
+    """Register ``draft_model``."""
+    register("draft_model", DraftModelDrafter)
