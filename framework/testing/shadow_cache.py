@@ -9,9 +9,10 @@ correct for a reader iff it was last written by *some* request with the same tok
 applies every write of the step (the backend contract: all of a step's K/V is written before any
 read), then asserts that every slot each scheduled request reads holds its own prefix fingerprint.
 Prefix-cache hits, chunked prefill, preemption (recompute or swap: the step's swap copies are
-mirrored first) and eviction all reduce to
-these two rules, so the simulator catches a stale prefix-cache entry, or a block handed to two
-writers.
+mirrored first), eviction and speculative decoding (draft positions are written with the draft's
+prefix; rejected ones must never be read before they are overwritten) all reduce to these two
+rules, so the simulator catches a stale prefix-cache entry, a block handed to two writers, or a
+rejected draft's K/V leaking into a later read or into the prefix cache.
 
 Use :func:`simulate` with any scheduler built from registered plugins (it drives the real
 ``Scheduler`` with a fake runner that samples deterministic tokens).
@@ -19,6 +20,7 @@ Use :func:`simulate` with any scheduler built from registered plugins (it drives
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -48,10 +50,10 @@ class ShadowCache:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
-def _fingerprints(request: Request, end: int) -> list[int]:
+def _fingerprints(tokens: Sequence[int], end: int) -> list[int]:
     """Fingerprint of each prefix ``tokens[:p + 1]`` for ``p < end`` (a chained hash, O(end))."""
     out, h = [], 0
-    for token in request.all_token_ids[:end]:
+    for token in list(tokens)[:end]:
         h = hash((h, token))
         out.append(h)
     return out
@@ -93,7 +95,8 @@ def check_step(shadow: ShadowCache, out: SchedulerOutput) -> None:
         table = out.block_ids[request.request_id]
         assert len(table) * shadow.block_size >= end, (
             f"{request.request_id}: block table covers {len(table) * shadow.block_size} tokens, needs {end}")
-        fps = _fingerprints(request, end)
+        drafts = out.scheduled_spec_decode_tokens.get(request.request_id, [])
+        fps = _fingerprints([*request.all_token_ids, *drafts], end)
         for pos in range(start, end):  # the forward writes this step's K/V
             shadow.slots[shadow.slot(table, pos)] = fps[pos]
         reads.append((request, table, fps))
@@ -106,15 +109,37 @@ def check_step(shadow: ShadowCache, out: SchedulerOutput) -> None:
                 f"which holds {'nothing' if held is None else 'another prefix'}: stale or foreign KV")
 
 
-def fake_runner(out: SchedulerOutput, token_of: Callable[[Request], int]) -> ModelRunnerOutput:
-    """Sample ``token_of(request)`` for each request whose scheduled tokens reach its end."""
-    return ModelRunnerOutput(sampled_token_ids={
-        r.request_id: [token_of(r)] for r in out.scheduled_requests
-        if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens})
+def fake_runner(out: SchedulerOutput, token_of: Callable[[Request], int],
+                rng: random.Random | None = None) -> ModelRunnerOutput:
+    """Sample ``token_of(request)`` for each request whose scheduled real tokens reach its end; a
+    request verifying drafts accepts a random number ``a`` of them (``rng``; all when None) and
+    outputs ``drafts[:a] + [token_of(request)]``, as the rejection sampler would."""
+    sampled, accepted = {}, {}
+    for r in out.scheduled_requests:
+        drafts = out.scheduled_spec_decode_tokens.get(r.request_id, [])
+        if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] - len(drafts) != r.num_tokens:
+            continue
+        a = len(drafts) if rng is None else rng.randint(0, len(drafts))
+        sampled[r.request_id] = [*drafts[:a], token_of(r)]
+        if drafts:
+            accepted[r.request_id] = a
+    return ModelRunnerOutput(sampled_token_ids=sampled, num_accepted_tokens=accepted)
+
+
+def propose_drafts(scheduler: Scheduler, k: int, rng: random.Random) -> None:
+    """A fake drafter: give each running request in its decode phase up to ``k`` random draft
+    tokens, capped like ``LLMEngine._propose_drafts`` (never past ``max_model_len`` or ``max_tokens``)."""
+    for r in scheduler.running:
+        if r.num_computed_tokens != r.num_tokens - 1:
+            continue
+        max_tokens = r.sampling_params.max_tokens or scheduler.max_model_len
+        room = min(scheduler.max_model_len - r.num_tokens, max_tokens - r.num_output_tokens) - 1
+        r.spec_token_ids = [rng.randint(3, 9) for _ in range(max(0, min(k, room)))]
 
 
 def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callable[[Request], int] | None = None,
-             max_steps: int = 2000, after_step: Callable[[Scheduler, SchedulerOutput], None] | None = None) -> int:
+             max_steps: int = 2000, after_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
+             num_speculative_tokens: int = 0, seed: int = 0) -> int:
     """Drive ``scheduler`` through ``arrivals`` with the shadow-cache check on every step.
 
     Args:
@@ -124,6 +149,9 @@ def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callab
             so identical prefixes produce identical continuations and prefix hits recur).
         max_steps: fail when the run has not finished after this many steps.
         after_step: optional extra check after each step's update (e.g. allocator invariants).
+        num_speculative_tokens: > 0 turns on speculative steps: before each step decoding requests
+            get up to this many random drafts, and the fake runner accepts a random prefix of them.
+        seed: seeds the drafts and acceptances.
 
     Returns:
         The number of steps run.
@@ -134,14 +162,17 @@ def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callab
     token_of = token_of or (lambda r: 3 + (r.num_tokens * 7 + r.all_token_ids[0]) % 11)
     shadow = ShadowCache(scheduler.kv.block_size)
     pending = sorted(arrivals, key=lambda a: a.step)
+    rng = random.Random(seed) if num_speculative_tokens else None
     step = 0
     while pending or scheduler.has_unfinished_requests():
         while pending and pending[0].step <= step:
             scheduler.add_request(pending.pop(0).request)
+        if rng is not None:
+            propose_drafts(scheduler, num_speculative_tokens, rng)
         out = scheduler.schedule()
         apply_swaps(shadow, out)
         check_step(shadow, out)
-        scheduler.update_from_output(out, fake_runner(out, token_of))
+        scheduler.update_from_output(out, fake_runner(out, token_of, rng))
         if after_step is not None:
             after_step(scheduler, out)
         step += 1
@@ -153,8 +184,8 @@ def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callab
 def check_against_shadow_cache(allocator_cls: type, policies: Sequence[str] = ("fcfs", "priority"),
                                num_workloads: int = 30, seed: int = 0, **allocator_params: object) -> None:
     """Conformance check for a KV allocator plugin: seeded random workloads (shared prefixes, chunked
-    prefill, KV pressure, priorities) through the real scheduler with each policy and both preemption
-    modes, every step checked against the shadow cache and the allocator returning every block.
+    prefill, KV pressure, priorities, speculative steps) through the real scheduler with each policy and
+    both preemption modes, every step checked against the shadow cache and the allocator returning every block.
 
     Args:
         allocator_cls: a ``KVAllocator`` subclass, constructed with ``num_blocks``, ``block_size``,
@@ -165,8 +196,6 @@ def check_against_shadow_cache(allocator_cls: type, policies: Sequence[str] = ("
     Raises:
         AssertionError: a stale/foreign KV read, a leaked block, or no progress.
     """
-    import random
-
     from framework import registry
     from framework.sampling_params import SamplingParams
     from framework.stop import StopChecker
@@ -193,5 +222,5 @@ def check_against_shadow_cache(allocator_cls: type, policies: Sequence[str] = ("
                     step = rng.randint(0, 4)
                     arrivals.append(Arrival(step, Request(f"r{i}", tokens, params, priority=rng.randint(0, 3),
                                                           arrival_time=float(step), eos_token_ids=frozenset())))
-                simulate(sched, arrivals)
+                simulate(sched, arrivals, num_speculative_tokens=rng.choice([0, 0, 3]), seed=rng.randrange(1 << 30))
                 assert kv.num_free_blocks == kv.num_blocks, f"{allocator_cls.__name__} leaked KV blocks"

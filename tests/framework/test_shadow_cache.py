@@ -129,3 +129,37 @@ def test_shadow_cache_random_workloads(allocator: str, policy: str, mode: str, w
                 for rid, tokens, max_tokens, priority, step in w["reqs"]]
     simulate(sched, arrivals, after_step=_invariants)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda a: "-".join([a[0], *map(str, a[1].values())]))
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=st.one_of(workloads(), pressure_workloads()), k=st.integers(1, 4), seed=st.integers(0, 1 << 16))
+def test_shadow_cache_with_speculative_steps(allocator: str, policy: str, mode: str, w: dict, k: int,
+                                            seed: int) -> None:
+    """Speculative decoding (random drafts, random acceptance): rejected drafts' K/V is never read
+    before it is overwritten and never served from the prefix cache."""
+    sched = make_scheduler(allocator, policy, num_blocks=w["num_blocks"], block_size=w["block_size"],
+                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
+                           max_model_len=w["max_model_len"],
+                           long_prefill_token_threshold=w["long_prefill_token_threshold"],
+                           enable_prefix_caching=w["caching"],
+                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0)
+    arrivals = [Arrival(step, request(rid, tokens, max_tokens, priority, arrival=float(step)))
+                for rid, tokens, max_tokens, priority, step in w["reqs"]]
+    simulate(sched, arrivals, after_step=_invariants, num_speculative_tokens=k, seed=seed)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_speculative_simulation_really_speculates():
+    """Guard for the test above: drafts are scheduled and some are rejected."""
+    sched = make_scheduler(ALLOCATORS[0], "fcfs", num_blocks=16, block_size=2)
+    seen = {"drafts": 0}
+
+    def count(_sched, out):
+        seen["drafts"] += sum(map(len, out.scheduled_spec_decode_tokens.values()))
+
+    arrivals = [Arrival(0, request(f"r{i}", [3 + i, 4, 5], max_tokens=8)) for i in range(3)]
+    simulate(sched, arrivals, after_step=count, num_speculative_tokens=3, seed=1)
+    assert seen["drafts"] > 0
