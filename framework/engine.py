@@ -213,22 +213,23 @@ class LLMEngine:
     def _propose_drafts(self, sched_out: Any, finished: list[Request], updated: list[Request]) -> float:
         """Tell the drafter which requests left, then draft for running requests in their decode
         phase (all tokens but the last computed). Drafts are capped so that verifying them can
-        reach neither ``max_model_len`` nor ``max_tokens``. Requests with structured outputs are
-        not drafted for (they decode one grammar-masked token per step). Returns the drafter
-        time, seconds."""
+        reach neither ``max_model_len`` nor ``max_tokens``, and cut to the prefix the request's
+        grammar accepts (structured outputs). Returns the drafter time, seconds."""
         t0 = time.perf_counter()
         gone = (sched_out.preempted_req_ids | sched_out.finished_req_ids | {r.request_id for r in finished}
                 | {r.request_id for r in updated if r.is_finished})
         if gone:
             self.drafter.on_requests_freed(gone)
-        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1
-                    and r.sampling_params.structured_outputs is None]
+        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
         if decoding:
             drafts = self.drafter.propose(decoding)
             for request in decoding:
                 max_tokens = request.sampling_params.max_tokens or self.max_model_len
                 room = min(self.max_model_len - request.num_tokens, max_tokens - request.num_output_tokens) - 1
-                request.spec_token_ids = list(drafts.get(request.request_id, ()))[:max(room, 0)]
+                draft = list(drafts.get(request.request_id, ()))[:max(room, 0)]
+                if self.structured_output is not None and draft:
+                    draft = self.structured_output.valid_draft_prefix(request.request_id, draft)
+                request.spec_token_ids = draft
         return time.perf_counter() - t0
 
     def _observe_step(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request],

@@ -120,7 +120,10 @@ class ModelRunner:
         rows = np.concatenate([np.arange(row_start[i], row_start[i + 1]) for i in spec])
         reqs = [batch.sample_requests[i] for i in spec]
         drafts = [so.scheduled_spec_decode_tokens[r.request_id] for r in reqs]
-        res = self.rejection_sampler(logits[torch.from_numpy(rows).to(logits.device)], reqs, drafts)
+        verify_logits = logits[torch.from_numpy(rows).to(logits.device)]
+        if self.structured_output is not None:  # grammar masks per verify row (output + drafts so far)
+            self.structured_output.apply_verify_bitmask(verify_logits, reqs, drafts)
+        res = self.rejection_sampler(verify_logits, reqs, drafts)
         for j, request in enumerate(reqs):
             sampled[request.request_id] = res.token_ids[j]
             accepted[request.request_id] = res.num_accepted[j]

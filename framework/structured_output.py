@@ -129,6 +129,34 @@ class StructuredOutputManager:
         matcher.rollback(n)
         return n
 
+    def apply_verify_bitmask(self, logits: torch.Tensor, requests: list[Request],
+                             drafts: list[list[int]]) -> None:
+        """Speculative decoding: mask the verify rows of constrained requests in place.
+
+        ``logits`` is ``(sum(len(d) + 1 for d in drafts), >= vocab)``: request ``i`` owns
+        ``len(drafts[i]) + 1`` consecutive rows; row ``j`` of it gets the grammar's mask after the
+        request's output plus ``drafts[i][:j]`` (the matcher is advanced over the drafts and rolled
+        back, :meth:`fill_draft_bitmask`). Drafts were truncated to their grammar-valid prefix when
+        proposed, so every row has a non-empty mask. Rows of unconstrained requests are untouched.
+        """
+        bitmask = torch.full((logits.shape[0], self.num_words), -1, dtype=torch.int32)
+        rows, start = [], 0
+        for request, draft in zip(requests, drafts, strict=True):
+            if request.request_id in self.matchers:
+                n = self.fill_draft_bitmask(bitmask, start, request.request_id, draft)
+                rows += range(start, start + n + 1)
+            start += len(draft) + 1
+        if rows:
+            apply_token_bitmask(logits, bitmask, rows)
+
+    def valid_draft_prefix(self, request_id: str, draft_token_ids: list[int]) -> list[int]:
+        """The longest prefix of ``draft_token_ids`` the request's grammar accepts from its current
+        state (unconstrained requests: the whole draft). Does not advance the matcher."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None:
+            return draft_token_ids
+        return draft_token_ids[:matcher.validate_tokens(draft_token_ids)]
+
     def advance(self, request: Request) -> tuple[bool, str | None]:
         """Feed the matcher the output tokens appended since the last call.
 

@@ -1,7 +1,7 @@
 """Speculative decoding combined with the other capabilities: swap preemption (outputs equal
-transformers greedy and the non-speculative run) and structured outputs (constrained requests in a
-speculating batch are never drafted for, still satisfy their constraint and equal the grammar-only
-run, while unconstrained requests in the same batch keep speculating)."""
+transformers greedy and the non-speculative run) and structured outputs (drafts of constrained requests are validated against
+the grammar, verify rows are masked, and outputs satisfy their constraint and equal the grammar-only
+run, next to unconstrained requests speculating in the same batch)."""
 
 from __future__ import annotations
 
@@ -45,28 +45,40 @@ def test_spec_decode_with_swap_preemption(make_llm, drafter):
         assert draft_kv.num_free_blocks == draft_kv.num_blocks, "draft KV blocks leaked"
 
 
-def test_spec_decode_with_structured_outputs(make_llm):
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_spec_decode_with_structured_outputs(make_llm, drafter):
+    """Drafts of constrained requests are cut to their grammar-valid prefix and every verify row is
+    masked with the grammar state after the drafts before it; outputs satisfy the constraints and
+    equal the grammar-only (non-speculative) run token for token (greedy)."""
     constrained = [SamplingParams(temperature=0.0, max_tokens=200,
                                   structured_outputs=StructuredOutputsParams(**{kind: SPECS[kind]}))
-                   for kind in ("regex", "choice")]
+                   for kind in ("regex", "choice", "grammar")]
     free = SamplingParams(temperature=0.0, max_tokens=40)
-    params = [constrained[0], free, constrained[1], free]
-    spec = make_llm(grammar="xgrammar", drafter="ngram", drafter_params={"num_speculative_tokens": 3})
+    prompts = PROMPTS + PROMPTS[:2]
+    kinds = ["regex", None, "choice", None, "grammar", None]
+    params = [constrained[0], free, constrained[1], free, constrained[2], free]
+    spec = make_llm(grammar="xgrammar", drafter=drafter,
+                    drafter_params={"num_speculative_tokens": 3, **EXTRA[drafter]})
     plain = make_llm(grammar="xgrammar")
-    drafted_for: set[str] = set()
-    propose = spec.engine.drafter.propose
+    manager = spec.engine.structured_output
+    masked = {"verify_rows": 0}
+    apply_verify_bitmask = manager.apply_verify_bitmask
 
-    def recording_propose(requests):
-        drafted_for.update(r.request_id for r in requests if r.sampling_params.structured_outputs is not None)
-        return propose(requests)
+    def recording(logits, requests, drafts):
+        masked["verify_rows"] += sum(len(d) + 1 for r, d in zip(requests, drafts) if r.request_id in manager.matchers)
+        for r, d in zip(requests, drafts):  # drafts were cut to their grammar-valid prefix when proposed
+            if r.request_id in manager.matchers:
+                assert manager.matchers[r.request_id].validate_tokens(d) == len(d), (r.request_id, d)
+        apply_verify_bitmask(logits, requests, drafts)
 
-    spec.engine.drafter.propose = recording_propose
-    outs = spec.generate(PROMPTS, params)
-    ref = plain.generate(PROMPTS, params)
-    assert not drafted_for, f"constrained requests were drafted for: {drafted_for}"
-    for kind, i in (("regex", 0), ("choice", 2)):
-        assert outs[i].error is None and outs[i].outputs[0].finish_reason == "stop"
-        check_output(kind, outs[i].outputs[0].text)
+    manager.apply_verify_bitmask = recording
+    outs = spec.generate(prompts, params)
+    ref = plain.generate(prompts, params)
+    for kind, out in zip(kinds, outs):
+        if kind is not None:
+            assert out.error is None and out.outputs[0].finish_reason == "stop", out.outputs[0]
+            check_output(kind, out.outputs[0].text)
     for a, b in zip(outs, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert spec.engine.metrics.summary()["spec_num_draft_tokens"] > 0, "the free requests never speculated"
+    assert masked["verify_rows"] > 0, "no constrained request verified drafts: the test checks nothing"
+    assert spec.engine.metrics.summary()["spec_num_accepted_tokens"] > 0
