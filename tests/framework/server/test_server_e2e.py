@@ -191,6 +191,24 @@ def test_auth_and_bad_requests_over_http(server):
     assert _client(server).completions.create(model="stories260K", prompt="Once", max_tokens=2).choices
 
 
+def test_bench_serving_smoke(server, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serving", REPO / "experiments" / "bench_serving.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = bench  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    record = bench.main(["--base-url", server["base"], "--model", "stories260K", "--api-key", KEY,
+                         "--workload", "random", "workload.num_prompts=6", "workload.input_len_min=4",
+                         "workload.input_len_max=8", "workload.output_len_min=3", "workload.output_len_max=5",
+                         "--request-rate", "50", "--max-concurrency", "3", "--ignore-eos", "--goodput", "e2el:60000",
+                         "--result-file", str(out)])
+    assert record["completed"] == 6 and record["failed"] == 0 and record["request_goodput"] > 0
+    assert record["output_lens"] == [int(n) for n in record["output_lens"]] and 18 <= sum(record["output_lens"]) <= 30
+    assert {"mean_ttft_ms", "p99_itl_ms", "median_tpot_ms", "p90_e2el_ms"} <= set(record) and out.is_file()
+
+
 def test_sigterm_aborts_in_flight_stream_and_exits_0(server):
     lines: list[str] = []
 
