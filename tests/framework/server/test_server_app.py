@@ -27,13 +27,13 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
 def setup():
     from framework import LLM
 
-    llm = LLM(model=STORIES, num_blocks=128)
-    engine = llm.engine
+    engine = LLM(model=STORIES, num_blocks=128).engine  # owned by the AsyncLLM thread from now on
+    oracle = LLM(model=STORIES, num_blocks=64)  # offline reference, its own engine
     async_llm = AsyncLLM(engine)
     state = ServerState(llm=async_llm, model_name="tiny", max_model_len=engine.max_model_len,
                         vocab_size=engine.vocab_size, tokenizer=engine.tokenizer,
                         supports_structured_outputs=engine.structured_output is not None)
-    yield llm, state
+    yield oracle, state
     async_llm.shutdown()
     assert_all_blocks_free(engine)
 
@@ -158,3 +158,32 @@ def test_structured_output_choice(setup):
     assert out.json()["choices"][0]["text"] in ("yes", "no")
     _assert_error(_call(state, "POST", "/v1/completions",
                         {**body, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}), 400)
+
+
+def test_stop_strings_seed_and_chat_logprobs(setup):
+    llm, state = setup
+    base = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.0}
+    full = _call(state, "POST", "/v1/completions", base).json()["choices"][0]["text"]
+    word = full.split()[2]
+    out = _call(state, "POST", "/v1/completions", {**base, "stop": [word]}).json()["choices"][0]
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == word and word not in out["text"]
+    assert full.startswith(out["text"])
+    seeded = {**base, "temperature": 1.0, "seed": 7}
+    first, second = (_call(state, "POST", "/v1/completions", seeded).json()["choices"][0]["text"] for _ in range(2))
+    assert first == second
+    templated = ServerState(**{**state.__dict__, "chat_template": TEMPLATE})
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4, "temperature": 0.0,
+            "logprobs": True, "top_logprobs": 3, "ignore_eos": True}
+    choice = _call(templated, "POST", "/v1/chat/completions", body).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == 4 and all(len(c["top_logprobs"]) == 3 for c in content)
+    # tokens are decoded in context; the engine's text drops the first token's SentencePiece space
+    assert "".join(c["token"] for c in content).lstrip() == choice["message"]["content"].lstrip()
+    assert all(c["logprob"] == max(t["logprob"] for t in c["top_logprobs"]) for c in content)  # greedy = argmax
+
+
+def test_engine_down_is_503(setup):  # last: shuts the module's engine loop down
+    _, state = setup
+    state.llm.shutdown()
+    _assert_error(_call(state, "GET", "/health"), 503)
+    _assert_error(_call(state, "POST", "/v1/completions", {"prompt": "Once", "max_tokens": 2}), 503)
