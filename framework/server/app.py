@@ -10,6 +10,7 @@ Events: ``data: {chunk}`` lines, then ``data: [DONE]``), ``GET /v1/models``, ``G
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -69,9 +70,26 @@ def _engine_error(exc: Exception) -> RequestError:
     return RequestError(f"the engine is not available: {exc}", 503)
 
 
-async def _final(state: ServerState, jobs: list[EngineJob]) -> list[Any]:
+async def _until_disconnected(request: Request) -> None:
+    """Return when the client has gone (the body is already read, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _final(state: ServerState, jobs: list[EngineJob], request: Request) -> list[Any]:
+    """Final outputs of ``jobs``; a client that disconnects first aborts them (as vLLM's ``with_cancellation``)."""
+    work = asyncio.ensure_future(generate_final(state.llm, jobs))
+    watch = asyncio.ensure_future(_until_disconnected(request))
     try:
-        outs = await generate_final(state.llm, jobs)
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # client gone (or handler cancelled): aborts every job
+    if work not in done:
+        raise RequestError("client disconnected; its requests were aborted", 499)
+    try:
+        outs = work.result()
     except (ValueError, RuntimeError) as exc:
         raise _engine_error(exc) from exc
     for out in outs:
@@ -125,7 +143,7 @@ def _v1_routes(state: ServerState) -> APIRouter:
                                             "owned_by": "servelab", "max_model_len": state.max_model_len}]}
 
     @router.post("/completions")
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, raw: Request) -> Any:
         check_model(state, req.model)
         if req.echo:
             raise RequestError("echo=true is not supported", param="echo")
@@ -150,14 +168,14 @@ def _v1_routes(state: ServerState) -> APIRouter:
 
             include = bool(req.stream_options and req.stream_options.include_usage)
             return _SSEResponse(_stream(state, jobs, rid, "text_completion", num_prompt, include, chunk))
-        outs = await _final(state, jobs)
+        outs = await _final(state, jobs, raw)
         choices = [R.completion_choice(j.index, o.outputs[0], logprobs(o.outputs[0], 0, j.prompt_token_ids[-1]))
                    for j, o in zip(jobs, outs)]
         return R.envelope(rid, "text_completion", state.model_name, choices,
                           R.usage(num_prompt, sum(len(o.outputs[0].token_ids) for o in outs)))
 
     @router.post("/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Any:
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         check_model(state, req.model)
         ids = render_chat(state, req.messages)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
@@ -182,7 +200,7 @@ def _v1_routes(state: ServerState) -> APIRouter:
             first = [R.chat_delta_choice(j.index, {"role": "assistant", "content": ""}) for j in jobs]
             include = bool(req.stream_options and req.stream_options.include_usage)
             return _SSEResponse(_stream(state, jobs, rid, "chat.completion.chunk", len(ids), include, chunk, first))
-        outs = await _final(state, jobs)
+        outs = await _final(state, jobs, raw)
         choices = [R.chat_choice(j.index, o.outputs[0], logprobs(o.outputs[0], j.prompt_token_ids[-1]))
                    for j, o in zip(jobs, outs)]
         return R.envelope(rid, "chat.completion", state.model_name, choices,

@@ -131,13 +131,14 @@ def test_sync_chat_equals_offline_on_rendered_prompt(server, offline):
 
 
 def test_64_concurrent_streams_a_third_disconnect(server, offline):
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]  # every third (i % 3 == 0) disconnects; it asks for
+    # 400 tokens so it cannot finish before its client leaves
     want = {p: w.text for p, w in zip(PROMPTS, offline(PROMPTS, 24, ignore_eos=True))}
     before = _metrics(server)
 
     async def one(client, i):
         stream = await client.completions.create(
-            model="stories260K", prompt=prompts[i], max_tokens=24, temperature=0.0, stream=True,
+            model="stories260K", prompt=prompts[i], max_tokens=400 if i % 3 == 0 else 24, temperature=0.0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         text, usage, n = "", None, 0
         async for chunk in stream:
@@ -173,6 +174,18 @@ def test_64_concurrent_streams_a_third_disconnect(server, offline):
     raw = httpx.post(server["base"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                      json={"prompt": "Once", "max_tokens": 3, "stream": True})
     assert raw.text.rstrip().endswith("data: [DONE]")
+
+
+def test_non_streaming_client_disconnect_aborts(server):
+    before = _metrics(server).get("servelab:request_success_total[abort]", 0)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server["base"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5,
+                   json={"prompt": "Once", "max_tokens": 480, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while _metrics(server).get("servelab:request_success_total[abort]", 0) < before + 1:
+        assert time.monotonic() < deadline, "a non-streaming request was not aborted after its client left"
+        time.sleep(0.2)
+    assert _metrics(server)["servelab:kv_cache_usage_perc"] == 0
 
 
 def test_auth_and_bad_requests_over_http(server):
