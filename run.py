@@ -1,6 +1,6 @@
 """servelab entry point: ``python run.py [group=option ...] [key=value ...]`` (``-m`` for sweeps).
 
-One offline run: compose the Hydra config, build the tracker and the engine, run the workload,
+One offline run (``mode=offline``; ``mode=serve`` starts the OpenAI server instead): compose the Hydra config, build the tracker and the engine, run the workload,
 and write ``outputs.jsonl``, ``metrics.json``, ``resolved_config.yaml`` and ``run_record.json`` into the Hydra run dir
 (``outputs/<date>/<time>/``; Hydra adds ``.hydra/``). Also installed as the ``servelab`` command.
 """
@@ -35,7 +35,7 @@ from framework.workloads_synthetic import theoretical_hit_rate, validate_arrival
 register_config_nodes()  # every registered plugin name is a valid group option, file or not
 
 logger = logging.getLogger("servelab")
-MODES = ("offline",)
+MODES = ("offline", "serve")
 
 
 # absolute config path: also right when started as the ``servelab`` console script (module ``run``)
@@ -44,7 +44,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     """Run the composed config; returns the metrics summary (Hydra sweepers may read it)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     if cfg.mode not in MODES:
-        raise ValueError(f"unknown mode {cfg.mode!r}; valid: {', '.join(MODES)} (serve is not implemented yet)")
+        raise ValueError(f"unknown mode {cfg.mode!r}; valid: {', '.join(MODES)}")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     engine_config = engine_config_from_cfg(cfg)
@@ -64,7 +64,18 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         if tracker is not None:
             stack.callback(tracker.close)
             stack.enter_context(registry.registered(tracker, name=f"tracker-{cfg.tracker.name}"))
+        if cfg.mode == "serve":
+            return _serve(cfg, engine_config, run_dir)
         return _run_offline(cfg, engine_config, default_sampling, run_dir)
+
+
+def _serve(cfg: DictConfig, engine_config: Any, run_dir: Path) -> dict[str, Any]:
+    """Serve the engine over HTTP (``framework/server``) until SIGINT/SIGTERM; then write ``metrics.json``."""
+    from framework.server.launch import serve
+
+    summary = serve(cfg, engine_config)
+    (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run_dir: Path) -> dict[str, Any]:
