@@ -48,6 +48,31 @@ class LLGuidanceMatcher(GrammarMatcher):
         return bool(self._m.is_stopped())
 
 
+def _byte_preserving_tokenizer_json(tokenizer: Any) -> str:
+    """The HF fast tokenizer's ``tokenizer.json`` for llguidance, with a byte-preserving normalizer.
+
+    llguidance re-tokenizes the bytes a grammar forces (its fast-forward path) and assumes that
+    tokenizing a string yields tokens whose bytes concatenate to that string. SentencePiece-style
+    normalizers (Llama 2's, stories260K's) prepend ``▁`` and strip or collapse spaces, which breaks
+    that assumption and makes masks allow the wrong bytes (after "T" of a forced "The", "e" instead
+    of "he"). The vocabulary and decoder are kept; the normalizer is reduced to its space -> ``▁``
+    replacement, which is what the vocabulary's pieces encode.
+
+    Raises:
+        ValueError: for a slow (non-``tokenizers``) tokenizer, which llguidance cannot use.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("grammar=llguidance needs a fast (tokenizers-backed) tokenizer; use grammar=xgrammar")
+    spec = json.loads(backend.to_str())
+    spec["padding"] = spec["truncation"] = None
+    norm = spec.get("normalizer") or {}
+    steps = norm.get("normalizers", [norm]) if norm.get("type") == "Sequence" else [norm]
+    if any(step.get("type") == "Prepend" for step in steps):
+        spec["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    return json.dumps(spec)
+
+
 class LLGuidance(Grammar):
     """llguidance compiler for the model's tokenizer.
 
@@ -63,11 +88,11 @@ class LLGuidance(Grammar):
                  any_whitespace: bool = False) -> None:
         super().__init__(tokenizer, vocab_size, eos_token_ids)
         import llguidance
-        import llguidance.hf
 
         self._ll = llguidance
-        eos = min(eos_token_ids) if eos_token_ids else None
-        self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        eos = sorted(eos_token_ids) or None  # every EOS id ends the output
+        self._tok = llguidance.LLTokenizer(_byte_preserving_tokenizer_json(tokenizer), n_vocab=vocab_size or None,
+                                           eos_token=eos)
         self.any_whitespace = any_whitespace
 
     def compile(self, kind: str, spec: str) -> Any:

@@ -11,10 +11,7 @@ from helpers import STORIES
 
 from framework import SamplingParams, StructuredOutputsParams
 
-# llguidance is exercised on SmolLM2 (test_structured_outputs_smollm2.py): its token trie gives masks
-# inconsistent with its own parser on stories260K's tiny byte-fallback sentencepiece vocabulary
-# (after "T" it allows "e" where the grammar forces "h"), so its requests abort with an error there.
-ENGINES = ["xgrammar"]
+ENGINES = ["xgrammar", "llguidance"]
 MAX_TOKENS = 200  # enough for every constraint to close on stories260K's 512-token vocabulary
 @pytest.mark.parametrize("grammar", ENGINES)
 def test_every_output_satisfies_its_constraint(make_llm, grammar):
@@ -58,7 +55,11 @@ def test_greedy_matches_transformers_with_same_mask(make_llm, grammar):
             seq = model.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False,
                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                  logits_processor=LogitsProcessorList([proc]))
-        assert out.outputs[0].token_ids == seq[0, len(ids):].tolist(), kind
+        ours, theirs = list(out.outputs[0].token_ids), seq[0, len(ids):].tolist()
+        # llguidance reports termination once only EOS can follow, so the engine may stop one EOS earlier
+        assert theirs[:len(ours)] == ours, kind
+        assert theirs[len(ours):] == [] or (grammar == "llguidance" and len(theirs) == len(ours) + 1
+                                            and theirs[-1] in llm.engine.eos_token_ids), kind
 
 
 @pytest.mark.parametrize("grammar", ["xgrammar", "llguidance"])
@@ -113,7 +114,11 @@ def test_matcher_validate_and_rollback_for_spec_decode(make_llm, grammar):
     matcher.rollback(2)  # back to "abc"
     assert matcher.validate_tokens(good[3:]) == 3 and not matcher.accept_token(good[1])
     assert all(matcher.accept_token(t) for t in good[3:])
-    assert not matcher.is_terminated() and matcher.accept_token(2) and matcher.is_terminated()
+    # xgrammar terminates on EOS; llguidance as soon as only EOS can follow (the engine then stops
+    # without feeding it more tokens)
+    if grammar == "xgrammar":
+        assert not matcher.is_terminated() and matcher.accept_token(2)
+    assert matcher.is_terminated()
 
 
 def test_fill_draft_bitmask_rows_and_state_unchanged(make_llm):
