@@ -57,16 +57,30 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if "group" in tracker_params and tracker_params["group"] is None:
         tracker_params["group"] = record["sweep_group"]  # every job of a multirun in one tracker group
     tracker = registry.create("tracker", cfg.tracker.name, run_dir=str(run_dir),
-                              config={**OmegaConf.to_container(cfg, resolve=True),
+                              config={**_without_secrets(OmegaConf.to_container(cfg, resolve=True)),
                                       "servelab_run": {k: v for k, v in record.items() if k != "config"}},
                               **tracker_params)
     with contextlib.ExitStack() as stack:
         if tracker is not None:
             stack.callback(tracker.close)
-            stack.enter_context(registry.registered(tracker, name=f"tracker-{cfg.tracker.name}"))
+            observer = tracker
+            if cfg.mode == "serve":  # tracker logging (W&B) runs on a relay thread, never stalling the loop
+                from framework.hook_relay import ThreadedHookRelay
+
+                observer = ThreadedHookRelay(tracker)
+                stack.callback(observer.close)  # drained before tracker.close
+            stack.enter_context(registry.registered(observer, name=f"tracker-{cfg.tracker.name}"))
         if cfg.mode == "serve":
             return _serve(cfg, engine_config, run_dir)
         return _run_offline(cfg, engine_config, default_sampling, run_dir)
+
+
+def _without_secrets(config: dict[str, Any]) -> dict[str, Any]:
+    """The config for trackers (which may upload it) with ``server.api_key`` masked."""
+    server = config.get("server")
+    if isinstance(server, dict) and server.get("api_key"):
+        config["server"] = {**server, "api_key": "***"}
+    return config
 
 
 def _serve(cfg: DictConfig, engine_config: Any, run_dir: Path) -> dict[str, Any]:

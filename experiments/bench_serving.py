@@ -57,7 +57,8 @@ class RequestResult:
 
 def load_items(workload: str, overrides: list[str], model: str) -> list[WorkloadItem]:
     """The workload's requests (with arrival offsets), built by ``framework.workload.build_workload`` with the
-    tokenizer of ``model`` (a servelab alias or local folder).
+    tokenizer and vocabulary size of ``model`` (a servelab alias or local folder), exactly as
+    ``python run.py workload=<workload> <overrides>`` builds them (same seed -> same prompts).
 
     Raises:
         ValueError: unknown workload or bad parameters (from ``build_workload``).
@@ -66,13 +67,15 @@ def load_items(workload: str, overrides: list[str], model: str) -> list[Workload
     from transformers import AutoTokenizer
 
     from framework.hydra_config import CONF_DIR
-    from framework.model_loader import resolve_model_path
+    from framework.model_loader import load_model_config, resolve_model_path
     from framework.workload import build_workload
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"workload={workload}", *overrides])
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model), local_files_only=True)
-    return build_workload(cfg.workload, tokenizer, vocab_size=len(tokenizer))
+    config = load_model_config(model)  # same vocab/length bounds as run.py, so the same seed gives the same prompts
+    return build_workload(cfg.workload, tokenizer, vocab_size=config.vocab_size,
+                          max_model_len=getattr(config, "max_position_embeddings", None))
 
 
 def arrival_offsets(items: list[WorkloadItem], rate: float | None, burstiness: float, seed: int) -> list[float]:

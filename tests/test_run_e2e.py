@@ -69,8 +69,8 @@ def test_chat_without_template_and_bad_choices_fail_clearly(tmp_path):
     assert proc.returncode != 0 and "workload.chat=false" in proc.stderr
     proc = run_cli("scheduler=nope", f"hydra.run.dir={tmp_path / 'b'}")
     assert proc.returncode != 0 and "fcfs" in proc.stderr and "priority" in proc.stderr
-    proc = run_cli("mode=serve", "tracker=none", f"hydra.run.dir={tmp_path / 'c'}")
-    assert proc.returncode != 0 and "unknown mode" in proc.stderr
+    proc = run_cli("mode=bogus", "tracker=none", f"hydra.run.dir={tmp_path / 'c'}")
+    assert proc.returncode != 0 and "unknown mode" in proc.stderr and "serve" in proc.stderr
 
 
 def test_shared_prefix_run_reports_kv_metrics_and_timeline(tmp_path):

@@ -134,13 +134,22 @@ def _check_auth(request: Request) -> None:
 
 
 def _v1_routes(state: ServerState) -> APIRouter:
+    """``/v1/*`` routes (bearer-token checked when ``state.api_key`` is set)."""
     router = APIRouter(prefix="/v1", dependencies=[Depends(_check_auth)])
-    tok = state.tokenizer
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "servelab", "max_model_len": state.max_model_len}]}
+
+    _add_completions(router, state)
+    _add_chat_completions(router, state)
+    return router
+
+
+def _add_completions(router: APIRouter, state: ServerState) -> None:
+    """``POST /v1/completions``."""
+    tok = state.tokenizer
 
     @router.post("/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Any:
@@ -174,6 +183,11 @@ def _v1_routes(state: ServerState) -> APIRouter:
         return R.envelope(rid, "text_completion", state.model_name, choices,
                           R.usage(num_prompt, sum(len(o.outputs[0].token_ids) for o in outs)))
 
+
+def _add_chat_completions(router: APIRouter, state: ServerState) -> None:
+    """``POST /v1/chat/completions``."""
+    tok = state.tokenizer
+
     @router.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         check_model(state, req.model)
@@ -205,8 +219,6 @@ def _v1_routes(state: ServerState) -> APIRouter:
                    for j, o in zip(jobs, outs)]
         return R.envelope(rid, "chat.completion", state.model_name, choices,
                           R.usage(len(ids), sum(len(o.outputs[0].token_ids) for o in outs)))
-
-    return router
 
 
 def build_app(state: ServerState) -> FastAPI:

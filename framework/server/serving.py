@@ -216,6 +216,13 @@ async def generate_merged(llm: AsyncLLM, jobs: list[EngineJob]) -> AsyncIterator
     Raises:
         ValueError, RuntimeError: as :func:`generate_final`.
     """
+    if len(jobs) == 1:  # the common case: no pump task, no second queue per token
+        job = jobs[0]
+        async with contextlib.aclosing(llm.generate(job.prompt_token_ids, job.params, request_id=job.request_id,
+                                                    priority=job.priority)) as outputs:
+            async for out in outputs:
+                yield job, out
+        return
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(job: EngineJob) -> None:
