@@ -25,9 +25,6 @@ from framework.swap import SwapSpace
 
 logger = logging.getLogger(__name__)
 
-# plugins the engine loop can drive today; others are rejected before the model loads
-_ENGINE_SUPPORTS_NONE_ONLY: tuple[str, ...] = ()
-
 
 class LLMEngine:
     """The engine loop. Build it with :func:`build_engine`.
@@ -319,9 +316,6 @@ def validate_plugins(config: EngineConfig) -> list[type | None]:
         classes.append(cls)
         if cls is not None:
             problems += cls.validate(config)
-            if kind in _ENGINE_SUPPORTS_NONE_ONLY:
-                problems.append(f"{kind} {name!r}: the engine loop does not drive {kind}s yet; "
-                                f"use {registry.KINDS[kind][2]}=none")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         problems.append(f"device={config.device!r} but CUDA is not available; use device=cpu")
     if problems:
