@@ -50,9 +50,12 @@ GROUNDED_INSTRUCTION = "\n\nRepeat the passage above word for word, then continu
 
 
 def resolve_model(name: str) -> str:
-    """``smollm2`` / ``stories260K`` -> ``models/<name>`` when it exists, else the path as given."""
-    path = REPO_ROOT / "models" / name
-    return str(path) if path.exists() else name
+    """A model alias (``smollm2``, ``stories260K``, ...) or folder -> local HF folder, via the engine's
+    own resolver (:func:`framework.model_loader.resolve_model_path`), so transformers peers load the
+    same weights offline."""
+    from framework.model_loader import resolve_model_path
+
+    return resolve_model_path(name)
 
 
 def build_prompts(workload: str, tokenizer: Any, num_prompts: int, prompts_file: str) -> list[list[int]]:
@@ -66,8 +69,9 @@ def build_prompts(workload: str, tokenizer: Any, num_prompts: int, prompts_file:
             line = passage + GROUNDED_INSTRUCTION
         texts.append(line)
     if getattr(tokenizer, "chat_template", None):
-        return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                              tokenize=True) for t in texts]
+        rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                  tokenize=False) for t in texts]
+        return [tokenizer(r, add_special_tokens=False).input_ids for r in rendered]
     return [tokenizer(t).input_ids for t in texts]
 
 
