@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,3 +79,13 @@ def torchao_quantize(decoder: torch.nn.Module, ao_config: Any, method: LinearQua
     from torchao.quantization import quantize_
 
     quantize_(decoder, ao_config, filter_fn=lambda module, fqn: method.selected(fqn, module))
+
+
+def replace_linears(decoder: torch.nn.Module, method: LinearQuantMethod,
+                    make: Callable[[torch.nn.Linear], torch.nn.Module]) -> None:
+    """Swap every linear ``method`` selects for ``make(linear)`` (a module with the same call shape)."""
+    targets = [(n, m) for n, m in decoder.named_modules() if method.selected(n, m)]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = decoder.get_submodule(parent_name) if parent_name else decoder
+        setattr(parent, child, make(module))

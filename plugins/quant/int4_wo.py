@@ -19,7 +19,7 @@ import torch
 
 from framework import hookimpl
 from framework.hookspecs import Register
-from plugins.quant._common import LinearQuantMethod, torchao_quantize
+from plugins.quant._common import LinearQuantMethod, replace_linears, torchao_quantize
 
 if TYPE_CHECKING:
     from framework.config import EngineConfig
@@ -126,11 +126,7 @@ class Int4WeightOnly(LinearQuantMethod):
                                                            int4_packing_format="tile_packed_to_4d"), self)
             return
         self.backend_note = f"aten._weight_int4pack_mm_for_cpu, group_size={self.group_size}"
-        targets = [(n, m) for n, m in decoder.named_modules() if self.selected(n, m)]
-        for name, module in targets:
-            parent_name, _, child = name.rpartition(".")
-            parent = decoder.get_submodule(parent_name) if parent_name else decoder
-            setattr(parent, child, Int4PackedLinear(module, self.group_size))
+        replace_linears(decoder, self, lambda linear: Int4PackedLinear(linear, self.group_size))
 
 
 @hookimpl
