@@ -150,10 +150,10 @@ class LLMEngine:
         else:
             runner_out = self.runner.execute_model(sched_out)
         t2 = time.perf_counter()
-        updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
+        updated, _ = self.scheduler.update_from_output(sched_out, runner_out)
         self._advance_grammars(updated)
         t3 = time.perf_counter()
-        draft_s = self._propose_drafts(sched_out, finished, updated) if self.drafter is not None else 0.0
+        draft_s = self._propose_drafts(sched_out, updated) if self.drafter is not None else 0.0
         outputs = failed + [self._make_output(r) for r in updated]
         if not sched_out.is_empty:
             self._observe_step(sched_out, runner_out, updated, (t0, t1, t2, t3), draft_s)
@@ -207,13 +207,14 @@ class LLMEngine:
                 request.status = RequestStatus.FINISHED_ABORTED if error else RequestStatus.FINISHED_STOPPED
                 request.error = error
 
-    def _propose_drafts(self, sched_out: Any, finished: list[Request], updated: list[Request]) -> float:
+    def _propose_drafts(self, sched_out: Any, updated: list[Request]) -> float:
         """Tell the drafter which requests left, then draft for running requests in their decode
         phase (all tokens but the last computed). Drafts are capped so that verifying them can
         reach neither ``max_model_len`` nor ``max_tokens``, and cut to the prefix the request's
         grammar accepts (structured outputs). Returns the drafter time, seconds."""
         t0 = time.perf_counter()
-        gone = (sched_out.preempted_req_ids | sched_out.finished_req_ids | {r.request_id for r in finished}
+        # finished this step (length/stop/grammar) or preempted; aborts are told in abort_request
+        gone = (sched_out.preempted_req_ids | sched_out.finished_req_ids
                 | {r.request_id for r in updated if r.is_finished})
         if gone:
             self.drafter.on_requests_freed(gone)

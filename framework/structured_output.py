@@ -139,6 +139,8 @@ class StructuredOutputManager:
         back, :meth:`fill_draft_bitmask`). Drafts were truncated to their grammar-valid prefix when
         proposed, so every row has a non-empty mask. Rows of unconstrained requests are untouched.
         """
+        if not any(r.request_id in self.matchers for r in requests):
+            return
         bitmask = torch.full((logits.shape[0], self.num_words), -1, dtype=torch.int32)
         rows, start = [], 0
         for request, draft in zip(requests, drafts, strict=True):

@@ -72,8 +72,9 @@ def _engine_error(exc: Exception) -> RequestError:
 
 async def _until_disconnected(request: Request) -> None:
     """Return when the client has gone (the body is already read, so the next ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    message = await request.receive()
+    while message["type"] != "http.disconnect":
+        message = await request.receive()
 
 
 async def _final(state: ServerState, jobs: list[EngineJob], request: Request) -> list[Any]:

@@ -7,6 +7,7 @@ One server for the whole module; every wait is bounded."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -51,11 +52,9 @@ def server(tmp_path_factory):
         if proc.poll() is not None:
             log.seek(0)
             pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
-        try:
+        with contextlib.suppress(httpx.HTTPError):  # not listening yet
             if httpx.get(base + "/health", timeout=2).status_code == 200:
                 break
-        except httpx.HTTPError:
-            pass
         assert time.monotonic() < deadline, "server did not become healthy in 180 s"
         time.sleep(0.3)
     yield {"base": base, "proc": proc, "log": log, "run_dir": tmp / "run"}
