@@ -17,7 +17,10 @@ and ``grounded`` (a passage from the same file, then "Repeat the passage above w
 then continue it"), where prompt lookup should shine. Printed: output tok/s, acceptance rate, mean
 accepted length, speed-up over ``ours_nospec`` and over the transformers system of the same kind.
 
-Drafters: ``ngram`` and ``draft_model`` (needs ``--draft-model PATH``); ``eagle`` is not implemented yet.
+Drafters: ``ngram``, ``draft_model`` (needs ``--draft-model PATH``) and ``eagle`` (needs
+``--eagle-model PATH``, e.g. ``models/stories260K-eagle`` or a head from
+``experiments/train_eagle.py``). transformers has no EAGLE generation, so ``eagle`` rows are
+compared with ``hf_nospec`` only.
 
 Example (the lead's quiet-machine run)::
 
@@ -76,13 +79,16 @@ def build_prompts(workload: str, tokenizer: Any, num_prompts: int, prompts_file:
 
 
 def run_ours(model: str, dtype: str, prompts: list[list[int]], batch: int, output_len: int,
-             drafter: str = "none", k: int = 0, draft_model: str | None = None) -> dict[str, Any]:
+             drafter: str = "none", k: int = 0, draft_model: str | None = None,
+             eagle_model: str | None = None) -> dict[str, Any]:
     """Output tok/s and speculation stats of our engine over ``prompts``, ``batch`` at a time."""
     from framework import LLM, SamplingParams
 
     params: dict[str, Any] = {"num_speculative_tokens": k} if drafter != "none" else {}
     if drafter == "draft_model":
         params["model"] = draft_model
+    if drafter == "eagle":
+        params["model"] = eagle_model
     llm = LLM(model=model, dtype=dtype, drafter=drafter, drafter_params=params, enable_prefix_caching=False)
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=4))  # warmup
@@ -128,8 +134,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--workloads", default="chat,grounded")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--ks", default="1,2,4")
-    p.add_argument("--drafters", default="ngram", help="comma list of ngram,draft_model")
+    p.add_argument("--drafters", default="ngram", help="comma list of ngram,draft_model,eagle")
     p.add_argument("--draft-model", default=None, help="draft_model's model (e.g. stories260K-draft)")
+    p.add_argument("--eagle-model", default=None, help="eagle's head folder (e.g. models/stories260K-eagle)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompts-file", default=str(REPO_ROOT / "data" / "prompts.txt"))
@@ -155,7 +162,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 for k in ks:
                     rows.append({**base, "system": f"ours_{drafter}_k{k}", "k": k,
                                  **run_ours(model, args.dtype, prompts, batch, args.output_len, drafter, k,
-                                            draft)})
+                                            draft, args.eagle_model)})
             if batch == 1 and not args.no_hf:
                 rows.append({**base, "system": "hf_nospec", **run_hf(model, args.dtype, prompts, args.output_len)})
                 for k in ks:

@@ -153,7 +153,7 @@ class LLMEngine:
         updated, _ = self.scheduler.update_from_output(sched_out, runner_out)
         self._advance_grammars(updated)
         t3 = time.perf_counter()
-        draft_s = self._propose_drafts(sched_out, updated) if self.drafter is not None else 0.0
+        draft_s = self._propose_drafts(sched_out, runner_out, updated) if self.drafter is not None else 0.0
         outputs = failed + [self._make_output(r) for r in updated]
         if not sched_out.is_empty:
             self._observe_step(sched_out, runner_out, updated, (t0, t1, t2, t3), draft_s)
@@ -207,12 +207,15 @@ class LLMEngine:
                 request.status = RequestStatus.FINISHED_ABORTED if error else RequestStatus.FINISHED_STOPPED
                 request.error = error
 
-    def _propose_drafts(self, sched_out: Any, updated: list[Request]) -> float:
-        """Tell the drafter which requests left, then draft for running requests in their decode
-        phase (all tokens but the last computed). Drafts are capped so that verifying them can
-        reach neither ``max_model_len`` nor ``max_tokens``, and cut to the prefix the request's
-        grammar accepts (structured outputs). Returns the drafter time, seconds."""
+    def _propose_drafts(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request]) -> float:
+        """Hand the drafter the step's target hidden states (when it asked for them), tell it which
+        requests left, then draft for running requests in their decode phase (all tokens but the
+        last computed). Drafts are capped so that verifying them can reach neither
+        ``max_model_len`` nor ``max_tokens``, and cut to the prefix the request's grammar accepts
+        (structured outputs). Returns the drafter time, seconds."""
         t0 = time.perf_counter()
+        if runner_out.hidden_states is not None:
+            self.drafter.observe_hidden_states(runner_out.hidden_states)
         # finished this step (length/stop/grammar) or preempted; aborts are told in abort_request
         gone = (sched_out.preempted_req_ids | sched_out.finished_req_ids
                 | {r.request_id for r in updated if r.is_finished})
@@ -415,6 +418,7 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
     drafter = registry.create("drafter", config.drafter, **config.plugin_params("drafter"))
     if drafter is not None:
         drafter.load(model=model, model_config=mc, config=config)
+        runner.keep_hidden_states = drafter.needs_hidden_states
     engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size, metrics,
                        structured, drafter)
     engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,

@@ -17,15 +17,15 @@ import torch
 
 from framework.forward_context import ForwardContext, forward_context
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
-from framework.outputs import ModelRunnerOutput, SchedulerOutput
+from framework.outputs import ModelRunnerOutput, SchedulerOutput, TargetHiddenStates
 from framework.rejection_sampler import RejectionSampler
 from framework.request import Request
 from framework.sampler import Sampler
 
 
 @dataclass
-class _BatchInputs:
-    """Inputs of one step, requests reordered decodes first."""
+class BatchInputs:
+    """Inputs of one step, requests reordered decodes first (built by ``ModelRunner.prepare_inputs``)."""
 
     requests: list[Request]  # batch order
     input_ids: torch.Tensor  # (1, num_tokens) int64
@@ -48,6 +48,11 @@ class ModelRunner:
         device: torch device of model and cache.
         sampler: the sampler.
         num_swap_blocks: CPU swap-space blocks (``preemption_mode=swap``); 0 allocates none.
+
+    Attributes:
+        keep_hidden_states: set by ``build_engine`` when the drafter reads the target's last hidden
+            states (EAGLE); each output then carries them (``ModelRunnerOutput.hidden_states``),
+            taken from the one forward (decoder, then the LM head on the sampled rows only).
     """
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, num_blocks: int, num_layers: int,
@@ -60,6 +65,7 @@ class ModelRunner:
         self.block_bytes = backend.kv_cache_bytes_per_block(num_layers)  # one block, all layers, K and V
         self.structured_output: Any = None  # StructuredOutputManager; set by build_engine when grammar != none
         self.rejection_sampler = RejectionSampler(sampler)
+        self.keep_hidden_states = False
         shape = backend.get_kv_cache_shape(num_blocks)
         self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(num_layers)]
         # CPU swap space for preemption_mode=swap (pinned so GPU copies can be asynchronous)
@@ -84,12 +90,22 @@ class ModelRunner:
         self._swap(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={}, prepare_s=time.perf_counter() - t0)
-        batch = self._prepare_inputs(scheduler_output)
+        batch = self.prepare_inputs(scheduler_output)
         metadata = self.backend.build_metadata(batch.common)
         t1 = time.perf_counter()
+        hidden_states = None
         with forward_context(ForwardContext(self.backend, metadata, self.kv_caches)):
-            logits = self.model(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False,
-                                logits_to_keep=batch.logits_index).logits[0]  # (num_sample, vocab)
+            if self.keep_hidden_states:  # the same forward, split to keep the last hidden states
+                hidden = self.model.get_decoder()(input_ids=batch.input_ids, position_ids=batch.positions,
+                                                  use_cache=False).last_hidden_state[0]  # (num_tokens, hidden)
+                logits = self.model.get_output_embeddings()(hidden[batch.logits_index])  # (num_sample, vocab)
+                hidden_states = TargetHiddenStates(
+                    request_ids=[r.request_id for r in batch.requests],
+                    query_start_loc=batch.common.query_start_loc.cpu().numpy(),
+                    context_lens=batch.common.context_lens.cpu().numpy(), hidden_states=hidden)
+            else:
+                logits = self.model(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False,
+                                    logits_to_keep=batch.logits_index).logits[0]  # (num_sample, vocab)
         t2 = time.perf_counter()
         sampled, logprobs, accepted = {}, {}, {}
         if batch.sample_requests:
@@ -110,9 +126,9 @@ class ModelRunner:
                 self._verify(logits, batch, row_start, so=scheduler_output, out=(sampled, logprobs, accepted))
         t3 = time.perf_counter()
         return ModelRunnerOutput(sampled, logprobs, prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2,
-                                 num_accepted_tokens=accepted)
+                                 num_accepted_tokens=accepted, hidden_states=hidden_states)
 
-    def _verify(self, logits: torch.Tensor, batch: _BatchInputs, row_start: np.ndarray, so: SchedulerOutput,
+    def _verify(self, logits: torch.Tensor, batch: BatchInputs, row_start: np.ndarray, so: SchedulerOutput,
                 out: tuple[dict, dict, dict]) -> None:
         """Rejection-sample the speculating requests' k+1 rows each; fills ``out`` in place."""
         sampled, logprobs, accepted = out
@@ -138,7 +154,7 @@ class ModelRunner:
         for slots, blocks in so.swap_in:
             self.backend.copy_blocks(self.swap_caches, slots, self.kv_caches, blocks)
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> _BatchInputs:
+    def prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
         """Flatten the scheduled tokens; one Python pass over requests, vectorized over tokens."""
         n_sched = so.num_scheduled_tokens
         requests = ([r for r in so.scheduled_requests if n_sched[r.request_id] == 1]
@@ -189,7 +205,7 @@ class ModelRunner:
             num_decode_tokens=num_decodes, max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()), block_size=self.block_size,
         )
-        return _BatchInputs(
+        return BatchInputs(
             requests=requests,
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev)[None],
             positions=torch.from_numpy(positions).to(dev)[None],

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
     from framework.request import Request
 
 
@@ -51,6 +54,23 @@ class ModelRunnerOutput:
     sample_s: float = 0.0  # logits processing + sampling time, seconds
     # request_id -> draft tokens accepted this step (speculative decoding; <= its scheduled drafts)
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    # the target's last hidden states of every scheduled token; only when a drafter asks (EAGLE)
+    hidden_states: TargetHiddenStates | None = None
+
+
+@dataclass
+class TargetHiddenStates:
+    """The target's last hidden states (after its final norm: the LM head's input) of one forward.
+
+    Token ``t`` of request ``i`` (batch order) is row ``query_start_loc[i] + t`` and sits at
+    position ``context_lens[i] + t``. Rows of draft tokens that verification rejected are included;
+    the reader keeps only positions below the request's ``num_computed_tokens`` after the step.
+    """
+
+    request_ids: list[str]  # batch order
+    query_start_loc: np.ndarray  # (num_reqs + 1,) int32: first row of each request
+    context_lens: np.ndarray  # (num_reqs,) int32: position of each request's first scheduled token
+    hidden_states: torch.Tensor  # (num_tokens, hidden_size), model dtype, on the model's device
 
 
 @dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 STORIES = str(REPO / "models" / "stories260K")
 STORIES_DRAFT = str(REPO / "models" / "stories260K-draft")
+STORIES_EAGLE = str(REPO / "models" / "stories260K-eagle")  # EAGLE-1 head for stories260K (experiments/train_eagle.py)
 
 
 def assert_all_blocks_free(engine) -> None:

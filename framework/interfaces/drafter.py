@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from framework.config import EngineConfig
+    from framework.outputs import TargetHiddenStates
     from framework.request import Request
 
 
@@ -24,8 +25,14 @@ class Drafter(Plugin, ABC):
     ``spec_decode=none`` selects no drafter.
 
     Life cycle: constructed with its params, :meth:`load` once the target model is loaded, then
-    per engine step :meth:`on_requests_freed` (requests that finished, were aborted or preempted:
-    drop their state) and :meth:`propose` (requests in their decode phase).
+    per engine step :meth:`observe_hidden_states` (only when :attr:`needs_hidden_states`),
+    :meth:`on_requests_freed` (requests that finished, were aborted or preempted: drop their
+    state) and :meth:`propose` (requests in their decode phase).
+
+    Attributes:
+        needs_hidden_states: class attribute; True makes the model runner keep the target's last
+            hidden states of every forward (from the same forward, no second pass) and the engine
+            hand them to :meth:`observe_hidden_states` (EAGLE-style drafters).
 
     Args:
         num_speculative_tokens: k, the draft length per step (tokens).
@@ -33,6 +40,8 @@ class Drafter(Plugin, ABC):
     Raises:
         ValueError: ``num_speculative_tokens < 1``.
     """
+
+    needs_hidden_states: bool = False
 
     def __init__(self, num_speculative_tokens: int = 4, **params: Any) -> None:
         if int(num_speculative_tokens) < 1:
@@ -57,6 +66,15 @@ class Drafter(Plugin, ABC):
 
         Raises:
             ValueError: the drafter does not fit the target (e.g. another vocabulary).
+        """
+
+    def observe_hidden_states(self, hidden_states: TargetHiddenStates) -> None:  # noqa: B027
+        """Called by the engine after each target forward, before :meth:`on_requests_freed` and
+        :meth:`propose`, when :attr:`needs_hidden_states` is True; keeps what later drafts need.
+
+        Rows of draft tokens the verification rejected are included: positions at or beyond the
+        request's ``num_computed_tokens`` (read it in :meth:`propose`) are not the target's.
+        Drafters that do not ask keep this default and are never called.
         """
 
     def on_requests_freed(self, request_ids: Iterable[str]) -> None:  # noqa: B027

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import pytest
 from grammar_helpers import SPECS, check_output
-from helpers import STORIES, STORIES_DRAFT, hf_greedy
+from helpers import STORIES, STORIES_DRAFT, STORIES_EAGLE, hf_greedy
 
 from framework import SamplingParams, StructuredOutputsParams
 
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park. Lily and Tom went to the park. Lily and",
            "The dog ran to the park and", "There was a cat. The cat was big. The cat"]
-EXTRA = {"ngram": {}, "draft_model": {"model": STORIES_DRAFT}}
+EXTRA = {"ngram": {}, "draft_model": {"model": STORIES_DRAFT}, "eagle": {"model": STORIES_EAGLE}}
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle"])
 def test_spec_decode_with_swap_preemption(make_llm, drafter):
     llm = make_llm(drafter=drafter, drafter_params={"num_speculative_tokens": 3, **EXTRA[drafter]},
                    num_blocks=12, block_size=16, max_model_len=160, enable_prefix_caching=False, preemption_mode="swap",
@@ -45,7 +45,7 @@ def test_spec_decode_with_swap_preemption(make_llm, drafter):
         assert draft_kv.num_free_blocks == draft_kv.num_blocks, "draft KV blocks leaked"
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle"])
 def test_spec_decode_with_structured_outputs(make_llm, drafter):
     """Drafts of constrained requests are cut to their grammar-valid prefix and every verify row is
     masked with the grammar state after the drafts before it; outputs satisfy the constraints and

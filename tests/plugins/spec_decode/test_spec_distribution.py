@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import STORIES, STORIES_DRAFT
+from helpers import STORIES, STORIES_DRAFT, STORIES_EAGLE
 
 from framework import SamplingParams, hookimpl, registry
 
@@ -71,11 +71,11 @@ class _BadPlugin:
         register("always_same", _BadDrafter)
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model", "always_same"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model", "eagle", "always_same"])
 def test_rejection_sampling_keeps_target_distribution(make_llm, drafter):
     params = {} if drafter == "none" else {"num_speculative_tokens": 3}
-    if drafter == "draft_model":
-        params["model"] = STORIES_DRAFT
+    if drafter in ("draft_model", "eagle"):
+        params["model"] = STORIES_DRAFT if drafter == "draft_model" else STORIES_EAGLE
     with registry.registered(_BadPlugin()):
         llm = make_llm(drafter=drafter, drafter_params=params)
     ids = llm.get_tokenizer()(PROMPT).input_ids

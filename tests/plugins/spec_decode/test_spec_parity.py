@@ -5,7 +5,7 @@ and prefix caching, mixed with requests that do not speculate."""
 from __future__ import annotations
 
 import pytest
-from helpers import STORIES, STORIES_DRAFT, hf_greedy
+from helpers import STORIES, STORIES_DRAFT, STORIES_EAGLE, hf_greedy
 
 from framework import SamplingParams
 
@@ -21,8 +21,8 @@ PROMPTS = [
     "Once upon a time, in a small town, there lived a kind old man who had a garden full of flowers. Every morning he",
 ]
 MAX_TOKENS = 40
-DRAFTERS = ["ngram", "draft_model"]
-EXTRA = {"ngram": {}, "draft_model": {"model": STORIES_DRAFT}}
+DRAFTERS = ["ngram", "draft_model", "eagle"]
+EXTRA = {"ngram": {}, "draft_model": {"model": STORIES_DRAFT}, "eagle": {"model": STORIES_EAGLE}}
 
 
 def _params(drafter, k):

@@ -1,0 +1,235 @@
+"""EAGLE drafter: an EAGLE-1 head over the target's last hidden states drafts k tokens greedily.
+
+Li et al., ICML 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"
+(Sec. 3; the head itself is in :mod:`plugins.spec_decode._eagle_head`). The model runner keeps the
+target's last hidden states of every forward (``Drafter.needs_hidden_states``), so the target runs
+once per step. Head position ``j`` of a request pairs the target feature at position
+``start + j`` with the token sampled from it; the head has its own attention backend instance,
+paged KV cache (its own layer count) and block pool, and runs flattened batches through a second
+:class:`framework.model_runner.ModelRunner`'s input preparation.
+
+Per request the drafter keeps the features the head has not consumed yet. Each ``propose`` first
+catches the head's KV up on the real features (positions below ``num_computed_tokens``; rows of
+rejected drafts are dropped), then runs k single-token steps on its own predicted features. Draft
+positions are never kept: the next catch-up overwrites them. Positions whose features the drafter
+never saw (a prefix-cache hit, KV swapped back in after its state was dropped) are skipped: the
+head's context starts at the first feature it saw. RoPE attention depends only on relative
+positions, so head positions count from that start; acceptance may drop, output never changes.
+
+Drafts are the head's argmax, so ``q`` is one-hot and verification is exact for every sampling
+setting (``framework.rejection_sampler``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from framework import hookimpl
+from framework.config import EngineConfig
+from framework.hookspecs import Register
+from framework.interfaces import Drafter
+from framework.outputs import SchedulerOutput, TargetHiddenStates
+from framework.request import Request
+from framework.sampling_params import SamplingParams
+
+
+@dataclass
+class _HeadState:
+    """One request's head KV (``shadow``: head position j = target position ``start + j``) and
+    the target features not yet consumed."""
+
+    start: int  # target position of head position 0
+    shadow: Request  # head-side request: its tokens are the x_{i+1} of each pair, computed = pairs in head KV
+    pending: torch.Tensor  # (n, hidden): target features of positions start + computed ... + n - 1
+
+
+class EagleDrafter(Drafter):
+    """``spec_decode=eagle spec_decode.params.model=PATH`` (a head in the EAGLE checkpoint layout).
+
+    Args:
+        num_speculative_tokens: k, tokens drafted per step.
+        model: folder of the EAGLE head (``config.json`` + ``pytorch_model.bin``/``model.safetensors``),
+            e.g. ``models/stories260K-eagle`` or the output of ``experiments/train_eagle.py``.
+        num_blocks: head KV blocks; default enough for ``max_num_seqs`` requests of
+            ``max_model_len`` tokens, capped by the target's ``kv_cache_memory_bytes``.
+
+    Raises:
+        ValueError: no model given (also reported by :meth:`validate` before weights load).
+    """
+
+    name = "eagle"
+    needs_hidden_states = True
+
+    def __init__(self, num_speculative_tokens: int = 4, model: str | None = None, num_blocks: int | None = None,
+                 **params: Any) -> None:
+        super().__init__(num_speculative_tokens, **params)
+        if not model:
+            raise ValueError("spec_decode=eagle needs spec_decode.params.model=PATH of an EAGLE head "
+                             "(e.g. models/stories260K-eagle; train one with experiments/train_eagle.py)")
+        self.model_path = model
+        self.num_blocks = num_blocks
+        self._states: dict[str, _HeadState] = {}
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> list[str]:
+        """Head folder given and readable; its hidden size and vocabulary equal the target's."""
+        problems = super().validate(config)
+        path = config.drafter_params.get("model")
+        if not path:
+            return problems + ["spec_decode=eagle needs spec_decode.params.model=PATH of an EAGLE head "
+                               "(e.g. models/stories260K-eagle; train one with experiments/train_eagle.py)"]
+        from framework.model_loader import load_model_config
+        from plugins.spec_decode._eagle_head import load_head_config
+
+        try:
+            head = load_head_config(path)
+            target = load_model_config(config.model)
+        except (OSError, ValueError) as exc:
+            return problems + [f"spec_decode=eagle: cannot read the EAGLE head {path!r} ({exc})"]
+        return problems + _mismatches(head, target, path)
+
+    def load(self, model: torch.nn.Module, model_config: Any, config: EngineConfig) -> None:
+        """Load the head (sharing the target's embedding and LM head), its backend, KV cache and pool.
+
+        Raises:
+            ValueError: the head's hidden size or vocabulary differs from the target's.
+        """
+        from framework import registry
+        from framework.forward_context import register_attention_implementation
+        from framework.model_runner import ModelRunner
+        from framework.sampler import Sampler
+        from plugins.spec_decode._eagle_head import load_head, load_head_config
+
+        problems = _mismatches(load_head_config(self.model_path), model_config, self.model_path)
+        if problems:
+            raise ValueError("; ".join(problems))
+        dtype, device = getattr(torch, config.dtype), torch.device(config.device)
+        self.head = load_head(self.model_path, model.get_input_embeddings(), dtype, device,
+                              register_attention_implementation())
+        self.lm_head = model.get_output_embeddings()
+        hc = self.head.config
+        head_size = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
+        backend = registry.create("attention", config.attention, num_heads=hc.num_attention_heads,
+                                  num_kv_heads=hc.num_key_value_heads, head_size=head_size, scale=head_size ** -0.5,
+                                  block_size=config.block_size, dtype=dtype, device=device,
+                                  **config.plugin_params("attention"))
+        max_len = config.max_model_len or model_config.max_position_embeddings
+        wanted = config.max_num_seqs * -(-max_len // config.block_size)
+        budget = config.kv_cache_memory_bytes // backend.kv_cache_bytes_per_block(hc.num_hidden_layers)
+        num_blocks = self.num_blocks or max(-(-max_len // config.block_size), min(wanted, budget))
+        self.kv = registry.create("kv_allocator", "paged", num_blocks=num_blocks, block_size=config.block_size,
+                                  enable_prefix_caching=False)
+        self.runner = ModelRunner(self.head, backend, num_blocks, hc.num_hidden_layers, dtype, device,
+                                  Sampler(model_config.vocab_size))
+
+    def observe_hidden_states(self, hidden_states: TargetHiddenStates) -> None:
+        """Append each request's new target features to its pending ones (stale rows beyond the
+        new rows' first position are dropped first)."""
+        qsl, ctx = hidden_states.query_start_loc.tolist(), hidden_states.context_lens.tolist()
+        for i, rid in enumerate(hidden_states.request_ids):
+            rows = hidden_states.hidden_states[qsl[i]:qsl[i + 1]]
+            state = self._states.get(rid)
+            consumed = None if state is None else state.start + state.shadow.num_computed_tokens
+            if state is None or ctx[i] < consumed:  # first features seen (or a recompute): start here
+                self._drop(rid)
+                shadow = Request(request_id=rid, prompt_token_ids=[],
+                                 sampling_params=SamplingParams(temperature=0.0, max_tokens=None))
+                self._states[rid] = _HeadState(start=ctx[i], shadow=shadow, pending=rows.clone())
+                continue
+            keep = ctx[i] - consumed  # pending rows before this step's first position
+            if keep > state.pending.shape[0]:  # a gap (never expected): restart the head here
+                self._drop(rid)
+                self.observe_hidden_states(TargetHiddenStates([rid], np.array([0, rows.shape[0]]),
+                                                              np.array([ctx[i]]), rows))
+                continue
+            state.pending = torch.cat([state.pending[:keep], rows])
+
+    def on_requests_freed(self, request_ids: Any) -> None:
+        """Free the head KV blocks and pending features of finished, aborted or preempted requests."""
+        for rid in request_ids:
+            self._drop(rid)
+
+    def _drop(self, rid: str) -> None:
+        state = self._states.pop(rid, None)
+        if state is not None:
+            self.kv.free(state.shadow)
+
+    def propose(self, requests: list[Request]) -> dict[str, list[int]]:
+        """Catch the head up on real features, then k greedy draft steps over all requests at once."""
+        drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        active, feats, real, caught_up = [], {}, {}, {}
+        for request in requests:
+            state = self._states.get(request.request_id)
+            if state is None:  # no target features seen yet (cannot happen after a forward): no draft
+                continue
+            shadow = state.shadow
+            n_real = request.num_computed_tokens - state.start  # pairs whose feature is the target's
+            new = n_real - shadow.num_computed_tokens
+            if new <= 0 or new > state.pending.shape[0]:
+                continue
+            shadow.all_token_ids = list(request.all_token_ids[state.start + 1:request.num_tokens])
+            feats[request.request_id] = state.pending[:new]
+            real[request.request_id] = n_real
+            active.append(state)
+        for step in range(self.num_speculative_tokens):
+            active = [s for s in active
+                      if self.kv.allocate_slots(s.shadow, s.shadow.num_tokens - s.shadow.num_computed_tokens) is not None]
+            if not active:
+                break
+            if step == 0:  # only these caught up; the others keep their pending features for later
+                caught_up = {s.shadow.request_id: real[s.shadow.request_id] for s in active}
+            hidden = self._head_step([s.shadow for s in active], feats)
+            for state in active:
+                rid = state.shadow.request_id
+                h = hidden[rid]  # (hidden,) predicted next feature
+                token = int(torch.argmax(self.lm_head(h)).item())
+                state.shadow.num_computed_tokens = state.shadow.num_tokens
+                state.shadow.all_token_ids.append(token)
+                drafts[rid].append(token)
+                feats[rid] = h[None]
+        for rid, n_real in caught_up.items():  # keep the real pairs' KV only; draft pairs get overwritten
+            state = self._states[rid]
+            state.pending = state.pending[:0]  # consumed; rows beyond were rejected drafts
+            state.shadow.num_computed_tokens = n_real
+            del state.shadow.all_token_ids[n_real:]
+        return drafts
+
+    @torch.inference_mode()
+    def _head_step(self, shadows: list[Request], feats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One flattened head forward over every shadow's uncomputed pairs; returns each request's
+        last predicted feature ``(hidden,)``."""
+        from framework.forward_context import ForwardContext, forward_context
+
+        n = {s.request_id: s.num_tokens - s.num_computed_tokens for s in shadows}
+        so = SchedulerOutput(scheduled_requests=shadows, num_scheduled_tokens=n, total_num_scheduled_tokens=sum(n.values()),
+                             block_ids={s.request_id: self.kv.get_block_ids(s.request_id) for s in shadows})
+        batch = self.runner.prepare_inputs(so)
+        features = torch.cat([feats[r.request_id] for r in batch.requests])[None]  # (1, num_tokens, hidden)
+        metadata = self.runner.backend.build_metadata(batch.common)
+        with forward_context(ForwardContext(self.runner.backend, metadata, self.runner.kv_caches)):
+            out = self.head(batch.input_ids, batch.positions, features)[0]  # (num_tokens, hidden)
+        last = out[batch.logits_index]  # (num_shadows, hidden), batch.sample_requests order
+        return {r.request_id: last[j] for j, r in enumerate(batch.sample_requests)}
+
+
+def _mismatches(head: Any, target: Any, path: str) -> list[str]:
+    """Reasons the EAGLE head cannot draft for the target (hidden size, vocabulary)."""
+    problems = []
+    if head.hidden_size != target.hidden_size:
+        problems.append(f"spec_decode=eagle: the head {path!r} has hidden_size {head.hidden_size} but the target "
+                        f"has {target.hidden_size}; use a head trained for this target "
+                        "(experiments/train_eagle.py --model <target>)")
+    if getattr(head, "vocab_size", target.vocab_size) != target.vocab_size:
+        problems.append(f"spec_decode=eagle: the head {path!r} was made for vocabulary {head.vocab_size}, the "
+                        f"target has {target.vocab_size}; the head must share the target's tokenizer")
+    return problems
+
+
+@hookimpl
+def register_drafters(register: Register) -> None:
+    """Register ``eagle``."""
+    register("eagle", EagleDrafter)
