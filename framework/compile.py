@@ -140,6 +140,10 @@ class CompiledDecoder:
             run_forward(num_tokens)
         self.stats.compile_s = time.perf_counter() - t0
         self.stats.num_graphs_warmup = self.stats.num_graphs
+        if self.stats.active and self.stats.num_graphs == 0:
+            # dynamo ran the frame eagerly without calling the backend (e.g. torch._dynamo's
+            # recompile_limit reached by earlier engines of this model class in the process)
+            self._fall_back("dynamo compiled no graph during the warm-up (recompile_limit reached?)")
         if self.stats.active:
             logger.info("engine.compile: %d graphs compiled in %.1f s", self.stats.num_graphs, self.stats.compile_s)
 
