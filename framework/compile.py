@@ -35,7 +35,7 @@ class CompileStats:
 
     enabled: bool = False  # engine.compile was requested
     active: bool = False  # the compiled forward is in use (False after a fallback to eager)
-    compile_s: float = 0.0  # wall time of the start-up warm-up forwards (compilation included), seconds
+    compile_s: float = 0.0  # wall time of the start-up warm-up forwards (compilation included; inductor's on-disk cache may shorten it), seconds
     num_graphs: int = 0  # graphs inductor compiled so far (warm-up + later)
     num_graphs_warmup: int = 0  # graphs compiled by the warm-up
     fallback_reason: str | None = None  # why the run went eager ("ExcType: message"); None if it did not
@@ -91,6 +91,7 @@ class CompiledDecoder:
         self.freezing = freezing
         self.stats = CompileStats(enabled=True)
         self._compiled: Callable[..., Any] | None = None
+        self._warmed_up = False
         problem = self._unsupported(model)
         if problem is not None:
             self._fall_back(problem)
@@ -111,6 +112,10 @@ class CompiledDecoder:
         from torch._inductor.compile_fx import compile_fx
 
         self.stats.num_graphs += 1
+        if self._warmed_up:  # the warm-up should have covered every step shape: say which one did not
+            shapes = [tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 2][:2]
+            logger.warning("engine.compile: recompiling after the warm-up (graph %d; 2-D inputs %s)",
+                           self.stats.num_graphs, shapes)
         return compile_fx(gm, example_inputs, config_patches={"freezing": self.freezing})
 
     def _fall_back(self, reason: str) -> None:
@@ -140,6 +145,7 @@ class CompiledDecoder:
             run_forward(num_tokens)
         self.stats.compile_s = time.perf_counter() - t0
         self.stats.num_graphs_warmup = self.stats.num_graphs
+        self._warmed_up = True
         if self.stats.active and self.stats.num_graphs == 0:
             # dynamo ran the frame eagerly without calling the backend (e.g. torch._dynamo's
             # recompile_limit reached by earlier engines of this model class in the process)

@@ -82,6 +82,21 @@ def test_attention_op_contract(compiled_llm):
     torch.testing.assert_close(out, expected)
 
 
+def test_recompile_is_counted(compiled_llm, monkeypatch, caplog):
+    """The counter is live: a forward no warm-up graph covers (int32 position ids fail a dtype guard)
+    compiles a new graph, counted in ``compile_num_recompiles`` and logged. Runs last on the shared
+    engine: the dummy forward overwrites blocks 0..1, which may hold cached prefixes."""
+    runner = compiled_llm.engine.runner
+    before = runner.compile_stats.num_recompiles
+    forward = runner._forward
+    monkeypatch.setattr(runner, "_forward", lambda ids, pos, index: forward(ids, pos.int(), index))
+    with caplog.at_level(logging.WARNING, logger="framework.compile"):
+        runner._dummy_forward(3)
+    assert runner.compile_stats.num_recompiles == before + 1
+    assert compiled_llm.engine.metrics.summary()["compile_num_recompiles"] == before + 1
+    assert any("recompiling after the warm-up" in r.message for r in caplog.records)
+
+
 def test_fallback_when_compiler_missing(caplog):
     """No C++ compiler for inductor: a warning names the cause and the engine runs eagerly, correctly."""
     with (torch._inductor.config.patch({"cpp.cxx": ("servelab-no-such-c++",)}),
