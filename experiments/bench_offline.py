@@ -128,10 +128,13 @@ def run_ours(prompts: list[list[int]], out_lens: list[int], args: argparse.Names
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.compile:
+        kwargs["compile"] = True
     llm = LLM(model=args.model, dtype=args.dtype, **kwargs)
     if args.warmup:
         llm.generate([p[:16] for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     llm.engine.metrics = MetricsCollector()  # drop the warmup's steps
+    llm.engine.metrics.compile_stats = llm.engine.runner.compile_stats  # keep reporting compile time/recompiles
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -143,10 +146,11 @@ def run_ours(prompts: list[list[int]], out_lens: list[int], args: argparse.Names
                                           "forward_frac", "sample_frac", "update_frac", "total_cached_tokens",
                                           "peak_kv_cache_usage", "num_preemptions", "mean_tpot_ms",
                                           "mean_ttft_ms")}
+    compile_info = {k: v for k, v in summary.items() if k.startswith("compile")}
     del llm
     gc.collect()
     return {"seconds": seconds, "tokens": tokens, "raw_tokens": sum(map(len, tokens)),
-            "extra": {"engine_config": kwargs, "step_split": step_split}}
+            "extra": {"engine_config": kwargs, "step_split": step_split, "compile": compile_info}}
 
 
 def _load_hf_model(args: argparse.Namespace) -> tuple[Any, Any, int]:
@@ -358,6 +362,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cb-page-size", type=int, default=256, help="hf_cb ContinuousBatchingConfig.page_size")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--compile", action="store_true", help="ours: engine compile=True (torch.compile of the "
+                   "decoder at start-up; compile time and recompiles are printed and saved)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     unknown = set(args.systems.split(",")) - set(SYSTEMS)
@@ -429,6 +435,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         console.print("ours step split: " + ", ".join(
             f"{p} {s[p + '_s']:.2f}s ({100 * s[p + '_frac']:.1f}%)"
             for p in ("schedule", "prepare", "forward", "sample", "update")) + f"; {s['num_steps']} steps")
+        c = results["ours"]["extra"]["compile"]
+        if c:
+            console.print(f"ours compile: active={c['compile_active']}, warm-up {c['compile_s']:.1f} s "
+                          f"({c['compile_num_graphs_warmup']} graphs), {c['compile_num_recompiles']} recompiles "
+                          f"after warm-up" + (f", fallback: {c['compile_fallback']}" if c["compile_fallback"] else ""))
     for key, c in correctness.items():
         console.print(f"{key}: {c['exact_match']}/{c['num']} identical, {c['match_until_first_eos_in_first']}/"
                       f"{c['num']} identical up to the first's first EOS, mean common prefix "

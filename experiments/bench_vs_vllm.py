@@ -76,7 +76,8 @@ def run_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args
     """The same measurement with servelab's ``LLM`` in this process."""
     from framework import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=args.dtype, attention=args.attention, enable_prefix_caching=False)
+    llm = LLM(model=model, dtype=args.dtype, attention=args.attention, enable_prefix_caching=False,
+              compile=args.compile)
 
     def generate(ps: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
@@ -87,7 +88,9 @@ def run_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args
     generate([p[:16] for p in prompts[:2]], [4, 4])
     seconds, tokens = generate(prompts, out_lens)
     b1_seconds, b1_tokens = generate(prompts[:1], [args.batch1_tokens])
-    return {"seconds": seconds, "tokens": tokens, "b1_seconds": b1_seconds, "b1_tokens": len(b1_tokens[0])}
+    stats = llm.engine.runner.compile_stats
+    return {"seconds": seconds, "tokens": tokens, "b1_seconds": b1_seconds, "b1_tokens": len(b1_tokens[0]),
+            "compile": stats.as_dict() if stats.enabled else None}
 
 
 def summarize(name: str, res: dict[str, Any]) -> dict[str, float]:
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--vllm-python", default=str(REPO_ROOT / ".vllm-venv" / "bin" / "python"))
     p.add_argument("--vllm-modes", default="eager,compiled", help="comma list of eager|compiled; empty skips vLLM")
     p.add_argument("--workdir", default="/tmp")
+    p.add_argument("--compile", action="store_true", help="servelab engine compile=True (torch.compile of the "
+                   "decoder at start-up, like vLLM's compiled mode); prints compile time and recompiles")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if args.threads:
@@ -127,7 +132,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = [summarize(name, res) for name, res in results.items()]
     ours = rows[0]
     print(f"workload={args.workload} prompts={len(prompts)} output_tokens={ours['output_tokens']} "
-          f"attention={args.attention} dtype={args.dtype}")
+          f"attention={args.attention} dtype={args.dtype} compile={args.compile}")
+    compiled = results["servelab"]["compile"]
+    if compiled:
+        print(f"servelab compile: active={compiled['compile_active']} warm-up {compiled['compile_s']:.1f} s "
+              f"({compiled['compile_num_graphs_warmup']} graphs), {compiled['compile_num_recompiles']} recompiles "
+              f"after warm-up" + (f", fallback: {compiled['compile_fallback']}" if compiled["compile_fallback"] else ""))
     print(f"{'system':<16}{'tok/s':>10}{'b1 ms/tok':>12}{'ratio tok/s':>13}{'ratio b1':>10}{'same tokens':>13}")
     for row, res in zip(rows, results.values()):
         same = sum(a == b for a, b in zip(res["tokens"], results["servelab"]["tokens"]))
@@ -135,7 +145,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"{ours['tok_s'] / row['tok_s']:>13.3f}{row['b1_ms_per_token'] / ours['b1_ms_per_token']:>10.3f}"
               f"{same:>9}/{len(prompts)}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows, "servelab_compile": compiled},
+                                                  indent=2))
     return rows
 
 

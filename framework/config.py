@@ -44,6 +44,8 @@ class EngineConfig:
     seed: int = 0  # engine RNG seed (requests without their own seed)
     preemption_mode: str = "recompute"  # recompute | swap (KV blocks to a CPU swap space and back)
     swap_space_bytes: int = 0  # CPU swap space for preemption_mode=swap, bytes
+    compile: bool = False  # torch.compile the decoder (inductor) at start-up; eager with a warning if it cannot
+    compile_freezing: bool = False  # inductor freezing: weights as constants, prepacked for oneDNN on CPU
 
     def __post_init__(self) -> None:
         self.validate()

@@ -409,7 +409,8 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                           long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space)
     runner = ModelRunner(model, backend, num_blocks, mc.num_hidden_layers, backend.cache_dtype, torch.device(config.device),
-                         Sampler(mc.vocab_size, seed=config.seed), num_swap_blocks=num_swap_blocks)
+                         Sampler(mc.vocab_size, seed=config.seed), num_swap_blocks=num_swap_blocks,
+                         compile=config.compile, compile_freezing=config.compile_freezing)
     structured = None
     if config.grammar != "none":
         grammar = registry.create("grammar", config.grammar, tokenizer=loaded.tokenizer, vocab_size=mc.vocab_size,
@@ -423,6 +424,7 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
                        structured, drafter)
     engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
                                     "kv_cache_bytes_per_block": backend.kv_cache_bytes_per_block(mc.num_hidden_layers)}
+    engine.metrics.compile_stats = runner.compile_stats
     logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",
                 num_blocks, runner.kv_cache_bytes / 2**20, config.kv_cache_dtype,
                 backend.kv_cache_bytes_per_block(mc.num_hidden_layers), max_model_len)

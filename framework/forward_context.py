@@ -5,6 +5,12 @@ layers call :func:`servelab_attention` (registered as attention implementation `
 in transformers' ``AttentionInterface``), which forwards to the selected backend with this
 step's metadata and the layer's KV cache. No module globals hold step state: it lives in a
 ``ContextVar`` set only inside the ``with`` block.
+
+Under ``torch.compile`` (``engine.compile=true``) the attention call is the custom op
+``torch.ops.servelab.attention`` instead, so dynamo sees one opaque node per layer (vLLM's
+``unified_attention`` pattern): the op's real implementation reads the same ``ContextVar`` at run
+time, and its fake implementation gives dynamo/inductor the output shape. Eager runs keep the
+direct call (no dispatcher round trip per layer).
 """
 
 from __future__ import annotations
@@ -61,14 +67,56 @@ def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     Raises:
         RuntimeError: when called outside :func:`forward_context`.
     """
+    if torch.compiler.is_compiling():  # dynamo is tracing: keep the backend call out of the graph
+        return torch.ops.servelab.attention(query, key, value, module.layer_idx), None
+    return _attention(query, key, value, module.layer_idx), None
+
+
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """The backend call of :func:`servelab_attention`: ``(1, num_tokens, num_heads, head_size)``."""
     ctx = _CURRENT.get()
     if ctx is None:
         raise RuntimeError("servelab attention called outside forward_context(); "
                            "load the model through framework.model_runner.ModelRunner")
-    layer_idx = module.layer_idx
     out = ctx.backend.forward(layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
                               value[0].transpose(0, 1), ctx.kv_caches[layer_idx], ctx.metadata)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
+
+
+# The KV cache is not an argument: it is reached through the forward context, like the metadata,
+# so mutates_args is empty although the op writes the layer's cache at slot_mapping. That hidden
+# write is safe because nothing else in the compiled graph reads or writes a cache (layer i's op
+# is ordered after layer i-1's by data dependence, and each layer touches only its own cache), and
+# the op's output is always used, so it is never dead-code eliminated. Passing 2 x num_layers cache
+# tensors plus backend-specific metadata as arguments would tie the op's schema to one backend.
+@torch.library.custom_op("servelab::attention", mutates_args=())
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """Paged attention of one layer through the current forward context's backend (opaque to dynamo).
+
+    Args:
+        query: ``(1, num_heads, num_tokens, head_size)``, model dtype.
+        key, value: ``(1, num_kv_heads, num_tokens, head_size)``, post-RoPE, model dtype.
+        layer_idx: decoder layer index (a constant of the traced graph).
+
+    Returns:
+        A new ``(1, num_tokens, num_heads, head_size)`` tensor in ``query.dtype``. Side effect: this
+        step's K/V are written into ``ctx.kv_caches[layer_idx]``.
+
+    Raises:
+        RuntimeError: when called outside :func:`forward_context`.
+    """
+    # contiguous: inductor lays out the consumer with the fake's (contiguous) strides, while e.g.
+    # the torch backend's empty_like(query) output keeps the transposed query's strides
+    out = _attention(query, key, value, layer_idx).contiguous()
+    if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (query, key, value)):
+        out = out.clone()  # a custom op's output may not alias an input
+    return out
+
+
+@attention_op.register_fake
+def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """Shape-only version for tracing: ``(1, num_tokens, num_heads, head_size)`` like ``query``."""
+    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

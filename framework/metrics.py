@@ -108,6 +108,7 @@ class MetricsCollector:
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
         self.num_preemptions = 0
         self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block}
+        self.compile_stats: Any = None  # framework.compile.CompileStats, set by build_engine; live (recompiles grow)
         self.num_generated_tokens = 0  # output tokens over all steps
         self.num_sampled_reqs = 0  # (request, step) pairs that produced tokens: target forwards per request
         # speculative decoding totals (SchedulerStats field names)
@@ -178,6 +179,9 @@ class MetricsCollector:
             ``peak_num_running_reqs`` / ``mean_num_running_reqs`` (concurrency),
             ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
             ``kv_cache_dtype``, ``kv_cache_num_blocks``, ``kv_cache_bytes_per_block`` (bytes, all layers),
+            ``compile``, ``compile_active``, ``compile_s`` (warm-up seconds), ``compile_num_graphs_warmup``,
+            ``compile_num_recompiles`` (graphs compiled after the warm-up), ``compile_fallback`` (only with
+            ``engine.compile=true``; see ``framework.compile.CompileStats``),
             step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time,
             ``tokens_per_forward`` (output tokens per request per target forward) and, when a
             drafter verified drafts, ``spec_acceptance_rate``, ``spec_mean_accepted_length`` (tokens
@@ -219,6 +223,8 @@ class MetricsCollector:
                    num_preemptions_recompute=self.num_preemptions - self.swap_totals["num_preemptions_swap"],
                    **self.swap_totals, num_steps=self.num_steps, step_s=total_step_s,
                    **self.kv_cache_info)
+        if self.compile_stats is not None and self.compile_stats.enabled:
+            out.update(self.compile_stats.as_dict())
         for part in STEP_PARTS:
             out[f"{part}_s"] = self.step_time_s[part]
             out[f"{part}_frac"] = self.step_time_s[part] / total_step_s if total_step_s > 0 else 0.0

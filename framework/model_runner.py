@@ -3,7 +3,8 @@
 The whole step is one "super sequence": ``input_ids``/``position_ids`` of shape
 ``(1, num_tokens)`` fed to an unmodified transformers model whose attention layers call the
 selected backend (``framework.forward_context``). Only the logits of positions that sample are
-computed (``logits_to_keep``).
+computed (``logits_to_keep``). With ``compile=True`` the decoder runs through
+``framework.compile.CompiledDecoder`` (``torch.compile``, warmed up in ``__init__``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from framework.compile import CompiledDecoder, CompileStats
 from framework.forward_context import ForwardContext, forward_context
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from framework.outputs import ModelRunnerOutput, SchedulerOutput, TargetHiddenStates
@@ -48,6 +50,9 @@ class ModelRunner:
         device: torch device of model and cache.
         sampler: the sampler.
         num_swap_blocks: CPU swap-space blocks (``preemption_mode=swap``); 0 allocates none.
+        compile: ``torch.compile`` the decoder and warm it up here (writes dummy K/V into blocks
+            ``0..1``, which no request owns yet); falls back to eager with a warning.
+        compile_freezing: inductor weight freezing/prepacking (``compile=True`` only).
 
     Attributes:
         keep_hidden_states: set by ``build_engine`` when the drafter reads the target's last hidden
@@ -56,7 +61,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, num_blocks: int, num_layers: int,
-                 kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler, num_swap_blocks: int = 0) -> None:
+                 kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler, num_swap_blocks: int = 0,
+                 compile: bool = False, compile_freezing: bool = False) -> None:
         self.model = model
         self.backend = backend
         self.device = device
@@ -73,6 +79,50 @@ class ModelRunner:
         pin = device.type == "cuda"
         self.swap_caches = [torch.zeros(swap_shape, dtype=kv_cache_dtype, pin_memory=pin)
                             for _ in range(num_layers if num_swap_blocks else 0)]
+        self.compiled = CompiledDecoder(model, freezing=compile_freezing) if compile else None
+        if self.compiled is not None:
+            self.compiled.warm_up(self._dummy_forward, device)
+
+    @property
+    def compile_stats(self) -> CompileStats:
+        """Compile time, graphs and recompiles (``enabled=False`` when the runner is eager)."""
+        return self.compiled.stats if self.compiled is not None else CompileStats()
+
+    @torch.inference_mode()
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One forward of a single ``num_tokens``-token prefill at positions ``0..num_tokens-1``, its
+        K/V written into blocks ``0, 1, ...`` (harmless before any request runs: every request writes
+        its slots before reading them, and these blocks are not in the prefix cache)."""
+        num_blocks = -(-num_tokens // self.block_size)
+        dev = self.device
+        i32 = {"dtype": torch.int32, "device": dev}
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.tensor([0, num_tokens], **i32), seq_lens=torch.tensor([num_tokens], **i32),
+            context_lens=torch.zeros(1, **i32), block_table=torch.arange(num_blocks, **i32)[None],
+            slot_mapping=torch.arange(num_tokens, device=dev), query_lens_cpu=[num_tokens],
+            seq_lens_cpu=[num_tokens], num_reqs=1, num_tokens=num_tokens, num_decodes=int(num_tokens == 1),
+            num_decode_tokens=int(num_tokens == 1), max_query_len=num_tokens, max_seq_len=num_tokens,
+            block_size=self.block_size)
+        ids = torch.zeros((1, num_tokens), dtype=torch.long, device=dev)
+        positions = torch.arange(num_tokens, device=dev)[None]
+        with forward_context(ForwardContext(self.backend, self.backend.build_metadata(common), self.kv_caches)):
+            self._forward(ids, positions, torch.tensor([num_tokens - 1], device=dev))
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 logits_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(num_sample_rows, vocab)`` logits at ``logits_index`` and, when ``keep_hidden_states``,
+        the last hidden states ``(num_tokens, hidden)`` of the same forward (else ``None``); call
+        inside ``forward_context``."""
+        if self.keep_hidden_states:  # decoder, then the LM head on the sampled rows only
+            hidden = self.compiled.hidden_states(input_ids, positions) if self.compiled is not None else None
+            if hidden is None:
+                hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=positions,
+                                                  use_cache=False).last_hidden_state[0]
+            return self.model.get_output_embeddings()(hidden[logits_index]), hidden
+        if self.compiled is not None:
+            return self.compiled(input_ids, positions, logits_index), None
+        return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                          logits_to_keep=logits_index).logits[0], None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -95,17 +145,12 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden_states = None
         with forward_context(ForwardContext(self.backend, metadata, self.kv_caches)):
-            if self.keep_hidden_states:  # the same forward, split to keep the last hidden states
-                hidden = self.model.get_decoder()(input_ids=batch.input_ids, position_ids=batch.positions,
-                                                  use_cache=False).last_hidden_state[0]  # (num_tokens, hidden)
-                logits = self.model.get_output_embeddings()(hidden[batch.logits_index])  # (num_sample, vocab)
-                hidden_states = TargetHiddenStates(
-                    request_ids=[r.request_id for r in batch.requests],
-                    query_start_loc=batch.common.query_start_loc.cpu().numpy(),
-                    context_lens=batch.common.context_lens.cpu().numpy(), hidden_states=hidden)
-            else:
-                logits = self.model(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False,
-                                    logits_to_keep=batch.logits_index).logits[0]  # (num_sample, vocab)
+            logits, hidden = self._forward(batch.input_ids, batch.positions, batch.logits_index)
+        if hidden is not None:  # (num_tokens, hidden) for an EAGLE-style drafter
+            hidden_states = TargetHiddenStates(
+                request_ids=[r.request_id for r in batch.requests],
+                query_start_loc=batch.common.query_start_loc.cpu().numpy(),
+                context_lens=batch.common.context_lens.cpu().numpy(), hidden_states=hidden)
         t2 = time.perf_counter()
         sampled, logprobs, accepted = {}, {}, {}
         if batch.sample_requests:

@@ -1,0 +1,186 @@
+"""``engine.compile=true``: the model's decoder stack compiled once by ``torch.compile`` (inductor).
+
+What is compiled is the transformers decoder (``model.model``: embeddings, decoder layers, final
+norm), not the ``*ForCausalLM`` wrapper: the LM head runs eagerly on the sampled rows only, so the
+compiled graph has one dynamic size, ``num_tokens``, and the number of sampled rows (0, 1 or many
+per step) never forces a recompile. Attention inside the graph is the opaque custom op
+``torch.ops.servelab.attention`` (``framework/forward_context.py``), so the backend, its metadata
+and the paged KV cache stay outside dynamo.
+
+``num_tokens`` is marked dynamic; dynamo still specialises size 1, so a step with one token (batch-1
+decode) has its own graph. :meth:`CompiledDecoder.warm_up` therefore runs one 2-token and one
+1-token forward at start-up: after it, every batch size reuses one of those two graphs, and
+:class:`CompileStats` counts any later compilation as a recompile.
+
+If the compiler is unavailable (no C++ compiler for inductor on CPU) or compiling fails, a warning
+names the cause and the runner goes on eagerly (same outputs, uncompiled speed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CompileStats:
+    """Compile outcome of one engine, reported in ``metrics.json`` (:meth:`as_dict`)."""
+
+    enabled: bool = False  # engine.compile was requested
+    active: bool = False  # the compiled forward is in use (False after a fallback to eager)
+    compile_s: float = 0.0  # wall time of the start-up warm-up forwards (compilation included; inductor's on-disk cache may shorten it), seconds
+    num_graphs: int = 0  # graphs inductor compiled so far (warm-up + later)
+    num_graphs_warmup: int = 0  # graphs compiled by the warm-up
+    fallback_reason: str | None = None  # why the run went eager ("ExcType: message"); None if it did not
+
+    @property
+    def num_recompiles(self) -> int:
+        """Graphs compiled after the warm-up (0 when every step reused a warm-up graph)."""
+        return self.num_graphs - self.num_graphs_warmup
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat ``metrics.json`` keys: ``compile``, ``compile_active``, ``compile_s``,
+        ``compile_num_graphs_warmup``, ``compile_num_recompiles``, ``compile_fallback``."""
+        return {"compile": self.enabled, "compile_active": self.active, "compile_s": self.compile_s,
+                "compile_num_graphs_warmup": self.num_graphs_warmup, "compile_num_recompiles": self.num_recompiles,
+                "compile_fallback": self.fallback_reason}
+
+
+def check_compiler(device: torch.device) -> None:
+    """Raise when inductor cannot generate code for ``device`` here.
+
+    Raises:
+        torch._inductor.exc.InvalidCxxCompiler: CPU and no C++ compiler from
+            ``torch._inductor.config.cpp.cxx`` (``$CXX``, g++, clang++...) is installed.
+        RuntimeError: CUDA and triton is not importable.
+    """
+    if device.type == "cpu":
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    elif device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise RuntimeError("triton is not installed (inductor's CUDA code generator)")
+
+
+class CompiledDecoder:
+    """The decoder of a transformers ``*ForCausalLM`` under ``torch.compile``, with eager fallback.
+
+    Call it inside ``forward_context`` (the model runner does).
+
+    Args:
+        model: a transformers ``*ForCausalLM`` loaded with ``attn_implementation="servelab"``,
+            whose decoder is ``model.model`` and head ``model.lm_head`` (Llama, Qwen, Mistral,
+            SmolLM; a model with logit soft-capping is refused: it runs eagerly).
+        freezing: inductor ``freezing``: weights become graph constants, so inductor can
+            constant-fold them and, on CPU, prepack linear weights for oneDNN. Weights must not
+            change after the warm-up (quant transforms run before, so they are frozen as quantized).
+    """
+
+    def __init__(self, model: torch.nn.Module, freezing: bool = False) -> None:
+        self.model = model
+        self.freezing = freezing
+        self.stats = CompileStats(enabled=True)
+        self._compiled: Callable[..., Any] | None = None
+        self._warmed_up = False
+        problem = self._unsupported(model)
+        if problem is not None:
+            self._fall_back(problem)
+        else:
+            self._compiled = torch.compile(model.model, backend=self._backend, dynamic=None, fullgraph=False)
+
+    @staticmethod
+    def _unsupported(model: torch.nn.Module) -> str | None:
+        if not (isinstance(getattr(model, "model", None), torch.nn.Module)
+                and isinstance(getattr(model, "lm_head", None), torch.nn.Module)):
+            return f"{type(model).__name__} has no .model decoder and .lm_head"
+        if getattr(model.config, "final_logit_softcapping", None):
+            return "final_logit_softcapping is applied by the *ForCausalLM wrapper, which is not compiled"
+        return None
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        """Inductor, counting compiled graphs in ``stats.num_graphs``."""
+        from torch._inductor.compile_fx import compile_fx
+
+        self.stats.num_graphs += 1
+        if self._warmed_up:  # the warm-up should have covered every step shape: say which one did not
+            shapes = [tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 2][:2]
+            logger.warning("engine.compile: recompiling after the warm-up (graph %d; 2-D inputs %s)",
+                           self.stats.num_graphs, shapes)
+        return compile_fx(gm, example_inputs, config_patches={"freezing": self.freezing})
+
+    def _fall_back(self, reason: str) -> None:
+        self.stats.active = False
+        self.stats.fallback_reason = reason
+        self._compiled = None
+        logger.warning("engine.compile: %s; running the model eagerly (same outputs, uncompiled speed)", reason)
+
+    def warm_up(self, run_forward: Callable[[int], Any], device: torch.device) -> None:
+        """Compile at start-up: check the compiler, then run a 2-token and a 1-token forward.
+
+        Args:
+            run_forward: ``run_forward(num_tokens)`` runs one dummy forward of that many tokens
+                through :meth:`__call__` inside a forward context (the model runner's).
+            device: the model's device (which code generator inductor needs).
+        """
+        if self._compiled is None:
+            return
+        try:
+            check_compiler(device)
+        except Exception as err:  # noqa: BLE001 - any reason the compiler is missing means eager
+            self._fall_back(f"compiler unavailable ({type(err).__name__}: {err})")
+            return
+        self.stats.active = True
+        t0 = time.perf_counter()
+        for num_tokens in (2, 1):  # the dynamic graph first, then size 1 (specialised by dynamo)
+            run_forward(num_tokens)
+        self.stats.compile_s = time.perf_counter() - t0
+        self.stats.num_graphs_warmup = self.stats.num_graphs
+        self._warmed_up = True
+        if self.stats.active and self.stats.num_graphs == 0:
+            # dynamo ran the frame eagerly without calling the backend (e.g. torch._dynamo's
+            # recompile_limit reached by earlier engines of this model class in the process)
+            self._fall_back("dynamo compiled no graph during the warm-up (recompile_limit reached?)")
+        if self.stats.active:
+            logger.info("engine.compile: %d graphs compiled in %.1f s", self.stats.num_graphs, self.stats.compile_s)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+        """Logits of the sampled rows.
+
+        Args:
+            input_ids, position_ids: ``(1, num_tokens)`` int64.
+            logits_index: ``(num_sample_rows,)`` int64 token positions whose logits are needed.
+
+        Returns:
+            ``(num_sample_rows, vocab_size)`` logits in the model dtype.
+        """
+        if self._compiled is not None:
+            hidden = self.hidden_states(input_ids, position_ids)
+            if hidden is not None:
+                return self.model.lm_head(hidden[logits_index])
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                          logits_to_keep=logits_index).logits[0]
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
+        """The decoder's last hidden states ``(num_tokens, hidden_size)`` (model dtype) from the
+        compiled graph; ``None`` once compilation has fallen back to eager (the caller runs eagerly)."""
+        if self._compiled is None:
+            return None
+        torch._dynamo.maybe_mark_dynamic(input_ids, 1)
+        torch._dynamo.maybe_mark_dynamic(position_ids, 1)
+        try:
+            return self._compiled(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state[0]
+        except Exception as err:  # noqa: BLE001 - compile errors surface at the call; rerun eagerly
+            # rerunning is safe: a partial forward wrote K/V only at this step's own slots, and
+            # the eager forward writes the same values there again
+            self._fall_back(f"torch.compile failed ({type(err).__name__}: {err})")
+            return None

@@ -1,0 +1,147 @@
+"""``engine.compile=true``: greedy parity with transformers, no recompiles after the warm-up across a
+mixed-length run (chunked prefill, prefix hits, batch-1 decode), the attention custom op's contract,
+and the fallback to eager when the compiler is unavailable or fails."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, assert_all_blocks_free, assert_greedy_parity
+
+from framework import LLM, SamplingParams
+from framework.compile import CompiledDecoder
+from framework.forward_context import ForwardContext, attention_op, forward_context, servelab_attention
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def compiled_llm():
+    """One compiled engine for the module (the warm-up compiles two graphs, tens of seconds)."""
+    llm = LLM(model=STORIES, compile=True, block_size=8, max_num_batched_tokens=24, long_prefill_token_threshold=16)
+    yield llm
+    assert_all_blocks_free(llm.engine)
+
+
+def test_warm_up_compiles_two_graphs(compiled_llm):
+    stats = compiled_llm.engine.runner.compile_stats
+    assert stats.active and stats.fallback_reason is None
+    assert stats.num_graphs_warmup == 2  # num_tokens >= 2 (dynamic) and num_tokens == 1; no graph breaks
+    assert stats.compile_s > 0
+
+
+def test_parity_and_no_recompiles_over_mixed_lengths(compiled_llm):
+    """Chunked prefill (24-token budget, 16-token chunks), prefix-cache hits, batches shrinking to one
+    decode: every step reuses a warm-up graph, and tokens equal transformers ``generate``."""
+    assert_greedy_parity(compiled_llm, PREFIX_PROMPTS + STORY_PROMPTS, max_tokens=20)
+    assert_greedy_parity(compiled_llm, [STORY_PROMPTS[3]], max_tokens=12)  # batch-1 decode, T == 1
+    summary = compiled_llm.engine.metrics.summary()
+    assert summary["prefix_cache_hit_rate"] > 0.1
+    assert summary["compile"] and summary["compile_active"]
+    assert summary["compile_num_recompiles"] == 0, "a step shape recompiled after the warm-up"
+    assert summary["compile_num_graphs_warmup"] == 2 and summary["compile_s"] > 0
+
+
+@pytest.mark.slow
+def test_freezing_parity():
+    """``compile_freezing=True`` (weights as constants, prepacked for oneDNN on CPU) keeps parity."""
+    llm = LLM(model=STORIES, compile=True, compile_freezing=True, max_num_batched_tokens=24)
+    assert_greedy_parity(llm, PREFIX_PROMPTS[:4] + STORY_PROMPTS[:8], max_tokens=16)
+    stats = llm.engine.runner.compile_stats
+    assert stats.active and stats.num_recompiles == 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_attention_op_contract(compiled_llm):
+    """``servelab::attention`` passes ``torch.library.opcheck`` (schema, fake shapes, AOT dispatch)
+    and equals the eager attention call, inside a real step's forward context."""
+    runner = compiled_llm.engine.runner
+    backend = runner.backend
+    num_tokens = 5
+    from framework.interfaces import CommonAttentionMetadata
+
+    i32 = {"dtype": torch.int32}
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, num_tokens], **i32), seq_lens=torch.tensor([num_tokens], **i32),
+        context_lens=torch.zeros(1, **i32), block_table=torch.tensor([[0]], **i32),
+        slot_mapping=torch.arange(num_tokens), query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens], num_reqs=1,
+        num_tokens=num_tokens, num_decodes=0, num_decode_tokens=0, max_query_len=num_tokens,
+        max_seq_len=num_tokens, block_size=backend.block_size)
+    q = torch.randn(1, backend.num_heads, num_tokens, backend.head_size)
+    k = torch.randn(1, backend.num_kv_heads, num_tokens, backend.head_size)
+    v = torch.randn(1, backend.num_kv_heads, num_tokens, backend.head_size)
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    with forward_context(ForwardContext(backend, backend.build_metadata(common), runner.kv_caches)):
+        expected, _ = servelab_attention(module, q, k, v, None)
+        out = attention_op(q, k, v, 0)
+        torch.library.opcheck(attention_op, (q, k, v, 0))
+    assert out.shape == (1, num_tokens, backend.num_heads, backend.head_size) and out.is_contiguous()
+    torch.testing.assert_close(out, expected)
+
+
+def test_recompile_is_counted(compiled_llm, monkeypatch, caplog):
+    """The counter is live: a forward no warm-up graph covers (int32 position ids fail a dtype guard)
+    compiles a new graph, counted in ``compile_num_recompiles`` and logged. Runs last on the shared
+    engine: the dummy forward overwrites blocks 0..1, which may hold cached prefixes."""
+    runner = compiled_llm.engine.runner
+    before = runner.compile_stats.num_recompiles
+    forward = runner._forward
+    monkeypatch.setattr(runner, "_forward", lambda ids, pos, index: forward(ids, pos.int(), index))
+    with caplog.at_level(logging.WARNING, logger="framework.compile"):
+        runner._dummy_forward(3)
+    assert runner.compile_stats.num_recompiles == before + 1
+    assert compiled_llm.engine.metrics.summary()["compile_num_recompiles"] == before + 1
+    assert any("recompiling after the warm-up" in r.message for r in caplog.records)
+
+
+def test_fallback_when_compiler_missing(caplog):
+    """No C++ compiler for inductor: a warning names the cause and the engine runs eagerly, correctly."""
+    with (torch._inductor.config.patch({"cpp.cxx": ("servelab-no-such-c++",)}),
+          caplog.at_level(logging.WARNING, logger="framework.compile")):
+        llm = LLM(model=STORIES, compile=True)
+    stats = llm.engine.runner.compile_stats
+    assert not stats.active and "compiler unavailable" in stats.fallback_reason
+    assert any("running the model eagerly" in r.message and "compiler unavailable" in r.message
+               for r in caplog.records)
+    assert_greedy_parity(llm, STORY_PROMPTS[:6], max_tokens=12)
+    assert llm.engine.metrics.summary()["compile_active"] is False
+    assert_all_blocks_free(llm.engine)
+
+
+def test_fallback_when_compile_fails(monkeypatch, caplog):
+    """An error while compiling the first graph (here: the inductor backend raises) falls back to eager."""
+    def broken(self, gm, example_inputs):
+        raise RuntimeError("simulated inductor failure")
+
+    monkeypatch.setattr(CompiledDecoder, "_backend", broken)
+    with caplog.at_level(logging.WARNING, logger="framework.compile"):
+        llm = LLM(model=STORIES, compile=True)
+    stats = llm.engine.runner.compile_stats
+    assert not stats.active and "simulated inductor failure" in stats.fallback_reason
+    assert any("simulated inductor failure" in r.message for r in caplog.records)
+    outs = assert_greedy_parity(llm, STORY_PROMPTS[:6], max_tokens=12)
+    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
+    assert_all_blocks_free(llm.engine)
+
+
+def test_compile_off_reports_nothing(make_llm):
+    llm = make_llm()
+    assert llm.engine.runner.compiled is None
+    llm.generate(["Once upon a time"], SamplingParams(max_tokens=2))
+    assert "compile_s" not in llm.engine.metrics.summary()
+
+
+def test_hydra_engine_compile_knob():
+    from hydra import compose, initialize_config_dir
+
+    from framework.hydra_config import CONF_DIR, engine_config_from_cfg
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=["engine.compile=true", "engine.compile_freezing=true"])
+    config = engine_config_from_cfg(cfg)
+    assert config.compile is True and config.compile_freezing is True
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        assert engine_config_from_cfg(compose("config")).compile is False
