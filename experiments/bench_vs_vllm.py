@@ -11,12 +11,14 @@ Reported per system: output tok/s on the throughput workload (``fixed``: N promp
 ``mixed``: output lengths uniform in [min, max], see ``bench_offline.build_workload``), and batch-1
 ms/token (one prompt, ``--batch1-tokens`` output tokens, wall seconds / tokens, prefill included).
 Each system runs a small warm-up generate first (for compiled vLLM that includes its compile).
-``ratio`` = servelab / vLLM (tok/s), vLLM / servelab (ms/token), i.e. > 1 means servelab is faster.
+``ratio`` = servelab / vLLM (tok/s), vLLM / servelab (ms/token), i.e. > 1 means servelab is faster,
+for each servelab mode (``--servelab-modes eager,compiled``) against each vLLM mode.
 
 Example (the issue-8 measurement)::
 
-    .venv/bin/python experiments/bench_vs_vllm.py --workload fixed --num-prompts 64 --output-len 128
-    .venv/bin/python experiments/bench_vs_vllm.py --workload mixed --num-prompts 64
+    .venv/bin/python experiments/bench_vs_vllm.py --workload fixed --num-prompts 64 --output-len 128 \
+        --servelab-modes eager,compiled
+    .venv/bin/python experiments/bench_vs_vllm.py --workload mixed --num-prompts 64 --servelab-modes eager,compiled
 """
 
 from __future__ import annotations
@@ -72,12 +74,13 @@ def run_vllm(model_path: str, prompts: list[list[int]], out_lens: list[int], arg
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def run_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    """The same measurement with servelab's ``LLM`` in this process."""
+def run_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace,
+                 compile: bool = False) -> dict[str, Any]:
+    """The same measurement with servelab's ``LLM`` in this process (``compile``: engine.compile)."""
     from framework import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=args.dtype, attention=args.attention, enable_prefix_caching=False,
-              compile=args.compile)
+              compile=compile)
 
     def generate(ps: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--vllm-python", default=str(REPO_ROOT / ".vllm-venv" / "bin" / "python"))
     p.add_argument("--vllm-modes", default="eager,compiled", help="comma list of eager|compiled; empty skips vLLM")
     p.add_argument("--workdir", default="/tmp")
-    p.add_argument("--compile", action="store_true", help="servelab engine compile=True (torch.compile of the "
+    p.add_argument("--servelab-modes", default="eager", help="comma list of eager|compiled (engine.compile)")
+    p.add_argument("--compile", action="store_true", help="same as --servelab-modes compiled: engine compile=True (torch.compile of the "
                    "decoder at start-up, like vLLM's compiled mode); prints compile time and recompiles")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -126,24 +130,30 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     model_path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts, out_lens = build_workload(tokenizer, load_texts(Path(args.prompts_file)), args)
-    results = {"servelab": run_servelab(args.model, prompts, out_lens, args)}
+    modes = ["compiled"] if args.compile else [m for m in args.servelab_modes.split(",") if m]
+    results = {("servelab" if m == "eager" else "servelab_compiled"): run_servelab(args.model, prompts, out_lens, args,
+                                                                                  compile=m == "compiled")
+               for m in modes}
     for mode in filter(None, args.vllm_modes.split(",")):
         results[f"vllm_{mode}"] = run_vllm(model_path, prompts, out_lens, args, eager=mode == "eager")
     rows = [summarize(name, res) for name, res in results.items()]
-    ours = rows[0]
-    print(f"workload={args.workload} prompts={len(prompts)} output_tokens={ours['output_tokens']} "
-          f"attention={args.attention} dtype={args.dtype} compile={args.compile}")
-    compiled = results["servelab"]["compile"]
+    first = next(iter(results.values()))
+    print(f"workload={args.workload} prompts={len(prompts)} output_tokens={rows[0]['output_tokens']} "
+          f"attention={args.attention} dtype={args.dtype} servelab modes={modes}")
+    compiled = results.get("servelab_compiled", {}).get("compile")
     if compiled:
         print(f"servelab compile: active={compiled['compile_active']} warm-up {compiled['compile_s']:.1f} s "
               f"({compiled['compile_num_graphs_warmup']} graphs), {compiled['compile_num_recompiles']} recompiles "
               f"after warm-up" + (f", fallback: {compiled['compile_fallback']}" if compiled["compile_fallback"] else ""))
-    print(f"{'system':<16}{'tok/s':>10}{'b1 ms/tok':>12}{'ratio tok/s':>13}{'ratio b1':>10}{'same tokens':>13}")
+    print(f"{'system':<20}{'tok/s':>10}{'b1 ms/tok':>12}{'same tokens as first':>22}")
     for row, res in zip(rows, results.values()):
-        same = sum(a == b for a, b in zip(res["tokens"], results["servelab"]["tokens"]))
-        print(f"{row['system']:<16}{row['tok_s']:>10.1f}{row['b1_ms_per_token']:>12.2f}"
-              f"{ours['tok_s'] / row['tok_s']:>13.3f}{row['b1_ms_per_token'] / ours['b1_ms_per_token']:>10.3f}"
-              f"{same:>9}/{len(prompts)}")
+        same = sum(a == b for a, b in zip(res["tokens"], first["tokens"]))
+        print(f"{row['system']:<20}{row['tok_s']:>10.1f}{row['b1_ms_per_token']:>12.2f}{same:>16}/{len(prompts)}")
+    ours_rows = [r for r in rows if r["system"].startswith("servelab")]
+    for ours in ours_rows:  # > 1 means servelab is faster
+        for peer in (r for r in rows if r["system"].startswith("vllm")):
+            print(f"ratio {ours['system']} / {peer['system']}: tok/s {ours['tok_s'] / peer['tok_s']:.3f}, "
+                  f"batch-1 {peer['b1_ms_per_token'] / ours['b1_ms_per_token']:.3f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows, "servelab_compile": compiled},
                                                   indent=2))

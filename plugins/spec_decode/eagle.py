@@ -182,15 +182,14 @@ class EagleDrafter(Drafter):
                 break
             if step == 0:  # only these caught up; the others keep their pending features for later
                 caught_up = {s.shadow.request_id: real[s.shadow.request_id] for s in active}
-            hidden = self._head_step([s.shadow for s in active], feats)
-            for state in active:
+            hidden = self._head_step([s.shadow for s in active], feats)  # (len(active), hidden)
+            tokens = self.lm_head(hidden).argmax(-1).tolist()  # one LM-head GEMM for every request
+            for j, state in enumerate(active):
                 rid = state.shadow.request_id
-                h = hidden[rid]  # (hidden,) predicted next feature
-                token = int(torch.argmax(self.lm_head(h)).item())
                 state.shadow.num_computed_tokens = state.shadow.num_tokens
-                state.shadow.all_token_ids.append(token)
-                drafts[rid].append(token)
-                feats[rid] = h[None]
+                state.shadow.all_token_ids.append(tokens[j])
+                drafts[rid].append(tokens[j])
+                feats[rid] = hidden[j:j + 1]  # the predicted next feature feeds the next step
         for rid, n_real in caught_up.items():  # keep the real pairs' KV only; draft pairs get overwritten
             state = self._states[rid]
             state.pending = state.pending[:0]  # consumed; rows beyond were rejected drafts
@@ -199,9 +198,9 @@ class EagleDrafter(Drafter):
         return drafts
 
     @torch.inference_mode()
-    def _head_step(self, shadows: list[Request], feats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One flattened head forward over every shadow's uncomputed pairs; returns each request's
-        last predicted feature ``(hidden,)``."""
+    def _head_step(self, shadows: list[Request], feats: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One flattened head forward over every shadow's uncomputed pairs; returns each shadow's
+        last predicted feature, ``(len(shadows), hidden)`` in ``shadows`` order."""
         from framework.forward_context import ForwardContext, forward_context
 
         n = {s.request_id: s.num_tokens - s.num_computed_tokens for s in shadows}
@@ -213,7 +212,8 @@ class EagleDrafter(Drafter):
         with forward_context(ForwardContext(self.runner.backend, metadata, self.runner.kv_caches)):
             out = self.head(batch.input_ids, batch.positions, features)[0]  # (num_tokens, hidden)
         last = out[batch.logits_index]  # (num_shadows, hidden), batch.sample_requests order
-        return {r.request_id: last[j] for j, r in enumerate(batch.sample_requests)}
+        row = {r.request_id: j for j, r in enumerate(batch.sample_requests)}
+        return last[torch.tensor([row[s.request_id] for s in shadows], device=last.device)]
 
 
 def _mismatches(head: Any, target: Any, path: str) -> list[str]:

@@ -1,0 +1,40 @@
+"""The experiment scripts that produce reported numbers still run end to end (tiny settings, stories260K).
+
+These check that the scripts work and that their outputs are usable, not the numbers themselves
+(speed is never asserted)."""
+
+from __future__ import annotations
+
+import sys
+
+from helpers import REPO, STORIES
+
+from framework import LLM, SamplingParams
+
+sys.path.insert(0, str(REPO))
+
+
+def test_train_eagle_writes_a_usable_head(tmp_path, capsys):
+    from experiments import train_eagle
+
+    out = tmp_path / "head"
+    train_eagle.main(["--model", STORIES, "--out", str(out), "--num-sequences", "16", "--max-tokens", "24",
+                      "--epochs", "1", "--gen-dtype", "float32", "--batch-size", "4"])
+    printed = capsys.readouterr().out
+    assert "held-out first-draft top-1" in printed and (out / "config.json").is_file()
+    assert (out / "pytorch_model.bin").is_file()
+    llm = LLM(model=STORIES, drafter="eagle", drafter_params={"model": str(out), "num_speculative_tokens": 2})
+    outs = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=8))
+    assert len(outs[0].outputs[0].token_ids) == 8
+    assert llm.engine.metrics.summary()["spec_num_draft_tokens"] > 0
+
+
+def test_roofline_reports_every_category(capsys):
+    from experiments import roofline
+
+    roofline.main(["--model", STORIES, "--dtype", "float32", "--batch-sizes", "1,4", "--prompt-len", "16",
+                   "--warmup-steps", "1", "--steps", "3"])
+    printed = capsys.readouterr().out
+    assert "GEMM peak" in printed
+    for category in (*roofline.CATEGORIES, "other forward", "engine overhead", "step total"):
+        assert printed.count(category) == 2, category
