@@ -76,32 +76,18 @@ class DraftModelDrafter(Drafter):
 
     def load(self, model: torch.nn.Module, model_config: Any, config: EngineConfig) -> None:
         """Load the draft model, its attention backend, KV cache, block pool and runner."""
-        from framework import registry
         from framework.forward_context import register_attention_implementation
         from framework.model_loader import load_model
-        from framework.model_runner import ModelRunner
-        from framework.sampler import Sampler
+        from plugins.spec_decode._draft_runner import build_draft_runner
 
         loaded = load_model(str(Path(self.model_path)), dtype=config.dtype, device=config.device,
                             attn_implementation=register_attention_implementation())
         mc = loaded.config
         if mc.vocab_size != model_config.vocab_size:
             raise ValueError(f"draft vocabulary {mc.vocab_size} != target vocabulary {model_config.vocab_size}")
-        head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        dtype = getattr(torch, config.dtype)
-        backend = registry.create("attention", config.attention, num_heads=mc.num_attention_heads,
-                                  num_kv_heads=mc.num_key_value_heads, head_size=head_size, scale=head_size ** -0.5,
-                                  block_size=config.block_size, dtype=dtype, device=torch.device(config.device),
-                                  **config.plugin_params("attention"))
         max_len = config.max_model_len or mc.max_position_embeddings
         self.max_len = min(max_len, mc.max_position_embeddings)  # draft positions stay below this
-        wanted = config.max_num_seqs * -(-max_len // config.block_size)
-        budget = config.kv_cache_memory_bytes // backend.kv_cache_bytes_per_block(mc.num_hidden_layers)
-        num_blocks = self.num_blocks or max(-(-max_len // config.block_size), min(wanted, budget))
-        self.kv = registry.create("kv_allocator", "paged", num_blocks=num_blocks, block_size=config.block_size,
-                                  enable_prefix_caching=False)
-        self.runner = ModelRunner(loaded.model, backend, num_blocks, mc.num_hidden_layers, dtype,
-                                  torch.device(config.device), Sampler(mc.vocab_size))
+        self.kv, self.runner = build_draft_runner(loaded.model, mc, config, max_len, mc.vocab_size, self.num_blocks)
 
     def on_requests_freed(self, request_ids: Any) -> None:
         """Free the draft KV blocks of finished, aborted or preempted requests."""

@@ -98,33 +98,19 @@ class EagleDrafter(Drafter):
         Raises:
             ValueError: the head's hidden size or vocabulary differs from the target's.
         """
-        from framework import registry
         from framework.forward_context import register_attention_implementation
-        from framework.model_runner import ModelRunner
-        from framework.sampler import Sampler
+        from plugins.spec_decode._draft_runner import build_draft_runner
         from plugins.spec_decode._eagle_head import load_head, load_head_config
 
         problems = _mismatches(load_head_config(self.model_path), model_config, self.model_path)
         if problems:
             raise ValueError("; ".join(problems))
-        dtype, device = getattr(torch, config.dtype), torch.device(config.device)
-        self.head = load_head(self.model_path, model.get_input_embeddings(), dtype, device,
-                              register_attention_implementation())
+        self.head = load_head(self.model_path, model.get_input_embeddings(), getattr(torch, config.dtype),
+                              torch.device(config.device), register_attention_implementation())
         self.lm_head = model.get_output_embeddings()
-        hc = self.head.config
-        head_size = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
-        backend = registry.create("attention", config.attention, num_heads=hc.num_attention_heads,
-                                  num_kv_heads=hc.num_key_value_heads, head_size=head_size, scale=head_size ** -0.5,
-                                  block_size=config.block_size, dtype=dtype, device=device,
-                                  **config.plugin_params("attention"))
         max_len = config.max_model_len or model_config.max_position_embeddings
-        wanted = config.max_num_seqs * -(-max_len // config.block_size)
-        budget = config.kv_cache_memory_bytes // backend.kv_cache_bytes_per_block(hc.num_hidden_layers)
-        num_blocks = self.num_blocks or max(-(-max_len // config.block_size), min(wanted, budget))
-        self.kv = registry.create("kv_allocator", "paged", num_blocks=num_blocks, block_size=config.block_size,
-                                  enable_prefix_caching=False)
-        self.runner = ModelRunner(self.head, backend, num_blocks, hc.num_hidden_layers, dtype, device,
-                                  Sampler(model_config.vocab_size))
+        self.kv, self.runner = build_draft_runner(self.head, self.head.config, config, max_len,
+                                                  model_config.vocab_size, self.num_blocks)
 
     def observe_hidden_states(self, hidden_states: TargetHiddenStates) -> None:
         """Append each request's new target features to its pending ones (stale rows beyond the
