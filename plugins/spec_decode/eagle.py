@@ -144,6 +144,7 @@ class EagleDrafter(Drafter):
         if state is not None:
             self.kv.free(state.shadow)
 
+    @torch.inference_mode()
     def propose(self, requests: list[Request]) -> dict[str, list[int]]:
         """Catch the head up on real features, then k greedy draft steps over all requests at once."""
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
@@ -183,7 +184,6 @@ class EagleDrafter(Drafter):
             del state.shadow.all_token_ids[n_real:]
         return drafts
 
-    @torch.inference_mode()
     def _head_step(self, shadows: list[Request], feats: dict[str, torch.Tensor]) -> torch.Tensor:
         """One flattened head forward over every shadow's uncomputed pairs; returns each shadow's
         last predicted feature, ``(len(shadows), hidden)`` in ``shadows`` order."""
