@@ -46,6 +46,7 @@ class EngineConfig:
     swap_space_bytes: int = 0  # CPU swap space for preemption_mode=swap, bytes
     compile: bool = False  # torch.compile the decoder (inductor) at start-up; eager with a warning if it cannot
     compile_freezing: bool = False  # inductor freezing: weights as constants, prepacked for oneDNN on CPU
+    prepack_linears: str = "auto"  # auto | on | off: oneDNN-prepacked CPU linears (auto: bf16/fp16 eager runs)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,6 +77,8 @@ class EngineConfig:
             (self.preemption_mode != "swap" or self.swap_space_bytes > 0,
              "preemption_mode=swap needs engine.swap_space_bytes > 0 (e.g. 1073741824 for 1 GiB of CPU swap)"),
             (self.swap_space_bytes >= 0, f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}"),
+            (self.prepack_linears in ("auto", "on", "off"),
+             f"prepack_linears must be auto, on or off, got {self.prepack_linears!r}"),
         ]
         for ok, message in checks:
             if not ok:

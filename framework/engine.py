@@ -15,6 +15,7 @@ from framework.interfaces import Drafter
 from framework.metrics import MetricsCollector, compute_request_metrics
 from framework.model_runner import ModelRunner
 from framework.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerStats
+from framework.prepack import prepack_linears, should_prepack
 from framework.request import Request
 from framework.sampler import Sampler
 from framework.sampling_params import RequestOutputKind, SamplingParams
@@ -382,6 +383,8 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
     quant = registry.create("quant", config.quant, **config.plugin_params("quant"))
     if quant is not None:
         model = quant.apply(model)
+    if should_prepack(config.prepack_linears, torch.device(config.device), dtype, config.compile):
+        logger.info("prepack_linears: %d linears prepacked for oneDNN", prepack_linears(model))
     kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or (quant.kv_cache_dtype(dtype) if quant else dtype)
 
     mc = loaded.config
