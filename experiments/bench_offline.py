@@ -321,13 +321,9 @@ def machine_info() -> dict[str, Any]:
     import transformers
 
     cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
     return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
             "num_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__}

@@ -111,9 +111,8 @@ def bounds(model: Any, batch: int, context: int, kv_bytes_per_token_layer: int, 
     def roof(nbytes: float, flops: float) -> float:
         return max(nbytes / bw, flops / peak)
 
-    weight_bytes = lin_params * dtype_bytes
     return {
-        "linears": roof(weight_bytes + 0, 2 * lin_params * batch),
+        "linears": roof(lin_params * dtype_bytes, 2 * lin_params * batch),
         "lm_head": roof(head_params * dtype_bytes, 2 * head_params * batch),
         "attention": roof(batch * context * layers * kv_bytes_per_token_layer,
                           4 * batch * context * layers * hidden),

@@ -116,16 +116,11 @@ def generate(model: str, prompts: list[list[int]], max_tokens: int, temperature:
     seqs, feats = [], []
     for p, o in zip(prompts, outs):
         seqs.append(p + list(o.outputs[0].token_ids))
-        f = torch.zeros(len(seqs[-1]) - 1, model_hidden(runner.model))
+        f = torch.zeros(len(seqs[-1]) - 1, runner.model.config.hidden_size)
         for start, chunk in rows[o.request_id]:  # a recompute after preemption rewrites the same rows
             f[start:start + len(chunk)] = chunk[:max(0, len(f) - start)]
         feats.append(f)
     return seqs, feats, llm.engine.runner.model
-
-
-def model_hidden(model: Any) -> int:
-    """The model's hidden size."""
-    return model.config.hidden_size
 
 
 @torch.no_grad()

@@ -36,6 +36,8 @@ class BatchInputs:
     sample_requests: list[Request]  # requests whose last scheduled token reaches num_tokens (+ drafts)
     logits_index: torch.Tensor  # (num_sample_rows,) int64 flattened token index of each sampled row
     num_spec: list[int]  # per sample request: drafts verified this step (rows = num_spec + 1)
+    query_start_loc_cpu: np.ndarray  # (num_reqs + 1,) int64, host copy of common.query_start_loc
+    context_lens_cpu: np.ndarray  # (num_reqs,) int64, host copy of common.context_lens
 
 
 class ModelRunner:
@@ -149,8 +151,7 @@ class ModelRunner:
         if hidden is not None:  # (num_tokens, hidden) for an EAGLE-style drafter
             hidden_states = TargetHiddenStates(
                 request_ids=[r.request_id for r in batch.requests],
-                query_start_loc=batch.common.query_start_loc.cpu().numpy(),
-                context_lens=batch.common.context_lens.cpu().numpy(), hidden_states=hidden)
+                query_start_loc=batch.query_start_loc_cpu, context_lens=batch.context_lens_cpu, hidden_states=hidden)
         t2 = time.perf_counter()
         sampled, logprobs, accepted = {}, {}, {}
         if batch.sample_requests:
@@ -258,4 +259,6 @@ class ModelRunner:
             sample_requests=[requests[i] for i in sample_idx.tolist()],
             logits_index=torch.from_numpy(logits_index).to(dev),
             num_spec=sample_k.tolist(),
+            query_start_loc_cpu=query_start_loc,
+            context_lens_cpu=context_lens,
         )

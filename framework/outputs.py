@@ -68,8 +68,8 @@ class TargetHiddenStates:
     """
 
     request_ids: list[str]  # batch order
-    query_start_loc: np.ndarray  # (num_reqs + 1,) int32: first row of each request
-    context_lens: np.ndarray  # (num_reqs,) int32: position of each request's first scheduled token
+    query_start_loc: np.ndarray  # (num_reqs + 1,) int64: first row of each request
+    context_lens: np.ndarray  # (num_reqs,) int64: position of each request's first scheduled token
     hidden_states: torch.Tensor  # (num_tokens, hidden_size), model dtype, on the model's device
 
 

@@ -28,6 +28,8 @@ from framework.interfaces import Drafter
 from framework.request import Request
 from framework.sampling_params import SamplingParams
 
+MISSING_MODEL = "spec_decode=draft_model needs spec_decode.params.model=PATH (e.g. models/stories260K-draft)"
+
 
 class DraftModelDrafter(Drafter):
     """``spec_decode=draft_model spec_decode.params.model=PATH``.
@@ -48,7 +50,7 @@ class DraftModelDrafter(Drafter):
                  **params: Any) -> None:
         super().__init__(num_speculative_tokens, **params)
         if not model:
-            raise ValueError("spec_decode=draft_model needs spec_decode.params.model=PATH (e.g. models/stories260K-draft)")
+            raise ValueError(MISSING_MODEL)
         self.model_path = model
         self.num_blocks = num_blocks
         self._states: dict[str, Request] = {}  # request_id -> shadow request tracking the draft KV
@@ -59,8 +61,7 @@ class DraftModelDrafter(Drafter):
         problems = super().validate(config)
         path = config.drafter_params.get("model")
         if not path:
-            return problems + ["spec_decode=draft_model needs spec_decode.params.model=PATH "
-                               "(e.g. models/stories260K-draft)"]
+            return problems + [MISSING_MODEL]
         from framework.model_loader import load_model_config
 
         try:

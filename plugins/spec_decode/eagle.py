@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from framework import hookimpl
@@ -35,6 +34,9 @@ from framework.interfaces import Drafter
 from framework.outputs import SchedulerOutput, TargetHiddenStates
 from framework.request import Request
 from framework.sampling_params import SamplingParams
+
+MISSING_MODEL = ("spec_decode=eagle needs spec_decode.params.model=PATH of an EAGLE head "
+                 "(e.g. models/stories260K-eagle; train one with experiments/train_eagle.py)")
 
 
 @dataclass
@@ -68,8 +70,7 @@ class EagleDrafter(Drafter):
                  **params: Any) -> None:
         super().__init__(num_speculative_tokens, **params)
         if not model:
-            raise ValueError("spec_decode=eagle needs spec_decode.params.model=PATH of an EAGLE head "
-                             "(e.g. models/stories260K-eagle; train one with experiments/train_eagle.py)")
+            raise ValueError(MISSING_MODEL)
         self.model_path = model
         self.num_blocks = num_blocks
         self._states: dict[str, _HeadState] = {}
@@ -80,8 +81,7 @@ class EagleDrafter(Drafter):
         problems = super().validate(config)
         path = config.drafter_params.get("model")
         if not path:
-            return problems + ["spec_decode=eagle needs spec_decode.params.model=PATH of an EAGLE head "
-                               "(e.g. models/stories260K-eagle; train one with experiments/train_eagle.py)"]
+            return problems + [MISSING_MODEL]
         from framework.model_loader import load_model_config
         from plugins.spec_decode._eagle_head import load_head_config
 
@@ -119,20 +119,14 @@ class EagleDrafter(Drafter):
         for i, rid in enumerate(hidden_states.request_ids):
             rows = hidden_states.hidden_states[qsl[i]:qsl[i + 1]]
             state = self._states.get(rid)
-            consumed = None if state is None else state.start + state.shadow.num_computed_tokens
-            if state is None or ctx[i] < consumed:  # first features seen (or a recompute): start here
+            keep = -1 if state is None else ctx[i] - (state.start + state.shadow.num_computed_tokens)
+            if 0 <= keep <= state.pending.shape[0]:  # rows before this step's first position stay
+                state.pending = torch.cat([state.pending[:keep], rows])
+            else:  # first features seen, a recompute, or a gap (never expected): the head starts here
                 self._drop(rid)
                 shadow = Request(request_id=rid, prompt_token_ids=[],
                                  sampling_params=SamplingParams(temperature=0.0, max_tokens=None))
                 self._states[rid] = _HeadState(start=ctx[i], shadow=shadow, pending=rows.clone())
-                continue
-            keep = ctx[i] - consumed  # pending rows before this step's first position
-            if keep > state.pending.shape[0]:  # a gap (never expected): restart the head here
-                self._drop(rid)
-                self.observe_hidden_states(TargetHiddenStates([rid], np.array([0, rows.shape[0]]),
-                                                              np.array([ctx[i]]), rows))
-                continue
-            state.pending = torch.cat([state.pending[:keep], rows])
 
     def on_requests_freed(self, request_ids: Any) -> None:
         """Free the head KV blocks and pending features of finished, aborted or preempted requests."""
@@ -158,7 +152,8 @@ class EagleDrafter(Drafter):
             new = n_real - shadow.num_computed_tokens
             if new <= 0 or new > state.pending.shape[0]:
                 continue
-            shadow.all_token_ids = list(request.all_token_ids[state.start + 1:request.num_tokens])
+            # pair j's token is x_{start + j + 1}; the kept prefix is accepted, so only append
+            shadow.all_token_ids.extend(request.all_token_ids[state.start + 1 + shadow.num_tokens:request.num_tokens])
             feats[request.request_id] = state.pending[:new]
             real[request.request_id] = n_real
             active.append(state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import torch
 from helpers import STORIES, STORIES_EAGLE
 
@@ -103,3 +104,20 @@ def test_prefix_cache_hit_starts_the_head_late(make_llm):
     second = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))[0].outputs[0].token_ids
     assert second == first
     assert starts and min(starts) > 0, "expected a prefix-cache hit to skip the cached positions"
+
+
+@pytest.mark.slow
+def test_eagle_with_compiled_target_keeps_parity(make_llm):
+    """engine.compile=true: the hidden states come from the compiled decoder; greedy output still
+    equals transformers and the head still drafts well (its features are the target's)."""
+    from helpers import hf_greedy
+
+    llm = make_llm(drafter="eagle", drafter_params={"model": STORIES_EAGLE, "num_speculative_tokens": 2}, compile=True)
+    assert llm.engine.runner.compile_stats.active
+    tok = llm.get_tokenizer()
+    ids = [tok(p).input_ids for p in PROMPTS[:4]]
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=32))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 32)
+    summary = llm.engine.metrics.summary()
+    assert summary["spec_acceptance_rate"] > 0.45
+    assert llm.engine.runner.compile_stats.num_recompiles == 0
