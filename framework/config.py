@@ -46,7 +46,8 @@ class EngineConfig:
     swap_space_bytes: int = 0  # CPU swap space for preemption_mode=swap, bytes
     compile: bool = False  # torch.compile the decoder (inductor) at start-up; eager with a warning if it cannot
     compile_freezing: bool = False  # inductor freezing: weights as constants, prepacked for oneDNN on CPU
-    prepack_linears: str = "auto"  # auto | on | off: oneDNN-prepacked CPU linears (auto: bf16/fp16 eager runs)
+    prepack_linears: str = "auto"  # auto | on | off: oneDNN-prepacked (and fused q/k/v, gate/up) CPU linears (auto: bf16/fp16)
+    tune_malloc: bool = True  # CPU: glibc mallopt so large activations reuse heap memory instead of fresh page-faulted mmaps
 
     def __post_init__(self) -> None:
         self.validate()

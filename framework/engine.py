@@ -10,6 +10,7 @@ import torch
 
 from framework import registry
 from framework.config import PLUGIN_FIELDS, EngineConfig
+from framework.cpu_malloc import tune_malloc
 from framework.forward_context import register_attention_implementation
 from framework.interfaces import Drafter
 from framework.metrics import MetricsCollector, compute_request_metrics
@@ -376,6 +377,8 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
         mc.num_attention_heads, mc.num_key_value_heads, head_size)
     if problems:
         raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
+    if config.tune_malloc and torch.device(config.device).type == "cpu":
+        tune_malloc()
     loaded = load_model(config.model, dtype=config.dtype, device=config.device,
                         attn_implementation=register_attention_implementation())
     model = loaded.model
@@ -383,8 +386,8 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
     quant = registry.create("quant", config.quant, **config.plugin_params("quant"))
     if quant is not None:
         model = quant.apply(model)
-    if should_prepack(config.prepack_linears, torch.device(config.device), dtype, config.compile):
-        logger.info("prepack_linears: %d linears prepacked for oneDNN", prepack_linears(model))
+    if should_prepack(config.prepack_linears, torch.device(config.device), dtype, config.compile_freezing):
+        logger.info("prepack_linears: %d GEMMs prepacked for oneDNN", prepack_linears(model, compiled=config.compile))
     kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or (quant.kv_cache_dtype(dtype) if quant else dtype)
 
     mc = loaded.config

@@ -129,10 +129,18 @@ class TorchAttentionBackend(AttentionBackend):
             key, value = quantize_rows(key, self.kv_quant), quantize_rows(value, self.kv_quant)
         key_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
         value_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
+        return self.attend(query, kv_cache, metadata)
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
+        """Attention only (the step's K/V already in ``kv_cache``): ``query (T, H, D)`` -> ``(T, H, D)``.
+
+        For backends that write the cache themselves and use this one for part of a step
+        (``torch_paged``'s prefill chunks and small decode batches).
+        """
         out = torch.empty_like(query)
         for seg in metadata.segments:
             out[seg.token_start:seg.token_end] = self._attend(query[seg.token_start:seg.token_end],
-                                                              key_cache, value_cache, seg)
+                                                              kv_cache[0], kv_cache[1], seg)
         return out
 
     def _attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

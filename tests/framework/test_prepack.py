@@ -1,5 +1,7 @@
-"""``engine.prepack_linears``: oneDNN-prepacked CPU linears compute what ``nn.Linear`` computes, apply
-only where ``auto`` says, keep tied weights shared, and leave the float32 parity path alone."""
+"""``engine.prepack_linears``: oneDNN-prepacked CPU linears compute what ``nn.Linear`` computes, the
+fused q/k/v and gate/up GEMMs compute what the separate projections compute, prepacking applies
+only where ``auto`` says, keeps tied weights shared, and keeps transformers parity in float32, eager
+and compiled."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 from helpers import STORIES, hf_greedy
 
 from framework import LLM, SamplingParams
-from framework.prepack import PrepackedLinear, prepack_linears, should_prepack
+from framework.prepack import FusedGatedMLP, PrepackedLinear, prepack_linears, should_prepack
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn) on CPU")
 
@@ -28,14 +30,15 @@ def test_prepacked_linear_matches_linear(dtype, rows):
 
 def test_should_prepack_modes():
     cpu = torch.device("cpu")
-    assert should_prepack("auto", cpu, torch.bfloat16, compile=False)
-    assert not should_prepack("auto", cpu, torch.float32, compile=False)  # the parity reference path
-    assert not should_prepack("auto", cpu, torch.bfloat16, compile=True)  # inductor owns the linears
-    assert should_prepack("on", cpu, torch.float32, compile=False)
-    assert not should_prepack("off", cpu, torch.bfloat16, compile=False)
-    assert not should_prepack("auto", torch.device("cuda"), torch.bfloat16, compile=False)
+    assert should_prepack("auto", cpu, torch.bfloat16)
+    assert should_prepack("auto", cpu, torch.float16)
+    assert not should_prepack("auto", cpu, torch.float32)  # the parity reference path
+    assert not should_prepack("auto", cpu, torch.bfloat16, compile_freezing=True)  # inductor packs its own
+    assert should_prepack("on", cpu, torch.float32)
+    assert not should_prepack("off", cpu, torch.bfloat16)
+    assert not should_prepack("auto", torch.device("cuda"), torch.bfloat16)
     with pytest.raises(ValueError, match="prepack_linears"):
-        should_prepack("always", cpu, torch.bfloat16, compile=False)
+        should_prepack("always", cpu, torch.bfloat16)
 
 
 def test_bad_mode_is_refused_before_loading():
@@ -48,7 +51,7 @@ def test_tied_lm_head_keeps_sharing_the_embedding():
 
     model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.bfloat16)
     n = prepack_linears(model)
-    assert n == 5 * 7 + 1  # q, k, v, o, gate, up, down per layer + the LM head
+    assert n == 5 * 4 + 1  # fused qkv, o, fused gate_up, down per layer + the LM head
     assert isinstance(model.lm_head, PrepackedLinear)
     assert model.lm_head.weight is model.get_input_embeddings().weight
 
@@ -81,3 +84,51 @@ def test_float32_on_keeps_transformers_parity():
     ids = [tok(p).input_ids for p in ["Once upon a time", "Max had a toy car", "There was a cat."]]
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=32))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_projections_compute_the_unfused_model(dtype, compiled):
+    """The fused q/k/v attention and gate/up MLP (eager; q/k/v only for ``compiled``) give the
+    unfused model's logits through transformers' own forward (SDPA attention, no servelab code)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+
+    ref = AutoModelForCausalLM.from_pretrained(STORIES, dtype=dtype, attn_implementation="sdpa")
+    fused = AutoModelForCausalLM.from_pretrained(STORIES, dtype=dtype, attn_implementation="sdpa")
+    prepack_linears(fused, compiled=compiled)
+    layer = fused.model.layers[0]
+    assert type(layer.self_attn) is not LlamaAttention and isinstance(layer.self_attn.qkv_proj, PrepackedLinear)
+    assert not hasattr(layer.self_attn, "q_proj")
+    assert isinstance(layer.mlp, LlamaMLP if compiled else FusedGatedMLP)
+    ids = torch.tensor([[1, 403, 407, 261, 378, 285, 308, 264, 99, 7]])
+    with torch.inference_mode():
+        a, b = ref(ids).logits.float(), fused(ids).logits.float()
+    tol = 1e-4 if dtype == torch.float32 else 0.15
+    assert (a - b).abs().max() < tol
+
+
+def test_fused_linear_keeps_biases_and_refuses_mismatched_parts():
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(32, 16, bias=True), torch.nn.Linear(32, 8, bias=False)]
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        out = PrepackedLinear.fused(parts)(x)
+        ref = torch.cat([p(x) for p in parts], dim=-1)
+    assert out.shape == (3, 24) and torch.allclose(out, ref, atol=1e-5)
+    with pytest.raises(ValueError, match="in_features"):
+        PrepackedLinear.fused([torch.nn.Linear(32, 16), torch.nn.Linear(24, 16)])
+
+
+def test_compiled_engine_prepacks_and_keeps_parity():
+    """``engine.compile=true`` with prepacked linears (the opaque ``servelab::prepacked_linear`` op)
+    and fused q/k/v: float32 tokens equal transformers, chunked prefill included, 0 recompiles."""
+    llm = LLM(model=STORIES, compile=True, prepack_linears="on", max_num_batched_tokens=24)
+    runner = llm.engine.runner
+    assert isinstance(runner.model.model.layers[0].self_attn.qkv_proj, PrepackedLinear)
+    tok = llm.get_tokenizer()
+    ids = [tok(p).input_ids for p in ["Once upon a time", "Max had a toy car", "There was a cat."]]
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=24))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 24)
+    stats = runner.compile_stats
+    assert stats.active and stats.fallback_reason is None and stats.num_recompiles == 0

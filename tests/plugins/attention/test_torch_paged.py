@@ -1,6 +1,8 @@
 """The torch_paged backend (cache read in place, inductor-compiled) equals the torch reference backend
-and naive causal attention on mixed batches: decodes, first chunks and chunks with cached context,
-varied block sizes, block tables and GQA ratios; and greedy engine output equals transformers."""
+on mixed batches: decodes, first chunks and chunks with cached context, varied block sizes, block
+tables and GQA ratios, with every token in place (``paged_prefill``) and with the default split
+(decodes in place, chunks through the reference); its size rule picks the path it documents; and
+greedy engine output equals transformers."""
 
 from __future__ import annotations
 
@@ -35,13 +37,17 @@ def _common(spec, tables, slots, bs):
         max_query_len=max(q_lens), max_seq_len=max(seq_lens), block_size=bs)
 
 
-def _run(spec, heads=4, kv_heads=2, bs=4, seed=0, dtype=torch.float32, compile=False):
-    """spec: (context_len, query_len) per request, decodes first. Returns (paged out, torch-reference out)."""
+def _run(spec, heads=4, kv_heads=2, bs=4, seed=0, dtype=torch.float32, compile=False, paged_prefill=True):
+    """spec: (context_len, query_len) per request, decodes first. Returns (paged out, torch-reference out).
+
+    Every decode goes through the in-place kernel (``min_paged_decodes=1``); chunks too unless
+    ``paged_prefill`` is False."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = max(64, sum(-(-(c + q) // bs) for c, q in spec) + 3)  # fixed pool, as in an engine
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     args = (heads, kv_heads, D, D ** -0.5, bs, dtype, torch.device("cpu"))
-    paged, ref = TorchPagedAttentionBackend(*args, compile=compile), TorchAttentionBackend(*args)
+    paged = TorchPagedAttentionBackend(*args, compile=compile, min_paged_decodes=1, paged_prefill=paged_prefill)
+    ref = TorchAttentionBackend(*args)
     cache = torch.zeros(paged.get_kv_cache_shape(num_blocks), dtype=dtype)
     tables, slots, qs, ks, vs = [], [], [], [], []
     for c, q in spec:
@@ -80,8 +86,24 @@ def test_eager_matches_reference(heads, kv_heads, bs):
        st.sampled_from([(4, 2), (6, 3), (8, 1)]), st.sampled_from([2, 4, 8]), st.integers(0, 1000))
 def test_random_batches_match_reference(spec, gqa, bs, seed):
     spec = sorted(spec, key=lambda cq: cq[1] != 1)  # decodes first, as the model runner orders them
-    out, expected = _run(spec, *gqa, bs=bs, seed=seed)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for paged_prefill in (True, False):
+        out, expected = _run(spec, *gqa, bs=bs, seed=seed, paged_prefill=paged_prefill)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_size_rule_picks_the_path():
+    """Decodes go in place from ``min_paged_decodes`` of them; chunks never unless ``paged_prefill``."""
+    args = (4, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"))
+    spec, tables, slots = [(5, 1), (3, 1), (0, 3)], [[0, 1], [2], [3]], [5, 3 + 8, 12, 13, 14]
+    common = _common(spec, tables, slots, 4)
+    step = TorchPagedAttentionBackend(*args, min_paged_decodes=2).build_metadata(common)
+    assert step.num_paged_tokens == 2 and step.paged.slots.shape[0] == 2 and step.reference is not None
+    step = TorchPagedAttentionBackend(*args, min_paged_decodes=3).build_metadata(common)
+    assert step.num_paged_tokens == 0 and step.paged is None
+    step = TorchPagedAttentionBackend(*args, paged_prefill=True).build_metadata(common)
+    assert step.num_paged_tokens == 5 and step.reference is None
+    with pytest.raises(ValueError, match="min_paged_decodes"):
+        TorchPagedAttentionBackend(*args, min_paged_decodes=0)
 
 
 def test_compiled_matches_reference_without_recompiles():
@@ -105,7 +127,8 @@ def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
     def broken(*args):
         raise RuntimeError("no C++ compiler")
 
-    backend = TorchPagedAttentionBackend(4, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"))
+    backend = TorchPagedAttentionBackend(4, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"),
+                                         paged_prefill=True)
     monkeypatch.setattr(backend, "_fn", broken)
     spec, tables, slots = [(0, 3)], [[0]], [0, 1, 2]
     cache = torch.zeros(backend.get_kv_cache_shape(2))
@@ -118,8 +141,9 @@ def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
 
 def test_engine_greedy_parity_chunked_preempted_prefix_cached(make_llm):
     """stories260K float32 through the engine with torch_paged: chunked prefill, preemption, prefix hits."""
-    llm = make_llm(attention="torch_paged", num_blocks=36, block_size=16, max_num_batched_tokens=24,
-                   long_prefill_token_threshold=16, enable_prefix_caching=True)
+    llm = make_llm(attention="torch_paged", attention_params={"min_paged_decodes": 2}, num_blocks=36,
+                   block_size=16, max_num_batched_tokens=24, long_prefill_token_threshold=16,
+                   enable_prefix_caching=True)
     tok = llm.get_tokenizer()
     prefix = "Once upon a time, in a small town, there lived a kind old man who had a garden full of flowers. "
     prompts = [prefix + t for t in ["One day", "He had a dog.", "A girl came by and asked", "The birds sang"]]
