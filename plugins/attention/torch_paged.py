@@ -88,7 +88,7 @@ def _compiled_kernel() -> Any:
 
 
 def _call_compiled(fn: Any, args: tuple[Any, ...]) -> torch.Tensor:
-    """Call with the batch dims symbolic: tokens and key positions.
+    """Call with the batch dims symbolic: tokens, key positions and the cache's block count.
 
     Heads, head size and block size stay static (constants in the generated loops). Duck sizing is
     off so that two batch dims that happen to be equal in the first step do not share a symbol
@@ -96,8 +96,8 @@ def _call_compiled(fn: Any, args: tuple[Any, ...]) -> torch.Tensor:
     """
     from torch.fx.experimental import _config as fx_config
 
-    query, _, _, slots, bias, _ = args
-    for tensor, dims in ((query, (0,)), (slots, (0, 1)), (bias, (0, 1))):
+    query, key_cache, value_cache, slots, bias, _ = args
+    for tensor, dims in ((query, (0,)), (key_cache, (0,)), (value_cache, (0,)), (slots, (0, 1)), (bias, (0, 1))):
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
     with fx_config.patch(use_duck_shape=False):
@@ -135,8 +135,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
     ``[T, S]`` score loops lose to SDPA's GEMMs).
 
     Args (beyond ``AttentionBackend``'s):
-        compile: ``True`` (default) compiles with inductor; ``False`` runs eager (slow; for
-            debugging and for machines without a C++ compiler).
+        compile: ``True`` (default) compiles with inductor, at construction (a dummy call); ``False``
+            runs eager (slow; for debugging and for machines without a C++ compiler).
         min_paged_decodes: decode rows from which a step's decodes use the in-place kernel
             (default 8; 1 sends every decode through it).
         paged_prefill: also attend prefill chunks (with or without cached context) in place
@@ -159,6 +159,20 @@ class TorchPagedAttentionBackend(AttentionBackend):
         self.paged_prefill = bool(paged_prefill)
         self.reference = TorchAttentionBackend(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device)
         self._fn = _compiled_kernel() if self.compile else paged_attention
+        if self.compile:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the kernel now (start-up) on a dummy 2-token, 2-block call in this dtype, so that
+        the first large decode step of a run does not stall on inductor (seconds to tens of seconds)."""
+        group, d, bs = self.num_heads // self.num_kv_heads, self.head_size, self.block_size
+        kw = {"device": self.device}
+        cache = torch.zeros(2, 2, bs, self.num_kv_heads, d, dtype=self.dtype, **kw)
+        meta = PagedAttentionMetadata(torch.zeros(2, dtype=torch.long, **kw),
+                                      torch.arange(2 * bs, **kw).repeat(2, 1), torch.zeros(2, 2 * bs, **kw))
+        query = torch.zeros(2, self.num_kv_heads * group, d, dtype=self.dtype, **kw)
+        with torch.inference_mode():
+            self._attend_in_place(query, cache, meta)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchPagedStepMetadata:
         """Split the step into its in-place part (decodes first) and its reference part."""

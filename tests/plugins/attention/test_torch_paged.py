@@ -171,3 +171,21 @@ def test_smollm2_greedy_parity_chunked_prefix_cached(make_llm):
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=12))
     for i, (out, exp) in enumerate(zip(outs, hf_greedy(path, ids, 12))):
         assert out.outputs[0].token_ids == exp, f"prompt {i} diverged from transformers"
+
+
+def test_construction_compiles_so_the_first_large_step_does_not():
+    """The kernel compiles in ``__init__`` (a dummy call); a real decode step of another size, cache
+    and table width then reuses that graph instead of stalling on inductor mid-run."""
+    backend = TorchPagedAttentionBackend(6, 2, D, D ** -0.5, 4, torch.bfloat16, torch.device("cpu"))
+    graphs = torch_paged.COMPILE_STATS["graphs"]
+    assert graphs >= 1
+    spec = [(9 + i, 1) for i in range(10)]
+    tables = [[5 * i + j for j in range(5)] for i in range(10)]
+    slots = [tables[i][c // 4] * 4 + c % 4 for i, (c, _) in enumerate(spec)]
+    cache = torch.zeros(backend.get_kv_cache_shape(50), dtype=torch.bfloat16)
+    q, kv = torch.randn(10, 6, D).bfloat16(), torch.randn(10, 2, D).bfloat16()
+    step = backend.build_metadata(_common(spec, tables, slots, 4))
+    assert step.num_paged_tokens == 10
+    with torch.inference_mode():
+        backend.forward(0, q, kv, kv, cache, step)
+    assert torch_paged.COMPILE_STATS["graphs"] == graphs
