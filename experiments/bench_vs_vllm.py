@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_workload_args(p)
-    p.add_argument("--attention", default="torch", help="servelab attention backend (torch | torch_paged)")
+    p.add_argument("--attention", default="torch_paged", help="servelab attention backend (torch_paged, the default | torch, the reference)")
     p.add_argument("--batch1-tokens", type=int, default=128)
     p.add_argument("--vllm-python", default=str(REPO_ROOT / ".vllm-venv" / "bin" / "python"))
     p.add_argument("--vllm-modes", default="eager,compiled", help="comma list of eager|compiled; empty skips vLLM")

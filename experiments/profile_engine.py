@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("--prefix-caching", default="off", choices=("on", "off"))
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--attention", default="torch", help="attention backend: torch | torch_paged")
+    p.add_argument("--attention", default="torch_paged", help="attention backend: torch_paged (default) | torch")
     p.add_argument("--out", default=None, help="write the report text here too")
     args = p.parse_args()
     if args.threads:

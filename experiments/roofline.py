@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--attention", default="torch")
+    p.add_argument("--attention", default="torch_paged")
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--warmup-steps", type=int, default=4)

@@ -24,7 +24,7 @@ class EngineConfig:
     scheduler_params: dict[str, Any] = field(default_factory=dict)
     kv_allocator: str = "paged"
     kv_allocator_params: dict[str, Any] = field(default_factory=dict)
-    attention: str = "torch"
+    attention: str = "torch_paged"
     attention_params: dict[str, Any] = field(default_factory=dict)
     drafter: str = "none"
     drafter_params: dict[str, Any] = field(default_factory=dict)

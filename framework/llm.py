@@ -35,7 +35,7 @@ class LLM:
     """
 
     def __init__(self, model: str, dtype: str = "float32", scheduler: str = "fcfs", kv_allocator: str = "paged",
-                 attention: str = "torch", **kwargs: Any) -> None:
+                 attention: str = "torch_paged", **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, scheduler=scheduler, kv_allocator=kv_allocator,
                                    attention=attention, **kwargs)
         self.engine: LLMEngine = build_engine(self.config)

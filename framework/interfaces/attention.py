@@ -107,7 +107,7 @@ class AttentionBackend(Plugin, ABC):
                             f"(its paged-KV kernel's page size), got engine.block_size={config.block_size}")
         if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             problems.append(f"attention {cls.name!r} does not support kv_cache_dtype={config.kv_cache_dtype}; use "
-                            f"one of {', '.join(cls.supported_kv_cache_dtypes)} (attention=torch supports int8, fp8_e4m3)")
+                            f"one of {', '.join(cls.supported_kv_cache_dtypes)} (attention=torch_paged or torch support int8, fp8_e4m3)")
         return problems
 
     @classmethod

@@ -142,11 +142,15 @@ class TorchPagedAttentionBackend(AttentionBackend):
         paged_prefill: also attend prefill chunks (with or without cached context) in place
             (default ``False``; an ablation switch).
 
+    KV-cache quantization (``engine.kv_cache_dtype=int8|fp8_e4m3``) uses the reference's quantized
+    layout and runs every step through the reference (the kernel reads unquantized caches only).
+
     Raises:
         ValueError: ``min_paged_decodes < 1``.
     """
 
     name = "torch_paged"
+    supported_kv_cache_dtypes = TorchAttentionBackend.supported_kv_cache_dtypes  # quantized: all via the reference
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, block_size: int,
                  dtype: torch.dtype, device: torch.device, compile: bool = True, min_paged_decodes: int = 8,
@@ -158,9 +162,15 @@ class TorchPagedAttentionBackend(AttentionBackend):
         self.min_paged_decodes = int(min_paged_decodes)
         self.paged_prefill = bool(paged_prefill)
         self.reference = TorchAttentionBackend(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device)
+        self.cache_dtype = self.reference.cache_dtype
+        self.in_place = self.reference.kv_quant is None  # the kernel reads unquantized caches only
         self._fn = _compiled_kernel() if self.compile else paged_attention
-        if self.compile:
+        if self.compile and self.in_place:
             self._warm_up()
+
+    def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The ``torch`` reference's layout (``head_size + 4`` int8 bytes when the cache is quantized)."""
+        return self.reference.get_kv_cache_shape(num_blocks)
 
     def _warm_up(self) -> None:
         """Compile the kernel now (start-up) on a dummy 2-token, 2-block call in this dtype, so that
@@ -176,9 +186,9 @@ class TorchPagedAttentionBackend(AttentionBackend):
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchPagedStepMetadata:
         """Split the step into its in-place part (decodes first) and its reference part."""
-        if self.paged_prefill:
+        if self.paged_prefill and self.in_place:
             return TorchPagedStepMetadata(common.slot_mapping, common.num_tokens, self._paged_metadata(common), None)
-        if common.num_decodes < self.min_paged_decodes:
+        if common.num_decodes < self.min_paged_decodes or not self.in_place:
             return TorchPagedStepMetadata(common.slot_mapping, 0, None, self.reference.build_metadata(common))
         decode, prefill = split_decode_prefill(common)
         return TorchPagedStepMetadata(common.slot_mapping, common.num_decode_tokens, self._paged_metadata(decode),
@@ -203,10 +213,10 @@ class TorchPagedAttentionBackend(AttentionBackend):
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TorchPagedStepMetadata) -> torch.Tensor:
         """Write all of the step's K/V, then attend each part; see ``AttentionBackend.forward``."""
+        if metadata.paged is None:  # the whole step through the reference (which also quantizes K/V)
+            return self.reference.forward(layer_idx, query, key, value, kv_cache, metadata.reference)
         write_kv(kv_cache, key, value, metadata.slot_mapping)
         n = metadata.num_paged_tokens
-        if metadata.paged is None:
-            return self.reference.attend(query, kv_cache, metadata.reference)
         paged = self._attend_in_place(query[:n], kv_cache, metadata.paged)
         if metadata.reference is None:
             return paged

@@ -17,7 +17,7 @@ def test_whole_batch(make_llm, scheduler):
 
 def test_gqa_decode_kernel(make_llm):
     """The ablation switch attention.params.decode_kernel=gqa gives the same greedy tokens."""
-    llm = make_llm(attention_params={"decode_kernel": "gqa"})
+    llm = make_llm(attention="torch", attention_params={"decode_kernel": "gqa"})
     assert_greedy_parity(llm, STORY_PROMPTS)
 
 

@@ -189,3 +189,21 @@ def test_construction_compiles_so_the_first_large_step_does_not():
     with torch.inference_mode():
         backend.forward(0, q, kv, kv, cache, step)
     assert torch_paged.COMPILE_STATS["graphs"] == graphs
+
+
+def test_quantized_cache_runs_through_the_reference():
+    """``kv_cache_dtype=int8``: the reference's quantized layout, no in-place part, same output."""
+    args = (4, 2, D, D ** -0.5, 4, torch.int8, torch.device("cpu"))
+    paged, ref = TorchPagedAttentionBackend(*args, min_paged_decodes=1), TorchAttentionBackend(*args)
+    assert not paged.in_place and paged.get_kv_cache_shape(3) == ref.get_kv_cache_shape(3) == (2, 3, 4, 2, D + 4)
+    spec, tables, slots = [(5, 1), (3, 1)], [[0, 1], [2]], [5, 11]
+    common = _common(spec, tables, slots, 4)
+    step = paged.build_metadata(common)
+    assert step.paged is None and step.num_paged_tokens == 0
+    cache = torch.zeros(paged.get_kv_cache_shape(4), dtype=paged.cache_dtype)
+    ref_cache = cache.clone()
+    q, kv = torch.randn(2, 4, D), torch.randn(2, 2, D)
+    out = paged.forward(0, q, kv, kv, cache, step)
+    expected = ref.forward(0, q, kv, kv, ref_cache, ref.build_metadata(common))
+    torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected)
