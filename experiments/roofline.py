@@ -101,8 +101,9 @@ def bounds(model: Any, batch: int, context: int, kv_bytes_per_token_layer: int, 
            dtype_bytes: int) -> dict[str, float]:
     """Roofline lower bounds (seconds) per category for one decode step."""
     lm_head = model.get_output_embeddings()
-    lin_params = sum(m.weight.numel() for m in model.modules()
-                     if isinstance(m, torch.nn.Linear) and m is not lm_head)
+    lin_params = sum(m.weight.numel() for m in model.modules()  # nn.Linear and PrepackedLinear (fused too)
+                     if (isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("Linear"))
+                     and getattr(m, "weight", None) is not None and m is not lm_head)
     head_params = lm_head.weight.numel()
     layers = model.config.num_hidden_layers
     hidden = model.config.hidden_size
