@@ -22,6 +22,7 @@ per layer; at batch 1 each call costs ~20 us of oneDNN overhead on top of its by
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -88,8 +89,9 @@ class PrepackedLinear(nn.Module):
     def fused(cls, linears: list[nn.Linear]) -> PrepackedLinear:
         """One prepacked GEMM computing ``cat([l(x) for l in linears], -1)``.
 
-        The concatenated weight is only held packed (the parts' Parameters are dropped with their
-        modules); a part without bias contributes zeros when another part has one.
+        The concatenated weight (and bias) is registered on the result next to its packed copy; the
+        parts' Parameters go away with their modules. A part without bias contributes zeros when
+        another part has one.
 
         Raises:
             ValueError: the parts read inputs of different widths or differ in dtype.
@@ -97,18 +99,13 @@ class PrepackedLinear(nn.Module):
         if len({(lin.in_features, lin.weight.dtype) for lin in linears}) != 1:
             raise ValueError("fused linears must share in_features and dtype")
         weight = torch.cat([lin.weight.detach() for lin in linears])
-        bias = None
+        merged = nn.Linear(linears[0].in_features, weight.shape[0], bias=False, device="meta")
+        merged.weight = nn.Parameter(weight, requires_grad=False)
         if any(lin.bias is not None for lin in linears):
-            bias = torch.cat([lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
-                              for lin in linears])
-        merged = nn.Linear(linears[0].in_features, weight.shape[0], bias=bias is not None,
-                           device=weight.device, dtype=weight.dtype)
-        with torch.no_grad():
-            merged.weight.copy_(weight)
-            if bias is not None:
-                merged.bias.copy_(bias)
-        layer = cls(merged)
-        return layer
+            merged.bias = nn.Parameter(torch.cat([lin.bias.detach() if lin.bias is not None
+                                                  else weight.new_zeros(lin.out_features) for lin in linears]),
+                                       requires_grad=False)
+        return cls(merged)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., in_features) -> (..., out_features)``, same dtype as ``x``."""
@@ -133,33 +130,27 @@ def should_prepack(mode: str, device: torch.device, dtype: torch.dtype, compile_
     return mode == "on" or (dtype in (torch.bfloat16, torch.float16) and not compile_freezing)
 
 
-def prepack_linears(model: nn.Module, fuse: bool = True, compiled: bool = False) -> int:
-    """Replace every plain ``nn.Linear`` of ``model`` (CPU) by a :class:`PrepackedLinear`.
+def prepack_linears(model: nn.Module, compiled: bool = False) -> int:
+    """Fuse linears that share an input, then replace every remaining plain ``nn.Linear`` of
+    ``model`` (CPU) by a :class:`PrepackedLinear` (see the module docstring).
 
     Args:
         model: the transformers model, modified in place.
-        fuse: first fuse linears that share an input (see the module docstring).
         compiled: the model will run under ``engine.compile``: gate/up stay separate GEMMs there
             (measured: with both q/k/v and gate/up fused, the compiled batch-1 step took 43 instead
             of 26 ms, time spent in oneDNN's thread barriers; q/k/v alone is the fastest compiled
             variant; eager gains from both).
 
     Returns:
-        The number of prepacked GEMMs installed (0 when oneDNN refuses; a warning says why).
+        The number of prepacked GEMMs installed (0 when oneDNN refuses; a warning says why, and
+        the layers replaced before the refusal stay replaced: they compute the same).
     """
-    fused = 0
-    if fuse:
-        try:
-            fused = _fuse_projections(model, fuse_mlp=not compiled)
-        except RuntimeError as err:
-            logger.warning("prepack_linears: oneDNN cannot prepack (%s); keeping ATen linears", err)
-            return 0
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear]
     try:
+        fused = _fuse_projections(model, fuse_mlp=not compiled)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         packed = [(parent, name, PrepackedLinear(child, batch_hint=LM_HEAD_BATCH_HINT if child is head else 1))
-                  for parent, name, child in targets]
+                  for parent in model.modules() for name, child in parent.named_children()
+                  if type(child) is nn.Linear]
     except RuntimeError as err:
         logger.warning("prepack_linears: oneDNN cannot prepack (%s); keeping ATen linears", err)
         return 0
@@ -189,7 +180,9 @@ class FusedGatedMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
+@functools.cache
 def _fused_qkv_llama_class() -> type[nn.Module]:
+    """``FusedQKVLlamaAttention`` (defined lazily: transformers is imported only when fusing)."""
     from transformers.models.llama import modeling_llama as llama
 
     class FusedQKVLlamaAttention(llama.LlamaAttention):
@@ -242,15 +235,13 @@ def _fuse_projections(model: nn.Module, fuse_mlp: bool = True) -> int:
         from transformers.models.llama.modeling_llama import LlamaAttention
     except ImportError:  # pragma: no cover - transformers always ships Llama
         return fused
-    fused_cls = None
     for module in model.modules():
         if type(module) is LlamaAttention and all(type(getattr(module, p)) is nn.Linear
                                                   for p in ("q_proj", "k_proj", "v_proj")):
-            fused_cls = fused_cls or _fused_qkv_llama_class()
             projs = [module.q_proj, module.k_proj, module.v_proj]
             module.qkv_proj = PrepackedLinear.fused(projs)
             module.qkv_sizes = [p.out_features for p in projs]
             del module.q_proj, module.k_proj, module.v_proj
-            module.__class__ = fused_cls
+            module.__class__ = _fused_qkv_llama_class()
             fused += 1
     return fused

@@ -108,7 +108,6 @@ def _call_compiled(fn: Any, args: tuple[Any, ...]) -> torch.Tensor:
 class PagedAttentionMetadata:
     """Per-step metadata of :class:`TorchPagedAttentionBackend` (built once, shared by all layers)."""
 
-    slot_mapping: torch.Tensor  # (num_tokens,) int64 cache slots of this step's tokens
     slots: torch.Tensor  # (num_tokens, S) int64 cache slot of each key position of each token's request
     bias: torch.Tensor  # (num_tokens, S) float32 0 where visible (j <= position), -inf elsewhere
 
@@ -130,7 +129,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     backend's layout), written by one ``index_copy_`` per layer. The decode rows of a step with at
     least ``min_paged_decodes`` of them go through :func:`paged_attention`; prefill chunks and
     small decode batches go through the ``torch`` reference's gather + SDPA, which is faster there
-    (SmolLM2 bf16, 2 cores: batch-64 decode step 87.6 vs 105.8 ms for ``torch``; at batch 1 the
+    (SmolLM2 bf16, 2 cores: batch-64 decode step 88.8 vs 105.8 ms for ``torch``; at batch 1 the
     compiled kernel's per-call cost made the step 38.2 vs 33.4 ms, and a prefill chunk's
     ``[T, S]`` score loops lose to SDPA's GEMMs).
 
@@ -178,8 +177,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         group, d, bs = self.num_heads // self.num_kv_heads, self.head_size, self.block_size
         kw = {"device": self.device}
         cache = torch.zeros(2, 2, bs, self.num_kv_heads, d, dtype=self.dtype, **kw)
-        meta = PagedAttentionMetadata(torch.zeros(2, dtype=torch.long, **kw),
-                                      torch.arange(2 * bs, **kw).repeat(2, 1), torch.zeros(2, 2 * bs, **kw))
+        meta = PagedAttentionMetadata(torch.arange(2 * bs, **kw).repeat(2, 1), torch.zeros(2, 2 * bs, **kw))
         query = torch.zeros(2, self.num_kv_heads * group, d, dtype=self.dtype, **kw)
         with torch.inference_mode():
             self._attend_in_place(query, cache, meta)
@@ -208,7 +206,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         slots = table[token_req[:, None], j[None, :] // self.block_size] * self.block_size + j[None, :] % self.block_size
         bias = torch.zeros(slots.shape, dtype=torch.float32, device=device)
         bias.masked_fill_(j[None, :] > token_pos[:, None], float("-inf"))
-        return PagedAttentionMetadata(common.slot_mapping, slots, bias)
+        return PagedAttentionMetadata(slots, bias)
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TorchPagedStepMetadata) -> torch.Tensor:
