@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--attention", default="torch_paged", help="attention backend: torch_paged (default) | torch")
+    p.add_argument("--compile", action="store_true", help="engine.compile=true (torch.compile of the decoder)")
     p.add_argument("--out", default=None, help="write the report text here too")
     args = p.parse_args()
     if args.threads:
@@ -51,7 +52,7 @@ def main() -> None:
     kw = {"enable_prefix_caching": args.prefix_caching == "on"}
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
-    llm = LLM(model=args.model, dtype=args.dtype, attention=args.attention, **kw)
+    llm = LLM(model=args.model, dtype=args.dtype, attention=args.attention, compile=args.compile, **kw)
     prompts, out_lens = build_workload(llm.get_tokenizer(), load_texts(Path(args.prompts_file)), args)
     llm.generate([p[:16] for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine = llm.engine

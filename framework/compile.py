@@ -8,9 +8,13 @@ per step) never forces a recompile. Attention inside the graph is the opaque cus
 and the paged KV cache stay outside dynamo.
 
 ``num_tokens`` is marked dynamic; dynamo still specialises size 1, so a step with one token (batch-1
-decode) has its own graph. :meth:`CompiledDecoder.warm_up` therefore runs one 2-token and one
-1-token forward at start-up: after it, every batch size reuses one of those two graphs, and
-:class:`CompileStats` counts any later compilation as a recompile.
+decode) has its own graph. When the attention backend can be traced (``traceable_inputs``, e.g.
+``torch_paged`` on steps whose tokens are all decodes), those steps call the decoder with a
+``servelab_graph`` keyword and get graphs of their own, with attention inside them.
+:meth:`CompiledDecoder.warm_up` therefore runs a 2-token prefill, a 1-token step and a 2-request
+decode step at start-up (2 graphs for an opaque backend, 3 for a traceable one): after it, every
+batch size reuses one of those graphs, and :class:`CompileStats` counts any later compilation as a
+recompile.
 
 If the compiler is unavailable (no C++ compiler for inductor on CPU) or compiling fails, a warning
 names the cause and the runner goes on eagerly (same outputs, uncompiled speed).
@@ -26,7 +30,13 @@ from typing import Any
 
 import torch
 
+from framework.forward_context import GraphAttention
+
 logger = logging.getLogger(__name__)
+#: Dummy steps of the warm-up, ``(num_tokens, num_reqs)``: a 2-token prefill (the dynamic graph), a
+#: 1-token step (size 1 is specialised by dynamo) and a 2-request decode step (the traced-attention
+#: graph of a traceable backend; the prefill graph again for an opaque one).
+WARM_UP_STEPS = ((2, 1), (1, 1), (2, 2))
 
 
 @dataclass
@@ -116,7 +126,10 @@ class CompiledDecoder:
             shapes = [tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 2][:2]
             logger.warning("engine.compile: recompiling after the warm-up (graph %d; 2-D inputs %s)",
                            self.stats.num_graphs, shapes)
-        return compile_fx(gm, example_inputs, config_patches={"freezing": self.freezing})
+        # no per-load bounds checks on indirect indexing: token ids are checked at add_request and
+        # block ids come from the allocator (a traced paged-attention kernel loads through them)
+        return compile_fx(gm, example_inputs, config_patches={"freezing": self.freezing,
+                                                              "assert_indirect_indexing": False})
 
     def _fall_back(self, reason: str) -> None:
         self.stats.active = False
@@ -124,12 +137,13 @@ class CompiledDecoder:
         self._compiled = None
         logger.warning("engine.compile: %s; running the model eagerly (same outputs, uncompiled speed)", reason)
 
-    def warm_up(self, run_forward: Callable[[int], Any], device: torch.device) -> None:
-        """Compile at start-up: check the compiler, then run a 2-token and a 1-token forward.
+    def warm_up(self, run_forward: Callable[[int, int], Any], device: torch.device) -> None:
+        """Compile at start-up: check the compiler, then run the dummy steps of :data:`WARM_UP_STEPS`.
 
         Args:
-            run_forward: ``run_forward(num_tokens)`` runs one dummy forward of that many tokens
-                through :meth:`__call__` inside a forward context (the model runner's).
+            run_forward: ``run_forward(num_tokens, num_reqs)`` runs one dummy step (``num_reqs``
+                requests sharing ``num_tokens`` tokens) through :meth:`__call__` inside a forward
+                context, choosing the traced-attention path as a real step would (the model runner's).
             device: the model's device (which code generator inductor needs).
         """
         if self._compiled is None:
@@ -141,8 +155,8 @@ class CompiledDecoder:
             return
         self.stats.active = True
         t0 = time.perf_counter()
-        for num_tokens in (2, 1):  # the dynamic graph first, then size 1 (specialised by dynamo)
-            run_forward(num_tokens)
+        for num_tokens, num_reqs in WARM_UP_STEPS:
+            run_forward(num_tokens, num_reqs)
         self.stats.compile_s = time.perf_counter() - t0
         self.stats.num_graphs_warmup = self.stats.num_graphs
         self._warmed_up = True
@@ -153,32 +167,38 @@ class CompiledDecoder:
         if self.stats.active:
             logger.info("engine.compile: %d graphs compiled in %.1f s", self.stats.num_graphs, self.stats.compile_s)
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_index: torch.Tensor,
+                 graph: GraphAttention | None = None) -> torch.Tensor:
         """Logits of the sampled rows.
 
         Args:
             input_ids, position_ids: ``(1, num_tokens)`` int64.
             logits_index: ``(num_sample_rows,)`` int64 token positions whose logits are needed.
+            graph: attention traced into the graph for this step (``None``: the opaque op).
 
         Returns:
             ``(num_sample_rows, vocab_size)`` logits in the model dtype.
         """
         if self._compiled is not None:
-            hidden = self.hidden_states(input_ids, position_ids)
+            hidden = self.hidden_states(input_ids, position_ids, graph)
             if hidden is not None:
                 return self.model.lm_head(hidden[logits_index])
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                           logits_to_keep=logits_index).logits[0]
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      graph: GraphAttention | None = None) -> torch.Tensor | None:
         """The decoder's last hidden states ``(num_tokens, hidden_size)`` (model dtype) from the
-        compiled graph; ``None`` once compilation has fallen back to eager (the caller runs eagerly)."""
+        compiled graph (``graph``: as in :meth:`__call__`); ``None`` once compilation has fallen back
+        to eager (the caller runs eagerly, through the backend's ``forward``)."""
         if self._compiled is None:
             return None
         torch._dynamo.maybe_mark_dynamic(input_ids, 1)
         torch._dynamo.maybe_mark_dynamic(position_ids, 1)
+        extra = {} if graph is None else {"servelab_graph": graph}
         try:
-            return self._compiled(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state[0]
+            return self._compiled(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                  **extra).last_hidden_state[0]
         except Exception as err:  # noqa: BLE001 - compile errors surface at the call; rerun eagerly
             # rerunning is safe: a partial forward wrote K/V only at this step's own slots, and
             # the eager forward writes the same values there again

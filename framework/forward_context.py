@@ -11,6 +11,12 @@ Under ``torch.compile`` (``engine.compile=true``) the attention call is the cust
 ``unified_attention`` pattern): the op's real implementation reads the same ``ContextVar`` at run
 time, and its fake implementation gives dynamo/inductor the output shape. Eager runs keep the
 direct call (no dispatcher round trip per layer).
+
+A backend whose attention is itself traceable (``AttentionBackend.traceable_inputs`` returns
+something for the step, e.g. ``torch_paged`` on an all-decode step) is instead traced into the
+compiled graph: the model runner passes a :class:`GraphAttention` to the decoder as the keyword
+``servelab_graph``, transformers forwards it to every attention call, and
+:func:`servelab_attention` calls ``backend.traceable_forward`` with the layer's cache.
 """
 
 from __future__ import annotations
@@ -37,6 +43,19 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # one per decoder layer, backend.get_kv_cache_shape(num_blocks)
 
 
+@dataclass
+class GraphAttention:
+    """Attention state passed into a compiled decoder as graph inputs (keyword ``servelab_graph``).
+
+    Dynamo lifts every tensor reachable from it (the caches, the inputs' tensors) to a graph input
+    and guards on the backend object, so one graph serves every step that takes this path.
+    """
+
+    backend: AttentionBackend  # the selected backend instance
+    kv_caches: list[torch.Tensor]  # one per decoder layer, backend.get_kv_cache_shape(num_blocks)
+    inputs: Any  # backend.traceable_inputs(metadata) for this step
+
+
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("servelab_forward_context", default=None)
 
 
@@ -60,6 +79,7 @@ def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         query: ``(1, num_heads, num_tokens, head_size)``; key/value ``(1, num_kv_heads,
             num_tokens, head_size)`` — the whole flattened batch is one "sequence".
         attention_mask: ignored; causality and request boundaries come from the metadata.
+        kwargs: transformers' extras; ``servelab_graph`` (a :class:`GraphAttention`) selects the traced path.
 
     Returns:
         ``((1, num_tokens, num_heads, head_size), None)``, as transformers expects.
@@ -67,6 +87,12 @@ def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     Raises:
         RuntimeError: when called outside :func:`forward_context`.
     """
+    graph = kwargs.get("servelab_graph")
+    if graph is not None:  # traced into the compiled decoder (or run eagerly: same math)
+        out = graph.backend.traceable_forward(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                              value[0].transpose(0, 1), graph.kv_caches[module.layer_idx],
+                                              graph.inputs)
+        return out.unsqueeze(0), None
     if torch.compiler.is_compiling():  # dynamo is tracing: keep the backend call out of the graph
         return torch.ops.servelab.attention(query, key, value, module.layer_idx), None
     return _attention(query, key, value, module.layer_idx), None

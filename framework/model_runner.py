@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from framework.compile import CompiledDecoder, CompileStats
-from framework.forward_context import ForwardContext, forward_context
+from framework.forward_context import ForwardContext, GraphAttention, forward_context
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from framework.outputs import ModelRunnerOutput, SchedulerOutput, TargetHiddenStates
 from framework.rejection_sampler import RejectionSampler
@@ -91,38 +91,63 @@ class ModelRunner:
         return self.compiled.stats if self.compiled is not None else CompileStats()
 
     @torch.inference_mode()
-    def _dummy_forward(self, num_tokens: int) -> None:
-        """One forward of a single ``num_tokens``-token prefill at positions ``0..num_tokens-1``, its
-        K/V written into blocks ``0, 1, ...`` (harmless before any request runs: every request writes
-        its slots before reading them, and these blocks are not in the prefix cache)."""
-        num_blocks = -(-num_tokens // self.block_size)
+    def _dummy_forward(self, num_tokens: int, num_reqs: int = 1) -> None:
+        """One dummy step for the compile warm-up, its K/V written into blocks ``0, 1, ...``
+        (harmless before any request runs: every request writes its slots before reading them, and
+        these blocks are not in the prefix cache).
+
+        ``num_reqs == 1``: a ``num_tokens``-token prefill at positions ``0..num_tokens-1``.
+        ``num_reqs == num_tokens``: that many decodes, each at position ``2 * block_size`` of a
+        3-block table (the table width differs from the batch size, so dynamo gives them separate
+        symbols).
+        """
         dev = self.device
         i32 = {"dtype": torch.int32, "device": dev}
+        if num_reqs == 1:
+            num_blocks, ctx, q_lens = -(-num_tokens // self.block_size), [0], [num_tokens]
+            positions = torch.arange(num_tokens, device=dev)
+            slots = positions
+        else:
+            num_blocks = min(3, self.kv_caches[0].shape[1])
+            ctx, q_lens = [(num_blocks - 1) * self.block_size] * num_reqs, [1] * num_reqs
+            positions = torch.tensor(ctx, device=dev)
+            slots = positions  # blocks 0..num_blocks-1 in order: slot == position
+        seq_lens = [c + q for c, q in zip(ctx, q_lens)]
+        num_decodes = sum(q == 1 for q in q_lens)
         common = CommonAttentionMetadata(
-            query_start_loc=torch.tensor([0, num_tokens], **i32), seq_lens=torch.tensor([num_tokens], **i32),
-            context_lens=torch.zeros(1, **i32), block_table=torch.arange(num_blocks, **i32)[None],
-            slot_mapping=torch.arange(num_tokens, device=dev), query_lens_cpu=[num_tokens],
-            seq_lens_cpu=[num_tokens], num_reqs=1, num_tokens=num_tokens, num_decodes=int(num_tokens == 1),
-            num_decode_tokens=int(num_tokens == 1), max_query_len=num_tokens, max_seq_len=num_tokens,
-            block_size=self.block_size)
+            query_start_loc=torch.tensor([0, *np.cumsum(q_lens).tolist()], **i32),
+            seq_lens=torch.tensor(seq_lens, **i32), context_lens=torch.tensor(ctx, **i32),
+            block_table=torch.arange(num_blocks, **i32)[None].repeat(num_reqs, 1), slot_mapping=slots,
+            query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, num_reqs=num_reqs, num_tokens=num_tokens,
+            num_decodes=num_decodes, num_decode_tokens=num_decodes, max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens), block_size=self.block_size)
         ids = torch.zeros((1, num_tokens), dtype=torch.long, device=dev)
-        positions = torch.arange(num_tokens, device=dev)[None]
-        with forward_context(ForwardContext(self.backend, self.backend.build_metadata(common), self.kv_caches)):
-            self._forward(ids, positions, torch.tensor([num_tokens - 1], device=dev))
+        metadata = self.backend.build_metadata(common)
+        with forward_context(ForwardContext(self.backend, metadata, self.kv_caches)):
+            self._forward(ids, positions[None], torch.tensor([num_tokens - 1], device=dev), metadata)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 logits_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _graph_attention(self, metadata: Any) -> GraphAttention | None:
+        """The traced-attention inputs of this step when the decoder is compiled and the backend
+        offers them (``AttentionBackend.traceable_inputs``), else ``None``."""
+        if self.compiled is None or not self.compiled.stats.active:
+            return None
+        inputs = self.backend.traceable_inputs(metadata)
+        return None if inputs is None else GraphAttention(self.backend, self.kv_caches, inputs)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
+                 metadata: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(num_sample_rows, vocab)`` logits at ``logits_index`` and, when ``keep_hidden_states``,
         the last hidden states ``(num_tokens, hidden)`` of the same forward (else ``None``); call
-        inside ``forward_context``."""
+        inside ``forward_context`` (``metadata``: the backend's for this step)."""
+        graph = self._graph_attention(metadata)
         if self.keep_hidden_states:  # decoder, then the LM head on the sampled rows only
-            hidden = self.compiled.hidden_states(input_ids, positions) if self.compiled is not None else None
+            hidden = self.compiled.hidden_states(input_ids, positions, graph) if self.compiled is not None else None
             if hidden is None:
                 hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=positions,
                                                   use_cache=False).last_hidden_state[0]
             return self.model.get_output_embeddings()(hidden[logits_index]), hidden
         if self.compiled is not None:
-            return self.compiled(input_ids, positions, logits_index), None
+            return self.compiled(input_ids, positions, logits_index, graph), None
         return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                           logits_to_keep=logits_index).logits[0], None
 
@@ -147,7 +172,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden_states = None
         with forward_context(ForwardContext(self.backend, metadata, self.kv_caches)):
-            logits, hidden = self._forward(batch.input_ids, batch.positions, batch.logits_index)
+            logits, hidden = self._forward(batch.input_ids, batch.positions, batch.logits_index, metadata)
         if hidden is not None:  # (num_tokens, hidden) for an EAGLE-style drafter
             hidden_states = TargetHiddenStates(
                 request_ids=[r.request_id for r in batch.requests],

@@ -67,9 +67,9 @@ def run_random_batch(make_backend: Callable[[int], AttentionBackend], spec: list
         tables.append(table)
         k_all = torch.randn(c + q, num_kv_heads, head_size, generator=gen).to(dev, dtype)
         v_all = torch.randn(c + q, num_kv_heads, head_size, generator=gen).to(dev, dtype)
-        for pos in range(c):
-            cache[0, table[pos // block_size], pos % block_size] = k_all[pos]
-            cache[1, table[pos // block_size], pos % block_size] = v_all[pos]
+        ctx_slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(c)],
+                                 dtype=torch.long, device=dev)
+        backend.write_kv(cache, k_all[:c], v_all[:c], ctx_slots)  # the backend's own layout
         slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
         qs.append(torch.randn(q, num_heads, head_size, generator=gen).to(dev, dtype))
         ks.append(k_all[c:])

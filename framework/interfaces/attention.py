@@ -182,3 +182,53 @@ class AttentionBackend(Plugin, ABC):
             ``(num_tokens, num_heads, head_size)`` attention output (causal within each request,
             over its cached context plus its own earlier query tokens).
         """
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store K/V of some tokens at their cache slots, in this backend's layout (what
+        :meth:`forward` does before attending; vLLM's ``reshape_and_cache``). The default is the
+        ``NHD`` layout of :meth:`get_kv_cache_shape`; a backend with another layout (e.g.
+        ``torch_paged``'s transposed key blocks) or a quantized cache overrides it.
+
+        Args:
+            kv_cache: one layer's cache, mutated in place.
+            key, value: ``(num_tokens, num_kv_heads, head_size)``, any float dtype.
+            slot_mapping: ``(num_tokens,)`` int64, slot = block_id * block_size + offset.
+        """
+        flat = (-1, kv_cache.shape[-2], kv_cache.shape[-1])
+        kv_cache[0].view(flat).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+        kv_cache[1].view(flat).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+    def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V stored at ``slots`` (the inverse of :meth:`write_kv`, for tests and tools).
+
+        Returns:
+            Two ``(len(slots), num_kv_heads, head_size)`` tensors (copies; a quantized cache
+            returns dequantized ``float32`` values).
+        """
+        return tuple(kv_cache[i].reshape(-1, kv_cache.shape[-2], kv_cache.shape[-1])[slots] for i in (0, 1))
+
+    def traceable_inputs(self, metadata: Any) -> Any | None:
+        """Inputs of :meth:`traceable_forward` for this step, or ``None`` (the default) when the step
+        must go through :meth:`forward`.
+
+        With ``engine.compile=true`` the model runner asks once per step. When this returns
+        something, the compiled decoder is called with it (and the layers' caches) as graph inputs
+        and each layer calls :meth:`traceable_forward`, which dynamo traces into the decoder graph:
+        no opaque per-layer call, and inductor fuses the attention with the work around it. What
+        it returns is a dataclass (or dict) of tensors whose batch dims the backend has marked
+        dynamic (``torch._dynamo.maybe_mark_dynamic``); steps that return ``None`` run the same
+        compiled decoder with attention as the opaque op (another graph, compiled at warm-up).
+        """
+        return None
+
+    def traceable_forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: torch.Tensor, inputs: Any) -> torch.Tensor:
+        """:meth:`forward` as code dynamo can trace (same arguments and result; ``inputs`` is what
+        :meth:`traceable_inputs` returned). Cache writes go through a custom op that declares the
+        cache in ``mutates_args`` (inductor then keeps them in place).
+
+        Raises:
+            NotImplementedError: the backend returned traceable inputs without implementing this.
+        """
+        raise NotImplementedError(f"attention {self.name!r} returned traceable_inputs but has no traceable_forward")

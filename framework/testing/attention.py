@@ -40,8 +40,9 @@ def check_attention_backend(backend_cls: type[AttentionBackend], num_batches: in
                             num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 8, block_size: int = 4,
                             **params: Any) -> None:
     """Run ``num_batches`` random mixed batches through ``backend_cls(..., **params)`` and compare with
-    :func:`reference_attention` (``atol`` absolute, float32 reference); also checks each new token's
-    K/V was written at its ``slot_mapping`` slot of the default cache layout, and that ``copy_blocks``
+    :func:`reference_attention` (``atol`` absolute, float32 reference); the cached context is stored
+    with the backend's own ``write_kv``; also checks each new token's K/V reads back at its
+    ``slot_mapping`` slot through ``read_kv``, and that ``copy_blocks``
     (swap preemption) round-trips every block through a CPU cache under a block permutation unchanged.
 
     Raises:
@@ -62,9 +63,9 @@ def check_attention_backend(backend_cls: type[AttentionBackend], num_batches: in
             table = [free.pop() for _ in range(-(-(c + q) // block_size))]
             k_all = torch.randn(c + q, num_kv_heads, head_size, generator=gen).to(dtype)
             v_all = torch.randn(c + q, num_kv_heads, head_size, generator=gen).to(dtype)
-            for pos in range(c):  # cached context, default (2, blocks, block_size, kv_heads, head) layout
-                cache[0, table[pos // block_size], pos % block_size] = k_all[pos].to(dev)
-                cache[1, table[pos // block_size], pos % block_size] = v_all[pos].to(dev)
+            ctx_slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(c)],
+                                     dtype=torch.long, device=dev)
+            backend.write_kv(cache, k_all[:c].to(dev), v_all[:c].to(dev), ctx_slots)  # cached context, its layout
             slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
             tables.append(table)
             kvs.append((k_all, v_all))
@@ -89,10 +90,10 @@ def check_attention_backend(backend_cls: type[AttentionBackend], num_batches: in
         assert out.shape == expected.shape, f"{backend_cls.name}: output shape {tuple(out.shape)} != {expected.shape}"
         err = (out.float().cpu() - expected).abs().max().item()
         assert err <= atol, f"{backend_cls.name}: max |out - reference| = {err:.3g} > {atol} on batch {spec}"
-        if tuple(cache.shape) == (2, num_blocks, block_size, num_kv_heads, head_size):
-            flat_k = cache[0].reshape(-1, num_kv_heads, head_size).float().cpu()
-            assert torch.equal(flat_k[torch.tensor(slots)], key.float().cpu()), \
-                f"{backend_cls.name}: K not written at slot_mapping on batch {spec}"
+        stored_k, stored_v = backend.read_kv(cache, torch.tensor(slots, dtype=torch.long, device=dev))
+        assert torch.equal(stored_k.float().cpu(), key.float().cpu()) and torch.equal(stored_v.float().cpu(),
+                                                                                     value.float().cpu()), \
+            f"{backend_cls.name}: K/V not written at slot_mapping on batch {spec} (or read_kv disagrees with write_kv)"
         ids = list(range(num_blocks))
         perm = ids[::-1]
         host = [torch.zeros_like(cache, device="cpu")]

@@ -62,8 +62,12 @@ class HybridBackend(AttentionBackend):
                 raise ValueError("hybrid attention: " + "; ".join(problems))
         self.prefill_backend = registry.create("attention", prefill, **args, **(prefill_params or {}))
         self.decode_backend = registry.create("attention", decode, **args, **(decode_params or {}))
-        if self.prefill_backend.get_kv_cache_shape(1) != self.decode_backend.get_kv_cache_shape(1):
-            raise ValueError(f"hybrid attention: {prefill!r} and {decode!r} use different KV-cache layouts")
+        if (self.prefill_backend.get_kv_cache_shape(1) != self.decode_backend.get_kv_cache_shape(1)
+                or self.prefill_backend.kv_cache_layout != self.decode_backend.kv_cache_layout):
+            raise ValueError(f"hybrid attention: {prefill!r} ({self.prefill_backend.kv_cache_layout}) and {decode!r} "
+                             f"({self.decode_backend.kv_cache_layout}) use different KV-cache layouts; pair backends "
+                             "with the same layout (torch_paged stores keys transposed: pair it with itself)")
+        self.kv_cache_layout = self.prefill_backend.kv_cache_layout
 
     @classmethod
     def _parts(cls, config: EngineConfig) -> list[type[AttentionBackend]]:
@@ -84,6 +88,15 @@ class HybridBackend(AttentionBackend):
     def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The (shared) layout of both parts."""
         return self.prefill_backend.get_kv_cache_shape(num_blocks)
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """The (shared) layout's write; see ``AttentionBackend.write_kv``."""
+        self.prefill_backend.write_kv(kv_cache, key, value, slot_mapping)
+
+    def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (shared) layout's read; see ``AttentionBackend.read_kv``."""
+        return self.prefill_backend.read_kv(kv_cache, slots)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> HybridMetadata:
         """Split the step and let each part build its metadata for its own requests."""

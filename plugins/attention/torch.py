@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
+from plugins.attention import _paged_kernel
 from plugins.attention._kv_quant import QMAX, SCALE_BYTES, dequantize_rows, quantize_rows
 
 
@@ -52,6 +53,9 @@ class TorchAttentionBackend(AttentionBackend):
             (``attention.params.decode_kernel=...``): ``packed`` (default) runs SDPA with each KV
             head's query heads packed as query rows; ``gqa`` runs SDPA with one query row per head
             and ``enable_gqa=True`` (on CPU ~2x slower end to end; see docs/results.md).
+        key_layout: how key blocks are stored: ``NHD`` (default, ``[block_size, kv_heads, head_size]``)
+            or ``HDN`` (``[kv_heads, head_size, block_size]``, the layout of ``torch_paged``, which
+            attends through this backend for prefill chunks and small batches); unquantized only.
 
     KV-cache quantization (``engine.kv_cache_dtype=int8|fp8_e4m3``): the cache is
     ``(2, num_blocks, block_size, num_kv_heads, head_size + 4)`` int8, quantized values plus a
@@ -59,14 +63,14 @@ class TorchAttentionBackend(AttentionBackend):
     the query dtype after the block gather.
 
     Raises:
-        ValueError: for an unknown ``decode_kernel``.
+        ValueError: for an unknown ``decode_kernel`` or ``key_layout``, or ``HDN`` with a quantized cache.
     """
 
     name = "torch"
     supported_kv_cache_dtypes = ("auto", "int8", "fp8_e4m3")
     DECODE_KERNELS = ("packed", "gqa")
 
-    def __init__(self, *args: object, decode_kernel: str = "packed", **kwargs: object) -> None:
+    def __init__(self, *args: object, decode_kernel: str = "packed", key_layout: str = "NHD", **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         if decode_kernel not in self.DECODE_KERNELS:
             raise ValueError(f"decode_kernel must be one of {self.DECODE_KERNELS}, got {decode_kernel!r}")
@@ -74,6 +78,9 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_quant = self.dtype if self.dtype in QMAX else None  # int8 / float8_e4m3fn or None
         if self.kv_quant is not None:
             self.cache_dtype = torch.int8
+        if key_layout not in ("NHD", "HDN") or (key_layout == "HDN" and self.kv_quant is not None):
+            raise ValueError(f"key_layout must be NHD, or HDN with an unquantized cache; got {key_layout!r}")
+        self.key_layout = key_layout
 
     def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, kv_heads, head_size)``; ``head_size + 4`` bytes when quantized."""
@@ -123,13 +130,31 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
         """Write K/V at ``slot_mapping``, then attend per segment; see ``AttentionBackend.forward``."""
-        key_cache, value_cache = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, kv_heads, head_size)
-        flat_shape = (-1, self.num_kv_heads, key_cache.shape[-1])
+        self.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        return self.attend(query, kv_cache, metadata)
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store K/V at ``slot_mapping`` (quantized when the cache is); see ``AttentionBackend.write_kv``."""
+        if self.key_layout == "HDN":
+            _paged_kernel.write_kv(kv_cache, key, value, slot_mapping)
+            return
+        flat_shape = (-1, self.num_kv_heads, kv_cache.shape[-1])
         if self.kv_quant is not None:
             key, value = quantize_rows(key, self.kv_quant), quantize_rows(value, self.kv_quant)
-        key_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
-        value_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
-        return self.attend(query, kv_cache, metadata)
+        kv_cache[0].view(flat_shape).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+        kv_cache[1].view(flat_shape).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+    def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V stored at ``slots`` (dequantized to ``float32`` when the cache is quantized);
+        see ``AttentionBackend.read_kv``."""
+        if self.key_layout == "HDN":
+            return _paged_kernel.read_kv(kv_cache, slots)
+        key, value = (kv_cache[i].reshape(-1, self.num_kv_heads, kv_cache.shape[-1])[slots] for i in (0, 1))
+        if self.kv_quant is not None:
+            key = dequantize_rows(key, self.kv_quant, torch.float32)
+            value = dequantize_rows(value, self.kv_quant, torch.float32)
+        return key, value
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
         """Attention only (the step's K/V already in ``kv_cache``): ``query (T, H, D)`` -> ``(T, H, D)``.
@@ -147,11 +172,18 @@ class TorchAttentionBackend(AttentionBackend):
                 seg: _Segment) -> torch.Tensor:
         num_reqs = seg.block_table.shape[0]
         # gathered k/v: [R, blocks * block_size, kv_heads, D] -> [R, kv_heads, S, D]
-        k = key_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, key_cache.shape[-1])
-        v = value_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, key_cache.shape[-1])
+        v = value_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, value_cache.shape[-1])
+        if self.key_layout == "HDN":  # [R, NB, KVH, D, BS] -> [R, KVH, NB, BS, D] -> [R, KVH, S, D]
+            num_blocks = key_cache.shape[0]
+            k = key_cache.view(num_blocks, self.num_kv_heads, self.head_size, self.block_size)[seg.block_table]
+            k = k.permute(0, 2, 1, 4, 3).reshape(num_reqs, self.num_kv_heads, -1, self.head_size)
+        else:
+            k = key_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, key_cache.shape[-1])
         if self.kv_quant is not None:
             k, v = dequantize_rows(k, self.kv_quant, query.dtype), dequantize_rows(v, self.kv_quant, query.dtype)
-        k, v = k.transpose(1, 2).to(query.dtype), v.transpose(1, 2).to(query.dtype)
+        if self.key_layout == "NHD":
+            k = k.transpose(1, 2)
+        k, v = k.to(query.dtype), v.transpose(1, 2).to(query.dtype)
         if seg.query_index is None:
             return self._decode_attend(query, k, v, seg.mask)
         q = query[seg.query_index].transpose(1, 2)  # prefill chunks: [R, H, max_q, D]

@@ -1,19 +1,25 @@
 """Paged attention that reads K/V from the paged cache in place, compiled by inductor.
 
 Every token of the flattened batch (decode rows and prefill chunks alike) attends over the
-keys of its request at positions ``0..pos``. The block-table lookup
-``slot = block_table[req, j // block_size] * block_size + j % block_size`` (Kwon et al.,
-SOSP'23, Sec. 4.1) is written as indexing inside one ``torch.compile``d function whose score and
-output are explicit multiply-and-sum reductions; inductor turns the lookup into an indirect load
-inside the generated C++ reduction loops, so no per-request copy of the context is materialised
-(the ``torch`` reference backend gathers ``[R, S, KVH, D]`` per layer). GQA never repeats K/V:
-each KV head's ``G = H / KVH`` query heads are an extra broadcast dimension.
+keys of its request at positions ``0..pos`` through :func:`~plugins.attention._paged_kernel.paged_attention`:
+the block-table lookup (Kwon et al., SOSP'23, Sec. 4.1) is indexing inside plain torch code that
+inductor turns into indirect loads in its generated C++ loops, so no per-request copy of the context
+is materialised (the ``torch`` reference backend gathers ``[R, S, KVH, D]`` per layer). Keys are
+stored with each block's positions innermost (``_paged_kernel``'s layout), so the score loop is
+vectorised over a block's keys. GQA never repeats K/V.
 
-The key slots ``[T, S]`` and the causal bias are built once per step (``build_metadata``) and
-shared by all layers. Recompiles are bounded by marking the batch dims dynamic (tokens, key
-positions; heads and head size stay static) without duck sizing; the number of graph compilations is counted in :data:`COMPILE_STATS`. Where the compiler is unavailable
-(``compile: false``, no C++ toolchain, or a compile error) the same function runs in eager mode,
-with a one-time warning; eager materialises the gather and is slower than the ``torch`` backend.
+Two ways in:
+
+- ``forward`` (eager engines, and steps a compiled decoder cannot take whole): the kernel is
+  compiled once per process for all layers, called per layer. Recompiles are bounded by marking the
+  batch dims dynamic (tokens, table width; heads and head size stay static) without duck sizing;
+  the number of graph compilations is counted in :data:`COMPILE_STATS`. Where the compiler is
+  unavailable (``compile: false``, no C++ toolchain, or a compile error) the same function runs in
+  eager mode, with a one-time warning; eager materialises the gather and is slower than ``torch``.
+- ``traceable_forward`` (``engine.compile=true``, steps whose tokens are all decodes): the K/V
+  write (custom op ``servelab::paged_write_kv``) and the kernel are traced into the compiled
+  decoder graph, so a decode step makes no per-layer Python call, dynamo guard check or opaque-op
+  dispatch for attention.
 """
 
 from __future__ import annotations
@@ -28,41 +34,19 @@ import torch
 from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
-from plugins.attention._paged_metadata import split_decode_prefill, write_kv
+from plugins.attention import _paged_kernel
+from plugins.attention._paged_kernel import paged_attention
+from plugins.attention._kv_quant import QMAX
+from plugins.attention._paged_metadata import split_decode_prefill
 from plugins.attention.torch import TorchAttentionBackend, TorchAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 #: Process-wide compile counters: ``graphs`` (inductor compilations) and ``seconds`` (wall time in them).
 COMPILE_STATS: dict[str, float] = {"graphs": 0, "seconds": 0.0}
-
-
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    slots: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal paged attention of each token over its request's cached keys.
-
-    Args:
-        query: ``[T, KVH, G, D]`` queries, any float dtype (computed in float32).
-        key_cache, value_cache: ``[num_blocks, block_size, KVH, D]`` the layer's paged cache.
-        slots: ``[T, S]`` int64 cache slot of key position ``j`` of each token's request
-            (``block_table[req, j // block_size] * block_size + j % block_size``; any valid slot
-            where ``j`` is past the request's blocks), built once per step for all layers.
-        bias: ``[T, S]`` float32, 0 where token ``t`` attends to key ``j`` (``j <= pos(t)``), else
-            ``-inf``; every row has at least one 0.
-        scale: softmax scale.
-
-    Returns:
-        ``[T, KVH, G, D]`` in ``query.dtype``.
-    """
-    k_flat = key_cache.flatten(0, 1)  # [slots, KVH, D], a view: no copy
-    v_flat = value_cache.flatten(0, 1)
-    q = query.float() * scale
-    k = k_flat[slots].float()  # [T, S, KVH, D]; fused into the reduction below when compiled
-    scores = (q[:, None] * k[:, :, :, None, :]).sum(-1) + bias[:, :, None, None]  # [T, S, KVH, G]
-    probs = scores.softmax(dim=1)
-    v = v_flat[slots].float()
-    out = (probs[..., None] * v[:, :, :, None, :]).sum(1)  # [T, KVH, G, D]
-    return out.to(query.dtype)
+#: Table columns every in-place metadata has at least (dynamo specialises sizes 0 and 1: a 1-block
+#: context would otherwise compile a graph of its own).
+MIN_TABLE_COLUMNS = 2
 
 
 def _counting_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -88,16 +72,17 @@ def _compiled_kernel() -> Any:
 
 
 def _call_compiled(fn: Any, args: tuple[Any, ...]) -> torch.Tensor:
-    """Call with the batch dims symbolic: tokens, key positions and the cache's block count.
+    """Call with the batch dims symbolic: tokens, table width and the cache's block count.
 
     Heads, head size and block size stay static (constants in the generated loops). Duck sizing is
     off so that two batch dims that happen to be equal in the first step do not share a symbol
-    (which would recompile on the next step); sizes 0/1 still specialise (e.g. batch-1 decode).
+    (which would recompile on the next step); sizes 0/1 still specialise (e.g. batch-1 decode), so
+    tables have at least :data:`MIN_TABLE_COLUMNS` columns.
     """
     from torch.fx.experimental import _config as fx_config
 
-    query, key_cache, value_cache, slots, bias, _ = args
-    for tensor, dims in ((query, (0,)), (key_cache, (0,)), (value_cache, (0,)), (slots, (0, 1)), (bias, (0, 1))):
+    query, kv_cache, block_tables, kv_lens, _ = args
+    for tensor, dims in ((query, (0,)), (kv_cache, (1,)), (block_tables, (0, 1)), (kv_lens, (0,))):
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
     with fx_config.patch(use_duck_shape=False):
@@ -106,10 +91,11 @@ def _call_compiled(fn: Any, args: tuple[Any, ...]) -> torch.Tensor:
 
 @dataclass
 class PagedAttentionMetadata:
-    """Per-step metadata of :class:`TorchPagedAttentionBackend` (built once, shared by all layers)."""
+    """Inputs of :func:`paged_attention` for a run of tokens (built once per step, shared by all layers)."""
 
-    slots: torch.Tensor  # (num_tokens, S) int64 cache slot of each key position of each token's request
-    bias: torch.Tensor  # (num_tokens, S) float32 0 where visible (j <= position), -inf elsewhere
+    block_tables: torch.Tensor  # (num_tokens, NB) int64 block table row of each token's request, NB >= 2
+    kv_lens: torch.Tensor  # (num_tokens,) int64 keys each token attends to (its position + 1)
+    slot_mapping: torch.Tensor  # (num_tokens,) int64 cache slots of these tokens' new K/V
 
 
 @dataclass
@@ -120,23 +106,31 @@ class TorchPagedStepMetadata:
     num_paged_tokens: int  # leading tokens attended in place by the compiled kernel (0: none)
     paged: PagedAttentionMetadata | None  # the kernel's metadata of those tokens
     reference: TorchAttentionMetadata | None  # the torch reference's metadata of the remaining tokens
+    graph: PagedAttentionMetadata | None = None  # every token in place (all decodes): traceable_forward's input
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
     """Paged attention reading the cache in place through a ``torch.compile``d kernel (CPU/GPU).
 
-    KV cache per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)`` (the ``torch``
-    backend's layout), written by one ``index_copy_`` per layer. The decode rows of a step with at
-    least ``min_paged_decodes`` of them go through :func:`paged_attention`; prefill chunks and
-    small decode batches go through the ``torch`` reference's gather + SDPA, which is faster there
-    (SmolLM2 bf16, 2 cores: batch-64 decode step 88.8 vs 105.8 ms for ``torch``; at batch 1 the
-    compiled kernel's per-call cost made the step 38.2 vs 33.4 ms, and a prefill chunk's
-    ``[T, S]`` score loops lose to SDPA's GEMMs).
+    KV cache per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)`` elements, keys
+    stored per block as ``[num_kv_heads, head_size, block_size]`` (``kv_cache_layout = "HND-T"``,
+    see ``plugins/attention/_paged_kernel.py``), values as ``[block_size, num_kv_heads, head_size]``.
+
+    Eager engines (``forward``): the decode rows of a step with at least ``min_paged_decodes`` of
+    them go through the compiled kernel; prefill chunks and small decode batches go through the
+    ``torch`` reference's gather + SDPA (reading this layout), which is faster there: at batch 1 the
+    kernel's per-call cost (dynamo guards, Python) exceeds the attention itself, and a prefill
+    chunk's ``[T, S]`` score loops lose to SDPA's GEMMs.
+
+    Compiled engines (``engine.compile=true``): a step whose tokens are all decodes, of any batch
+    size, is attended inside the compiled decoder graph (:meth:`traceable_inputs`,
+    :meth:`traceable_forward`); other steps take ``forward`` through the opaque attention op.
 
     Args (beyond ``AttentionBackend``'s):
-        compile: ``True`` (default) compiles with inductor, at construction (a dummy call); ``False``
-            runs eager (slow; for debugging and for machines without a C++ compiler).
-        min_paged_decodes: decode rows from which a step's decodes use the in-place kernel
+        compile: ``True`` (default) compiles the per-layer kernel with inductor, at construction (a
+            dummy call); ``False`` runs it eagerly (slow; for debugging and machines without a C++
+            compiler).
+        min_paged_decodes: decode rows from which an eager step's decodes use the in-place kernel
             (default 8; 1 sends every decode through it).
         paged_prefill: also attend prefill chunks (with or without cached context) in place
             (default ``False``; an ablation switch).
@@ -149,6 +143,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     """
 
     name = "torch_paged"
+    kv_cache_layout = "HND-T"  # keys [KVH, D, BS] per block, values [BS, KVH, D]; "NHD" when quantized
     supported_kv_cache_dtypes = TorchAttentionBackend.supported_kv_cache_dtypes  # quantized: all via the reference
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, block_size: int,
@@ -160,60 +155,85 @@ class TorchPagedAttentionBackend(AttentionBackend):
         self.compile = bool(compile)
         self.min_paged_decodes = int(min_paged_decodes)
         self.paged_prefill = bool(paged_prefill)
-        self.reference = TorchAttentionBackend(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device)
+        self.in_place = dtype not in QMAX  # the kernel reads unquantized caches only
+        self.reference = TorchAttentionBackend(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device,
+                                               key_layout="HDN" if self.in_place else "NHD")
         self.cache_dtype = self.reference.cache_dtype
-        self.in_place = self.reference.kv_quant is None  # the kernel reads unquantized caches only
+        if not self.in_place:
+            self.kv_cache_layout = "NHD"
         self._fn = _compiled_kernel() if self.compile else paged_attention
         if self.compile and self.in_place:
             self._warm_up()
 
     def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """The ``torch`` reference's layout (``head_size + 4`` int8 bytes when the cache is quantized)."""
+        """``(2, num_blocks, block_size, kv_heads, head_size)`` (``head_size + 4`` int8 bytes when quantized)."""
         return self.reference.get_kv_cache_shape(num_blocks)
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store K/V at ``slot_mapping`` in this backend's layout; see ``AttentionBackend.write_kv``."""
+        if not self.in_place:
+            self.reference.write_kv(kv_cache, key, value, slot_mapping)
+        else:
+            _paged_kernel.write_kv(kv_cache, key, value, slot_mapping)
+
+    def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V stored at ``slots``; see ``AttentionBackend.read_kv``."""
+        return _paged_kernel.read_kv(kv_cache, slots) if self.in_place else self.reference.read_kv(kv_cache, slots)
 
     def _warm_up(self) -> None:
         """Compile the kernel now (start-up) on a dummy 2-token, 2-block call in this dtype, so that
         the first large decode step of a run does not stall on inductor (seconds to tens of seconds)."""
         group, d, bs = self.num_heads // self.num_kv_heads, self.head_size, self.block_size
         kw = {"device": self.device}
-        cache = torch.zeros(2, 2, bs, self.num_kv_heads, d, dtype=self.dtype, **kw)
-        meta = PagedAttentionMetadata(torch.arange(2 * bs, **kw).repeat(2, 1), torch.zeros(2, 2 * bs, **kw))
-        query = torch.zeros(2, self.num_kv_heads * group, d, dtype=self.dtype, **kw)
-        with torch.inference_mode():
+        with torch.inference_mode():  # inference tensors, as in the engine (dynamo guards on it)
+            cache = torch.zeros(self.get_kv_cache_shape(3), dtype=self.dtype, **kw)
+            meta = PagedAttentionMetadata(torch.tensor([[0, 1], [1, 2]], **kw), torch.tensor([bs + 1, 2 * bs], **kw),
+                                          torch.tensor([bs, 2 * bs + 1], **kw))
+            query = torch.zeros(2, self.num_kv_heads * group, d, dtype=self.dtype, **kw)
             self._attend_in_place(query, cache, meta)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchPagedStepMetadata:
-        """Split the step into its in-place part (decodes first) and its reference part."""
+        """Split the step into its in-place part (decodes first) and its reference part; when every
+        token is a decode, also the whole-step metadata of :meth:`traceable_forward`."""
+        all_decodes = common.num_decodes == common.num_reqs == common.num_tokens
+        graph = self._paged_metadata(common) if self.in_place and all_decodes else None
         if self.paged_prefill and self.in_place:
-            return TorchPagedStepMetadata(common.slot_mapping, common.num_tokens, self._paged_metadata(common), None)
+            return TorchPagedStepMetadata(common.slot_mapping, common.num_tokens,
+                                          graph or self._paged_metadata(common), None, graph)
         if common.num_decodes < self.min_paged_decodes or not self.in_place:
-            return TorchPagedStepMetadata(common.slot_mapping, 0, None, self.reference.build_metadata(common))
+            return TorchPagedStepMetadata(common.slot_mapping, 0, None, self.reference.build_metadata(common), graph)
+        if graph is not None:
+            return TorchPagedStepMetadata(common.slot_mapping, common.num_tokens, graph, None, graph)
         decode, prefill = split_decode_prefill(common)
         return TorchPagedStepMetadata(common.slot_mapping, common.num_decode_tokens, self._paged_metadata(decode),
                                       None if prefill is None else self.reference.build_metadata(prefill))
 
     def _paged_metadata(self, common: CommonAttentionMetadata) -> PagedAttentionMetadata:
-        """Per-token key slots and causal bias over the longest sequence's blocks, shared by all layers."""
+        """Each token's block table row and visible key count, shared by all layers."""
         device = common.seq_lens.device
+        num_blocks = max(-(-max(common.seq_lens_cpu) // self.block_size), MIN_TABLE_COLUMNS)
+        table = common.block_table.long()
+        if table.shape[1] < num_blocks:  # pad with block 0 (masked: past every request's length)
+            table = torch.cat([table, table.new_zeros(table.shape[0], num_blocks - table.shape[1])], 1)
+        table = table[:, :num_blocks].contiguous()  # the warm-up graph was traced with contiguous strides
+        if common.num_tokens == common.num_reqs:  # one token per request (decodes)
+            return PagedAttentionMetadata(table, common.seq_lens.long(), common.slot_mapping)
         q_lens = torch.tensor(common.query_lens_cpu, device=device)
         token_req = torch.repeat_interleave(torch.arange(common.num_reqs, device=device), q_lens)
         starts = common.query_start_loc[:-1].long() - common.query_start_loc[0].long()
         offset = torch.arange(common.num_tokens, device=device) - starts[token_req]
-        token_pos = common.context_lens.long()[token_req] + offset
-        num_blocks = -(-max(common.seq_lens_cpu) // self.block_size)
-        j = torch.arange(num_blocks * self.block_size, device=device)
-        table = common.block_table[:, :num_blocks].long()
-        slots = table[token_req[:, None], j[None, :] // self.block_size] * self.block_size + j[None, :] % self.block_size
-        bias = torch.zeros(slots.shape, dtype=torch.float32, device=device)
-        bias.masked_fill_(j[None, :] > token_pos[:, None], float("-inf"))
-        return PagedAttentionMetadata(slots, bias)
+        return PagedAttentionMetadata(table[token_req], common.context_lens.long()[token_req] + offset + 1,
+                                      common.slot_mapping)
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TorchPagedStepMetadata) -> torch.Tensor:
         """Write all of the step's K/V, then attend each part; see ``AttentionBackend.forward``."""
-        if metadata.paged is None:  # the whole step through the reference (which also quantizes K/V)
+        if metadata.paged is None and not self.in_place:  # quantized: the reference writes and attends
             return self.reference.forward(layer_idx, query, key, value, kv_cache, metadata.reference)
-        write_kv(kv_cache, key, value, metadata.slot_mapping)
+        _paged_kernel.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        if metadata.paged is None:
+            return self.reference.attend(query, kv_cache, metadata.reference)
         n = metadata.num_paged_tokens
         paged = self._attend_in_place(query[:n], kv_cache, metadata.paged)
         if metadata.reference is None:
@@ -223,11 +243,35 @@ class TorchPagedAttentionBackend(AttentionBackend):
         out[n:] = self.reference.attend(query[n:], kv_cache, metadata.reference)
         return out
 
+    def traceable_inputs(self, metadata: TorchPagedStepMetadata) -> PagedAttentionMetadata | None:
+        """The whole-step kernel inputs when every token is a decode (else ``None``), batch dims
+        marked dynamic; see ``AttentionBackend.traceable_inputs``."""
+        graph = metadata.graph
+        if graph is not None:
+            torch._dynamo.maybe_mark_dynamic(graph.block_tables, 0)
+            torch._dynamo.maybe_mark_dynamic(graph.block_tables, 1)
+            torch._dynamo.maybe_mark_dynamic(graph.kv_lens, 0)
+            torch._dynamo.maybe_mark_dynamic(graph.slot_mapping, 0)
+        return graph
+
+    def traceable_forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: torch.Tensor, inputs: PagedAttentionMetadata) -> torch.Tensor:
+        """Write K/V (``servelab::paged_write_kv``) and attend in place, as traceable torch code;
+        see ``AttentionBackend.traceable_forward``."""
+        num_tokens = query.shape[0]
+        q = query.reshape(num_tokens, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size)
+        q = torch.ops.servelab.paged_write_kv(kv_cache, key, value, inputs.slot_mapping, q, self.scale)
+        out = paged_attention(q, kv_cache, inputs.block_tables, inputs.kv_lens, self.scale, scaled=True,
+                              out_dtype=query.dtype)
+        return out.reshape(num_tokens, self.num_heads, self.head_size)
+
     def _attend_in_place(self, query: torch.Tensor, kv_cache: torch.Tensor,
                          metadata: PagedAttentionMetadata) -> torch.Tensor:
         num_tokens = query.shape[0]
-        q = query.view(num_tokens, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size)
-        args = (q, kv_cache[0], kv_cache[1], metadata.slots, metadata.bias, self.scale)
+        q = query.reshape(num_tokens, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size)
+        # a view of the cache: _call_compiled marks its block dim dynamic, and a marking on the cache
+        # tensor itself would fail the guards of a compiled decoder graph that takes it as an input
+        args = (q, kv_cache.view(kv_cache.shape), metadata.block_tables, metadata.kv_lens, self.scale)
         try:
             out = paged_attention(*args) if self._fn is paged_attention else _call_compiled(self._fn, args)
         except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same math, eager

@@ -25,10 +25,12 @@ def compiled_llm():
     assert_all_blocks_free(llm.engine)
 
 
-def test_warm_up_compiles_two_graphs(compiled_llm):
+def test_warm_up_compiles_three_graphs(compiled_llm):
     stats = compiled_llm.engine.runner.compile_stats
     assert stats.active and stats.fallback_reason is None
-    assert stats.num_graphs_warmup == 2  # num_tokens >= 2 (dynamic) and num_tokens == 1; no graph breaks
+    # default torch_paged: num_tokens >= 2 (opaque attention), and the traced-attention decode graphs
+    # of num_tokens == 1 and >= 2; no graph breaks
+    assert stats.num_graphs_warmup == 3
     assert stats.compile_s > 0
 
 
@@ -41,7 +43,7 @@ def test_parity_and_no_recompiles_over_mixed_lengths(compiled_llm):
     assert summary["prefix_cache_hit_rate"] > 0.1
     assert summary["compile"] and summary["compile_active"]
     assert summary["compile_num_recompiles"] == 0, "a step shape recompiled after the warm-up"
-    assert summary["compile_num_graphs_warmup"] == 2 and summary["compile_s"] > 0
+    assert summary["compile_num_graphs_warmup"] == 3 and summary["compile_s"] > 0
 
 
 @pytest.mark.slow
@@ -82,6 +84,22 @@ def test_attention_op_contract(compiled_llm):
     torch.testing.assert_close(out, expected)
 
 
+def test_decode_steps_attend_inside_the_graph(compiled_llm, monkeypatch):
+    """Default ``torch_paged``: an all-decode step's attention is traced into the compiled decoder
+    (``traceable_forward``), so the backend's per-layer ``forward`` (the opaque op's body) runs for the
+    prefill step only; the output still equals transformers and nothing recompiles."""
+    runner = compiled_llm.engine.runner
+    calls = []
+    forward = runner.backend.forward
+    monkeypatch.setattr(runner.backend, "forward", lambda *args: calls.append(args[0]) or forward(*args))
+    before = runner.compile_stats.num_recompiles
+    prompt = "Once upon a time"  # one prefill step (under the 16-token chunk threshold), then 6 decodes
+    assert len(compiled_llm.get_tokenizer()(prompt).input_ids) < 16
+    assert_greedy_parity(compiled_llm, [prompt], max_tokens=7)
+    assert calls == list(range(len(runner.kv_caches))), "a decode step called the backend outside the graph"
+    assert runner.compile_stats.num_recompiles == before
+
+
 def test_recompile_is_counted(compiled_llm, monkeypatch, caplog):
     """The counter is live: a forward no warm-up graph covers (int32 position ids fail a dtype guard)
     compiles a new graph, counted in ``compile_num_recompiles`` and logged. Runs last on the shared
@@ -89,7 +107,7 @@ def test_recompile_is_counted(compiled_llm, monkeypatch, caplog):
     runner = compiled_llm.engine.runner
     before = runner.compile_stats.num_recompiles
     forward = runner._forward
-    monkeypatch.setattr(runner, "_forward", lambda ids, pos, index: forward(ids, pos.int(), index))
+    monkeypatch.setattr(runner, "_forward", lambda ids, pos, index, meta: forward(ids, pos.int(), index, meta))
     with caplog.at_level(logging.WARNING, logger="framework.compile"):
         runner._dummy_forward(3)
     assert runner.compile_stats.num_recompiles == before + 1

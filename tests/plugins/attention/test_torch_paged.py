@@ -49,25 +49,27 @@ def _run(spec, heads=4, kv_heads=2, bs=4, seed=0, dtype=torch.float32, compile=F
     paged = TorchPagedAttentionBackend(*args, compile=compile, min_paged_decodes=1, paged_prefill=paged_prefill)
     ref = TorchAttentionBackend(*args)
     cache = torch.zeros(paged.get_kv_cache_shape(num_blocks), dtype=dtype)
+    ref_cache = cache.clone()
     tables, slots, qs, ks, vs = [], [], [], [], []
     for c, q in spec:
         table = [perm.pop() for _ in range(-(-(c + q) // bs))]
         tables.append(table)
         k_all = torch.randn(c + q, kv_heads, D, generator=gen).to(dtype)
         v_all = torch.randn(c + q, kv_heads, D, generator=gen).to(dtype)
-        for pos in range(c):
-            cache[0, table[pos // bs], pos % bs] = k_all[pos]
-            cache[1, table[pos // bs], pos % bs] = v_all[pos]
+        ctx_slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(c)], dtype=torch.long)
+        paged.write_kv(cache, k_all[:c], v_all[:c], ctx_slots)  # each backend's own layout
+        ref.write_kv(ref_cache, k_all[:c], v_all[:c], ctx_slots)
         slots += [table[p // bs] * bs + p % bs for p in range(c, c + q)]
         qs.append(torch.randn(q, heads, D, generator=gen).to(dtype))
         ks.append(k_all[c:])
         vs.append(v_all[c:])
     common = _common(spec, tables, slots, bs)
     q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
-    ref_cache = cache.clone()
     out = paged.forward(0, q, k, v, cache, paged.build_metadata(common))
     expected = ref.forward(0, q, k, v, ref_cache, ref.build_metadata(common))
-    torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)  # identical cache writes
+    every_slot = torch.arange(num_blocks * bs)
+    for got, want in zip(paged.read_kv(cache, every_slot), ref.read_kv(ref_cache, every_slot)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # identical K/V at every slot
     return out, expected
 
 
@@ -97,7 +99,7 @@ def test_size_rule_picks_the_path():
     spec, tables, slots = [(5, 1), (3, 1), (0, 3)], [[0, 1], [2], [3]], [5, 3 + 8, 12, 13, 14]
     common = _common(spec, tables, slots, 4)
     step = TorchPagedAttentionBackend(*args, min_paged_decodes=2).build_metadata(common)
-    assert step.num_paged_tokens == 2 and step.paged.slots.shape[0] == 2 and step.reference is not None
+    assert step.num_paged_tokens == 2 and step.paged.block_tables.shape[0] == 2 and step.reference is not None
     step = TorchPagedAttentionBackend(*args, min_paged_decodes=3).build_metadata(common)
     assert step.num_paged_tokens == 0 and step.paged is None
     step = TorchPagedAttentionBackend(*args, paged_prefill=True).build_metadata(common)
@@ -182,11 +184,11 @@ def test_construction_compiles_so_the_first_large_step_does_not():
     spec = [(9 + i, 1) for i in range(10)]
     tables = [[5 * i + j for j in range(5)] for i in range(10)]
     slots = [tables[i][c // 4] * 4 + c % 4 for i, (c, _) in enumerate(spec)]
-    cache = torch.zeros(backend.get_kv_cache_shape(50), dtype=torch.bfloat16)
-    q, kv = torch.randn(10, 6, D).bfloat16(), torch.randn(10, 2, D).bfloat16()
-    step = backend.build_metadata(_common(spec, tables, slots, 4))
-    assert step.num_paged_tokens == 10
-    with torch.inference_mode():
+    with torch.inference_mode():  # as in the engine: inference tensors
+        cache = torch.zeros(backend.get_kv_cache_shape(50), dtype=torch.bfloat16)
+        q, kv = torch.randn(10, 6, D).bfloat16(), torch.randn(10, 2, D).bfloat16()
+        step = backend.build_metadata(_common(spec, tables, slots, 4))
+        assert step.num_paged_tokens == 10
         backend.forward(0, q, kv, kv, cache, step)
     assert torch_paged.COMPILE_STATS["graphs"] == graphs
 
@@ -207,3 +209,66 @@ def test_quantized_cache_runs_through_the_reference():
     expected = ref.forward(0, q, kv, kv, ref_cache, ref.build_metadata(common))
     torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
     torch.testing.assert_close(out, expected)
+
+
+def test_traceable_forward_equals_forward_on_decode_steps():
+    """An all-decode step offers traceable inputs (what ``engine.compile`` traces into the decoder
+    graph): ``traceable_forward`` writes the same K/V and returns the same output as ``forward``
+    (the reference's gather + SDPA for this small batch). Steps with a chunk, and quantized caches,
+    offer none (they take ``forward`` through the opaque op)."""
+    args = (6, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"))
+    backend = TorchPagedAttentionBackend(*args, compile=False)
+    gen = torch.Generator().manual_seed(3)
+    spec, tables = [(5, 1), (0, 1), (13, 1)], [[4, 7], [2], [0, 9, 3, 5]]
+    slots = [tables[i][c // 4] * 4 + c % 4 for i, (c, _) in enumerate(spec)]
+    cache = torch.zeros(backend.get_kv_cache_shape(10))
+    for (c, _), table in zip(spec, tables):
+        ctx = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(c)], dtype=torch.long)
+        backend.write_kv(cache, torch.randn(c, 2, D, generator=gen), torch.randn(c, 2, D, generator=gen), ctx)
+    q, k, v = torch.randn(3, 6, D, generator=gen), torch.randn(3, 2, D, generator=gen), torch.randn(3, 2, D, generator=gen)
+    step = backend.build_metadata(_common(spec, tables, slots, 4))
+    inputs = backend.traceable_inputs(step)
+    assert inputs is not None and inputs.block_tables.shape == (3, 4) and inputs.kv_lens.tolist() == [6, 1, 14]
+    traced_cache = cache.clone()
+    expected = backend.forward(0, q, k, v, cache, step)
+    out = backend.traceable_forward(0, q, k, v, traced_cache, inputs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(traced_cache, cache, rtol=0, atol=0)
+
+    mixed = backend.build_metadata(_common([(5, 1), (0, 3)], [[4, 7], [2]], [tables[0][1] * 4 + 1, 8, 9, 10], 4))
+    assert backend.traceable_inputs(mixed) is None
+    quantized = TorchPagedAttentionBackend(*args[:5], torch.int8, args[6], compile=False)
+    assert quantized.traceable_inputs(quantized.build_metadata(_common(spec, tables, slots, 4))) is None
+
+
+def test_key_blocks_are_stored_transposed():
+    """The layout: key block ``[kv_heads, head_size, block_size]``, value block ``[block_size, kv_heads,
+    head_size]``; ``read_kv`` inverts ``write_kv``; a hybrid pairing it with an NHD backend is refused."""
+    from plugins.attention._paged_kernel import key_blocks
+
+    backend = TorchPagedAttentionBackend(4, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"), compile=False)
+    cache = torch.zeros(backend.get_kv_cache_shape(3))
+    key, value = torch.randn(2, 2, D), torch.randn(2, 2, D)
+    slots = torch.tensor([6, 9])  # block 1 offset 2, block 2 offset 1
+    backend.write_kv(cache, key, value, slots)
+    assert torch.equal(key_blocks(cache)[1, :, :, 2], key[0]) and torch.equal(key_blocks(cache)[2, :, :, 1], key[1])
+    assert torch.equal(cache[1, 1, 2], value[0]) and torch.equal(cache[1, 2, 1], value[1])
+    got_k, got_v = backend.read_kv(cache, slots)
+    assert torch.equal(got_k, key) and torch.equal(got_v, value)
+    assert backend.kv_cache_layout == "HND-T" and TorchAttentionBackend.kv_cache_layout == "NHD"
+    from plugins.attention.hybrid import HybridBackend
+
+    with pytest.raises(ValueError, match="different KV-cache layouts"):
+        HybridBackend(4, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"), prefill="torch", decode="torch_paged",
+                      decode_params={"compile": False})
+
+
+def test_write_op_contract():
+    """``servelab::paged_write_kv`` passes ``torch.library.opcheck`` (schema with the cache mutated,
+    fake shapes) and returns the kernel's scaled float32 queries."""
+    cache = torch.zeros(2, 3, 4, 2, D)
+    key, value, query = torch.randn(2, 2, D), torch.randn(2, 2, D), torch.randn(2, 2, 3, D).bfloat16()
+    slots = torch.tensor([1, 6])
+    out = torch.ops.servelab.paged_write_kv(cache, key, value, slots, query, 0.5)
+    torch.testing.assert_close(out, query.float() * 0.5)
+    torch.library.opcheck(torch.ops.servelab.paged_write_kv.default, (cache, key, value, slots, query, 0.5))
