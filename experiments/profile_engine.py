@@ -5,6 +5,7 @@ the first steps (prefill) are timed, then ``--steps`` decode steps run under cPr
 ``--torch-steps`` more under ``torch.profiler``; prints the top entries of each.
 
     .venv/bin/python experiments/profile_engine.py --num-prompts 64 --steps 20
+    .venv/bin/python experiments/profile_engine.py --num-prompts 64 --compile --kernel-profile --skip-steps 50
 """
 
 from __future__ import annotations
@@ -38,8 +39,15 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--attention", default="torch_paged", help="attention backend: torch_paged (default) | torch")
     p.add_argument("--compile", action="store_true", help="engine.compile=true (torch.compile of the decoder)")
+    p.add_argument("--kernel-profile", action="store_true", help="with --compile: name each inductor-generated "
+                   "C++ kernel in the torch.profiler tables (torch._inductor.config.cpp.enable_kernel_profile)")
+    p.add_argument("--skip-steps", type=int, default=0, help="decode steps to run unprofiled first (longer context)")
     p.add_argument("--out", default=None, help="write the report text here too")
     args = p.parse_args()
+    if args.kernel_profile:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -79,6 +87,8 @@ def main() -> None:
     say("prefill split: " + ", ".join(f"{k} {pre[k + '_s']:.3f}s" for k in
                                       ("schedule", "prepare", "forward", "sample", "update")))
 
+    for _ in range(args.skip_steps):
+        engine.step()
     engine.metrics = MetricsCollector()
     prof = cProfile.Profile()
     prof.enable()

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 #: 1-token step (size 1 is specialised by dynamo) and a 2-request decode step (the traced-attention
 #: graph of a traceable backend; the prefill graph again for an opaque one).
 WARM_UP_STEPS = ((2, 1), (1, 1), (2, 2))
+#: dynamo's per-code-object graph limit while a decoder is compiled (default 8: two engines' graphs).
+RECOMPILE_LIMIT = 64
 
 
 @dataclass
@@ -106,6 +108,10 @@ class CompiledDecoder:
         if problem is not None:
             self._fall_back(problem)
         else:
+            # every engine adds its warm-up graphs to the cache of the same transformers forward code
+            # object; dynamo's default limit of 8 per code object runs out at the third compiled
+            # engine of a process (tests, in-process sweeps), which then silently ran eagerly
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self._compiled = torch.compile(model.model, backend=self._backend, dynamic=None, fullgraph=False)
 
     @staticmethod

@@ -186,8 +186,10 @@ class TorchPagedAttentionBackend(AttentionBackend):
         the first large decode step of a run does not stall on inductor (seconds to tens of seconds)."""
         group, d, bs = self.num_heads // self.num_kv_heads, self.head_size, self.block_size
         kw = {"device": self.device}
-        with torch.inference_mode():  # inference tensors, as in the engine (dynamo guards on it)
-            cache = torch.zeros(self.get_kv_cache_shape(3), dtype=self.dtype, **kw)
+        # as in the engine: the cache is allocated outside inference mode, the step's tensors inside
+        # (dynamo guards on their dispatch keys: any difference recompiles at the first real step)
+        cache = torch.zeros(self.get_kv_cache_shape(3), dtype=self.dtype, **kw)
+        with torch.inference_mode():
             meta = PagedAttentionMetadata(torch.tensor([[0, 1], [1, 2]], **kw), torch.tensor([bs + 1, 2 * bs], **kw),
                                           torch.tensor([bs, 2 * bs + 1], **kw))
             query = torch.zeros(2, self.num_kv_heads * group, d, dtype=self.dtype, **kw)
@@ -256,11 +258,16 @@ class TorchPagedAttentionBackend(AttentionBackend):
 
     def traceable_forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           kv_cache: torch.Tensor, inputs: PagedAttentionMetadata) -> torch.Tensor:
-        """Write K/V (``servelab::paged_write_kv``) and attend in place, as traceable torch code;
+        """Write K/V (the op ``servelab::paged_write_kv``) and attend in place, as traceable torch code;
         see ``AttentionBackend.traceable_forward``."""
+        torch.ops.servelab.paged_write_kv(kv_cache, key, value, inputs.slot_mapping)
         num_tokens = query.shape[0]
         q = query.reshape(num_tokens, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size)
-        q = torch.ops.servelab.paged_write_kv(kv_cache, key, value, inputs.slot_mapping, q, self.scale)
+        q = q.float() * self.scale
+        # a no-op view that inductor lowers only on a realised input: the scaled queries become a
+        # buffer, where otherwise their producers (RoPE's cos/sin) are inlined into the kernel's score
+        # loop and recomputed for every block of keys (a 154 instead of 99 ms batch-64 step)
+        q = q.as_strided(q.shape, q.stride())
         out = paged_attention(q, kv_cache, inputs.block_tables, inputs.kv_lens, self.scale, scaled=True,
                               out_dtype=query.dtype)
         return out.reshape(num_tokens, self.num_heads, self.head_size)

@@ -184,8 +184,8 @@ def test_construction_compiles_so_the_first_large_step_does_not():
     spec = [(9 + i, 1) for i in range(10)]
     tables = [[5 * i + j for j in range(5)] for i in range(10)]
     slots = [tables[i][c // 4] * 4 + c % 4 for i, (c, _) in enumerate(spec)]
-    with torch.inference_mode():  # as in the engine: inference tensors
-        cache = torch.zeros(backend.get_kv_cache_shape(50), dtype=torch.bfloat16)
+    cache = torch.zeros(backend.get_kv_cache_shape(50), dtype=torch.bfloat16)  # as in the engine: the cache
+    with torch.inference_mode():  # is allocated at start-up, the step's tensors are inference tensors
         q, kv = torch.randn(10, 6, D).bfloat16(), torch.randn(10, 2, D).bfloat16()
         step = backend.build_metadata(_common(spec, tables, slots, 4))
         assert step.num_paged_tokens == 10
@@ -265,10 +265,11 @@ def test_key_blocks_are_stored_transposed():
 
 def test_write_op_contract():
     """``servelab::paged_write_kv`` passes ``torch.library.opcheck`` (schema with the cache mutated,
-    fake shapes) and returns the kernel's scaled float32 queries."""
-    cache = torch.zeros(2, 3, 4, 2, D)
-    key, value, query = torch.randn(2, 2, D), torch.randn(2, 2, D), torch.randn(2, 2, 3, D).bfloat16()
-    slots = torch.tensor([1, 6])
-    out = torch.ops.servelab.paged_write_kv(cache, key, value, slots, query, 0.5)
-    torch.testing.assert_close(out, query.float() * 0.5)
-    torch.library.opcheck(torch.ops.servelab.paged_write_kv.default, (cache, key, value, slots, query, 0.5))
+    fake) and writes what ``write_kv`` writes."""
+    cache, expected = torch.zeros(2, 3, 4, 2, D), torch.zeros(2, 3, 4, 2, D)
+    key, value, slots = torch.randn(2, 2, D), torch.randn(2, 2, D), torch.tensor([1, 6])
+    torch.ops.servelab.paged_write_kv(cache, key, value, slots)
+    TorchPagedAttentionBackend(4, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"),
+                               compile=False).write_kv(expected, key, value, slots)
+    assert torch.equal(cache, expected)
+    torch.library.opcheck(torch.ops.servelab.paged_write_kv.default, (cache, key, value, slots))
