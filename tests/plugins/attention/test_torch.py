@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from framework.interfaces import CommonAttentionMetadata
-from plugins.attention.torch import TorchAttentionBackend
+from plugins.attention.torch import TorchAttentionBackend, length_buckets
 
 H, KVH, D, BS = 4, 2, 8, 4
 
@@ -69,6 +69,28 @@ def _run(spec, seed=0, dtype=torch.float32, decode_kernel="packed"):
 def test_mixed_batch_matches_naive(decode_kernel):
     out, expected, *_ = _run([(5, 1), (0, 1), (12, 1), (0, 7), (9, 6), (3, 1 + BS * 2)], decode_kernel=decode_kernel)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_requests_bucketed_by_length():
+    """Prefill requests of very different lengths go into separate padded segments (each within 1.5x),
+    whose outputs land back at their own tokens; lengths within 1.5x stay one in-order segment."""
+    assert length_buckets([0, 1, 2, 3, 4], [100, 10, 90, 12, 40]) == [[0, 2], [4], [1, 3]]
+    assert length_buckets([0, 1], [10, 15]) == [[0, 1]]
+    spec = [(5, 1), (0, 3), (30, 9), (2, 2), (0, 40), (11, 4)]  # decode, then chunks from 2 to 40 keys
+    out, expected, *_ = _run(spec)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    backend = TorchAttentionBackend(H, KVH, D, D ** -0.5, BS, torch.float32, torch.device("cpu"))
+    seq_lens = [c + q for c, q in spec]
+    assert len(length_buckets(list(range(1, len(spec))), seq_lens)) >= 3
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 4, 13, 15, 55, 59], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), context_lens=torch.tensor([c for c, _ in spec], dtype=torch.int32),
+        block_table=torch.zeros(len(spec), 13, dtype=torch.int32), slot_mapping=torch.arange(59),
+        query_lens_cpu=[q for _, q in spec], seq_lens_cpu=seq_lens, num_reqs=6, num_tokens=59, num_decodes=1,
+        num_decode_tokens=1, max_query_len=40, max_seq_len=40, block_size=BS)
+    segments = backend.build_metadata(common).segments
+    assert len(segments) >= 4 and all(seg.token_index is not None for seg in segments[1:])
+    assert sorted(torch.cat([seg.token_index for seg in segments[1:]]).tolist()) == list(range(1, 59))
 
 
 def test_cache_written_through_slot_mapping():
