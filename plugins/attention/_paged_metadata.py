@@ -98,19 +98,6 @@ def split_decode_prefill(common: CommonAttentionMetadata) -> tuple[CommonAttenti
     return decode, prefill
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V into an NHD paged cache (``(2, num_blocks, block_size, kv_heads, head_size)``).
-
-    Args:
-        kv_cache: the layer's cache, mutated in place.
-        key, value: ``(num_tokens, kv_heads, head_size)``, any float dtype (cast to the cache's).
-        slot_mapping: ``(num_tokens,)`` int64, slot = block_id * block_size + offset.
-    """
-    flat = (-1, kv_cache.shape[-2], kv_cache.shape[-1])
-    kv_cache[0].view(flat).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(flat).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
-
-
 def gather_context_index(block_table: torch.Tensor, seq_lens: list[int], block_size: int) -> torch.Tensor:
     """Cache slots of every request's whole context, concatenated (for kernels without paging).
 

@@ -20,7 +20,7 @@ import torch
 from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
-from plugins.attention._paged_metadata import cu_seqlens, split_decode_prefill, write_kv
+from plugins.attention._paged_metadata import cu_seqlens, split_decode_prefill
 
 _INSTALL = 'pip install flash-attn --no-build-isolation (or: pip install -e ".[gpu]")'
 
@@ -89,7 +89,7 @@ class FlashAttnBackend(AttentionBackend):
                 kv_cache: torch.Tensor, metadata: FlashAttnMetadata) -> torch.Tensor:
         """Write the step's K/V at ``slot_mapping`` (all of it, before any read), then run the
         decode kernel on the leading decode tokens and the varlen kernel on the rest."""
-        write_kv(kv_cache, key, value, metadata.slot_mapping)
+        self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         out = torch.empty_like(query)
         nd = metadata.num_decode_tokens

@@ -16,7 +16,7 @@ import torch
 from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
-from plugins.attention._paged_metadata import PagedKVIndices, paged_kv_indices, split_decode_prefill, write_kv
+from plugins.attention._paged_metadata import PagedKVIndices, paged_kv_indices, split_decode_prefill
 
 _INSTALL = 'pip install flashinfer-python (or: pip install -e ".[gpu]")'
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
@@ -88,7 +88,7 @@ class FlashInferBackend(AttentionBackend):
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: FlashInferPlan) -> torch.Tensor:
         """Write the step's K/V (all of it, before any read), then run the planned wrappers."""
-        write_kv(kv_cache, key, value, metadata.slot_mapping)
+        self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         cache = (kv_cache[0], kv_cache[1])
         out = torch.empty_like(query)
         nd = metadata.num_decode_tokens

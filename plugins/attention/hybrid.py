@@ -16,7 +16,7 @@ import torch
 from framework import hookimpl, registry
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
-from plugins.attention._paged_metadata import split_decode_prefill, write_kv
+from plugins.attention._paged_metadata import split_decode_prefill
 
 if TYPE_CHECKING:
     from framework.config import EngineConfig
@@ -110,9 +110,11 @@ class HybridBackend(AttentionBackend):
                 kv_cache: torch.Tensor, metadata: HybridMetadata) -> torch.Tensor:
         """Write all K/V first, then attend: decode tokens by ``decode``, the rest by ``prefill``.
 
-        Each part rewrites its own slice of K/V (the same values), which is harmless.
+        Each part rewrites its own slice of K/V (the same values), which is harmless. The first write
+        is the shared layout's own (``write_kv``): an NHD write into ``torch_paged``'s transposed key
+        blocks would overwrite other slots' keys.
         """
-        write_kv(kv_cache, key, value, metadata.slot_mapping)
+        self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         nd = metadata.num_decode_tokens
         out = torch.empty_like(query)
         if metadata.decode is not None:

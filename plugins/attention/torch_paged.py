@@ -35,8 +35,8 @@ from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from plugins.attention import _paged_kernel
-from plugins.attention._paged_kernel import paged_attention
 from plugins.attention._kv_quant import QMAX
+from plugins.attention._paged_kernel import paged_attention
 from plugins.attention._paged_metadata import split_decode_prefill
 from plugins.attention.torch import TorchAttentionBackend, TorchAttentionMetadata
 

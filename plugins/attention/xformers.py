@@ -18,7 +18,7 @@ import torch
 from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
-from plugins.attention._paged_metadata import gather_context_index, write_kv
+from plugins.attention._paged_metadata import gather_context_index
 
 _INSTALL = 'pip install xformers (or: pip install -e ".[gpu]")'
 
@@ -72,7 +72,7 @@ class XFormersBackend(AttentionBackend):
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: XFormersMetadata) -> torch.Tensor:
         """Write the step's K/V (all of it, before any read), gather contexts, attend in one call."""
-        write_kv(kv_cache, key, value, metadata.slot_mapping)
+        self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         kvh, d = self.num_kv_heads, self.head_size
         group = self.num_heads // kvh
         k = kv_cache[0].view(-1, kvh, d)[metadata.context_index].to(query.dtype)  # (sum_kv, KVH, D)

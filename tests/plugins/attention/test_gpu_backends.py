@@ -140,6 +140,20 @@ def test_hybrid_over_cpu_backends_matches_naive(spec):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_hybrid_of_torch_paged_keeps_its_layout():
+    """Both parts ``torch_paged`` (transposed key blocks): hybrid's write-everything-first uses the
+    shared layout's ``write_kv``, so cached context keys are not overwritten (an NHD write into the
+    transposed blocks was), and the output matches the naive reference."""
+    def make(bs):
+        return registry.create("attention", "hybrid", num_heads=4, num_kv_heads=2, head_size=8, scale=8 ** -0.5,
+                               block_size=bs, dtype=torch.float32, device=torch.device("cpu"), prefill="torch_paged",
+                               decode="torch_paged", prefill_params={"compile": False},
+                               decode_params={"compile": False, "min_paged_decodes": 1})
+    assert make(4).kv_cache_layout == "HND-T"
+    out, expected = run_random_batch(make, SPEC)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["torch", "hybrid"])
 def test_write_before_read_contract_cpu(name):
     def make(bs):
