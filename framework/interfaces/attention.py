@@ -225,10 +225,10 @@ class AttentionBackend(Plugin, ABC):
     def traceable_forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           kv_cache: torch.Tensor, inputs: Any) -> torch.Tensor:
         """:meth:`forward` as code dynamo can trace (same arguments and result; ``inputs`` is what
-        :meth:`traceable_inputs` returned). Cache writes go through a custom op that declares the
-        cache in ``mutates_args`` (inductor then keeps them in place).
+        :meth:`traceable_inputs` returned). Cache writes must go through an op that declares the cache
+        mutated (``Tensor(a!)`` in its schema), so inductor keeps them in place.
 
-        Raises:
-            NotImplementedError: the backend returned traceable inputs without implementing this.
+        The default runs :meth:`forward` with ``inputs`` as its metadata: enough for a backend whose
+        ``forward`` is already traceable and whose ``traceable_inputs`` returns the step's metadata.
         """
-        raise NotImplementedError(f"attention {self.name!r} returned traceable_inputs but has no traceable_forward")
+        return self.forward(layer_idx, query, key, value, kv_cache, inputs)

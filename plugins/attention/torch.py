@@ -90,6 +90,7 @@ class TorchAttentionBackend(AttentionBackend):
         if key_layout not in ("NHD", "HDN") or (key_layout == "HDN" and self.kv_quant is not None):
             raise ValueError(f"key_layout must be NHD, or HDN with an unquantized cache; got {key_layout!r}")
         self.key_layout = key_layout
+        self.kv_cache_layout = key_layout  # values are NHD either way
 
     def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, kv_heads, head_size)``; ``head_size + 4`` bytes when quantized."""

@@ -34,7 +34,6 @@ import torch
 from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
-from plugins.attention import _paged_kernel
 from plugins.attention._kv_quant import QMAX
 from plugins.attention._paged_kernel import paged_attention
 from plugins.attention._paged_metadata import split_decode_prefill
@@ -113,7 +112,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     """Paged attention reading the cache in place through a ``torch.compile``d kernel (CPU/GPU).
 
     KV cache per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)`` elements, keys
-    stored per block as ``[num_kv_heads, head_size, block_size]`` (``kv_cache_layout = "HND-T"``,
+    stored per block as ``[num_kv_heads, head_size, block_size]`` (``kv_cache_layout = "HDN"``,
     see ``plugins/attention/_paged_kernel.py``), values as ``[block_size, num_kv_heads, head_size]``.
 
     Eager engines (``forward``): the decode rows of a step with at least ``min_paged_decodes`` of
@@ -143,7 +142,6 @@ class TorchPagedAttentionBackend(AttentionBackend):
     """
 
     name = "torch_paged"
-    kv_cache_layout = "HND-T"  # keys [KVH, D, BS] per block, values [BS, KVH, D]; "NHD" when quantized
     supported_kv_cache_dtypes = TorchAttentionBackend.supported_kv_cache_dtypes  # quantized: all via the reference
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, block_size: int,
@@ -159,8 +157,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         self.reference = TorchAttentionBackend(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device,
                                                key_layout="HDN" if self.in_place else "NHD")
         self.cache_dtype = self.reference.cache_dtype
-        if not self.in_place:
-            self.kv_cache_layout = "NHD"
+        self.kv_cache_layout = self.reference.kv_cache_layout  # "HDN" ("NHD" when quantized)
         self._fn = _compiled_kernel() if self.compile else paged_attention
         if self.compile and self.in_place:
             self._warm_up()
@@ -171,15 +168,13 @@ class TorchPagedAttentionBackend(AttentionBackend):
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """Store K/V at ``slot_mapping`` in this backend's layout; see ``AttentionBackend.write_kv``."""
-        if not self.in_place:
-            self.reference.write_kv(kv_cache, key, value, slot_mapping)
-        else:
-            _paged_kernel.write_kv(kv_cache, key, value, slot_mapping)
+        """Store K/V at ``slot_mapping`` in this backend's layout (the reference's, configured for it);
+        see ``AttentionBackend.write_kv``."""
+        self.reference.write_kv(kv_cache, key, value, slot_mapping)
 
     def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V stored at ``slots``; see ``AttentionBackend.read_kv``."""
-        return _paged_kernel.read_kv(kv_cache, slots) if self.in_place else self.reference.read_kv(kv_cache, slots)
+        return self.reference.read_kv(kv_cache, slots)
 
     def _warm_up(self) -> None:
         """Compile the kernel now (start-up) on a dummy 2-token, 2-block call in this dtype, so that
@@ -233,7 +228,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         """Write all of the step's K/V, then attend each part; see ``AttentionBackend.forward``."""
         if metadata.paged is None and not self.in_place:  # quantized: the reference writes and attends
             return self.reference.forward(layer_idx, query, key, value, kv_cache, metadata.reference)
-        _paged_kernel.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         if metadata.paged is None:
             return self.reference.attend(query, kv_cache, metadata.reference)
         n = metadata.num_paged_tokens
@@ -263,13 +258,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         torch.ops.servelab.paged_write_kv(kv_cache, key, value, inputs.slot_mapping)
         num_tokens = query.shape[0]
         q = query.reshape(num_tokens, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size)
-        q = q.float() * self.scale
-        # a no-op view that inductor lowers only on a realised input: the scaled queries become a
-        # buffer, where otherwise their producers (RoPE's cos/sin) are inlined into the kernel's score
-        # loop and recomputed for every block of keys (a 154 instead of 99 ms batch-64 step)
-        q = q.as_strided(q.shape, q.stride())
-        out = paged_attention(q, kv_cache, inputs.block_tables, inputs.kv_lens, self.scale, scaled=True,
-                              out_dtype=query.dtype)
+        out = paged_attention(q, kv_cache, inputs.block_tables, inputs.kv_lens, self.scale)
         return out.reshape(num_tokens, self.num_heads, self.head_size)
 
     def _attend_in_place(self, query: torch.Tensor, kv_cache: torch.Tensor,

@@ -149,7 +149,7 @@ def test_hybrid_of_torch_paged_keeps_its_layout():
                                block_size=bs, dtype=torch.float32, device=torch.device("cpu"), prefill="torch_paged",
                                decode="torch_paged", prefill_params={"compile": False},
                                decode_params={"compile": False, "min_paged_decodes": 1})
-    assert make(4).kv_cache_layout == "HND-T"
+    assert make(4).kv_cache_layout == "HDN"
     out, expected = run_random_batch(make, SPEC)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 

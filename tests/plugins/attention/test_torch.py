@@ -130,3 +130,27 @@ def test_kv_cache_shape_and_bytes_per_block():
                                     dtype=torch.float16, device=torch.device("cpu"))
     assert backend.get_kv_cache_shape(10) == (2, 10, 16, 2, 8)
     assert backend.kv_cache_bytes_per_block(num_layers=3) == 2 * 16 * 2 * 8 * 3 * 2  # K+V, fp16 = 2 bytes
+
+
+def test_default_traceable_forward_runs_forward_with_the_inputs():
+    """A backend whose ``forward`` is traceable only overrides ``traceable_inputs`` (returning its
+    metadata): the default ``traceable_forward`` then gives what ``forward`` gives, cache included."""
+    class Traceable(TorchAttentionBackend):
+        def traceable_inputs(self, metadata):
+            return metadata
+
+    backend = Traceable(H, KVH, D, D ** -0.5, BS, torch.float32, torch.device("cpu"))
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens=torch.tensor([6, 1], dtype=torch.int32),
+        context_lens=torch.tensor([5, 0], dtype=torch.int32), block_table=torch.tensor([[0, 1], [2, 0]], dtype=torch.int32),
+        slot_mapping=torch.tensor([5, 8]), query_lens_cpu=[1, 1], seq_lens_cpu=[6, 1], num_reqs=2, num_tokens=2,
+        num_decodes=2, num_decode_tokens=2, max_query_len=1, max_seq_len=6, block_size=BS)
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(backend.get_kv_cache_shape(3), generator=gen)
+    traced_cache = cache.clone()
+    q, k, v = torch.randn(2, H, D, generator=gen), torch.randn(2, KVH, D, generator=gen), torch.randn(2, KVH, D, generator=gen)
+    meta = backend.build_metadata(common)
+    expected = backend.forward(0, q, k, v, cache, meta)
+    out = backend.traceable_forward(0, q, k, v, traced_cache, backend.traceable_inputs(meta))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert torch.equal(traced_cache, cache)

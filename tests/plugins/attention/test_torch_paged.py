@@ -255,7 +255,7 @@ def test_key_blocks_are_stored_transposed():
     assert torch.equal(cache[1, 1, 2], value[0]) and torch.equal(cache[1, 2, 1], value[1])
     got_k, got_v = backend.read_kv(cache, slots)
     assert torch.equal(got_k, key) and torch.equal(got_v, value)
-    assert backend.kv_cache_layout == "HND-T" and TorchAttentionBackend.kv_cache_layout == "NHD"
+    assert backend.kv_cache_layout == "HDN" and TorchAttentionBackend.kv_cache_layout == "NHD"
     from plugins.attention.hybrid import HybridBackend
 
     with pytest.raises(ValueError, match="different KV-cache layouts"):
