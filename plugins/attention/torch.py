@@ -62,8 +62,10 @@ class TorchAttentionBackend(AttentionBackend):
             (``attention.params.decode_kernel=...``): ``packed`` (default) runs SDPA with each KV
             head's query heads packed as query rows; ``gqa`` runs SDPA with one query row per head
             and ``enable_gqa=True`` (on CPU ~2x slower end to end; see docs/results.md).
-        key_layout: how key blocks are stored: ``NHD`` (default, ``[block_size, kv_heads, head_size]``)
-            or ``HDN`` (``[kv_heads, head_size, block_size]``, the layout of ``torch_paged``, which
+        kv_layout: how blocks are stored: ``NHD`` (default, keys and values
+            ``[block_size, kv_heads, head_size]``) or ``HDN`` (head-major: keys
+            ``[kv_heads, head_size, block_size]``, values ``[kv_heads, block_size, head_size]``; the
+            layout of ``torch_paged``, which
             attends through this backend for prefill chunks and small batches); unquantized only.
 
     KV-cache quantization (``engine.kv_cache_dtype=int8|fp8_e4m3``): the cache is
@@ -72,14 +74,14 @@ class TorchAttentionBackend(AttentionBackend):
     the query dtype after the block gather.
 
     Raises:
-        ValueError: for an unknown ``decode_kernel`` or ``key_layout``, or ``HDN`` with a quantized cache.
+        ValueError: for an unknown ``decode_kernel`` or ``kv_layout``, or ``HDN`` with a quantized cache.
     """
 
     name = "torch"
     supported_kv_cache_dtypes = ("auto", "int8", "fp8_e4m3")
     DECODE_KERNELS = ("packed", "gqa")
 
-    def __init__(self, *args: object, decode_kernel: str = "packed", key_layout: str = "NHD", **kwargs: object) -> None:
+    def __init__(self, *args: object, decode_kernel: str = "packed", kv_layout: str = "NHD", **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         if decode_kernel not in self.DECODE_KERNELS:
             raise ValueError(f"decode_kernel must be one of {self.DECODE_KERNELS}, got {decode_kernel!r}")
@@ -87,10 +89,9 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_quant = self.dtype if self.dtype in QMAX else None  # int8 / float8_e4m3fn or None
         if self.kv_quant is not None:
             self.cache_dtype = torch.int8
-        if key_layout not in ("NHD", "HDN") or (key_layout == "HDN" and self.kv_quant is not None):
-            raise ValueError(f"key_layout must be NHD, or HDN with an unquantized cache; got {key_layout!r}")
-        self.key_layout = key_layout
-        self.kv_cache_layout = key_layout  # values are NHD either way
+        if kv_layout not in ("NHD", "HDN") or (kv_layout == "HDN" and self.kv_quant is not None):
+            raise ValueError(f"kv_layout must be NHD, or HDN with an unquantized cache; got {kv_layout!r}")
+        self.kv_cache_layout = kv_layout
 
     def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, kv_heads, head_size)``; ``head_size + 4`` bytes when quantized."""
@@ -150,7 +151,7 @@ class TorchAttentionBackend(AttentionBackend):
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """Store K/V at ``slot_mapping`` (quantized when the cache is); see ``AttentionBackend.write_kv``."""
-        if self.key_layout == "HDN":
+        if self.kv_cache_layout == "HDN":
             _paged_kernel.write_kv(kv_cache, key, value, slot_mapping)
             return
         flat_shape = (-1, self.num_kv_heads, kv_cache.shape[-1])
@@ -162,7 +163,7 @@ class TorchAttentionBackend(AttentionBackend):
     def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V stored at ``slots`` (dequantized to ``float32`` when the cache is quantized);
         see ``AttentionBackend.read_kv``."""
-        if self.key_layout == "HDN":
+        if self.kv_cache_layout == "HDN":
             return _paged_kernel.read_kv(kv_cache, slots)
         key, value = (kv_cache[i].reshape(-1, self.num_kv_heads, kv_cache.shape[-1])[slots] for i in (0, 1))
         if self.kv_quant is not None:
@@ -188,19 +189,18 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 seg: _Segment) -> torch.Tensor:
         num_reqs = seg.block_table.shape[0]
-        # gathered k/v: [R, blocks * block_size, kv_heads, D] -> [R, kv_heads, S, D]
-        v = value_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, value_cache.shape[-1])
-        if self.key_layout == "HDN":  # [R, NB, KVH, D, BS] -> [R, KVH, NB, BS, D] -> [R, KVH, S, D]
-            num_blocks = key_cache.shape[0]
-            k = key_cache.view(num_blocks, self.num_kv_heads, self.head_size, self.block_size)[seg.block_table]
-            k = k.permute(0, 2, 1, 4, 3).reshape(num_reqs, self.num_kv_heads, -1, self.head_size)
+        # gathered k/v: [R, kv_heads, S = blocks * block_size, D]
+        if self.kv_cache_layout == "HDN":  # per block: keys [KVH, D, BS], values [KVH, BS, D]
+            nb, kvh, bs, d = key_cache.shape[0], self.num_kv_heads, self.block_size, self.head_size
+            k = key_cache.view(nb, kvh, d, bs).transpose(2, 3)[seg.block_table]  # [R, NB, KVH, BS, D]
+            v = value_cache.view(nb, kvh, bs, d)[seg.block_table]
+            k, v = (x.transpose(1, 2).reshape(num_reqs, kvh, -1, d) for x in (k, v))
         else:
-            k = key_cache[seg.block_table].view(num_reqs, -1, self.num_kv_heads, key_cache.shape[-1])
-        if self.kv_quant is not None:
-            k, v = dequantize_rows(k, self.kv_quant, query.dtype), dequantize_rows(v, self.kv_quant, query.dtype)
-        if self.key_layout == "NHD":
-            k = k.transpose(1, 2)
-        k, v = k.to(query.dtype), v.transpose(1, 2).to(query.dtype)
+            k, v = (x[seg.block_table].view(num_reqs, -1, self.num_kv_heads, x.shape[-1]) for x in (key_cache, value_cache))
+            if self.kv_quant is not None:
+                k, v = dequantize_rows(k, self.kv_quant, query.dtype), dequantize_rows(v, self.kv_quant, query.dtype)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        k, v = k.to(query.dtype), v.to(query.dtype)
         if seg.query_index is None:
             return self._decode_attend(query, k, v, seg.mask)
         q = query[seg.query_index].transpose(1, 2)  # prefill chunks: [R, H, max_q, D]

@@ -35,7 +35,7 @@ from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from plugins.attention._kv_quant import QMAX
-from plugins.attention._paged_kernel import paged_attention
+from plugins.attention._paged_kernel import paged_attention, split_block_table
 from plugins.attention._paged_metadata import split_decode_prefill
 from plugins.attention.torch import TorchAttentionBackend, TorchAttentionMetadata
 
@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 
 #: Process-wide compile counters: ``graphs`` (inductor compilations) and ``seconds`` (wall time in them).
 COMPILE_STATS: dict[str, float] = {"graphs": 0, "seconds": 0.0}
-#: Table columns every in-place metadata has at least (dynamo specialises sizes 0 and 1: a 1-block
-#: context would otherwise compile a graph of its own).
+#: Table columns per part (``split_block_table``) every in-place metadata has at least (dynamo
+#: specialises sizes 0 and 1: a short context would otherwise compile a graph of its own).
 MIN_TABLE_COLUMNS = 2
 
 
@@ -73,15 +73,15 @@ def _compiled_kernel() -> Any:
 def _call_compiled(fn: Any, args: tuple[Any, ...]) -> torch.Tensor:
     """Call with the batch dims symbolic: tokens, table width and the cache's block count.
 
-    Heads, head size and block size stay static (constants in the generated loops). Duck sizing is
-    off so that two batch dims that happen to be equal in the first step do not share a symbol
-    (which would recompile on the next step); sizes 0/1 still specialise (e.g. batch-1 decode), so
-    tables have at least :data:`MIN_TABLE_COLUMNS` columns.
+    Heads, head size, block size and the table's part count stay static (constants in the generated
+    loops). Duck sizing is off so that two batch dims that happen to be equal in the first step do
+    not share a symbol (which would recompile on the next step); sizes 0/1 still specialise (e.g.
+    batch-1 decode), so table parts have at least :data:`MIN_TABLE_COLUMNS` columns.
     """
     from torch.fx.experimental import _config as fx_config
 
     query, kv_cache, block_tables, kv_lens, _ = args
-    for tensor, dims in ((query, (0,)), (kv_cache, (1,)), (block_tables, (0, 1)), (kv_lens, (0,))):
+    for tensor, dims in ((query, (0,)), (kv_cache, (1,)), (block_tables, (0, 2)), (kv_lens, (0,))):
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
     with fx_config.patch(use_duck_shape=False):
@@ -92,7 +92,7 @@ def _call_compiled(fn: Any, args: tuple[Any, ...]) -> torch.Tensor:
 class PagedAttentionMetadata:
     """Inputs of :func:`paged_attention` for a run of tokens (built once per step, shared by all layers)."""
 
-    block_tables: torch.Tensor  # (num_tokens, NB) int64 block table row of each token's request, NB >= 2
+    block_tables: torch.Tensor  # (num_tokens, P, NBp) int64 block table row of each token's request in P parts
     kv_lens: torch.Tensor  # (num_tokens,) int64 keys each token attends to (its position + 1)
     slot_mapping: torch.Tensor  # (num_tokens,) int64 cache slots of these tokens' new K/V
 
@@ -111,9 +111,9 @@ class TorchPagedStepMetadata:
 class TorchPagedAttentionBackend(AttentionBackend):
     """Paged attention reading the cache in place through a ``torch.compile``d kernel (CPU/GPU).
 
-    KV cache per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)`` elements, keys
-    stored per block as ``[num_kv_heads, head_size, block_size]`` (``kv_cache_layout = "HDN"``,
-    see ``plugins/attention/_paged_kernel.py``), values as ``[block_size, num_kv_heads, head_size]``.
+    KV cache per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)`` elements, each
+    block stored head-major (``kv_cache_layout = "HDN"``, see ``plugins/attention/_paged_kernel.py``):
+    keys as ``[num_kv_heads, head_size, block_size]``, values as ``[num_kv_heads, block_size, head_size]``.
 
     Eager engines (``forward``): the decode rows of a step with at least ``min_paged_decodes`` of
     them go through the compiled kernel; prefill chunks and small decode batches go through the
@@ -155,7 +155,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         self.paged_prefill = bool(paged_prefill)
         self.in_place = dtype not in QMAX  # the kernel reads unquantized caches only
         self.reference = TorchAttentionBackend(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device,
-                                               key_layout="HDN" if self.in_place else "NHD")
+                                               kv_layout="HDN" if self.in_place else "NHD")
         self.cache_dtype = self.reference.cache_dtype
         self.kv_cache_layout = self.reference.kv_cache_layout  # "HDN" ("NHD" when quantized)
         self._fn = _compiled_kernel() if self.compile else paged_attention
@@ -185,7 +185,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
         # (dynamo guards on their dispatch keys: any difference recompiles at the first real step)
         cache = torch.zeros(self.get_kv_cache_shape(3), dtype=self.dtype, **kw)
         with torch.inference_mode():
-            meta = PagedAttentionMetadata(torch.tensor([[0, 1], [1, 2]], **kw), torch.tensor([bs + 1, 2 * bs], **kw),
+            table = split_block_table(torch.tensor([[0, 1], [1, 2]], **kw), MIN_TABLE_COLUMNS)
+            meta = PagedAttentionMetadata(table, torch.tensor([bs + 1, 2 * bs], **kw),
                                           torch.tensor([bs, 2 * bs + 1], **kw))
             query = torch.zeros(2, self.num_kv_heads * group, d, dtype=self.dtype, **kw)
             self._attend_in_place(query, cache, meta)
@@ -209,11 +210,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
     def _paged_metadata(self, common: CommonAttentionMetadata) -> PagedAttentionMetadata:
         """Each token's block table row and visible key count, shared by all layers."""
         device = common.seq_lens.device
-        num_blocks = max(-(-max(common.seq_lens_cpu) // self.block_size), MIN_TABLE_COLUMNS)
-        table = common.block_table.long()
-        if table.shape[1] < num_blocks:  # pad with block 0 (masked: past every request's length)
-            table = torch.cat([table, table.new_zeros(table.shape[0], num_blocks - table.shape[1])], 1)
-        table = table[:, :num_blocks].contiguous()  # the warm-up graph was traced with contiguous strides
+        num_blocks = -(-max(common.seq_lens_cpu) // self.block_size)
+        table = split_block_table(common.block_table[:, :num_blocks], MIN_TABLE_COLUMNS)  # contiguous, as traced
         if common.num_tokens == common.num_reqs:  # one token per request (decodes)
             return PagedAttentionMetadata(table, common.seq_lens.long(), common.slot_mapping)
         q_lens = torch.tensor(common.query_lens_cpu, device=device)
@@ -246,7 +244,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         graph = metadata.graph
         if graph is not None:
             torch._dynamo.maybe_mark_dynamic(graph.block_tables, 0)
-            torch._dynamo.maybe_mark_dynamic(graph.block_tables, 1)
+            torch._dynamo.maybe_mark_dynamic(graph.block_tables, 2)
             torch._dynamo.maybe_mark_dynamic(graph.kv_lens, 0)
             torch._dynamo.maybe_mark_dynamic(graph.slot_mapping, 0)
         return graph

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from framework import SamplingParams
 from framework.interfaces import CommonAttentionMetadata
 from plugins.attention import torch_paged
+from plugins.attention._paged_kernel import KV_SPLITS, split_block_table
 from plugins.attention.torch import TorchAttentionBackend
 from plugins.attention.torch_paged import TorchPagedAttentionBackend
 
@@ -228,7 +229,7 @@ def test_traceable_forward_equals_forward_on_decode_steps():
     q, k, v = torch.randn(3, 6, D, generator=gen), torch.randn(3, 2, D, generator=gen), torch.randn(3, 2, D, generator=gen)
     step = backend.build_metadata(_common(spec, tables, slots, 4))
     inputs = backend.traceable_inputs(step)
-    assert inputs is not None and inputs.block_tables.shape == (3, 4) and inputs.kv_lens.tolist() == [6, 1, 14]
+    assert inputs is not None and inputs.block_tables.shape == (3, KV_SPLITS, 2) and inputs.kv_lens.tolist() == [6, 1, 14]
     traced_cache = cache.clone()
     expected = backend.forward(0, q, k, v, cache, step)
     out = backend.traceable_forward(0, q, k, v, traced_cache, inputs)
@@ -241,10 +242,10 @@ def test_traceable_forward_equals_forward_on_decode_steps():
     assert quantized.traceable_inputs(quantized.build_metadata(_common(spec, tables, slots, 4))) is None
 
 
-def test_key_blocks_are_stored_transposed():
-    """The layout: key block ``[kv_heads, head_size, block_size]``, value block ``[block_size, kv_heads,
+def test_blocks_are_stored_head_major():
+    """The layout: key block ``[kv_heads, head_size, block_size]``, value block ``[kv_heads, block_size,
     head_size]``; ``read_kv`` inverts ``write_kv``; a hybrid pairing it with an NHD backend is refused."""
-    from plugins.attention._paged_kernel import key_blocks
+    from plugins.attention._paged_kernel import key_blocks, value_blocks
 
     backend = TorchPagedAttentionBackend(4, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"), compile=False)
     cache = torch.zeros(backend.get_kv_cache_shape(3))
@@ -252,7 +253,8 @@ def test_key_blocks_are_stored_transposed():
     slots = torch.tensor([6, 9])  # block 1 offset 2, block 2 offset 1
     backend.write_kv(cache, key, value, slots)
     assert torch.equal(key_blocks(cache)[1, :, :, 2], key[0]) and torch.equal(key_blocks(cache)[2, :, :, 1], key[1])
-    assert torch.equal(cache[1, 1, 2], value[0]) and torch.equal(cache[1, 2, 1], value[1])
+    assert torch.equal(value_blocks(cache)[1, :, 2], value[0]) and torch.equal(value_blocks(cache)[2, :, 1], value[1])
+    assert torch.equal(cache[1, 1].reshape(2, 4, D)[:, 2], value[0])  # head-major within the block
     got_k, got_v = backend.read_kv(cache, slots)
     assert torch.equal(got_k, key) and torch.equal(got_v, value)
     assert backend.kv_cache_layout == "HDN" and TorchAttentionBackend.kv_cache_layout == "NHD"
@@ -273,3 +275,13 @@ def test_write_op_contract():
                                compile=False).write_kv(expected, key, value, slots)
     assert torch.equal(cache, expected)
     torch.library.opcheck(torch.ops.servelab.paged_write_kv.default, (cache, key, value, slots))
+
+
+def test_split_block_table_pads_and_orders_parts():
+    """Parts hold consecutive logical blocks in order; padding is block 0; each part has >= min columns."""
+    table = torch.arange(1, 10).view(1, 9)  # 9 blocks
+    parts = split_block_table(table, min_columns=2)
+    per_part = max(-(-9 // KV_SPLITS), 2)
+    assert parts.shape == (1, KV_SPLITS, per_part) and parts.is_contiguous() and parts.dtype == torch.long
+    assert parts.flatten().tolist() == list(range(1, 10)) + [0] * (KV_SPLITS * per_part - 9)
+    assert split_block_table(torch.tensor([[5]]), min_columns=2).shape == (1, KV_SPLITS, 2)
