@@ -124,7 +124,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
       once (memory-level parallelism instead of one block's miss latency at a time). On the 2-core
       CPU, batch 64, contexts 120-180 (SmolLM2 shapes, caches streamed from DRAM): 1.07-1.15 ms per
       layer with one part and one reduction for the group, 0.68-0.81 with ``G x 4``.
-    - Softmax runs per part (max, exp, sum) and combines the parts (no concatenated score buffer).
+    - Softmax max, sum and the value sum combine the parts elementwise inside one reduction each (no
+      concatenated score buffer, and no per-part maxima: each is a buffer the compiled wrapper allocates).
 
     Args:
         query: ``[T, KVH, G, D]``, any float dtype.
