@@ -96,7 +96,8 @@ class ModelRunner:
         (harmless before any request runs: every request writes its slots before reading them, and
         these blocks are not in the prefix cache).
 
-        ``num_reqs == 1``: a ``num_tokens``-token prefill at positions ``0..num_tokens-1``.
+        ``num_reqs == 1``: a ``num_tokens``-token prefill at positions ``0..num_tokens-1`` (at most
+        as many tokens as the cache has slots).
         ``num_reqs == num_tokens``: that many decodes, each at position ``2 * block_size`` of a
         3-block table (the table width differs from the batch size, so dynamo gives them separate
         symbols).
@@ -104,6 +105,7 @@ class ModelRunner:
         dev = self.device
         i32 = {"dtype": torch.int32, "device": dev}
         if num_reqs == 1:
+            num_tokens = min(num_tokens, self.kv_caches[0].shape[1] * self.block_size)
             num_blocks, ctx, q_lens = -(-num_tokens // self.block_size), [0], [num_tokens]
             positions = torch.arange(num_tokens, device=dev)
             slots = positions

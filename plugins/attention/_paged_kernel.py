@@ -1,22 +1,28 @@
 """The in-place paged attention kernel of ``torch_paged`` and its KV-cache layout.
 
-Layout ``HDN``. One layer's cache is the ``(2, num_blocks, block_size, kv_heads, head_size)`` tensor
-of every backend (block id on dim 1), but each block is stored head-major: the key block is
-``[kv_heads, head_size, block_size]`` (a view of ``kv_cache[0]``), the value block
-``[kv_heads, block_size, head_size]`` (a view of ``kv_cache[1]``). With the block's positions
-innermost, the score loop ``q . K`` that inductor generates runs over ``head_size`` as plain
-multiply-adds on a vector of ``block_size`` keys (vLLM's CUDA key cache splits the head dimension in
-front of the block positions for the same reason), instead of one horizontal dot product per
-(token, key, head): 0.64x the kernel time of the per-slot formulation at batch 64 on the 2-core CPU
-(SmolLM2 shapes, caches streamed from DRAM). The weighted sum over values keeps ``head_size``
-innermost; head-major value blocks make one KV head's values a contiguous ``block_size * head_size``
-run instead of ``block_size`` pieces at a stride of all heads.
+Layout ``HDN``. One layer's cache is ``(2, num_blocks, kv_heads, block_size * head_size)`` (block id
+on dim 1, as for every backend; :func:`cache_shape`): each block is stored head-major, and within a
+head the key block is ``[head_size, block_size]`` and the value block ``[block_size, head_size]``
+(:func:`key_blocks`, :func:`value_blocks` view them as ``[num_blocks, kv_heads, ...]``). With the
+block's positions innermost, the score loop ``q . K`` that inductor generates runs over
+``head_size`` as plain multiply-adds on a vector of ``block_size`` keys (vLLM's CUDA key cache splits
+the head dimension in front of the block positions for the same reason), instead of one horizontal
+dot product per (token, key, head): 0.64x the kernel time of the per-slot formulation at batch 64 on
+the 2-core CPU (SmolLM2 shapes, caches streamed from DRAM). The weighted sum over values keeps
+``head_size`` innermost; head-major value blocks make one KV head's values a contiguous
+``block_size * head_size`` run.
+
+The last dim is one flat ``block_size * head_size`` run so that every element's index is
+division-free: key ``(h, d)`` of slot offset ``o`` is at ``[0, block, h, d * block_size + o]``, the
+value at ``[1, block, h, o * head_size + d]``. A compiled graph writes the step's K/V with one
+``index_put_`` on the cache tensor itself (:func:`write_kv_in_graph`), which inductor performs in
+place inside its generated loop; in a shape that split those offsets over two dims, the index math
+needed integer divisions per element.
 
 The kernel (:func:`paged_attention`) is plain torch: ``torch.compile`` turns the block-table lookup
 into indirect loads inside its generated loops (Kwon et al., SOSP'23, Sec. 4.1: no per-request copy
 of the context), and it is traceable into a larger graph (the compiled decoder of
-``engine.compile``). The K/V write is the op ``servelab::paged_write_kv``, which declares the cache
-it mutates, so inductor keeps it in place inside a compiled graph.
+``engine.compile``).
 """
 
 from __future__ import annotations
@@ -30,45 +36,79 @@ import torch
 KV_SPLITS = 4
 
 
-def key_blocks(kv_cache: torch.Tensor) -> torch.Tensor:
+def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_size: int) -> tuple[int, ...]:
+    """One layer's ``HDN`` cache shape: ``(2, num_blocks, kv_heads, block_size * head_size)``."""
+    return (2, num_blocks, kv_heads, block_size * head_size)
+
+
+def key_blocks(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
     """The key cache as ``[num_blocks, kv_heads, head_size, block_size]`` (a view, no copy).
 
     Args:
-        kv_cache: one layer's ``(2, num_blocks, block_size, kv_heads, head_size)`` cache.
+        kv_cache: one layer's :func:`cache_shape` cache.
+        head_size: elements per head.
     """
-    num_blocks, block_size, kv_heads, head_size = kv_cache.shape[1:]
-    return kv_cache[0].view(num_blocks, kv_heads, head_size, block_size)
+    num_blocks, kv_heads, run = kv_cache.shape[1:]
+    return kv_cache[0].view(num_blocks, kv_heads, head_size, run // head_size)
 
 
-def value_blocks(kv_cache: torch.Tensor) -> torch.Tensor:
+def value_blocks(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
     """The value cache as ``[num_blocks, kv_heads, block_size, head_size]`` (a view, no copy).
 
     Args:
-        kv_cache: one layer's ``(2, num_blocks, block_size, kv_heads, head_size)`` cache.
+        kv_cache: one layer's :func:`cache_shape` cache.
+        head_size: elements per head.
     """
-    num_blocks, block_size, kv_heads, head_size = kv_cache.shape[1:]
-    return kv_cache[1].view(num_blocks, kv_heads, block_size, head_size)
+    num_blocks, kv_heads, run = kv_cache.shape[1:]
+    return kv_cache[1].view(num_blocks, kv_heads, run // head_size, head_size)
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V at ``slot_mapping`` in the layout above (mutates ``kv_cache``).
+    """Store this step's K/V at ``slot_mapping`` in the layout above (mutates ``kv_cache``), eagerly.
 
     Args:
-        kv_cache: ``(2, num_blocks, block_size, kv_heads, head_size)``.
+        kv_cache: :func:`cache_shape`.
         key, value: ``(num_tokens, kv_heads, head_size)``, any float dtype (cast to the cache's).
         slot_mapping: ``(num_tokens,)`` int64, slot = block_id * block_size + offset.
     """
-    block_size = kv_cache.shape[2]
+    head_size = key.shape[-1]
+    block_size = kv_cache.shape[-1] // head_size
     block, offset = slot_mapping // block_size, slot_mapping % block_size
-    key_blocks(kv_cache)[block, :, :, offset] = key.to(kv_cache.dtype)  # advanced dims first: [T, KVH, D]
-    value_blocks(kv_cache)[block, :, offset] = value.to(kv_cache.dtype)
+    key_blocks(kv_cache, head_size)[block, :, :, offset] = key.to(kv_cache.dtype)  # advanced dims first: [T, KVH, D]
+    value_blocks(kv_cache, head_size)[block, :, offset] = value.to(kv_cache.dtype)
 
 
-def read_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def write_kv_in_graph(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """:func:`write_kv` for a compiled graph: the same stores, as ``index_put_`` on ``kv_cache`` itself.
+
+    The mutation targets the graph input, not a view of it, so inductor writes in place inside its
+    generated loop. :func:`write_kv`'s stores through views made inductor copy the whole cache per
+    layer (functionalization turns a mutation through a view into a scatter of the base), and the
+    opaque custom op it was wrapped in before cost ~80 us of Python dispatch per layer and step at
+    batch 1. Eagerly this is slower than :func:`write_kv` (4 index tensors), hence the two
+    formulations; ``tests/plugins/attention/test_torch_paged.py`` checks they store the same.
+
+    Args:
+        kv_cache: :func:`cache_shape`, mutated.
+        key, value: ``(num_tokens, kv_heads, head_size)``, any float dtype (cast to the cache's).
+        slot_mapping: ``(num_tokens,)`` int64, slot = block_id * block_size + offset.
+    """
+    kv_heads, head_size = key.shape[1:]
+    block_size = kv_cache.shape[-1] // head_size
+    block = (slot_mapping // block_size).view(-1, 1, 1)
+    offset = (slot_mapping % block_size).view(-1, 1, 1)
+    head = torch.arange(kv_heads, device=slot_mapping.device).view(1, -1, 1)
+    dim = torch.arange(head_size, device=slot_mapping.device).view(1, 1, -1)
+    kv_cache.index_put_((torch.zeros_like(block), block, head, dim * block_size + offset), key.to(kv_cache.dtype))
+    kv_cache.index_put_((torch.ones_like(block), block, head, offset * head_size + dim), value.to(kv_cache.dtype))
+
+
+def read_kv(kv_cache: torch.Tensor, slots: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V stored at ``slots``: two ``(len(slots), kv_heads, head_size)`` tensors (copies)."""
-    block_size = kv_cache.shape[2]
+    block_size = kv_cache.shape[-1] // head_size
     block, offset = slots // block_size, slots % block_size
-    return key_blocks(kv_cache)[block, :, :, offset], value_blocks(kv_cache)[block, :, offset]
+    return key_blocks(kv_cache, head_size)[block, :, :, offset], value_blocks(kv_cache, head_size)[block, :, offset]
 
 
 def split_block_table(table: torch.Tensor, min_columns: int = 2) -> torch.Tensor:
@@ -89,22 +129,6 @@ def split_block_table(table: torch.Tensor, min_columns: int = 2) -> torch.Tensor
     pad = KV_SPLITS * per_part - table.shape[1]
     table = torch.nn.functional.pad(table.long(), (0, pad))
     return table.view(table.shape[0], KV_SPLITS, per_part).contiguous()
-
-
-# write_kv as the op ``servelab::paged_write_kv``: the schema declares the cache it mutates
-# (``Tensor(a!)``), so inductor calls it in place inside a compiled graph (a traced ``index_put_`` on
-# the cache input made inductor copy the whole cache in every layer). Registered with
-# torch.library.Library rather than torch.library.custom_op, whose Python wrapper costs ~35 us more
-# per call of a mutating op (58 instead of 24 us at batch 1), once per layer and step.
-_LIB = torch.library.Library("servelab", "FRAGMENT")  # noqa: TOR901 - kept alive for the process
-_LIB.define("paged_write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()")
-_LIB.impl("paged_write_kv", write_kv, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("servelab::paged_write_kv")
-def _(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Shape-only ``servelab::paged_write_kv`` for tracing: no output (the cache is mutated)."""
-    return None
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -144,11 +168,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     # scaled queries become a buffer, where otherwise their producers (RoPE's cos/sin) are inlined
     # into the score loop and recomputed for every block of keys (a 154 instead of 99 ms step)
     q = q.as_strided(q.shape, q.stride())
-    part_len = block_tables.shape[2] * kv_cache.shape[2]  # keys per part
+    head_size = query.shape[-1]
+    part_len = block_tables.shape[2] * (kv_cache.shape[-1] // head_size)  # keys per part
     pos = torch.arange(part_len, device=query.device)
-    keys = [key_blocks(kv_cache)[block_tables[:, p]].permute(0, 2, 1, 3, 4).float()  # [T, KVH, NBp, D, BS]
+    keys = [key_blocks(kv_cache, head_size)[block_tables[:, p]].permute(0, 2, 1, 3, 4).float()  # [T, KVH, NBp, D, BS]
             for p in range(num_parts)]
-    values = [value_blocks(kv_cache)[block_tables[:, p]].permute(0, 2, 1, 3, 4).flatten(2, 3).float()
+    values = [value_blocks(kv_cache, head_size)[block_tables[:, p]].permute(0, 2, 1, 3, 4).flatten(2, 3).float()
               for p in range(num_parts)]  # [T, KVH, NBp * BS, D]
     out = []
     for g in range(group):

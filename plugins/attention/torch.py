@@ -64,8 +64,8 @@ class TorchAttentionBackend(AttentionBackend):
             and ``enable_gqa=True`` (on CPU ~2x slower end to end; see docs/results.md).
         kv_layout: how blocks are stored: ``NHD`` (default, keys and values
             ``[block_size, kv_heads, head_size]``) or ``HDN`` (head-major: keys
-            ``[kv_heads, head_size, block_size]``, values ``[kv_heads, block_size, head_size]``; the
-            layout of ``torch_paged``, which
+            ``[kv_heads, head_size, block_size]``, values ``[kv_heads, block_size, head_size]``, in a
+            ``(2, num_blocks, kv_heads, block_size * head_size)`` cache; the layout of ``torch_paged``, which
             attends through this backend for prefill chunks and small batches); unquantized only.
 
     KV-cache quantization (``engine.kv_cache_dtype=int8|fp8_e4m3``): the cache is
@@ -94,7 +94,10 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_cache_layout = kv_layout
 
     def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, kv_heads, head_size)``; ``head_size + 4`` bytes when quantized."""
+        """``(2, num_blocks, block_size, kv_heads, head_size)``; ``head_size + 4`` bytes when quantized;
+        ``(2, num_blocks, kv_heads, block_size * head_size)`` in layout ``HDN``."""
+        if self.kv_cache_layout == "HDN":
+            return _paged_kernel.cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_size)
         extra = SCALE_BYTES if self.kv_quant is not None else 0
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size + extra)
 
@@ -164,7 +167,7 @@ class TorchAttentionBackend(AttentionBackend):
         """K and V stored at ``slots`` (dequantized to ``float32`` when the cache is quantized);
         see ``AttentionBackend.read_kv``."""
         if self.kv_cache_layout == "HDN":
-            return _paged_kernel.read_kv(kv_cache, slots)
+            return _paged_kernel.read_kv(kv_cache, slots, self.head_size)
         key, value = (kv_cache[i].reshape(-1, self.num_kv_heads, kv_cache.shape[-1])[slots] for i in (0, 1))
         if self.kv_quant is not None:
             key = dequantize_rows(key, self.kv_quant, torch.float32)

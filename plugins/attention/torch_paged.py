@@ -17,9 +17,9 @@ Two ways in:
   unavailable (``compile: false``, no C++ toolchain, or a compile error) the same function runs in
   eager mode, with a one-time warning; eager materialises the gather and is slower than ``torch``.
 - ``traceable_forward`` (``engine.compile=true``, steps whose tokens are all decodes): the K/V
-  write (custom op ``servelab::paged_write_kv``) and the kernel are traced into the compiled
-  decoder graph, so a decode step makes no per-layer Python call, dynamo guard check or opaque-op
-  dispatch for attention.
+  write (``write_kv_in_graph``, performed in place by inductor) and the kernel are traced into the
+  compiled decoder graph, so a decode step makes no per-layer Python call, dynamo guard check or
+  opaque-op dispatch for attention.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from plugins.attention._kv_quant import QMAX
-from plugins.attention._paged_kernel import paged_attention, split_block_table
+from plugins.attention._paged_kernel import paged_attention, split_block_table, write_kv_in_graph
 from plugins.attention._paged_metadata import split_decode_prefill
 from plugins.attention.torch import TorchAttentionBackend, TorchAttentionMetadata
 
@@ -111,7 +111,7 @@ class TorchPagedStepMetadata:
 class TorchPagedAttentionBackend(AttentionBackend):
     """Paged attention reading the cache in place through a ``torch.compile``d kernel (CPU/GPU).
 
-    KV cache per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)`` elements, each
+    KV cache per layer: ``(2, num_blocks, num_kv_heads, block_size * head_size)`` elements, each
     block stored head-major (``kv_cache_layout = "HDN"``, see ``plugins/attention/_paged_kernel.py``):
     keys as ``[num_kv_heads, head_size, block_size]``, values as ``[num_kv_heads, block_size, head_size]``.
 
@@ -163,7 +163,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
             self._warm_up()
 
     def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, kv_heads, head_size)`` (``head_size + 4`` int8 bytes when quantized)."""
+        """``(2, num_blocks, kv_heads, block_size * head_size)`` (quantized: the reference's NHD
+        ``(2, num_blocks, block_size, kv_heads, head_size + 4)`` int8)."""
         return self.reference.get_kv_cache_shape(num_blocks)
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -251,9 +252,9 @@ class TorchPagedAttentionBackend(AttentionBackend):
 
     def traceable_forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           kv_cache: torch.Tensor, inputs: PagedAttentionMetadata) -> torch.Tensor:
-        """Write K/V (the op ``servelab::paged_write_kv``) and attend in place, as traceable torch code;
+        """Write K/V (``write_kv_in_graph``) and attend in place, as traceable torch code;
         see ``AttentionBackend.traceable_forward``."""
-        torch.ops.servelab.paged_write_kv(kv_cache, key, value, inputs.slot_mapping)
+        write_kv_in_graph(kv_cache, key, value, inputs.slot_mapping)
         num_tokens = query.shape[0]
         q = query.reshape(num_tokens, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size)
         out = paged_attention(q, kv_cache, inputs.block_tables, inputs.kv_lens, self.scale)

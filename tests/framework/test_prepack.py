@@ -28,6 +28,26 @@ def test_prepacked_linear_matches_linear(dtype, rows):
     assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_compiled_one_row_is_a_traced_gemv(bias):
+    """Compiled with one row, a prepacked linear is ``traced_gemv`` on the plain weight (no oneDNN call
+    in the generated code) and computes what ``nn.Linear`` computes; two rows keep the prepacked GEMM."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    layer = PrepackedLinear(linear)
+    compiled = torch.compile(layer, dynamic=False)
+    for rows, uses_onednn in ((1, False), (2, True)):
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        with torch.inference_mode():
+            out, code = run_and_get_code(compiled, x)
+            ref = linear(x)
+        assert ("prepacked_linear.default(" in "".join(code)) == uses_onednn
+        assert out.shape == (rows, 160) and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_should_prepack_modes():
     cpu = torch.device("cpu")
     assert should_prepack("auto", cpu, torch.bfloat16)

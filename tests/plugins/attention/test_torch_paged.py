@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from framework import SamplingParams
 from framework.interfaces import CommonAttentionMetadata
 from plugins.attention import torch_paged
-from plugins.attention._paged_kernel import KV_SPLITS, split_block_table
+from plugins.attention._paged_kernel import KV_SPLITS, cache_shape, split_block_table, write_kv, write_kv_in_graph
 from plugins.attention.torch import TorchAttentionBackend
 from plugins.attention.torch_paged import TorchPagedAttentionBackend
 
@@ -50,7 +50,7 @@ def _run(spec, heads=4, kv_heads=2, bs=4, seed=0, dtype=torch.float32, compile=F
     paged = TorchPagedAttentionBackend(*args, compile=compile, min_paged_decodes=1, paged_prefill=paged_prefill)
     ref = TorchAttentionBackend(*args)
     cache = torch.zeros(paged.get_kv_cache_shape(num_blocks), dtype=dtype)
-    ref_cache = cache.clone()
+    ref_cache = torch.zeros(ref.get_kv_cache_shape(num_blocks), dtype=dtype)
     tables, slots, qs, ks, vs = [], [], [], [], []
     for c, q in spec:
         table = [perm.pop() for _ in range(-(-(c + q) // bs))]
@@ -252,9 +252,12 @@ def test_blocks_are_stored_head_major():
     key, value = torch.randn(2, 2, D), torch.randn(2, 2, D)
     slots = torch.tensor([6, 9])  # block 1 offset 2, block 2 offset 1
     backend.write_kv(cache, key, value, slots)
-    assert torch.equal(key_blocks(cache)[1, :, :, 2], key[0]) and torch.equal(key_blocks(cache)[2, :, :, 1], key[1])
-    assert torch.equal(value_blocks(cache)[1, :, 2], value[0]) and torch.equal(value_blocks(cache)[2, :, 1], value[1])
+    assert cache.shape == (2, 3, 2, 4 * D)  # (2, num_blocks, kv_heads, block_size * head_size)
+    assert torch.equal(key_blocks(cache, D)[1, :, :, 2], key[0]) and torch.equal(key_blocks(cache, D)[2, :, :, 1], key[1])
+    assert torch.equal(value_blocks(cache, D)[1, :, 2], value[0])
+    assert torch.equal(value_blocks(cache, D)[2, :, 1], value[1])
     assert torch.equal(cache[1, 1].reshape(2, 4, D)[:, 2], value[0])  # head-major within the block
+    assert torch.equal(cache[0, 1].reshape(2, D, 4)[:, :, 2], key[0])  # keys transposed within the head
     got_k, got_v = backend.read_kv(cache, slots)
     assert torch.equal(got_k, key) and torch.equal(got_v, value)
     assert backend.kv_cache_layout == "HDN" and TorchAttentionBackend.kv_cache_layout == "NHD"
@@ -265,16 +268,35 @@ def test_blocks_are_stored_head_major():
                       decode_params={"compile": False})
 
 
-def test_write_op_contract():
-    """``servelab::paged_write_kv`` passes ``torch.library.opcheck`` (schema with the cache mutated,
-    fake) and writes what ``write_kv`` writes."""
-    cache, expected = torch.zeros(2, 3, 4, 2, D), torch.zeros(2, 3, 4, 2, D)
-    key, value, slots = torch.randn(2, 2, D), torch.randn(2, 2, D), torch.tensor([1, 6])
-    torch.ops.servelab.paged_write_kv(cache, key, value, slots)
-    TorchPagedAttentionBackend(4, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"),
-                               compile=False).write_kv(expected, key, value, slots)
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([(4, 2), (3, 3), (2, 1)]), st.sampled_from([1, 4, 16]), st.integers(1, 9), st.integers(0, 2**31))
+def test_write_kv_in_graph_stores_what_write_kv_stores(heads, bs, num_tokens, seed):
+    """The traced write's ``index_put_`` on the cache's own dims lands every element where the eager
+    view-based ``write_kv`` puts it (and nothing else changes), for varied block sizes and heads."""
+    kv_heads, d = heads[1], 8
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 6
+    cache = torch.randn(cache_shape(num_blocks, bs, kv_heads, d), generator=gen)
+    expected = cache.clone()
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:num_tokens]
+    key, value = torch.randn(len(slots), kv_heads, d, generator=gen), torch.randn(len(slots), kv_heads, d, generator=gen)
+    write_kv(expected, key, value, slots)
+    write_kv_in_graph(cache, key, value, slots)
     assert torch.equal(cache, expected)
-    torch.library.opcheck(torch.ops.servelab.paged_write_kv.default, (cache, key, value, slots))
+
+
+def test_write_kv_in_graph_compiles_in_place():
+    """Compiled, the write mutates the cache input in place: same stores as ``write_kv``, and the
+    generated code allocates no cache-sized buffer (a view-based write made inductor copy the cache)."""
+    from torch._inductor.utils import run_and_get_code
+
+    cache, expected = torch.zeros(cache_shape(64, 4, 2, D)), torch.zeros(cache_shape(64, 4, 2, D))
+    key, value, slots = torch.randn(3, 2, D), torch.randn(3, 2, D), torch.tensor([1, 6, 250])
+    write_kv(expected, key, value, slots)
+    compiled = torch.compile(write_kv_in_graph, fullgraph=True)
+    _, code = run_and_get_code(compiled, cache, key, value, slots)
+    assert torch.equal(cache, expected)
+    assert "empty_strided_cpu(" not in "".join(code), "inductor allocated a buffer: the write is not in place"
 
 
 def test_split_block_table_pads_and_orders_parts():
