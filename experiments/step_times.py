@@ -1,0 +1,68 @@
+"""Per-step timing of a compiled servelab engine on the fixed workload, for A/B runs of two checkouts.
+
+Times every ``engine.step()`` of ``--num-prompts`` prompts x ``--output-len`` tokens (greedy,
+``ignore_eos``) after the compile warm-up and a small warm-up generate, and prints per repetition
+the prefill seconds (steps until every request has its first token), the median and mean decode
+step (ms) and the total tok/s. ``--repo`` imports servelab from another checkout (e.g. a
+``git worktree`` of the previous commit), so two versions can be interleaved on the same machine::
+
+    git worktree add /tmp/base HEAD~1
+    for r in /tmp/base .; do .venv/bin/python experiments/step_times.py --repo $r --num-prompts 1; done
+    for r in /tmp/base .; do .venv/bin/python experiments/step_times.py --repo $r --num-prompts 64 --reps 1; done
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]), help="servelab checkout to import")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    sys.path[:0] = [args.repo, str(Path(args.repo) / "experiments")]
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from bench_offline import add_model_workload_args, build_workload, load_texts
+
+    from framework import LLM, SamplingParams
+
+    wp = argparse.ArgumentParser()
+    add_model_workload_args(wp)
+    wargs = wp.parse_args(["--workload", "fixed", "--num-prompts", str(args.num_prompts),
+                           "--output-len", str(args.output_len)])
+    llm = LLM(model=wargs.model, dtype="bfloat16", attention="torch_paged", enable_prefix_caching=False, compile=True)
+    prompts, _ = build_workload(llm.get_tokenizer(), load_texts(Path(wargs.prompts_file)), wargs)
+    llm.generate([{"prompt_token_ids": q[:16]} for q in prompts[:2]],
+                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    for rep in range(args.reps):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{rep}_{i}", prompt, params)
+        prefill: list[float] = []
+        decode: list[float] = []
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            in_prefill = not decode and any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values())
+            t = time.perf_counter()
+            engine.step()
+            (prefill if in_prefill else decode).append(time.perf_counter() - t)
+        total = time.perf_counter() - t0
+        print(f"rep{rep} prefill {sum(prefill):.2f}s ({len(prefill)} steps) decode median "
+              f"{1000 * statistics.median(decode):.1f} ms mean {1000 * statistics.mean(decode):.1f} ms "
+              f"({len(decode)} steps) total {total:.2f}s tok/s {args.num_prompts * args.output_len / total:.1f} "
+              f"recompiles {engine.runner.compile_stats.num_recompiles}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
