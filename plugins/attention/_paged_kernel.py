@@ -111,7 +111,7 @@ def read_kv(kv_cache: torch.Tensor, slots: torch.Tensor, head_size: int) -> tupl
     return key_blocks(kv_cache, head_size)[block, :, :, offset], value_blocks(kv_cache, head_size)[block, :, offset]
 
 
-def split_block_table(table: torch.Tensor, min_columns: int = 2) -> torch.Tensor:
+def split_block_table(table: torch.Tensor, min_columns: int) -> torch.Tensor:
     """A ``[rows, NB]`` block table as :func:`paged_attention`'s ``[rows, KV_SPLITS, NBp]`` parts.
 
     Columns are padded with block 0 (past every row's length, so masked) to ``KV_SPLITS * NBp``
@@ -120,7 +120,7 @@ def split_block_table(table: torch.Tensor, min_columns: int = 2) -> torch.Tensor
 
     Args:
         table: ``[rows, NB]`` int block ids.
-        min_columns: least ``NBp``.
+        min_columns: least ``NBp`` (``torch_paged.MIN_TABLE_COLUMNS``).
 
     Returns:
         ``[rows, KV_SPLITS, NBp]`` int64, contiguous.

@@ -182,24 +182,22 @@ class TorchAttentionBackend(AttentionBackend):
         """
         out = torch.empty_like(query)
         for seg in metadata.segments:
-            result = self._attend(query[seg.token_start:seg.token_end], kv_cache[0], kv_cache[1], seg)
+            result = self._attend(query[seg.token_start:seg.token_end], kv_cache, seg)
             if seg.token_index is None:
                 out[seg.token_start:seg.token_end] = result
             else:  # a length bucket: its tokens are scattered among the other buckets'
                 out[seg.token_index] = result
         return out
 
-    def _attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                seg: _Segment) -> torch.Tensor:
+    def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, seg: _Segment) -> torch.Tensor:
         num_reqs = seg.block_table.shape[0]
         # gathered k/v: [R, kv_heads, S = blocks * block_size, D]
         if self.kv_cache_layout == "HDN":  # per block: keys [KVH, D, BS], values [KVH, BS, D]
-            nb, kvh, bs, d = key_cache.shape[0], self.num_kv_heads, self.block_size, self.head_size
-            k = key_cache.view(nb, kvh, d, bs).transpose(2, 3)[seg.block_table]  # [R, NB, KVH, BS, D]
-            v = value_cache.view(nb, kvh, bs, d)[seg.block_table]
-            k, v = (x.transpose(1, 2).reshape(num_reqs, kvh, -1, d) for x in (k, v))
+            k = _paged_kernel.key_blocks(kv_cache, self.head_size).transpose(2, 3)[seg.block_table]  # [R, NB, KVH, BS, D]
+            v = _paged_kernel.value_blocks(kv_cache, self.head_size)[seg.block_table]
+            k, v = (x.transpose(1, 2).reshape(num_reqs, self.num_kv_heads, -1, self.head_size) for x in (k, v))
         else:
-            k, v = (x[seg.block_table].view(num_reqs, -1, self.num_kv_heads, x.shape[-1]) for x in (key_cache, value_cache))
+            k, v = (x[seg.block_table].view(num_reqs, -1, self.num_kv_heads, x.shape[-1]) for x in kv_cache)
             if self.kv_quant is not None:
                 k, v = dequantize_rows(k, self.kv_quant, query.dtype), dequantize_rows(v, self.kv_quant, query.dtype)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
