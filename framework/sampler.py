@@ -36,15 +36,23 @@ class SamplerOutput:
     logprobs: list[dict[int, float]] | None
 
 
-GREEDY_ROWS_PER_CHUNK = 8
+#: Rows cast to float32 at a time by :func:`greedy_argmax` (32 x 49152 float32 = 6 MB).
+GREEDY_ROWS_PER_CHUNK = 32
+#: Vocabulary columns per block of :func:`greedy_argmax`'s two-stage argmax.
+GREEDY_COLUMNS_PER_BLOCK = 1024
 
 
 def greedy_argmax(logits: torch.Tensor) -> list[int]:
     """Row-wise argmax without a float32 copy of the whole matrix (the plain-greedy fast path).
 
-    Float32 argmax is ~4x faster than bf16 argmax on CPU, and the bf16 -> float32 cast is exact and
-    monotonic, so sub-16-bit logits are cast ``GREEDY_ROWS_PER_CHUNK`` rows at a time (8 x 49152
-    float32 = 1.5 MB, cache-resident) instead of all at once; ties keep the first index either way.
+    ATen's CPU argmax tracks an index per element and runs at ~10 GB/s on float32 (1.3 ms for a
+    ``[64, 49152]`` matrix on the 2-core CPU; bf16 is ~4x slower), while ``amax`` is vectorised.
+    So each chunk of :data:`GREEDY_ROWS_PER_CHUNK` rows is cast to float32 (exact and monotonic),
+    viewed as blocks of :data:`GREEDY_COLUMNS_PER_BLOCK` columns (the last padded with ``-inf``),
+    and reduced in two stages: the block maxima, the first block holding the row's maximum, then
+    the argmax inside that block only. That is the first index of the maximum, as ``argmax``
+    (NaN counts as the maximum in both stages, as in ``argmax``). ``[64, 49152]`` bf16: 1.55 ms
+    with per-chunk ``argmax`` -> 0.38 ms. Vocabularies of at most one block take plain ``argmax``.
 
     Args:
         logits: (num_reqs, vocab) any float dtype, any device; not modified.
@@ -52,9 +60,23 @@ def greedy_argmax(logits: torch.Tensor) -> list[int]:
     Returns:
         num_reqs token ids.
     """
-    if logits.dtype == torch.float32 or logits.shape[0] <= GREEDY_ROWS_PER_CHUNK:
-        return logits.float().argmax(dim=1).tolist()
-    return torch.cat([chunk.float().argmax(dim=1) for chunk in logits.split(GREEDY_ROWS_PER_CHUNK)]).tolist()
+    vocab, block = logits.shape[1], GREEDY_COLUMNS_PER_BLOCK
+    if vocab <= block:
+        return torch.cat([chunk.float().argmax(dim=1) for chunk in logits.split(GREEDY_ROWS_PER_CHUNK)]).tolist()
+    num_blocks = -(-vocab // block)
+    out = []
+    for chunk in logits.split(GREEDY_ROWS_PER_CHUNK):
+        rows = chunk.shape[0]
+        if vocab % block:
+            padded = chunk.new_full((rows, num_blocks * block), _NEG_INF, dtype=torch.float32)
+            padded[:, :vocab] = chunk
+        else:
+            padded = chunk.float()
+        blocks = padded.view(rows, num_blocks, block)
+        first = blocks.amax(dim=2).argmax(dim=1)  # (rows,) first block holding the maximum
+        within = blocks[torch.arange(rows, device=chunk.device), first].argmax(dim=1)
+        out.append(first * block + within)
+    return torch.cat(out).tolist()
 
 
 def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:

@@ -7,6 +7,8 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from framework.request import Request
 from framework.sampler import (
@@ -217,3 +219,32 @@ def test_greedy_argmax_chunked_bf16_matches_float32_with_ties() -> None:
     assert greedy_argmax(logits) == [7] * logits.shape[0]
     logits = torch.randn(3 * GREEDY_ROWS_PER_CHUNK + 5, 64).to(torch.bfloat16)
     assert greedy_argmax(logits) == logits.float().argmax(dim=1).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 70), vocab=st.sampled_from([8, 63, 64, 65, 200, 256, 1000]),
+       block=st.sampled_from([8, 16, 64]), dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       special=st.sampled_from(["none", "ties", "nan", "neg_inf"]), seed=st.integers(0, 2**16))
+def test_greedy_argmax_two_stage_is_first_index_of_maximum(rows: int, vocab: int, block: int, dtype: torch.dtype,
+                                                           special: str, seed: int) -> None:
+    """The two-stage (block maxima, then inside the first maximal block) argmax returns exactly what
+    ``argmax`` of the float32 copy returns: first index on ties (also across blocks and into the
+    ``-inf`` padding of a partial last block), NaN as the maximum, all ``-inf`` rows -> 0."""
+    import framework.sampler as sampler_module
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
+    cols = torch.randint(0, vocab, (rows, 3), generator=gen)
+    if special == "ties":  # the maximum at up to 3 columns, often in different blocks
+        logits.scatter_(1, cols, 50.0)
+    elif special == "nan":
+        logits[::2].scatter_(1, cols[::2, :1], float("nan"))
+    elif special == "neg_inf":
+        logits[::3] = float("-inf")
+    saved = sampler_module.GREEDY_COLUMNS_PER_BLOCK
+    sampler_module.GREEDY_COLUMNS_PER_BLOCK = block
+    try:
+        got = sampler_module.greedy_argmax(logits)
+    finally:
+        sampler_module.GREEDY_COLUMNS_PER_BLOCK = saved
+    assert got == logits.float().argmax(dim=1).tolist()
