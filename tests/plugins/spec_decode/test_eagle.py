@@ -109,10 +109,15 @@ def test_prefix_cache_hit_starts_the_head_late(make_llm):
 @pytest.mark.slow
 def test_eagle_with_compiled_target_keeps_parity(make_llm):
     """engine.compile=true: the hidden states come from the compiled decoder; greedy output still
-    equals transformers and the head still drafts well (its features are the target's)."""
+    equals transformers and the head still drafts well (its features are the target's).
+
+    Its steps verify drafts (several tokens per request), which run the opaque attention op under
+    any backend; the ``torch`` backend spares compiling ``torch_paged``'s traced-decode graphs
+    (~50 s of this test)."""
     from helpers import hf_greedy
 
-    llm = make_llm(drafter="eagle", drafter_params={"model": STORIES_EAGLE, "num_speculative_tokens": 2}, compile=True)
+    llm = make_llm(drafter="eagle", drafter_params={"model": STORIES_EAGLE, "num_speculative_tokens": 2}, compile=True,
+                   attention="torch")
     assert llm.engine.runner.compile_stats.active
     tok = llm.get_tokenizer()
     ids = [tok(p).input_ids for p in PROMPTS[:4]]
