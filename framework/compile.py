@@ -42,12 +42,12 @@ logger = logging.getLogger(__name__)
 #: the K/V write) ran on one thread at batch 64 (compiled decode step ~108 -> ~88 ms, SmolLM2 bf16).
 #: The model runner caps the prefill at its cache's slots.
 WARM_UP_STEPS = ((512, 1), (1, 1), (64, 64))
-#: inductor settings of every compiled graph. No per-load bounds checks on indirect indexing: token ids
+#: inductor settings of every compiled decoder graph (with ``freezing``). No per-load bounds checks on indirect indexing: token ids
 #: are checked at ``add_request`` and block ids come from the allocator (a traced paged-attention
 #: kernel loads through them). No size, stride, alignment or scalar asserts in the Python wrapper:
 #: dynamo's guards already check every input's sizes and strides before the graph runs, and the
 #: asserts were ~400 Python calls per decode step (13 per layer, plus the extern GEMMs' outputs).
-WRAPPER_CONFIG = {"assert_indirect_indexing": False, "size_asserts": False, "alignment_asserts": False,
+INDUCTOR_CONFIG = {"assert_indirect_indexing": False, "size_asserts": False, "alignment_asserts": False,
                   "scalar_asserts": False}
 #: dynamo's per-code-object graph limit while a decoder is compiled (default 8: two engines' graphs).
 RECOMPILE_LIMIT = 64
@@ -144,7 +144,7 @@ class CompiledDecoder:
             shapes = [tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 2][:2]
             logger.warning("engine.compile: recompiling after the warm-up (graph %d; 2-D inputs %s)",
                            self.stats.num_graphs, shapes)
-        return compile_fx(gm, example_inputs, config_patches={"freezing": self.freezing, **WRAPPER_CONFIG})
+        return compile_fx(gm, example_inputs, config_patches={"freezing": self.freezing, **INDUCTOR_CONFIG})
 
     def _fall_back(self, reason: str) -> None:
         self.stats.active = False
