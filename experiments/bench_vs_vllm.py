@@ -14,6 +14,11 @@ Each system runs a small warm-up generate first (for compiled vLLM that includes
 ``ratio`` = servelab / vLLM (tok/s), vLLM / servelab (ms/token), i.e. > 1 means servelab is faster,
 for each servelab mode (``--servelab-modes eager,compiled``) against each vLLM mode.
 
+Both engines get the same ``enable_prefix_caching`` (``--prefix-caching``, default ``on``: both
+engines' default; up to the seventh pass vLLM ran with its default and servelab with it off). The
+workloads' prompts share ~25% of their tokens as prefixes, so the setting moves both systems.
+``--output-len 1`` measures prefill alone (prompt tokens / seconds = prompt tokens x tok/s / prompts).
+
 Example (the issue-8 measurement)::
 
     .venv/bin/python experiments/bench_vs_vllm.py --workload fixed --num-prompts 64 --output-len 128 \
@@ -43,7 +48,8 @@ def vllm_worker(job_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     job = json.loads(Path(job_path).read_text())
-    llm = LLM(model=job["model"], dtype="bfloat16", max_model_len=1024, enforce_eager=job["eager"], seed=0)
+    llm = LLM(model=job["model"], dtype="bfloat16", max_model_len=1024, enforce_eager=job["eager"], seed=0,
+              enable_prefix_caching=job["prefix_caching"])
 
     def generate(prompts: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
@@ -63,7 +69,7 @@ def run_vllm(model_path: str, prompts: list[list[int]], out_lens: list[int], arg
     """One vLLM measurement in a subprocess of ``args.vllm_python``; raises RuntimeError on failure."""
     job = Path(args.workdir) / f"vllm_job_{'eager' if eager else 'compiled'}.json"
     job.write_text(json.dumps({"model": model_path, "prompts": prompts, "out_lens": out_lens, "eager": eager,
-                               "batch1_tokens": args.batch1_tokens}))
+                               "batch1_tokens": args.batch1_tokens, "prefix_caching": args.prefix_caching == "on"}))
     env = {**os.environ, **VLLM_ENV}
     env.pop("PYTHONPATH", None)
     proc = subprocess.run([args.vllm_python, str(Path(__file__).resolve()), "--vllm-worker", str(job)],
@@ -79,8 +85,8 @@ def run_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args
     """The same measurement with servelab's ``LLM`` in this process (``compile``: engine.compile)."""
     from framework import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=args.dtype, attention=args.attention, enable_prefix_caching=False,
-              compile=compile)
+    llm = LLM(model=model, dtype=args.dtype, attention=args.attention,
+              enable_prefix_caching=args.prefix_caching == "on", compile=compile)
 
     def generate(ps: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
@@ -111,6 +117,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     add_model_workload_args(p)
     p.add_argument("--attention", default="torch_paged", help="servelab attention backend (torch_paged, the default | torch, the reference)")
     p.add_argument("--batch1-tokens", type=int, default=128)
+    p.add_argument("--prefix-caching", default="on", choices=("on", "off"),
+                   help="enable_prefix_caching of both engines (on: both engines' default; the workloads' prompts "
+                        "share ~25%% of their tokens as prefixes)")
     p.add_argument("--vllm-python", default=str(REPO_ROOT / ".vllm-venv" / "bin" / "python"))
     p.add_argument("--vllm-modes", default="eager,compiled", help="comma list of eager|compiled; empty skips vLLM")
     p.add_argument("--workdir", default="/tmp")
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = [summarize(name, res) for name, res in results.items()]
     first = next(iter(results.values()))
     print(f"workload={args.workload} prompts={len(prompts)} output_tokens={rows[0]['output_tokens']} "
-          f"attention={args.attention} dtype={args.dtype} servelab modes={modes}")
+          f"attention={args.attention} dtype={args.dtype} prefix_caching={args.prefix_caching} servelab modes={modes}")
     compiled = results.get("servelab_compiled", {}).get("compile")
     if compiled:
         print(f"servelab compile: active={compiled['compile_active']} warm-up {compiled['compile_s']:.1f} s "

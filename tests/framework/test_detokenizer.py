@@ -25,13 +25,22 @@ def _stream(tok, ids: list[int], **kw) -> tuple[IncrementalDetokenizer, list[str
 
 
 def _check_tokenizer(tok) -> None:
+    assert IncrementalDetokenizer(tok)._stream is not None  # both are fast tokenizers: DecodeStream path
     for text in TEXTS:
         ids = tok(text, add_special_tokens=False).input_ids
         detok, pieces = _stream(tok, ids)
         assert detok.text == tok.decode(ids, skip_special_tokens=True)
+        python, python_pieces = _stream(tok, ids, use_decode_stream=False)  # same pieces on both paths
+        assert python._stream is None and python_pieces == pieces
         assert "".join(pieces) == detok.text and not any("\ufffd" in p for p in pieces)
         for p in pieces:  # never a split character: every piece is valid UTF-8 text on its own
             p.encode("utf-8")
+    ids = tok(TEXTS[0], add_special_tokens=False).input_ids
+    with_special = ids[:5] + [tok.eos_token_id] + ids[5:]  # a skipped special token mid-stream
+    for skip in (True, False):
+        fast, fast_pieces = _stream(tok, with_special, skip_special_tokens=skip)
+        _, python_pieces = _stream(tok, with_special, skip_special_tokens=skip, use_decode_stream=False)
+        assert fast_pieces == python_pieces and fast.text == tok.decode(with_special, skip_special_tokens=skip)
     multi = tok("🙂", add_special_tokens=False).input_ids
     if len(multi) > 1:  # byte tokens: nothing is emitted before the character is complete
         _, pieces = _stream(tok, multi)
