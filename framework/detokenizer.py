@@ -24,9 +24,9 @@ _REPLACEMENT = "\ufffd"
 def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> tuple[Any, Any] | None:
     """``(DecodeStream, backend tokenizer)`` for a fast tokenizer whose ``decode`` is exactly the
     backend's (no ``clean_up_tokenization_spaces``); ``None`` otherwise (the Python path is used)."""
-    backend = getattr(tokenizer, "_tokenizer", None)
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
+    backend = getattr(tokenizer, "_tokenizer", None)
     try:
         from tokenizers import Tokenizer
         from tokenizers.decoders import DecodeStream
@@ -58,7 +58,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.token_ids: list[int] = []  # output ids seen so far
+        self.token_ids: list[int] = []  # output ids seen so far (the Python path's window; unused with DecodeStream)
         self.prefix_offset = 0  # window start (context for the decoder), index into token_ids
         self.read_offset = 0  # ids before this are already in ``text``
         self.text = ""  # output text so far (trimmed at a stop string once one matched)
@@ -79,22 +79,27 @@ class IncrementalDetokenizer:
         """
         if self.stop_reason is not None:
             return self.stop_reason
+        delta = self._stream_delta(token_id) if self._stream is not None else self._window_delta(token_id)
+        if not delta:
+            return None  # nothing printable yet (special token skipped, or an incomplete character)
+        self.text += delta
+        return self._check_stop(len(delta)) if check_stop else None
+
+    def _stream_delta(self, token_id: int) -> str | None:
+        """New text after ``token_id`` from ``DecodeStream`` (``None``/empty while nothing is printable)."""
+        stream, backend = self._stream
+        return stream.step(backend, token_id)
+
+    def _window_delta(self, token_id: int) -> str:
+        """New text after ``token_id`` by the prefix/read-offset scheme over ``tokenizer.decode``
+        (empty while nothing is printable)."""
         self.token_ids.append(token_id)
-        if self._stream is not None:
-            stream, backend = self._stream
-            delta = stream.step(backend, token_id)
-            if not delta:
-                return None  # nothing printable yet (special token skipped, or an incomplete character)
-            self.text += delta
-            return self._check_stop(len(delta)) if check_stop else None
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
-            return None  # nothing printable yet (special token skipped, or an incomplete character)
-        delta = new_text[len(prefix_text):]
+            return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.text += delta
-        return self._check_stop(len(delta)) if check_stop else None
+        return new_text[len(prefix_text):]
 
     def _check_stop(self, num_new_chars: int) -> str | None:
         for stop in self.stop:
