@@ -11,7 +11,7 @@ import torch
 from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, assert_all_blocks_free, assert_greedy_parity
 
 from framework import LLM, SamplingParams
-from framework.compile import CompiledDecoder
+from framework.compile import CompiledDecoder, decoder_entry
 from framework.forward_context import ForwardContext, attention_op, forward_context, servelab_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -44,6 +44,27 @@ def test_parity_and_no_recompiles_over_mixed_lengths(compiled_llm):
     assert summary["compile"] and summary["compile_active"]
     assert summary["compile_num_recompiles"] == 0, "a step shape recompiled after the warm-up"
     assert summary["compile_num_graphs_warmup"] == 3 and summary["compile_s"] > 0
+
+
+def test_engines_keep_their_own_graphs(compiled_llm):
+    """The decoder's module and parameter guards are dropped (``decoder_entry``): a second compiled
+    engine of the same model compiles graphs of its own (the guards that told engines apart are gone,
+    so a shared cache would hand it the first engine's graphs), and both keep transformers parity and
+    no recompiles when they alternate."""
+    other = LLM(model=STORIES, compile=True, attention="torch", max_num_batched_tokens=24)
+    assert other.engine.runner.compile_stats.num_graphs_warmup == 2  # its own prefill and batch-1 graphs
+    before = compiled_llm.engine.runner.compile_stats.num_recompiles
+    for llm in (other, compiled_llm, other):
+        assert_greedy_parity(llm, STORY_PROMPTS[:3], max_tokens=8)
+    assert other.engine.runner.compile_stats.num_recompiles == 0
+    assert compiled_llm.engine.runner.compile_stats.num_recompiles == before
+
+
+def test_decoder_entry_has_a_code_object_of_its_own():
+    module = torch.nn.Identity()
+    first, second = decoder_entry(module), decoder_entry(module)
+    assert first.__code__ is not second.__code__
+    assert first(input=torch.ones(2)).tolist() == [1.0, 1.0]
 
 
 @pytest.mark.slow
