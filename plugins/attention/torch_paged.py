@@ -133,6 +133,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
             (default 8; 1 sends every decode through it).
         paged_prefill: also attend prefill chunks (with or without cached context) in place
             (default ``False``; an ablation switch).
+        prefill_kernel: the reference's SDPA layout for the prefill chunks it attends, ``packed``
+            (default) or ``gqa`` (see ``TorchAttentionBackend``).
 
     KV-cache quantization (``engine.kv_cache_dtype=int8|fp8_e4m3``) uses the reference's quantized
     layout and runs every step through the reference (the kernel reads unquantized caches only).
@@ -146,7 +148,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, block_size: int,
                  dtype: torch.dtype, device: torch.device, compile: bool = True, min_paged_decodes: int = 8,
-                 paged_prefill: bool = False) -> None:
+                 paged_prefill: bool = False, prefill_kernel: str = "packed") -> None:
         super().__init__(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device)
         if int(min_paged_decodes) < 1:
             raise ValueError(f"min_paged_decodes must be >= 1, got {min_paged_decodes}")
@@ -155,6 +157,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         self.paged_prefill = bool(paged_prefill)
         self.in_place = dtype not in QMAX  # the kernel reads unquantized caches only
         self.reference = TorchAttentionBackend(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device,
+                                               prefill_kernel=prefill_kernel,
                                                kv_layout="HDN" if self.in_place else "NHD")
         self.cache_dtype = self.reference.cache_dtype
         self.kv_cache_layout = self.reference.kv_cache_layout  # "HDN" ("NHD" when quantized)

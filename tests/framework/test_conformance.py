@@ -49,8 +49,9 @@ def test_a_leaking_allocator_is_caught():
 
 
 @pytest.mark.parametrize("decode_kernel", TorchAttentionBackend.DECODE_KERNELS)
-def test_torch_attention_passes_the_reference_check(decode_kernel):
-    check_attention_backend(TorchAttentionBackend, decode_kernel=decode_kernel)
+@pytest.mark.parametrize("prefill_kernel", TorchAttentionBackend.PREFILL_KERNELS)
+def test_torch_attention_passes_the_reference_check(decode_kernel, prefill_kernel):
+    check_attention_backend(TorchAttentionBackend, decode_kernel=decode_kernel, prefill_kernel=prefill_kernel)
 
 
 def test_a_wrong_backend_is_caught():

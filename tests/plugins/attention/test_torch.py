@@ -24,12 +24,13 @@ def _naive(q, k, v, ctx_len):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _run(spec, seed=0, dtype=torch.float32, decode_kernel="packed"):
+def _run(spec, seed=0, dtype=torch.float32, decode_kernel="packed", prefill_kernel="packed"):
     """spec: list of (context_len, query_len); decodes (query_len 1) must come first."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + q) // BS) for c, q in spec) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()  # blocks scattered in the pool
-    backend = TorchAttentionBackend(H, KVH, D, D ** -0.5, BS, dtype, torch.device("cpu"), decode_kernel=decode_kernel)
+    backend = TorchAttentionBackend(H, KVH, D, D ** -0.5, BS, dtype, torch.device("cpu"), decode_kernel=decode_kernel,
+                                    prefill_kernel=prefill_kernel)
     cache = torch.zeros(backend.get_kv_cache_shape(num_blocks), dtype=dtype)
     tables, full_kv, slots, qs, ks, vs = [], [], [], [], [], []
     for c, q in spec:
@@ -66,9 +67,21 @@ def _run(spec, seed=0, dtype=torch.float32, decode_kernel="packed"):
 
 
 @pytest.mark.parametrize("decode_kernel", TorchAttentionBackend.DECODE_KERNELS)
-def test_mixed_batch_matches_naive(decode_kernel):
-    out, expected, *_ = _run([(5, 1), (0, 1), (12, 1), (0, 7), (9, 6), (3, 1 + BS * 2)], decode_kernel=decode_kernel)
+@pytest.mark.parametrize("prefill_kernel", TorchAttentionBackend.PREFILL_KERNELS)
+def test_mixed_batch_matches_naive(decode_kernel, prefill_kernel):
+    out, expected, *_ = _run([(5, 1), (0, 1), (12, 1), (0, 7), (9, 6), (3, 1 + BS * 2)], decode_kernel=decode_kernel,
+                             prefill_kernel=prefill_kernel)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_prefill_equals_gqa_prefill(dtype):
+    """Both prefill layouts run the same flash kernel over the same keys: equal up to its blocking
+    (bucketed chunks of different lengths, cached context, padding rows)."""
+    spec = [(5, 1), (0, 3), (30, 9), (2, 2), (0, 40), (11, 4)]
+    packed, *_ = _run(spec, dtype=dtype)
+    gqa, *_ = _run(spec, dtype=dtype, prefill_kernel="gqa")
+    torch.testing.assert_close(packed.float(), gqa.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_prefill_requests_bucketed_by_length():
@@ -118,6 +131,8 @@ def test_random_batches_match_naive(spec, seed):
 def test_unknown_decode_kernel_rejected():
     with pytest.raises(ValueError, match="decode_kernel must be one of"):
         TorchAttentionBackend(H, KVH, D, 1.0, BS, torch.float32, torch.device("cpu"), decode_kernel="matmul")
+    with pytest.raises(ValueError, match="prefill_kernel must be one of"):
+        TorchAttentionBackend(H, KVH, D, 1.0, BS, torch.float32, torch.device("cpu"), prefill_kernel="matmul")
 
 
 def test_unknown_param_rejected():
