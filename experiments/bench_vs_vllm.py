@@ -11,6 +11,10 @@ Reported per system: output tok/s on the throughput workload (``fixed``: N promp
 ``mixed``: output lengths uniform in [min, max], see ``bench_offline.build_workload``), and batch-1
 ms/token (one prompt, ``--batch1-tokens`` output tokens, wall seconds / tokens, prefill included).
 Each system runs a small warm-up generate first (for compiled vLLM that includes its compile).
+``--repeats N`` times each measurement N times in the same process and reports the medians (all
+times are in the JSON): single runs on this 2-core machine drift by 10-15% between systems.
+Before every throughput and batch-1 generate both engines drop their prefix cache
+(``reset_prefix_cache``), so a repeat finds only the prefixes its own prompts share, as the first.
 ``ratio`` = servelab / vLLM (tok/s), vLLM / servelab (ms/token), i.e. > 1 means servelab is faster,
 for each servelab mode (``--servelab-modes eager,compiled``) against each vLLM mode.
 
@@ -58,10 +62,26 @@ def vllm_worker(job_path: str) -> None:
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
     generate([p[:16] for p in job["prompts"][:2]], [4, 4])  # warm-up
-    seconds, tokens = generate(job["prompts"], job["out_lens"])
-    b1_seconds, b1_tokens = generate(job["prompts"][:1], [job["batch1_tokens"]])
-    print("RESULT " + json.dumps({"seconds": seconds, "tokens": tokens, "b1_seconds": b1_seconds,
-                                  "b1_tokens": len(b1_tokens[0])}), flush=True)
+    result = measure(generate, job["prompts"], job["out_lens"], job["batch1_tokens"], job["repeats"],
+                     llm.reset_prefix_cache)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def measure(generate: Any, prompts: list[list[int]], out_lens: list[int], batch1_tokens: int, repeats: int,
+            reset_prefix_cache: Any) -> dict[str, Any]:
+    """``repeats`` throughput and batch-1 generates, each after a prefix-cache reset; medians in
+    ``seconds``/``b1_seconds`` (wall seconds), every repeat in ``all_seconds``/``all_b1_seconds``."""
+    import statistics
+
+    runs, b1_runs = [], []
+    for _ in range(repeats):
+        reset_prefix_cache()
+        runs.append(generate(prompts, out_lens))
+        reset_prefix_cache()
+        b1_runs.append(generate(prompts[:1], [batch1_tokens]))
+    return {"seconds": statistics.median(t for t, _ in runs), "tokens": runs[0][1],
+            "b1_seconds": statistics.median(t for t, _ in b1_runs), "b1_tokens": len(b1_runs[0][1][0]),
+            "all_seconds": [t for t, _ in runs], "all_b1_seconds": [t for t, _ in b1_runs]}
 
 
 def run_vllm(model_path: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace,
@@ -69,7 +89,8 @@ def run_vllm(model_path: str, prompts: list[list[int]], out_lens: list[int], arg
     """One vLLM measurement in a subprocess of ``args.vllm_python``; raises RuntimeError on failure."""
     job = Path(args.workdir) / f"vllm_job_{'eager' if eager else 'compiled'}.json"
     job.write_text(json.dumps({"model": model_path, "prompts": prompts, "out_lens": out_lens, "eager": eager,
-                               "batch1_tokens": args.batch1_tokens, "prefix_caching": args.prefix_caching == "on"}))
+                               "batch1_tokens": args.batch1_tokens, "prefix_caching": args.prefix_caching == "on",
+                               "repeats": args.repeats}))
     env = {**os.environ, **VLLM_ENV}
     env.pop("PYTHONPATH", None)
     proc = subprocess.run([args.vllm_python, str(Path(__file__).resolve()), "--vllm-worker", str(job)],
@@ -95,18 +116,18 @@ def run_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
     generate([p[:16] for p in prompts[:2]], [4, 4])
-    seconds, tokens = generate(prompts, out_lens)
-    b1_seconds, b1_tokens = generate(prompts[:1], [args.batch1_tokens])
+    result = measure(generate, prompts, out_lens, args.batch1_tokens, args.repeats,
+                     llm.engine.scheduler.kv.reset_prefix_cache)
     stats = llm.engine.runner.compile_stats
-    return {"seconds": seconds, "tokens": tokens, "b1_seconds": b1_seconds, "b1_tokens": len(b1_tokens[0]),
-            "compile": stats.as_dict() if stats.enabled else None}
+    return {**result, "compile": stats.as_dict() if stats.enabled else None}
 
 
 def summarize(name: str, res: dict[str, Any]) -> dict[str, float]:
     """tok/s and batch-1 ms/token of one result."""
     toks = sum(map(len, res["tokens"]))
     return {"system": name, "tok_s": toks / res["seconds"], "b1_ms_per_token": 1000 * res["b1_seconds"] / res["b1_tokens"],
-            "output_tokens": toks}
+            "output_tokens": toks, "all_tok_s": [toks / t for t in res["all_seconds"]],
+            "all_b1_ms_per_token": [1000 * t / res["b1_tokens"] for t in res["all_b1_seconds"]]}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -123,6 +144,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--vllm-python", default=str(REPO_ROOT / ".vllm-venv" / "bin" / "python"))
     p.add_argument("--vllm-modes", default="eager,compiled", help="comma list of eager|compiled; empty skips vLLM")
     p.add_argument("--workdir", default="/tmp")
+    p.add_argument("--repeats", type=int, default=1, help="timed generates per system (medians reported)")
     p.add_argument("--servelab-modes", default="eager", help="comma list of eager|compiled (engine.compile)")
     p.add_argument("--compile", action="store_true", help="same as --servelab-modes compiled: engine compile=True (torch.compile of the "
                    "decoder at start-up, like vLLM's compiled mode); prints compile time and recompiles")
@@ -154,10 +176,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(f"servelab compile: active={compiled['compile_active']} warm-up {compiled['compile_s']:.1f} s "
               f"({compiled['compile_num_graphs_warmup']} graphs), {compiled['compile_num_recompiles']} recompiles "
               f"after warm-up" + (f", fallback: {compiled['compile_fallback']}" if compiled["compile_fallback"] else ""))
-    print(f"{'system':<20}{'tok/s':>10}{'b1 ms/tok':>12}{'same tokens as first':>22}")
+    print(f"{'system':<20}{'tok/s':>10}{'b1 ms/tok':>12}{'same tokens as first':>22}   tok/s of each repeat")
     for row, res in zip(rows, results.values()):
         same = sum(a == b for a, b in zip(res["tokens"], first["tokens"]))
-        print(f"{row['system']:<20}{row['tok_s']:>10.1f}{row['b1_ms_per_token']:>12.2f}{same:>16}/{len(prompts)}")
+        print(f"{row['system']:<20}{row['tok_s']:>10.1f}{row['b1_ms_per_token']:>12.2f}{same:>16}/{len(prompts)}"
+              f"   {' '.join(f'{x:.1f}' for x in row['all_tok_s'])}")
     ours_rows = [r for r in rows if r["system"].startswith("servelab")]
     for ours in ours_rows:  # > 1 means servelab is faster
         for peer in (r for r in rows if r["system"].startswith("vllm")):

@@ -39,3 +39,18 @@ def test_roofline_reports_every_category(capsys):
     rows = [line.split()[0] for line in printed.splitlines() if line.startswith("  ") and "measured" not in line]
     for category in (*roofline.CATEGORIES, "other", "engine", "step"):
         assert rows.count(category) == 2, category  # one row per batch size
+
+
+def test_bench_vs_vllm_repeats_report_medians(capsys, tmp_path):
+    """servelab alone (no vLLM mode): ``--repeats`` times each generate after a prefix-cache reset and
+    reports the median, with every repeat in the rows."""
+    from experiments import bench_vs_vllm
+
+    rows = bench_vs_vllm.main(["--model", STORIES, "--dtype", "float32", "--workload", "fixed", "--num-prompts", "4",
+                               "--input-len", "16", "--output-len", "6", "--batch1-tokens", "4", "--repeats", "3",
+                               "--vllm-modes", "", "--json-out", str(tmp_path / "out.json")])
+    (row,) = rows
+    assert row["system"] == "servelab" and row["output_tokens"] == 24
+    assert len(row["all_tok_s"]) == len(row["all_b1_ms_per_token"]) == 3
+    assert sorted(row["all_tok_s"])[1] == row["tok_s"]  # the median repeat
+    assert "tok/s of each repeat" in capsys.readouterr().out and (tmp_path / "out.json").is_file()
