@@ -219,17 +219,23 @@ class TorchAttentionBackend(AttentionBackend):
         k, v = k.to(query.dtype), v.to(query.dtype)
         if seg.query_index is None:
             return self._decode_attend(query, k, v, seg.mask)
-        q = query[seg.query_index]  # prefill chunks: [R, max_q, H, D]
+        return self._prefill_attend(query[seg.query_index], k, v, seg.mask)[seg.output_index]
+
+    def _prefill_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Padded prefill chunks: ``q [R, max_q, H, D]``, ``k/v [R, KVH, S, D]``, ``mask`` as built for
+        ``prefill_kernel`` (``[R, 1, G * max_q, S]`` packed, ``[R, 1, max_q, S]`` gqa) ->
+        ``[R * max_q, H, D]`` (padding rows included)."""
+        num_reqs, max_q = q.shape[:2]
         if self.prefill_kernel == "gqa":
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=seg.mask, scale=self.scale,
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale,
                                                enable_gqa=True)  # [R, H, max_q, D]
-            return o.transpose(1, 2).reshape(-1, self.num_heads, self.head_size)[seg.output_index]
-        max_q, group = q.shape[1], self.num_heads // self.num_kv_heads
+            return o.transpose(1, 2).reshape(-1, self.num_heads, self.head_size)
+        group = self.num_heads // self.num_kv_heads
         q = q.view(num_reqs, max_q, self.num_kv_heads, group, self.head_size).permute(0, 2, 3, 1, 4)
         o = F.scaled_dot_product_attention(q.reshape(num_reqs, self.num_kv_heads, group * max_q, self.head_size),
-                                           k, v, attn_mask=seg.mask, scale=self.scale)  # [R, KVH, G * max_q, D]
+                                           k, v, attn_mask=mask, scale=self.scale)  # [R, KVH, G * max_q, D]
         o = o.view(num_reqs, self.num_kv_heads, group, max_q, self.head_size).permute(0, 3, 1, 2, 4)
-        return o.reshape(-1, self.num_heads, self.head_size)[seg.output_index]
+        return o.reshape(-1, self.num_heads, self.head_size)
 
     def _decode_attend(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
