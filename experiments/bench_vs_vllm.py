@@ -14,7 +14,8 @@ Each system runs a small warm-up generate first (for compiled vLLM that includes
 ``--repeats N`` times each measurement N times in the same process and reports the medians (all
 times are in the JSON): single runs on this 2-core machine drift by 10-15% between systems.
 Before every throughput and batch-1 generate both engines drop their prefix cache
-(``reset_prefix_cache``), so a repeat finds only the prefixes its own prompts share, as the first.
+(``reset_prefix_cache``), so a repeat finds only the prefixes its own prompts share, as the first,
+and the batch-1 prompt is prefilled, not found in the cache (until the eighth pass it was cached).
 ``ratio`` = servelab / vLLM (tok/s), vLLM / servelab (ms/token), i.e. > 1 means servelab is faster,
 for each servelab mode (``--servelab-modes eager,compiled``) against each vLLM mode.
 
@@ -70,14 +71,23 @@ def vllm_worker(job_path: str) -> None:
 def measure(generate: Any, prompts: list[list[int]], out_lens: list[int], batch1_tokens: int, repeats: int,
             reset_prefix_cache: Any) -> dict[str, Any]:
     """``repeats`` throughput and batch-1 generates, each after a prefix-cache reset; medians in
-    ``seconds``/``b1_seconds`` (wall seconds), every repeat in ``all_seconds``/``all_b1_seconds``."""
+    ``seconds``/``b1_seconds`` (wall seconds), every repeat in ``all_seconds``/``all_b1_seconds``.
+
+    Raises:
+        RuntimeError: an engine refused the reset (it still held blocks), which would let a repeat
+            hit the previous one's prefixes.
+    """
     import statistics
+
+    def reset() -> None:
+        if reset_prefix_cache() is False:
+            raise RuntimeError("prefix-cache reset refused: the engine still holds KV blocks")
 
     runs, b1_runs = [], []
     for _ in range(repeats):
-        reset_prefix_cache()
+        reset()
         runs.append(generate(prompts, out_lens))
-        reset_prefix_cache()
+        reset()
         b1_runs.append(generate(prompts[:1], [batch1_tokens]))
     return {"seconds": statistics.median(t for t, _ in runs), "tokens": runs[0][1],
             "b1_seconds": statistics.median(t for t, _ in b1_runs), "b1_tokens": len(b1_runs[0][1][0]),
