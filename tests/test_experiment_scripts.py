@@ -54,3 +54,13 @@ def test_bench_vs_vllm_repeats_report_medians(capsys, tmp_path):
     assert len(row["all_tok_s"]) == len(row["all_b1_ms_per_token"]) == 3
     assert sorted(row["all_tok_s"])[1] == row["tok_s"]  # the median repeat
     assert "tok/s of each repeat" in capsys.readouterr().out and (tmp_path / "out.json").is_file()
+
+
+def test_bench_prefill_attention_times_every_tile(capsys):
+    """The prefill-attention benchmark captures real prefill steps and times each tile size per round."""
+    from experiments import bench_prefill_attention
+
+    times = bench_prefill_attention.main(["--model", STORIES, "--workload", "mixed", "--num-prompts", "6",
+                                          "--input-len", "40", "--tiles", "0,8", "--rounds", "2"])
+    assert sorted(times) == [0, 8] and all(len(v) == 2 and min(v) > 0 for v in times.values())
+    assert "prefill_tile=   8" in capsys.readouterr().out

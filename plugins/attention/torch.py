@@ -2,15 +2,16 @@
 
 K/V are written into a paged cache through ``slot_mapping`` (Kwon et al., SOSP'23, Sec. 4.1);
 each request attends over its blocks through ``block_table``. The flattened batch is split into
-a decode segment (query length 1) and prefill segments (chunks, possibly with cached context;
-requests bucketed by length, :func:`length_buckets`), each gathered per request into a padded
-batch and run through ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask
-built once per step.
+a decode segment (query length 1) and prefill segments (chunks, possibly with cached context, cut
+into causal query tiles, :func:`query_tiles`, and bucketed by visible keys, :func:`length_buckets`),
+each gathered per request into a padded batch and run through
+``torch.nn.functional.scaled_dot_product_attention`` with a mask built once per step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,16 @@ class _Segment:
     output_index: torch.Tensor | None  # (num_seg_tokens,) int64 into the flattened (reqs * max_q) outputs
     token_index: torch.Tensor | None = None  # (num_seg_tokens,) int64 step token of each output row; None: all of
     # token_start..token_end in order (a length bucket holds only some of the prefill requests)
+    additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # see additive_mask
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` as SDPA's additive float mask in ``dtype`` (0 = attend, -inf = masked), built at the
+        first layer and reused by the others: SDPA converts a boolean mask on every call (a ``where``
+        over the whole ``[R, 1, rows, S]`` mask per layer)."""
+        if dtype not in self.additive_masks:
+            self.additive_masks[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device) \
+                .masked_fill_(~self.mask, float("-inf"))
+        return self.additive_masks[dtype]
 
 
 @dataclass
@@ -68,6 +79,9 @@ class TorchAttentionBackend(AttentionBackend):
             ``enable_gqa=True``. Same arithmetic (the CPU flash kernel, float32 scores); packed gives
             the kernel ``G``x longer query blocks, 6.6-7.2 -> 5.4-6.6 ms per layer for 16 x 128
             SmolLM2 tokens in bf16 here.
+        prefill_tile: query tokens per causal tile of a prefill chunk (default 64; ``0``: whole
+            chunks), see :func:`query_tiles`. Tile ``j`` of a chunk sees only its ``(j + 1) * tile``
+            keys instead of the chunk's all; mixed-workload prefill attention ~25% less time here.
         kv_layout: how blocks are stored: ``NHD`` (default, keys and values
             ``[block_size, kv_heads, head_size]``) or ``HDN`` (head-major: keys
             ``[kv_heads, head_size, block_size]``, values ``[kv_heads, block_size, head_size]``, in a
@@ -80,8 +94,8 @@ class TorchAttentionBackend(AttentionBackend):
     the query dtype after the block gather.
 
     Raises:
-        ValueError: for an unknown ``decode_kernel``, ``prefill_kernel`` or ``kv_layout``, or ``HDN`` with a
-            quantized cache.
+        ValueError: for an unknown ``decode_kernel``, ``prefill_kernel`` or ``kv_layout``, ``HDN`` with a
+            quantized cache, or ``prefill_tile < 0``.
     """
 
     name = "torch"
@@ -90,14 +104,17 @@ class TorchAttentionBackend(AttentionBackend):
     PREFILL_KERNELS = ("packed", "gqa")
 
     def __init__(self, *args: object, decode_kernel: str = "packed", prefill_kernel: str = "packed",
-                 kv_layout: str = "NHD", **kwargs: object) -> None:
+                 prefill_tile: int = 64, kv_layout: str = "NHD", **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         if decode_kernel not in self.DECODE_KERNELS:
             raise ValueError(f"decode_kernel must be one of {self.DECODE_KERNELS}, got {decode_kernel!r}")
         if prefill_kernel not in self.PREFILL_KERNELS:
             raise ValueError(f"prefill_kernel must be one of {self.PREFILL_KERNELS}, got {prefill_kernel!r}")
+        if int(prefill_tile) < 0:
+            raise ValueError(f"prefill_tile must be >= 0 (0: whole chunks), got {prefill_tile}")
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
+        self.prefill_tile = int(prefill_tile)
         self.kv_quant = self.dtype if self.dtype in QMAX else None  # int8 / float8_e4m3fn or None
         if self.kv_quant is not None:
             self.cache_dtype = torch.int8
@@ -120,8 +137,11 @@ class TorchAttentionBackend(AttentionBackend):
         if nd:
             segments.append(self._decode_segment(common, nd))
         if nd < common.num_reqs:
-            buckets = length_buckets(list(range(nd, common.num_reqs)), common.seq_lens_cpu)
-            segments += [self._prefill_segment(common, reqs, in_order=len(buckets) == 1) for reqs in buckets]
+            tiles = query_tiles(range(nd, common.num_reqs), common.query_lens_cpu, common.seq_lens_cpu,
+                                self.prefill_tile)
+            buckets = length_buckets(list(range(len(tiles))), [tile.kv_len for tile in tiles])
+            in_order = len(buckets) == 1 and len(tiles) == common.num_reqs - nd
+            segments += [self._prefill_segment(common, [tiles[i] for i in bucket], in_order) for bucket in buckets]
         return TorchAttentionMetadata(slot_mapping=common.slot_mapping, segments=segments)
 
     def _decode_segment(self, common: CommonAttentionMetadata, nd: int) -> _Segment:
@@ -133,17 +153,18 @@ class TorchAttentionBackend(AttentionBackend):
         return _Segment(0, common.num_decode_tokens, common.block_table[:nd, :num_blocks].long(), mask,
                         None, None)
 
-    def _prefill_segment(self, common: CommonAttentionMetadata, reqs: list[int], in_order: bool) -> _Segment:
-        """One padded segment of the prefill requests ``reqs`` (``in_order``: all of them, in batch order)."""
+    def _prefill_segment(self, common: CommonAttentionMetadata, tiles: list[QueryTile], in_order: bool) -> _Segment:
+        """One padded segment of the query tiles ``tiles`` (``in_order``: one tile per prefill request, all
+        of them, in batch order)."""
         device = common.seq_lens.device
         start = common.num_decode_tokens
-        idx = torch.tensor(reqs, device=device)
-        q_lens = torch.tensor([common.query_lens_cpu[r] for r in reqs], device=device)
-        q_starts = common.query_start_loc[idx].long() - start
-        ctx_lens = common.context_lens[idx].long()
-        max_q = max(common.query_lens_cpu[r] for r in reqs)
-        max_kv = max(common.seq_lens_cpu[r] for r in reqs)
-        num_blocks = -(-max_kv // self.block_size)
+        idx = torch.tensor([t.req for t in tiles], device=device)
+        q_lens = torch.tensor([t.q_len for t in tiles], device=device)
+        q_offs = torch.tensor([t.q_offset for t in tiles], device=device)
+        q_starts = common.query_start_loc[idx].long() - start + q_offs
+        ctx_lens = common.context_lens[idx].long() + q_offs  # position of each tile's first query
+        max_q = max(t.q_len for t in tiles)
+        num_blocks = -(-max(t.kv_len for t in tiles) // self.block_size)
         q_off = torch.arange(max_q, device=device)
         valid_q = q_off[None, :] < q_lens[:, None]  # (np, max_q)
         q_pos = ctx_lens[:, None] + q_off[None, :]  # absolute position of each query
@@ -152,7 +173,7 @@ class TorchAttentionBackend(AttentionBackend):
         mask[:, :, 0] |= ~valid_q  # padded query rows attend to one key: no all-masked (NaN) rows
         if self.prefill_kernel == "packed":  # the same rows for each of a KV head's G query heads
             group = self.num_heads // self.num_kv_heads
-            mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(reqs), group * max_q, -1)
+            mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(tiles), group * max_q, -1)
         num_tokens = common.num_tokens - start
         query_index = torch.where(valid_q, q_starts[:, None] + q_off[None, :], 0).clamp_(max=num_tokens - 1)
         output_index = valid_q.flatten().nonzero().squeeze(1)
@@ -201,25 +222,38 @@ class TorchAttentionBackend(AttentionBackend):
             if seg.token_index is None:
                 out[seg.token_start:seg.token_end] = result
             else:  # a length bucket: its tokens are scattered among the other buckets'
-                out[seg.token_index] = result
+                out.index_copy_(0, seg.token_index, result)
         return out
 
     def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, seg: _Segment) -> torch.Tensor:
-        num_reqs = seg.block_table.shape[0]
-        # gathered k/v: [R, kv_heads, S = blocks * block_size, D]
-        if self.kv_cache_layout == "HDN":  # per block: keys [KVH, D, BS], values [KVH, BS, D]
-            k = _paged_kernel.key_blocks(kv_cache, self.head_size).transpose(2, 3)[seg.block_table]  # [R, NB, KVH, BS, D]
-            v = _paged_kernel.value_blocks(kv_cache, self.head_size)[seg.block_table]
-            k, v = (x.transpose(1, 2).reshape(num_reqs, self.num_kv_heads, -1, self.head_size) for x in (k, v))
-        else:
-            k, v = (x[seg.block_table].view(num_reqs, -1, self.num_kv_heads, x.shape[-1]) for x in kv_cache)
-            if self.kv_quant is not None:
-                k, v = dequantize_rows(k, self.kv_quant, query.dtype), dequantize_rows(v, self.kv_quant, query.dtype)
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-        k, v = k.to(query.dtype), v.to(query.dtype)
+        k, v = self._gather_kv(kv_cache, seg.block_table, query.dtype)
         if seg.query_index is None:
-            return self._decode_attend(query, k, v, seg.mask)
-        return self._prefill_attend(query[seg.query_index], k, v, seg.mask)[seg.output_index]
+            return self._decode_attend(query, k, v, seg.additive_mask(query.dtype))
+        q = query.index_select(0, seg.query_index.flatten()).view(*seg.query_index.shape, *query.shape[1:])
+        return self._prefill_attend(q, k, v, seg.additive_mask(query.dtype)).index_select(0, seg.output_index)
+
+    def _gather_kv(self, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks of ``block_table`` (``[R, NB]`` int64) as K and V ``[R, kv_heads, NB * block_size, D]``
+        in ``dtype`` (dequantized when the cache is quantized).
+
+        Whole blocks are copied with ``index_select`` on the block dim, then laid out with one
+        ``reshape``: 3.5x (HDN) and 2.7x (NHD) faster than advanced indexing with the 2-D table, which
+        copies element-wise through the strided view (16 requests x 16 blocks, SmolLM2 heads, bf16).
+        """
+        num_reqs, blocks = block_table.shape
+        flat = block_table.flatten()
+        if self.kv_cache_layout == "HDN":  # per block: keys [KVH, D, BS], values [KVH, BS, D]
+            k = _paged_kernel.key_blocks(kv_cache, self.head_size).index_select(0, flat)
+            v = _paged_kernel.value_blocks(kv_cache, self.head_size).index_select(0, flat)
+            k = k.view(num_reqs, blocks, *k.shape[1:]).permute(0, 2, 1, 4, 3)  # [R, KVH, NB, BS, D]
+            v = v.view(num_reqs, blocks, *v.shape[1:]).transpose(1, 2)
+            k, v = (x.reshape(num_reqs, self.num_kv_heads, -1, self.head_size) for x in (k, v))
+            return k.to(dtype), v.to(dtype)
+        k, v = (x.index_select(0, flat).view(num_reqs, -1, self.num_kv_heads, x.shape[-1]) for x in kv_cache)
+        if self.kv_quant is not None:
+            k, v = dequantize_rows(k, self.kv_quant, dtype), dequantize_rows(v, self.kv_quant, dtype)
+        return k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
 
     def _prefill_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Padded prefill chunks: ``q [R, max_q, H, D]``, ``k/v [R, KVH, S, D]``, ``mask`` as built for
@@ -257,16 +291,52 @@ class TorchAttentionBackend(AttentionBackend):
         return o.reshape(num_reqs, self.num_heads, self.head_size)
 
 
-def length_buckets(reqs: list[int], seq_lens: list[int], ratio: float = PREFILL_BUCKET_RATIO) -> list[list[int]]:
-    """Group requests of similar length, so that each padded segment wastes little.
+@dataclass(frozen=True)
+class QueryTile:
+    """Query tokens ``q_offset .. q_offset + q_len - 1`` of prefill request ``req`` (offsets into its
+    chunk), which see ``kv_len`` keys (its context, earlier tiles, and itself, causally)."""
 
-    Requests sorted by length (longest first) join the current bucket while ``ratio`` times their
-    length reaches the bucket's longest; a bucket's padded ``[R, max_q, max_kv]`` SDPA then does at
-    most ~``ratio`` x the work of its longest request per request.
+    req: int
+    q_offset: int
+    q_len: int
+    kv_len: int
+
+
+def query_tiles(reqs: Iterable[int], query_lens: list[int], seq_lens: list[int], tile: int) -> list[QueryTile]:
+    """Split each request's query chunk into tiles of ``tile`` tokens (``0``: one tile per chunk).
+
+    A causal chunk of ``L`` tokens attended as one ``[L, L]`` block computes the masked upper half
+    too (the CPU flash kernel only skips key blocks of 512). Tile ``j`` of a chunk without context
+    sees ``(j + 1) * tile`` keys, so the tiles of a chunk cost ``(n + 1) / (2 n)`` of the whole block
+    with ``n = L / tile`` (FlashAttention's causal block skipping, Dao et al. 2022, Sec. 3.1, done
+    per tile instead of inside the kernel).
 
     Args:
-        reqs: request indices into ``seq_lens``.
-        seq_lens: tokens in KV after this step, per request of the step.
+        reqs: prefill request indices.
+        query_lens, seq_lens: per request of the step, query tokens and keys after the step.
+        tile: query tokens per tile (>= 1), or 0 for whole chunks.
+
+    Returns:
+        The tiles in request order, each request's in query order.
+    """
+    tiles = []
+    for r in reqs:
+        q_len, ctx = query_lens[r], seq_lens[r] - query_lens[r]
+        step = tile or q_len
+        tiles += [QueryTile(r, off, min(step, q_len - off), ctx + min(off + step, q_len)) for off in range(0, q_len, step)]
+    return tiles
+
+
+def length_buckets(reqs: list[int], seq_lens: list[int], ratio: float = PREFILL_BUCKET_RATIO) -> list[list[int]]:
+    """Group items (the step's query tiles) of similar key count, so that each padded segment wastes little.
+
+    Items sorted by length (longest first) join the current bucket while ``ratio`` times their
+    length reaches the bucket's longest; a bucket's padded ``[R, max_q, max_kv]`` SDPA then does at
+    most ~``ratio`` x the work of its longest item per item.
+
+    Args:
+        reqs: item indices into ``seq_lens``.
+        seq_lens: keys each item attends to (for a query tile: its context plus itself).
         ratio: longest / shortest length allowed within a bucket (>= 1).
 
     Returns:

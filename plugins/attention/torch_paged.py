@@ -135,6 +135,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
             (default ``False``; an ablation switch).
         prefill_kernel: the reference's SDPA layout for the prefill chunks it attends, ``packed``
             (default) or ``gqa`` (see ``TorchAttentionBackend``).
+        prefill_tile: query tokens per causal tile of those chunks (default 64; 0: whole chunks; see
+            ``TorchAttentionBackend``).
 
     KV-cache quantization (``engine.kv_cache_dtype=int8|fp8_e4m3``) uses the reference's quantized
     layout and runs every step through the reference (the kernel reads unquantized caches only).
@@ -148,7 +150,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, block_size: int,
                  dtype: torch.dtype, device: torch.device, compile: bool = True, min_paged_decodes: int = 8,
-                 paged_prefill: bool = False, prefill_kernel: str = "packed") -> None:
+                 paged_prefill: bool = False, prefill_kernel: str = "packed", prefill_tile: int = 64) -> None:
         super().__init__(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device)
         if int(min_paged_decodes) < 1:
             raise ValueError(f"min_paged_decodes must be >= 1, got {min_paged_decodes}")
@@ -157,7 +159,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         self.paged_prefill = bool(paged_prefill)
         self.in_place = dtype not in QMAX  # the kernel reads unquantized caches only
         self.reference = TorchAttentionBackend(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device,
-                                               prefill_kernel=prefill_kernel,
+                                               prefill_kernel=prefill_kernel, prefill_tile=prefill_tile,
                                                kv_layout="HDN" if self.in_place else "NHD")
         self.cache_dtype = self.reference.cache_dtype
         self.kv_cache_layout = self.reference.kv_cache_layout  # "HDN" ("NHD" when quantized)

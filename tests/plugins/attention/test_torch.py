@@ -1,5 +1,6 @@
 """The torch paged-attention backend equals naive causal attention per request, for mixed batches of
-decodes, first-chunk prefills and later chunks with cached context, with GQA and shuffled blocks."""
+decodes, first-chunk prefills and later chunks with cached context, with GQA and shuffled blocks, and
+with prefill chunks split into causal query tiles of any size."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from framework.interfaces import CommonAttentionMetadata
-from plugins.attention.torch import TorchAttentionBackend, length_buckets
+from plugins.attention.torch import QueryTile, TorchAttentionBackend, length_buckets, query_tiles
 
 H, KVH, D, BS = 4, 2, 8, 4
 
@@ -24,13 +25,13 @@ def _naive(q, k, v, ctx_len):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _run(spec, seed=0, dtype=torch.float32, decode_kernel="packed", prefill_kernel="packed"):
+def _run(spec, seed=0, dtype=torch.float32, decode_kernel="packed", prefill_kernel="packed", prefill_tile=64):
     """spec: list of (context_len, query_len); decodes (query_len 1) must come first."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + q) // BS) for c, q in spec) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()  # blocks scattered in the pool
     backend = TorchAttentionBackend(H, KVH, D, D ** -0.5, BS, dtype, torch.device("cpu"), decode_kernel=decode_kernel,
-                                    prefill_kernel=prefill_kernel)
+                                    prefill_kernel=prefill_kernel, prefill_tile=prefill_tile)
     cache = torch.zeros(backend.get_kv_cache_shape(num_blocks), dtype=dtype)
     tables, full_kv, slots, qs, ks, vs = [], [], [], [], [], []
     for c, q in spec:
@@ -68,10 +69,30 @@ def _run(spec, seed=0, dtype=torch.float32, decode_kernel="packed", prefill_kern
 
 @pytest.mark.parametrize("decode_kernel", TorchAttentionBackend.DECODE_KERNELS)
 @pytest.mark.parametrize("prefill_kernel", TorchAttentionBackend.PREFILL_KERNELS)
-def test_mixed_batch_matches_naive(decode_kernel, prefill_kernel):
+@pytest.mark.parametrize("prefill_tile", [0, 1, 3, 64])
+def test_mixed_batch_matches_naive(decode_kernel, prefill_kernel, prefill_tile):
     out, expected, *_ = _run([(5, 1), (0, 1), (12, 1), (0, 7), (9, 6), (3, 1 + BS * 2)], decode_kernel=decode_kernel,
-                             prefill_kernel=prefill_kernel)
+                             prefill_kernel=prefill_kernel, prefill_tile=prefill_tile)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_query_tiles_split_chunks_causally():
+    """Each chunk splits into tiles of ``tile`` queries (the last one shorter), each seeing its context,
+    the earlier tiles and itself; 0 keeps whole chunks."""
+    # request 0: decode, request 1: 7 queries after 2 cached tokens, request 2: 3 queries, no context
+    assert query_tiles([1, 2], [1, 7, 3], [6, 9, 3], 3) == [
+        QueryTile(1, 0, 3, 5), QueryTile(1, 3, 3, 8), QueryTile(1, 6, 1, 9), QueryTile(2, 0, 3, 3)]
+    assert query_tiles([1, 2], [1, 7, 3], [6, 9, 3], 0) == [QueryTile(1, 0, 7, 9), QueryTile(2, 0, 3, 3)]
+
+
+def test_tiled_prefill_equals_whole_chunks_in_bfloat16():
+    """Tiles change which keys the flash kernel visits (only the causal ones), not the result beyond
+    bf16 rounding of its blocked softmax."""
+    spec = [(3, 1), (0, 70), (20, 33), (0, 5)]
+    whole, *_ = _run(spec, dtype=torch.bfloat16, prefill_tile=0)
+    tiled, expected, *_ = _run(spec, dtype=torch.bfloat16, prefill_tile=16)
+    torch.testing.assert_close(tiled.float(), whole.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(tiled.float(), expected, rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -121,10 +142,11 @@ def test_bfloat16_close_to_float32_reference():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 10)), min_size=1, max_size=6), st.integers(0, 1000))
-def test_random_batches_match_naive(spec, seed):
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 10)), min_size=1, max_size=6), st.integers(0, 1000),
+       st.sampled_from([0, 1, 2, 5, 64]))
+def test_random_batches_match_naive(spec, seed, prefill_tile):
     spec = sorted(spec, key=lambda cq: cq[1] != 1)  # decodes first, as the model runner orders them
-    out, expected, *_ = _run(spec, seed=seed)
+    out, expected, *_ = _run(spec, seed=seed, prefill_tile=prefill_tile)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -133,6 +155,8 @@ def test_unknown_decode_kernel_rejected():
         TorchAttentionBackend(H, KVH, D, 1.0, BS, torch.float32, torch.device("cpu"), decode_kernel="matmul")
     with pytest.raises(ValueError, match="prefill_kernel must be one of"):
         TorchAttentionBackend(H, KVH, D, 1.0, BS, torch.float32, torch.device("cpu"), prefill_kernel="matmul")
+    with pytest.raises(ValueError, match="prefill_tile must be >= 0"):
+        TorchAttentionBackend(H, KVH, D, 1.0, BS, torch.float32, torch.device("cpu"), prefill_tile=-1)
 
 
 def test_unknown_param_rejected():
