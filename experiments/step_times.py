@@ -1,9 +1,10 @@
-"""Per-step timing of a compiled servelab engine on the fixed workload, for A/B runs of two checkouts.
+"""Per-step timing of a compiled servelab engine on a workload, for A/B runs of two checkouts.
 
-Times every ``engine.step()`` of ``--num-prompts`` prompts x ``--output-len`` tokens (greedy,
-``ignore_eos``) after the compile warm-up and a small warm-up generate, and prints per repetition
-the prefill seconds (steps until every request has its first token), the median and mean decode
-step (ms) and the total tok/s. ``--repo`` imports servelab from another checkout (e.g. a
+Times every ``engine.step()`` of ``--num-prompts`` prompts of ``--workload`` (``fixed``: ``--output-len``
+tokens each; ``mixed``: ``bench_offline.py``'s mixed lengths; greedy, ``ignore_eos``, prefix caching
+off) after the compile warm-up and a small warm-up generate, and prints per repetition the prefill
+seconds (steps until every request has its first token), the median and mean decode step (ms), the
+total tok/s, and the decode steps grouped by batch size (rows up to 1, 2, 4, ..., 64, more). ``--repo`` imports servelab from another checkout (e.g. a
 ``git worktree`` of the previous commit), so two versions can be interleaved on the same machine::
 
     git worktree add /tmp/base HEAD~1
@@ -23,6 +24,7 @@ from pathlib import Path
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]), help="servelab checkout to import")
+    p.add_argument("--workload", default="fixed", choices=("fixed", "mixed"))
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--reps", type=int, default=2)
@@ -38,30 +40,37 @@ def main() -> None:
 
     wp = argparse.ArgumentParser()
     add_model_workload_args(wp)
-    wargs = wp.parse_args(["--workload", "fixed", "--num-prompts", str(args.num_prompts),
+    wargs = wp.parse_args(["--workload", args.workload, "--num-prompts", str(args.num_prompts),
                            "--output-len", str(args.output_len)])
     llm = LLM(model=wargs.model, dtype="bfloat16", attention="torch_paged", enable_prefix_caching=False, compile=True)
-    prompts, _ = build_workload(llm.get_tokenizer(), load_texts(Path(wargs.prompts_file)), wargs)
+    prompts, out_lens = build_workload(llm.get_tokenizer(), load_texts(Path(wargs.prompts_file)), wargs)
     llm.generate([{"prompt_token_ids": q[:16]} for q in prompts[:2]],
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for rep in range(args.reps):
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{rep}_{i}", prompt, params)
+        for i, (prompt, out_len) in enumerate(zip(prompts, out_lens)):
+            engine.add_request(f"r{rep}_{i}", prompt, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
         prefill: list[float] = []
         decode: list[float] = []
+        by_rows: dict[int, list[float]] = {}  # decode step seconds by batch-size bucket (rows up to the key)
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             in_prefill = not decode and any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values())
+            rows = len(engine.scheduler.running)
             t = time.perf_counter()
             engine.step()
             (prefill if in_prefill else decode).append(time.perf_counter() - t)
+            if not in_prefill:
+                by_rows.setdefault(min(128, 1 << max(0, rows - 1).bit_length()), []).append(decode[-1])
         total = time.perf_counter() - t0
         print(f"rep{rep} prefill {sum(prefill):.2f}s ({len(prefill)} steps) decode median "
               f"{1000 * statistics.median(decode):.1f} ms mean {1000 * statistics.mean(decode):.1f} ms "
-              f"({len(decode)} steps) total {total:.2f}s tok/s {args.num_prompts * args.output_len / total:.1f} "
+              f"({len(decode)} steps) total {total:.2f}s tok/s {sum(out_lens) / total:.1f} "
               f"recompiles {engine.runner.compile_stats.num_recompiles}", flush=True)
+        for bucket, times in sorted(by_rows.items()):
+            label = f"<= {bucket:3d}" if bucket < 128 else ">   64"
+            print(f"  decode rows {label}: {len(times):4d} steps {sum(times):6.2f}s median "
+                  f"{1000 * statistics.median(times):6.1f} ms", flush=True)
 
 
 if __name__ == "__main__":
