@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict[int, list[float]]:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or 2)
     tiles = [int(t) for t in args.tiles.split(",")]
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model), local_files_only=True)
     prompts, _ = build_workload(tokenizer, load_texts(Path(args.prompts_file)), args)
     if args.engine:
         times, same = time_engines(args.model, prompts, tiles, args.rounds)

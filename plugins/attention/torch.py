@@ -327,7 +327,7 @@ def query_tiles(reqs: Iterable[int], query_lens: list[int], seq_lens: list[int],
     return tiles
 
 
-def length_buckets(reqs: list[int], seq_lens: list[int], ratio: float = PREFILL_BUCKET_RATIO) -> list[list[int]]:
+def length_buckets(items: list[int], lengths: list[int], ratio: float = PREFILL_BUCKET_RATIO) -> list[list[int]]:
     """Group items (the step's query tiles) of similar key count, so that each padded segment wastes little.
 
     Items sorted by length (longest first) join the current bucket while ``ratio`` times their
@@ -335,17 +335,17 @@ def length_buckets(reqs: list[int], seq_lens: list[int], ratio: float = PREFILL_
     most ~``ratio`` x the work of its longest item per item.
 
     Args:
-        reqs: item indices into ``seq_lens``.
-        seq_lens: keys each item attends to (for a query tile: its context plus itself).
+        items: indices into ``lengths``.
+        lengths: keys each item attends to (for a query tile: its context plus itself).
         ratio: longest / shortest length allowed within a bucket (>= 1).
 
     Returns:
-        Buckets of request indices (each in ``reqs`` order), longest bucket first; one bucket when
+        Buckets of item indices (each in ``items`` order), longest bucket first; one bucket when
         lengths are within ``ratio``.
     """
     buckets: list[list[int]] = []
-    for r in sorted(reqs, key=lambda r: -seq_lens[r]):
-        if buckets and seq_lens[r] * ratio >= seq_lens[buckets[-1][0]]:
+    for r in sorted(items, key=lambda r: -lengths[r]):
+        if buckets and lengths[r] * ratio >= lengths[buckets[-1][0]]:
             buckets[-1].append(r)
         else:
             buckets.append([r])

@@ -30,6 +30,14 @@ def test_chunked_prefill(make_llm):
     assert llm.engine.metrics.summary()["num_steps"] > MAX_TOKENS
 
 
+def test_prefill_query_tiles(make_llm):
+    """Prefill chunks cut into 4-token causal query tiles (``attention.params.prefill_tile``), with
+    chunked prefill and prefix caching, so that tiles carry cached context: same greedy tokens."""
+    llm = make_llm(attention_params={"prefill_tile": 4}, block_size=8, max_num_batched_tokens=24)
+    assert_greedy_parity(llm, PREFIX_PROMPTS + STORY_PROMPTS)
+    assert llm.engine.kv_allocator.stats().hit_rate > 0
+
+
 @pytest.mark.parametrize("scheduler", ["fcfs", "priority"])
 def test_preemption(make_llm, scheduler):
     llm = make_llm(scheduler=scheduler, num_blocks=36, block_size=16, enable_prefix_caching=False)
