@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from framework.forward_context import GraphAttention
 
@@ -237,8 +238,12 @@ class CompiledDecoder:
         torch._dynamo.maybe_mark_dynamic(position_ids, 1)
         extra = {} if graph is None else {"servelab_graph": graph}
         try:
-            return self._compiled(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                  **extra).last_hidden_state[0]
+            # duck sizing off: two dynamic dims that happen to be equal in the warm-up (e.g. a traced
+            # backend's partition count and the batch size) must not share a symbol, which would
+            # recompile at the first step where they differ
+            with fx_config.patch(use_duck_shape=False):
+                return self._compiled(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                      **extra).last_hidden_state[0]
         except Exception as err:  # noqa: BLE001 - compile errors surface at the call; rerun eagerly
             # rerunning is safe: a partial forward wrote K/V only at this step's own slots, and
             # the eager forward writes the same values there again

@@ -99,7 +99,8 @@ class ModelRunner:
         ``num_reqs == 1``: a ``num_tokens``-token prefill at positions ``0..num_tokens-1`` (at most
         as many tokens as the cache has slots).
         ``num_reqs == num_tokens``: that many decodes, each at position ``2 * block_size`` of a
-        3-block table (the table width differs from the batch size, so dynamo gives them separate
+        3-block table (the decoder is called with duck sizing off, so batch dims that happen to be
+        equal here, e.g. a traced backend's partition count and the batch size, still get separate
         symbols).
         """
         dev = self.device

@@ -12,7 +12,7 @@ Two ways in:
 
 - ``forward`` (eager engines, and steps a compiled decoder cannot take whole): the kernel is
   compiled once per process for all layers, called per layer. Recompiles are bounded by marking the
-  batch dims dynamic (tokens, table width; heads and head size stay static) without duck sizing;
+  batch dims dynamic (tokens, KV partitions, partitions per token; heads and head size stay static) without duck sizing;
   the number of graph compilations is counted in :data:`COMPILE_STATS`. Where the compiler is
   unavailable (``compile: false``, no C++ toolchain, or a compile error) the same function runs in
   eager mode, with a one-time warning; eager materialises the gather and is slower than ``torch``.
@@ -29,13 +29,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from plugins.attention._kv_quant import QMAX
-from plugins.attention._paged_kernel import paged_attention, split_block_table, write_kv_in_graph
+from plugins.attention._paged_kernel import KVPartitions, kv_partitions, paged_attention, write_kv_in_graph
 from plugins.attention._paged_metadata import split_decode_prefill
 from plugins.attention.torch import TorchAttentionBackend, TorchAttentionMetadata
 
@@ -43,9 +44,6 @@ logger = logging.getLogger(__name__)
 
 #: Process-wide compile counters: ``graphs`` (inductor compilations) and ``seconds`` (wall time in them).
 COMPILE_STATS: dict[str, float] = {"graphs": 0, "seconds": 0.0}
-#: Table columns per part (``split_block_table``) every in-place metadata has at least (dynamo
-#: specialises sizes 0 and 1: a short context would otherwise compile a graph of its own).
-MIN_TABLE_COLUMNS = 2
 
 
 def _counting_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -70,20 +68,28 @@ def _compiled_kernel() -> Any:
     return _COMPILED["fn"]
 
 
-def _call_compiled(fn: Any, args: tuple[Any, ...]) -> torch.Tensor:
-    """Call with the batch dims symbolic: tokens, table width and the cache's block count.
+def _mark_dynamic(kv: KVPartitions) -> None:
+    """Mark the batch dims of ``kv`` dynamic: partitions, tokens and partitions per token."""
+    for tensor, dims in ((kv.block_tables, (0,)), (kv.kv_lens, (0,)), (kv.tokens, (0,)), (kv.partitions, (0, 1)),
+                         (kv.num_partitions, (0,))):
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
-    Heads, head size, block size and the table's part count stay static (constants in the generated
+
+def _call_compiled(fn: Any, args: tuple[Any, ...]) -> torch.Tensor:
+    """Call with the batch dims symbolic: tokens, partitions, partitions per token and the cache's blocks.
+
+    Heads, head size, block size and blocks per partition stay static (constants in the generated
     loops). Duck sizing is off so that two batch dims that happen to be equal in the first step do
     not share a symbol (which would recompile on the next step); sizes 0/1 still specialise (e.g.
-    batch-1 decode), so table parts have at least :data:`MIN_TABLE_COLUMNS` columns.
+    batch-1 decode), so ``kv_partitions`` makes at least ``MIN_PARTITIONS`` of each.
     """
     from torch.fx.experimental import _config as fx_config
 
-    query, kv_cache, block_tables, kv_lens, _ = args
-    for tensor, dims in ((query, (0,)), (kv_cache, (1,)), (block_tables, (0, 2)), (kv_lens, (0,))):
-        for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    query, kv_cache, kv, _ = args
+    torch._dynamo.maybe_mark_dynamic(query, 0)
+    torch._dynamo.maybe_mark_dynamic(kv_cache, 1)
+    _mark_dynamic(kv)
     with fx_config.patch(use_duck_shape=False):
         return fn(*args)
 
@@ -92,8 +98,7 @@ def _call_compiled(fn: Any, args: tuple[Any, ...]) -> torch.Tensor:
 class PagedAttentionMetadata:
     """Inputs of :func:`paged_attention` for a run of tokens (built once per step, shared by all layers)."""
 
-    block_tables: torch.Tensor  # (num_tokens, P, NBp) int64 block table row of each token's request in P parts
-    kv_lens: torch.Tensor  # (num_tokens,) int64 keys each token attends to (its position + 1)
+    kv: KVPartitions  # the keys each token attends to (its position + 1), cut into partitions
     slot_mapping: torch.Tensor  # (num_tokens,) int64 cache slots of these tokens' new K/V
 
 
@@ -191,9 +196,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
         # (dynamo guards on their dispatch keys: any difference recompiles at the first real step)
         cache = torch.zeros(self.get_kv_cache_shape(3), dtype=self.dtype, **kw)
         with torch.inference_mode():
-            table = split_block_table(torch.tensor([[0, 1], [1, 2]], **kw), MIN_TABLE_COLUMNS)
-            meta = PagedAttentionMetadata(table, torch.tensor([bs + 1, 2 * bs], **kw),
-                                          torch.tensor([bs, 2 * bs + 1], **kw))
+            kv = kv_partitions(torch.tensor([[0, 1], [1, 2]], **kw), [bs + 1, 2 * bs], bs)
+            meta = PagedAttentionMetadata(kv, torch.tensor([bs, 2 * bs + 1], **kw))
             query = torch.zeros(2, self.num_kv_heads * group, d, dtype=self.dtype, **kw)
             self._attend_in_place(query, cache, meta)
 
@@ -214,17 +218,15 @@ class TorchPagedAttentionBackend(AttentionBackend):
                                       None if prefill is None else self.reference.build_metadata(prefill))
 
     def _paged_metadata(self, common: CommonAttentionMetadata) -> PagedAttentionMetadata:
-        """Each token's block table row and visible key count, shared by all layers."""
-        device = common.seq_lens.device
-        num_blocks = -(-max(common.seq_lens_cpu) // self.block_size)
-        table = split_block_table(common.block_table[:, :num_blocks], MIN_TABLE_COLUMNS)  # contiguous, as traced
+        """Each token's visible keys (position + 1) cut into partitions, shared by all layers."""
         if common.num_tokens == common.num_reqs:  # one token per request (decodes)
-            return PagedAttentionMetadata(table, common.seq_lens.long(), common.slot_mapping)
-        q_lens = torch.tensor(common.query_lens_cpu, device=device)
-        token_req = torch.repeat_interleave(torch.arange(common.num_reqs, device=device), q_lens)
-        starts = common.query_start_loc[:-1].long() - common.query_start_loc[0].long()
-        offset = torch.arange(common.num_tokens, device=device) - starts[token_req]
-        return PagedAttentionMetadata(table[token_req], common.context_lens.long()[token_req] + offset + 1,
+            return PagedAttentionMetadata(kv_partitions(common.block_table, common.seq_lens_cpu, self.block_size),
+                                          common.slot_mapping)
+        q_lens, seq_lens = np.asarray(common.query_lens_cpu), np.asarray(common.seq_lens_cpu)
+        rows = np.repeat(np.arange(common.num_reqs), q_lens)
+        offset = np.arange(common.num_tokens) - (np.cumsum(q_lens) - q_lens)[rows]
+        kv_lens = (seq_lens - q_lens)[rows] + offset + 1
+        return PagedAttentionMetadata(kv_partitions(common.block_table, kv_lens, self.block_size, rows),
                                       common.slot_mapping)
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -249,9 +251,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         marked dynamic; see ``AttentionBackend.traceable_inputs``."""
         graph = metadata.graph
         if graph is not None:
-            torch._dynamo.maybe_mark_dynamic(graph.block_tables, 0)
-            torch._dynamo.maybe_mark_dynamic(graph.block_tables, 2)
-            torch._dynamo.maybe_mark_dynamic(graph.kv_lens, 0)
+            _mark_dynamic(graph.kv)
             torch._dynamo.maybe_mark_dynamic(graph.slot_mapping, 0)
         return graph
 
@@ -262,7 +262,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         write_kv_in_graph(kv_cache, key, value, inputs.slot_mapping)
         num_tokens = query.shape[0]
         q = query.reshape(num_tokens, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size)
-        out = paged_attention(q, kv_cache, inputs.block_tables, inputs.kv_lens, self.scale)
+        out = paged_attention(q, kv_cache, inputs.kv, self.scale)
         return out.reshape(num_tokens, self.num_heads, self.head_size)
 
     def _attend_in_place(self, query: torch.Tensor, kv_cache: torch.Tensor,
@@ -271,7 +271,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         q = query.reshape(num_tokens, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size)
         # a view of the cache: _call_compiled marks its block dim dynamic, and a marking on the cache
         # tensor itself would fail the guards of a compiled decoder graph that takes it as an input
-        args = (q, kv_cache.view(kv_cache.shape), metadata.block_tables, metadata.kv_lens, self.scale)
+        args = (q, kv_cache.view(kv_cache.shape), metadata.kv, self.scale)
         try:
             out = paged_attention(*args) if self._fn is paged_attention else _call_compiled(self._fn, args)
         except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same math, eager

@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 from framework import SamplingParams
 from framework.interfaces import CommonAttentionMetadata
 from plugins.attention import torch_paged
-from plugins.attention._paged_kernel import KV_SPLITS, cache_shape, split_block_table, write_kv, write_kv_in_graph
+from plugins.attention._paged_kernel import (
+    MIN_PARTITIONS,
+    PARTITION_BLOCKS,
+    cache_shape,
+    kv_partitions,
+    write_kv,
+    write_kv_in_graph,
+)
 from plugins.attention.torch import TorchAttentionBackend
 from plugins.attention.torch_paged import TorchPagedAttentionBackend
 
@@ -100,7 +107,7 @@ def test_size_rule_picks_the_path():
     spec, tables, slots = [(5, 1), (3, 1), (0, 3)], [[0, 1], [2], [3]], [5, 3 + 8, 12, 13, 14]
     common = _common(spec, tables, slots, 4)
     step = TorchPagedAttentionBackend(*args, min_paged_decodes=2).build_metadata(common)
-    assert step.num_paged_tokens == 2 and step.paged.block_tables.shape[0] == 2 and step.reference is not None
+    assert step.num_paged_tokens == 2 and step.paged.kv.num_partitions.shape[0] == 2 and step.reference is not None
     step = TorchPagedAttentionBackend(*args, min_paged_decodes=3).build_metadata(common)
     assert step.num_paged_tokens == 0 and step.paged is None
     step = TorchPagedAttentionBackend(*args, paged_prefill=True).build_metadata(common)
@@ -229,7 +236,8 @@ def test_traceable_forward_equals_forward_on_decode_steps():
     q, k, v = torch.randn(3, 6, D, generator=gen), torch.randn(3, 2, D, generator=gen), torch.randn(3, 2, D, generator=gen)
     step = backend.build_metadata(_common(spec, tables, slots, 4))
     inputs = backend.traceable_inputs(step)
-    assert inputs is not None and inputs.block_tables.shape == (3, KV_SPLITS, 2) and inputs.kv_lens.tolist() == [6, 1, 14]
+    assert inputs is not None and inputs.kv.block_tables.shape == (3, PARTITION_BLOCKS)  # one 16-key partition each
+    assert inputs.kv.kv_lens.tolist() == [6, 1, 14] and inputs.kv.partitions.shape == (3, MIN_PARTITIONS)
     traced_cache = cache.clone()
     expected = backend.forward(0, q, k, v, cache, step)
     out = backend.traceable_forward(0, q, k, v, traced_cache, inputs)
@@ -299,11 +307,31 @@ def test_write_kv_in_graph_compiles_in_place():
     assert "empty_strided_cpu(" not in "".join(code), "inductor allocated a buffer: the write is not in place"
 
 
-def test_split_block_table_pads_and_orders_parts():
-    """Parts hold consecutive logical blocks in order; padding is block 0; each part has >= min columns."""
-    table = torch.arange(1, 10).view(1, 9)  # 9 blocks
-    parts = split_block_table(table, min_columns=2)
-    per_part = max(-(-9 // KV_SPLITS), 2)
-    assert parts.shape == (1, KV_SPLITS, per_part) and parts.is_contiguous() and parts.dtype == torch.long
-    assert parts.flatten().tolist() == list(range(1, 10)) + [0] * (KV_SPLITS * per_part - 9)
-    assert split_block_table(torch.tensor([[5]]), min_columns=2).shape == (1, KV_SPLITS, 2)
+def test_kv_partitions_cut_each_token_into_partitions_of_its_own_blocks():
+    """Token ``t`` gets ``ceil(kv_lens[t] / (PARTITION_BLOCKS * bs))`` partitions of consecutive
+    columns of its request's table row (columns past the table read its last one, masked), each with
+    the keys it sees from its first one; each token's row of ``partitions`` lists its own, padded with
+    its first; fewer than ``MIN_PARTITIONS`` in all are padded with dummies no token reads; ``rows``
+    maps tokens to table rows; a table too narrow for the keys is refused."""
+    bs = 2
+    span = PARTITION_BLOCKS * bs  # 8 keys
+    table = torch.arange(1, 31, dtype=torch.int32).view(3, 10)  # row r's blocks: 10r+1 .. 10r+10
+    kv = kv_partitions(table, [17, 3, 8], bs)
+    assert kv.num_partitions.tolist() == [3, 1, 1]
+    assert kv.tokens.tolist() == [0, 0, 0, 1, 2]
+    assert kv.kv_lens.tolist() == [17, 17 - span, 17 - 2 * span, 3, 8]
+    assert kv.block_tables.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 10, 10], [11, 12, 13, 14],
+                                        [21, 22, 23, 24]]
+    assert kv.partitions.tolist() == [[0, 1, 2], [3, 3, 3], [4, 4, 4]]
+    assert all(t.is_contiguous() and t.dtype == torch.long for t in vars(kv).values())
+
+    by_rows = kv_partitions(table, [3, 9], bs, rows=[2, 0])  # token 0 reads row 2, token 1 row 0
+    assert by_rows.block_tables.tolist() == [[21, 22, 23, 24], [1, 2, 3, 4], [5, 6, 7, 8]]
+    assert by_rows.tokens.tolist() == [0, 1, 1] and by_rows.kv_lens.tolist() == [3, 9, 1]
+
+    single = kv_partitions(torch.tensor([[5, 6]]), [3], bs)
+    assert single.block_tables.tolist() == [[5, 6, 6, 6], [5, 6, 6, 6]] and single.kv_lens.tolist() == [3, 1]
+    assert single.tokens.tolist() == [0, 0] and single.partitions.tolist() == [[0, 0]]
+    assert single.num_partitions.tolist() == [1]
+    with pytest.raises(ValueError, match="table"):
+        kv_partitions(torch.tensor([[5, 6]]), [5], bs)
