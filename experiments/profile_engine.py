@@ -6,6 +6,13 @@ the first steps (prefill) are timed, then ``--steps`` decode steps run under cPr
 
     .venv/bin/python experiments/profile_engine.py --num-prompts 64 --steps 20
     .venv/bin/python experiments/profile_engine.py --num-prompts 64 --compile --kernel-profile --skip-steps 50
+
+``--whole-run`` instead profiles one whole ``generate`` of the workload (prefill, decode and the
+draining tail) and prints its self CPU time split by :func:`time_category`: oneDNN GEMMs, the
+in-place attention kernel, prefill SDPA, other generated kernels, the compiled graphs' Python
+wrapper, everything else::
+
+    .venv/bin/python experiments/profile_engine.py --workload mixed --compile --kernel-profile --prefix-caching on --whole-run
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import pstats
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +33,45 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "experiments"))
 
 import torch  # noqa: E402
+
+#: (category, test on a torch.profiler event name), first match wins; see :func:`time_category`.
+CATEGORIES = (
+    ("oneDNN GEMMs", lambda n: "linear_pointwise" in n),
+    # the generated kernel holding the softmax max (``amax``): paged_attention's score/softmax/value loops
+    ("in-place attention kernel", lambda n: n.startswith("graph_") and "amax" in n),
+    ("prefill SDPA", lambda n: "scaled_dot_product" in n),
+    ("other generated kernels", lambda n: n.startswith("graph_")),
+    ("compiled graph wrapper", lambda n: "CompiledFxGraph" in n),
+)
+
+
+def time_category(name: str) -> str:
+    """The :data:`CATEGORIES` entry of a torch.profiler event name (``other`` if none).
+
+    Generated kernels are named only with ``--kernel-profile`` (without it their time counts as
+    the compiled graph's wrapper).
+    """
+    return next((cat for cat, test in CATEGORIES if test(name)), "other")
+
+
+def whole_run_split(llm: Any, prompts: list[list[int]], out_lens: list[int]) -> list[str]:
+    """Profile one ``llm.generate`` of the workload; report lines of self CPU seconds per category."""
+    from framework.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        wall = time.perf_counter() - t0
+    seconds: dict[str, float] = {}
+    for event in tp.key_averages():
+        cat = time_category(event.key)
+        seconds[cat] = seconds.get(cat, 0.0) + event.self_cpu_time_total / 1e6
+    total = sum(seconds.values())
+    lines = [f"whole run: {wall:.2f} s wall under the profiler, {sum(out_lens) / wall:.1f} output tok/s"]
+    lines += [f"  {cat:<28}{sec:8.2f} s {100 * sec / total:6.1f}%" for cat, sec in
+              sorted(seconds.items(), key=lambda kv: -kv[1])]
+    return lines
 
 
 def main() -> None:
@@ -43,6 +90,8 @@ def main() -> None:
                    "C++ kernel in the torch.profiler tables (torch._inductor.config.cpp.enable_kernel_profile)")
     p.add_argument("--skip-steps", type=int, default=0, help="decode steps to run unprofiled first (longer context)")
     p.add_argument("--out", default=None, help="write the report text here too")
+    p.add_argument("--whole-run", action="store_true", help="profile one whole generate of the workload and "
+                   "print its time by category (see time_category), instead of the step profiles")
     args = p.parse_args()
     if args.kernel_profile:
         import torch._inductor.config as inductor_config
@@ -63,6 +112,10 @@ def main() -> None:
     llm = LLM(model=args.model, dtype=args.dtype, attention=args.attention, compile=args.compile, **kw)
     prompts, out_lens = build_workload(llm.get_tokenizer(), load_texts(Path(args.prompts_file)), args)
     llm.generate([p[:16] for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    if args.whole_run:
+        for line in whole_run_split(llm, prompts, out_lens):
+            print(line, flush=True)
+        return
     engine = llm.engine
     engine.metrics = MetricsCollector()
     for i, (pr, n) in enumerate(zip(prompts, out_lens)):

@@ -2,7 +2,8 @@
 
 Times every ``engine.step()`` of ``--num-prompts`` prompts of ``--workload`` (``fixed``: ``--output-len``
 tokens each; ``mixed``: ``bench_offline.py``'s mixed lengths; greedy, ``ignore_eos``, prefix caching
-off) after the compile warm-up and a small warm-up generate, and prints per repetition the prefill
+``--prefix-caching``, default off; on, as ``bench_vs_vllm.py`` runs, the cache is reset before each
+repetition) after the compile warm-up and a small warm-up generate, and prints per repetition the prefill
 seconds (steps until every request has its first token), the median and mean decode step (ms), the
 total tok/s, and the decode steps grouped by batch size (rows up to 1, 2, 4, ..., 64, more). ``--repo`` imports servelab from another checkout (e.g. a
 ``git worktree`` of the previous commit), so two versions can be interleaved on the same machine::
@@ -29,6 +30,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefix-caching", default="off", choices=("on", "off"))
     args = p.parse_args()
     sys.path[:0] = [args.repo, str(Path(args.repo) / "experiments")]
     import torch
@@ -42,12 +44,15 @@ def main() -> None:
     add_model_workload_args(wp)
     wargs = wp.parse_args(["--workload", args.workload, "--num-prompts", str(args.num_prompts),
                            "--output-len", str(args.output_len)])
-    llm = LLM(model=wargs.model, dtype="bfloat16", attention="torch_paged", enable_prefix_caching=False, compile=True)
+    llm = LLM(model=wargs.model, dtype="bfloat16", attention="torch_paged",
+              enable_prefix_caching=args.prefix_caching == "on", compile=True)
     prompts, out_lens = build_workload(llm.get_tokenizer(), load_texts(Path(wargs.prompts_file)), wargs)
     llm.generate([{"prompt_token_ids": q[:16]} for q in prompts[:2]],
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine = llm.engine
     for rep in range(args.reps):
+        if engine.scheduler.kv.reset_prefix_cache() is False:
+            raise RuntimeError("prefix-cache reset refused: the engine still holds KV blocks")
         for i, (prompt, out_len) in enumerate(zip(prompts, out_lens)):
             engine.add_request(f"r{rep}_{i}", prompt, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
         prefill: list[float] = []

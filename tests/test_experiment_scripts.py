@@ -64,3 +64,25 @@ def test_bench_prefill_attention_times_every_tile(capsys):
                                           "--input-len", "40", "--tiles", "0,8", "--rounds", "2"])
     assert sorted(times) == [0, 8] and all(len(v) == 2 and min(v) > 0 for v in times.values())
     assert "prefill_tile=   8" in capsys.readouterr().out
+
+
+def test_profile_engine_whole_run_split_names_and_sums_its_categories():
+    """``profile_engine.py --whole-run``: each profiler event lands in one category (the in-place
+    kernel by its softmax ``amax``), and the reported shares cover the whole profiled time."""
+    from experiments import profile_engine
+
+    cat = profile_engine.time_category
+    assert cat("mkldnn::_linear_pointwise") == "oneDNN GEMMs"
+    assert cat("graph_3_cpp_fused__to_copy_add_amax_arange_as_strided_exp") == "in-place attention kernel"
+    assert cat("aten::_scaled_dot_product_flash_attention_for_cpu") == "prefill SDPA"
+    assert cat("graph_3_cpp_fused__to_copy_add_mean_mul_pow_rsqrt") == "other generated kernels"
+    assert cat("## Call CompiledFxGraph abc ##") == "compiled graph wrapper"
+    assert cat("aten::argmax") == "other"
+
+    llm = LLM(model=STORIES)
+    lines = profile_engine.whole_run_split(llm, [[1, 2, 3, 4], [5, 6, 7]], [5, 3])
+    assert lines[0].startswith("whole run:")
+    shares = [float(line.split()[-1].rstrip("%")) for line in lines[1:]]
+    names = {cat for cat, _ in profile_engine.CATEGORIES} | {"other"}
+    assert all(any(line.strip().startswith(n) for n in names) for line in lines[1:])
+    assert abs(sum(shares) - 100) < 0.5
