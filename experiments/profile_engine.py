@@ -55,9 +55,18 @@ def time_category(name: str) -> str:
 
 
 def whole_run_split(llm: Any, prompts: list[list[int]], out_lens: list[int]) -> list[str]:
-    """Profile one ``llm.generate`` of the workload; report lines of self CPU seconds per category."""
+    """Profile one ``llm.generate`` of the workload; report lines of self CPU seconds per category.
+
+    The prefix cache is reset first (as ``bench_vs_vllm.py`` does before each generate), so the run
+    finds only the prefixes its own prompts share, not the warm-up's.
+
+    Raises:
+        RuntimeError: the engine refused the reset (it still held KV blocks).
+    """
     from framework.sampling_params import SamplingParams
 
+    if llm.engine.scheduler.kv.reset_prefix_cache() is False:
+        raise RuntimeError("prefix-cache reset refused: the engine still holds KV blocks")
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
         t0 = time.perf_counter()
