@@ -27,7 +27,7 @@ import itertools
 import logging
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +52,21 @@ WARM_UP_STEPS = ((512, 1), (1, 1), (64, 64))
 #: asserts were ~400 Python calls per decode step (13 per layer, plus the extern GEMMs' outputs).
 INDUCTOR_CONFIG = {"assert_indirect_indexing": False, "size_asserts": False, "alignment_asserts": False,
                   "scalar_asserts": False}
+#: Added for graphs that compute in bfloat16/float16 (:func:`inductor_config`): inductor compiles its
+#: C++ with ``-ffp-contract=off``; ``fast`` lets the compiler fuse each multiply and add into one FMA.
+#: The in-place paged attention kernel (float32 arithmetic on bf16 K/V) took ~5% less time (batch 64,
+#: context 190, 2-core CPU). float32 graphs keep ``off``: their outputs are compared token for token
+#: with transformers, and an FMA rounds once where eager rounds twice.
+REDUCED_PRECISION_CONFIG = {"cpp.enable_floating_point_contract_flag": "fast"}
 _ENTRY_IDS = itertools.count()
+
+
+def inductor_config(example_inputs: Sequence[Any]) -> dict[str, Any]:
+    """The inductor config patches of a graph: :data:`INDUCTOR_CONFIG`, plus
+    :data:`REDUCED_PRECISION_CONFIG` when any floating-point input (activations, weights, the KV
+    cache) is bfloat16 or float16."""
+    reduced = any(isinstance(x, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16) for x in example_inputs)
+    return {**INDUCTOR_CONFIG, **(REDUCED_PRECISION_CONFIG if reduced else {})}
 
 
 def decoder_entry(decoder: torch.nn.Module) -> Callable[..., Any]:
@@ -170,7 +184,7 @@ class CompiledDecoder:
             shapes = [tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 2][:2]
             logger.warning("engine.compile: recompiling after the warm-up (graph %d; 2-D inputs %s)",
                            self.stats.num_graphs, shapes)
-        return compile_fx(gm, example_inputs, config_patches={"freezing": self.freezing, **INDUCTOR_CONFIG})
+        return compile_fx(gm, example_inputs, config_patches={"freezing": self.freezing, **inductor_config(example_inputs)})
 
     def _fall_back(self, reason: str) -> None:
         self.stats.active = False

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from framework import hookimpl
+from framework.compile import inductor_config
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from plugins.attention._kv_quant import QMAX
@@ -51,8 +52,8 @@ def _counting_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> A
     from torch._inductor import compile_fx
 
     start = time.perf_counter()
-    # the slots come from the engine's block tables (always in range): no per-load bounds checks
-    compiled = compile_fx.compile_fx(gm, example_inputs, config_patches={"assert_indirect_indexing": False})
+    # the slots come from the engine's block tables (always in range): no per-load bounds checks; FMAs for bf16/fp16
+    compiled = compile_fx.compile_fx(gm, example_inputs, config_patches=inductor_config(example_inputs))
     COMPILE_STATS["graphs"] += 1
     COMPILE_STATS["seconds"] += time.perf_counter() - start
     return compiled

@@ -11,7 +11,7 @@ import torch
 from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, assert_all_blocks_free, assert_greedy_parity
 
 from framework import LLM, SamplingParams
-from framework.compile import CompiledDecoder, decoder_entry
+from framework.compile import INDUCTOR_CONFIG, CompiledDecoder, decoder_entry, inductor_config
 from framework.forward_context import ForwardContext, attention_op, forward_context, servelab_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -65,6 +65,18 @@ def test_decoder_entry_has_a_code_object_of_its_own():
     first, second = decoder_entry(module), decoder_entry(module)
     assert first.__code__ is not second.__code__
     assert first(input=torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_fma_contraction_only_for_reduced_precision_graphs():
+    """bf16/fp16 graphs (any such input: weights, KV cache) compile with FMA contraction; float32
+    graphs keep inductor's default (off), which the token-for-token transformers parity relies on."""
+    flag = "cpp.enable_floating_point_contract_flag"
+    ids = torch.zeros(4, dtype=torch.long)
+    assert inductor_config([ids, torch.zeros(2, 3)]) == INDUCTOR_CONFIG
+    for dtype in (torch.bfloat16, torch.float16):
+        config = inductor_config([ids, torch.zeros(2, 3), torch.zeros(3, dtype=dtype), 1.5])
+        assert config[flag] == "fast" and INDUCTOR_CONFIG.items() <= config.items()
+    assert flag not in INDUCTOR_CONFIG
 
 
 @pytest.mark.slow
