@@ -84,6 +84,17 @@ def load_texts(path: Path) -> list[str]:
     return list(BUILTIN_PROMPTS)
 
 
+def reset_prefix_cache(llm: Any) -> None:
+    """Drop the prefix cache of a servelab ``LLM``, so the next generate finds only the prefixes its
+    own prompts share (as ``bench_vs_vllm.py`` does before every measured generate).
+
+    Raises:
+        RuntimeError: the engine refused the reset (it still held KV blocks).
+    """
+    if llm.engine.scheduler.kv.reset_prefix_cache() is False:
+        raise RuntimeError("prefix-cache reset refused: the engine still holds KV blocks")
+
+
 def build_workload(tokenizer: Any, texts: list[str], args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
     """Prompt token ids and output lengths of ``args.workload``."""
     rng = random.Random(args.seed)

@@ -63,10 +63,11 @@ def whole_run_split(llm: Any, prompts: list[list[int]], out_lens: list[int]) -> 
     Raises:
         RuntimeError: the engine refused the reset (it still held KV blocks).
     """
+    from bench_offline import reset_prefix_cache
+
     from framework.sampling_params import SamplingParams
 
-    if llm.engine.scheduler.kv.reset_prefix_cache() is False:
-        raise RuntimeError("prefix-cache reset refused: the engine still holds KV blocks")
+    reset_prefix_cache(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
         t0 = time.perf_counter()

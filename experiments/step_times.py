@@ -36,7 +36,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from bench_offline import add_model_workload_args, build_workload, load_texts
+    from bench_offline import add_model_workload_args, build_workload, load_texts, reset_prefix_cache
 
     from framework import LLM, SamplingParams
 
@@ -51,8 +51,7 @@ def main() -> None:
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine = llm.engine
     for rep in range(args.reps):
-        if engine.scheduler.kv.reset_prefix_cache() is False:
-            raise RuntimeError("prefix-cache reset refused: the engine still holds KV blocks")
+        reset_prefix_cache(llm)
         for i, (prompt, out_len) in enumerate(zip(prompts, out_lens)):
             engine.add_request(f"r{rep}_{i}", prompt, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
         prefill: list[float] = []
