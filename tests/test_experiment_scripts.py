@@ -86,3 +86,29 @@ def test_profile_engine_whole_run_split_names_and_sums_its_categories():
     names = {cat for cat, _ in profile_engine.CATEGORIES} | {"other"}
     assert all(any(line.strip().startswith(n) for n in names) for line in lines[1:])
     assert abs(sum(shares) - 100) < 0.5
+
+
+def test_prefill_score_precision_variants_match_float64_in_float32(capsys):
+    """``prefill_score_precision.py``: on captured real q/k/v, the bf16-GEMM attention variants (plain and
+    max-shifted) equal the float64 causal reference when run in float32 (GQA packing, causal mask and
+    shift are exact there), and carry a small nonzero error in bfloat16."""
+    from experiments import prefill_score_precision
+
+    common = ["--model", STORIES, "--workload", "mixed", "--num-prompts", "6", "--input-len", "40", "--requests", "3",
+              "--layers", "0,1", "--rounds", "1", "--no-compile"]
+    exact = prefill_score_precision.main(common + ["--dtype", "float32"])
+    assert sorted(exact) == ["bf16", "bf16_shift", "sdpa"]
+    assert all(r["rel_max"] < 1e-5 and r["seconds"] > 0 for r in exact.values())
+    rounded = prefill_score_precision.main(common + ["--dtype", "bfloat16"])
+    assert all(0 < r["rel_max"] < 0.05 for r in rounded.values())
+    assert "bf16_shift" in capsys.readouterr().out
+
+
+def test_microbench_cpu_times_the_kernel_and_the_gemms():
+    """``microbench_cpu.py``: the in-place kernel per block placement (DRAM and L3 settings) and oneDNN GF/s per M."""
+    from experiments import microbench_cpu
+
+    kernel = microbench_cpu.main(["kernel", "--tokens", "4", "--context", "40", "--layers", "2", "--rounds", "2"])
+    assert sorted(kernel) == ["consecutive", "random"] and all(v["dram"] > 0 and v["l3"] > 0 for v in kernel.values())
+    gemm = microbench_cpu.main(["gemm", "--rows", "2,8", "--gemms", "o,down", "--rounds", "1"])
+    assert sorted(gemm) == [2, 8] and all(sorted(r) == ["down", "o"] and min(r.values()) > 0 for r in gemm.values())

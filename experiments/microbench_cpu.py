@@ -1,0 +1,127 @@
+"""Two CPU microbenchmarks behind the CPU-speed results: the in-place decode kernel, and oneDNN GEMMs by rows.
+
+``kernel``: ``torch_paged``'s in-place kernel (``_paged_kernel.paged_attention``), compiled by inductor
+with the engine's settings (``compile.inductor_config``, so FMA contraction for bf16), on decode rows
+(SmolLM2 shapes: 3 KV heads x 3 query heads, head size 64, 16-token blocks) with contexts drawn in
+``[context/2, context]``. It times one call per layer cache over ``--layers`` caches, which streams
+them from DRAM, and the same number of calls on one cache, which stays in L3 when it fits. Block ids
+are placed at random or consecutively (``--placement``). Per setting, it prints the median over rounds
+of microseconds per layer.
+
+``gemm``: oneDNN's prepacked bf16 GEMM (``mkldnn._linear_pointwise``, the engine's ``prepacked_linear``)
+for SmolLM2's projections at each row count of ``--rows``, over 30 layers' weights. It prints GF/s
+(best of ``--rounds``).
+
+    .venv/bin/python experiments/microbench_cpu.py kernel --threads 2
+    .venv/bin/python experiments/microbench_cpu.py gemm --threads 2 --rows 64,128,256,2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+#: SmolLM2-135M's projections as (out_features, in_features), and how many of each a forward runs.
+GEMMS = {"qkv": ((960, 576), 30), "o": ((576, 576), 30), "gate_up": ((3072, 576), 30), "gate": ((1536, 576), 30),
+         "down": ((576, 1536), 30), "lm_head": ((49152, 576), 1)}
+
+
+@functools.cache
+def _compiled_kernel():
+    """``paged_attention`` compiled once per process (a new ``torch.compile`` per setting would recompile
+    the same code object until dynamo's cache limit sends it to eager)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from framework.compile import inductor_config
+    from plugins.attention import _paged_kernel as kernel
+
+    return torch.compile(kernel.paged_attention, fullgraph=True,
+                         backend=lambda gm, ex: compile_fx(gm, ex, config_patches=inductor_config(ex)))
+
+
+def bench_kernel(tokens: int, context: int, layers: int, placement: str, rounds: int) -> dict[str, float]:
+    """Median us per layer of the compiled in-place kernel: ``dram`` (``layers`` caches) and ``l3`` (one cache)."""
+    from plugins.attention import _paged_kernel as kernel
+    from plugins.attention.torch_paged import _mark_dynamic
+
+    kv_heads, group, head, block = 3, 3, 64, 16
+    per_request = -(-context // block)
+    num_blocks = tokens * per_request + 8
+    rng = np.random.default_rng(0)
+    ids = np.arange(num_blocks) if placement == "consecutive" else rng.permutation(num_blocks)
+    table = torch.from_numpy(ids[: tokens * per_request].reshape(tokens, per_request).astype(np.int64))
+    caches = [torch.randn(kernel.cache_shape(num_blocks, block, kv_heads, head), dtype=torch.bfloat16)
+              for _ in range(layers)]
+    query = torch.randn(tokens, kv_heads, group, head, dtype=torch.bfloat16)
+    kv = kernel.kv_partitions(table, rng.integers(context // 2, context + 1, tokens), block)
+    _mark_dynamic(kv)
+    fn = _compiled_kernel()
+    for cache in caches:  # warm-up: compile, and a first call on each cache
+        fn(query, cache, kv, head ** -0.5)
+    out = {}
+    for name, pool in (("dram", caches), ("l3", caches[:1] * layers)):
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for cache in pool:
+                fn(query, cache, kv, head ** -0.5)
+            times.append((time.perf_counter() - start) / layers * 1e6)
+        out[name] = statistics.median(times)
+    return out
+
+
+def bench_gemm(rows: int, name: str, rounds: int) -> float:
+    """GF/s of oneDNN's prepacked bf16 GEMM for projection ``name`` at ``rows`` rows (best of ``rounds``)."""
+    (n, k), count = GEMMS[name]
+    weights = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, dtype=torch.bfloat16), rows)
+               for _ in range(count)]
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(rounds + 2):  # the first two warm up (oneDNN primitive creation)
+        start = time.perf_counter()
+        for w in weights:
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        best = min(best, time.perf_counter() - start)
+    return 2 * rows * n * k * count / best / 1e9
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run one benchmark; returns what it printed (``{placement: {dram, l3}}`` or ``{rows: {gemm: GF/s}}``)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("bench", choices=("kernel", "gemm"))
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0 = torch default")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=64, help="kernel: decode rows")
+    p.add_argument("--context", type=int, default=189, help="kernel: longest context (tokens)")
+    p.add_argument("--layers", type=int, default=30, help="kernel: layer caches")
+    p.add_argument("--placement", default="random,consecutive", help="kernel: comma list of random|consecutive")
+    p.add_argument("--rows", default="64,128,256,2048", help="gemm: comma list of M")
+    p.add_argument("--gemms", default=",".join(GEMMS), help="gemm: comma list of " + "|".join(GEMMS))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results: dict = {}
+    if args.bench == "kernel":
+        for placement in args.placement.split(","):
+            r = results[placement] = bench_kernel(args.tokens, args.context, args.layers, placement, args.rounds)
+            print(f"blocks {placement:<12} {args.layers} caches (DRAM) {r['dram']:7.0f} us/layer   "
+                  f"one cache (L3) {r['l3']:7.0f} us/layer")
+        return results
+    for rows in (int(m) for m in args.rows.split(",")):
+        r = results[rows] = {name: bench_gemm(rows, name, args.rounds) for name in args.gemms.split(",")}
+        print(f"M={rows:<6}" + "".join(f"{name} {gf:5.0f}  " for name, gf in r.items()) + "GF/s")
+    return results
+
+
+if __name__ == "__main__":
+    main()
