@@ -19,7 +19,6 @@ for SmolLM2's projections at each row count of ``--rows``, over 30 layers' weigh
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
@@ -36,23 +35,10 @@ GEMMS = {"qkv": ((960, 576), 30), "o": ((576, 576), 30), "gate_up": ((3072, 576)
          "down": ((576, 1536), 30), "lm_head": ((49152, 576), 1)}
 
 
-@functools.cache
-def _compiled_kernel():
-    """``paged_attention`` compiled once per process (a new ``torch.compile`` per setting would recompile
-    the same code object until dynamo's cache limit sends it to eager)."""
-    from torch._inductor.compile_fx import compile_fx
-
-    from framework.compile import inductor_config
-    from plugins.attention import _paged_kernel as kernel
-
-    return torch.compile(kernel.paged_attention, fullgraph=True,
-                         backend=lambda gm, ex: compile_fx(gm, ex, config_patches=inductor_config(ex)))
-
-
 def bench_kernel(tokens: int, context: int, layers: int, placement: str, rounds: int) -> dict[str, float]:
     """Median us per layer of the compiled in-place kernel: ``dram`` (``layers`` caches) and ``l3`` (one cache)."""
     from plugins.attention import _paged_kernel as kernel
-    from plugins.attention.torch_paged import _mark_dynamic
+    from plugins.attention.torch_paged import _compiled_kernel, _mark_dynamic
 
     kv_heads, group, head, block = 3, 3, 64, 16
     per_request = -(-context // block)
@@ -64,6 +50,8 @@ def bench_kernel(tokens: int, context: int, layers: int, placement: str, rounds:
               for _ in range(layers)]
     query = torch.randn(tokens, kv_heads, group, head, dtype=torch.bfloat16)
     kv = kernel.kv_partitions(table, rng.integers(context // 2, context + 1, tokens), block)
+    # the engine's compiled kernel, with the batch dims dynamic and the cache's block count static, as
+    # in the compiled decoder's graphs (the opaque op's path also makes the block count symbolic)
     _mark_dynamic(kv)
     fn = _compiled_kernel()
     for cache in caches:  # warm-up: compile, and a first call on each cache

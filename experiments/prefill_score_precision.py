@@ -115,7 +115,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     from bench_offline import add_model_workload_args, build_workload, load_texts
     from transformers import AutoTokenizer
 
-    from framework.compile import inductor_config
     from framework.model_loader import resolve_model_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -137,13 +136,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         "bf16_shift": lambda q, k, v: bf16_scores(q, k, v, shift=True),
     }
     if not args.no_compile:
-        from torch._inductor.compile_fx import compile_fx
-
-        def backend(gm, example_inputs):
-            return compile_fx(gm, example_inputs, config_patches=inductor_config(example_inputs))
+        from plugins.attention.torch_paged import _counting_inductor  # inductor with the engine's settings
 
         for name in ("bf16", "bf16_shift"):
-            variants[f"compiled_{name}"] = torch.compile(variants[name], dynamic=True, backend=backend)
+            variants[f"compiled_{name}"] = torch.compile(variants[name], dynamic=True, backend=_counting_inductor)
     print(f"{len(chosen)} requests ({sum(map(len, chosen))} tokens), {len(data) // len(chosen)} layers each, "
           f"dtype={args.dtype}")
     results = {}
