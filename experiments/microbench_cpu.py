@@ -9,11 +9,15 @@ are placed at random or consecutively (``--placement``). Per setting, it prints 
 of microseconds per layer.
 
 ``gemm``: oneDNN's prepacked bf16 GEMM (``mkldnn._linear_pointwise``, the engine's ``prepacked_linear``)
-for SmolLM2's projections at each row count of ``--rows``, over 30 layers' weights. It prints GF/s
-(best of ``--rounds``).
+for SmolLM2's projections at each row count of ``--rows``, 30 calls per projection. ``dram`` cycles
+through distinct weights totalling at least :data:`DRAM_BYTES` (3x this machine's 32 MiB L3), so every
+call streams its weight from DRAM as in a decode step; ``l3`` repeats one weight, which stays cached.
+It prints GF/s (best of ``--rounds``). ``--huge-pages`` backs the packed weights with 2 MiB transparent
+huge pages first (``madvise(MADV_COLLAPSE)``, Linux >= 6.1, after the engine's ``tune_malloc``, so the
+weights sit in the process heap).
 
     .venv/bin/python experiments/microbench_cpu.py kernel --threads 2
-    .venv/bin/python experiments/microbench_cpu.py gemm --threads 2 --rows 64,128,256,2048
+    .venv/bin/python experiments/microbench_cpu.py gemm --threads 2 --rows 1,8,16,64,2048
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ import torch  # noqa: E402
 #: SmolLM2-135M's projections as (out_features, in_features), and how many of each a forward runs.
 GEMMS = {"qkv": ((960, 576), 30), "o": ((576, 576), 30), "gate_up": ((3072, 576), 30), "gate": ((1536, 576), 30),
          "down": ((576, 1536), 30), "lm_head": ((49152, 576), 1)}
+#: Least bytes of distinct weights ``gemm``'s ``dram`` setting cycles through (3x the 32 MiB L3).
+DRAM_BYTES = 96 << 20
+MADV_COLLAPSE = 25  # Linux >= 6.1 <sys/mman.h>
+HUGE_PAGE = 2 << 20  # bytes
 
 
 def bench_kernel(tokens: int, context: int, layers: int, placement: str, rounds: int) -> dict[str, float]:
@@ -68,23 +76,47 @@ def bench_kernel(tokens: int, context: int, layers: int, placement: str, rounds:
     return out
 
 
-def bench_gemm(rows: int, name: str, rounds: int) -> float:
-    """GF/s of oneDNN's prepacked bf16 GEMM for projection ``name`` at ``rows`` rows (best of ``rounds``)."""
+def collapse_huge_pages(weights: list[torch.Tensor]) -> int:
+    """Back the 2 MiB chunks holding ``weights`` (oneDNN-packed tensors) with huge pages; returns chunks collapsed."""
+    import ctypes
+
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    chunks = set()
+    for w in weights:
+        start, nbytes = torch.ops.mkldnn.data_ptr(w), torch.ops.mkldnn._nbytes(w)
+        chunks.update(range(start // HUGE_PAGE, (start + nbytes - 1) // HUGE_PAGE + 1))
+    return sum(madvise(c * HUGE_PAGE, HUGE_PAGE, MADV_COLLAPSE) == 0 for c in sorted(chunks))
+
+
+def bench_gemm(rows: int, name: str, rounds: int, huge_pages: bool = False) -> dict[str, float]:
+    """GF/s of oneDNN's prepacked bf16 GEMM for projection ``name`` at ``rows`` rows (best of ``rounds``).
+
+    Returns ``{"dram": GF/s with each call's weight streamed from DRAM, "l3": GF/s with one cached weight}``.
+    """
     (n, k), count = GEMMS[name]
+    distinct = max(count, -(-DRAM_BYTES // (2 * n * k)))
     weights = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, dtype=torch.bfloat16), rows)
-               for _ in range(count)]
+               for _ in range(distinct)]
+    if huge_pages:
+        collapse_huge_pages(weights)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
-    best = float("inf")
-    for _ in range(rounds + 2):  # the first two warm up (oneDNN primitive creation)
-        start = time.perf_counter()
-        for w in weights:
-            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        best = min(best, time.perf_counter() - start)
-    return 2 * rows * n * k * count / best / 1e9
+    out = {}
+    for setting, pool in (("dram", weights), ("l3", weights[:1] * count)):
+        best, start_at = float("inf"), 0
+        for _ in range(rounds + 2):  # the first two warm up (oneDNN primitive creation)
+            calls = [pool[(start_at + i) % len(pool)] for i in range(count)]  # a fresh run of weights each round
+            start_at += count
+            start = time.perf_counter()
+            for w in calls:
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            best = min(best, time.perf_counter() - start)
+        out[setting] = 2 * rows * n * k * count / best / 1e9
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run one benchmark; returns what it printed (``{placement: {dram, l3}}`` or ``{rows: {gemm: GF/s}}``)."""
+    """Run one benchmark; returns what it printed (``{placement: {dram, l3}}`` or ``{rows: {gemm: {dram, l3}}}``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("bench", choices=("kernel", "gemm"))
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0 = torch default")
@@ -95,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--placement", default="random,consecutive", help="kernel: comma list of random|consecutive")
     p.add_argument("--rows", default="64,128,256,2048", help="gemm: comma list of M")
     p.add_argument("--gemms", default=",".join(GEMMS), help="gemm: comma list of " + "|".join(GEMMS))
+    p.add_argument("--huge-pages", action="store_true", help="gemm: back the packed weights with 2 MiB huge pages")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,9 +138,15 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"blocks {placement:<12} {args.layers} caches (DRAM) {r['dram']:7.0f} us/layer   "
                   f"one cache (L3) {r['l3']:7.0f} us/layer")
         return results
+    if args.huge_pages:
+        from framework.cpu_malloc import tune_malloc
+
+        tune_malloc()  # as the engine: packed weights in the heap, not one mmap each (too small for a huge page)
     for rows in (int(m) for m in args.rows.split(",")):
-        r = results[rows] = {name: bench_gemm(rows, name, args.rounds) for name in args.gemms.split(",")}
-        print(f"M={rows:<6}" + "".join(f"{name} {gf:5.0f}  " for name, gf in r.items()) + "GF/s")
+        r = results[rows] = {name: bench_gemm(rows, name, args.rounds, args.huge_pages)
+                             for name in args.gemms.split(",")}
+        print(f"M={rows:<6}" + "".join(f"{name} {v['dram']:4.0f} / {v['l3']:4.0f}  " for name, v in r.items())
+              + "GF/s (weights from DRAM / cached)")
     return results
 
 

@@ -11,6 +11,13 @@ total tok/s, and the decode steps grouped by batch size (rows up to 1, 2, 4, ...
     git worktree add /tmp/base HEAD~1
     for r in /tmp/base .; do .venv/bin/python experiments/step_times.py --repo $r --num-prompts 1; done
     for r in /tmp/base .; do .venv/bin/python experiments/step_times.py --repo $r --num-prompts 64 --reps 1; done
+
+``--decode-marker F`` creates ``F`` once the last repetition is three steps into its decode, so a sampling
+profiler can attach to the decode phase alone (how docs/results.md's per-thread split was taken)::
+
+    .venv/bin/python experiments/step_times.py --reps 2 --output-len 256 --prefix-caching on --decode-marker /tmp/m &
+    while [ ! -f /tmp/m ]; do sleep 0.2; done; perf record -e cpu-clock -F 999 -p $! -o /tmp/p.data -- sleep 8
+    perf report -i /tmp/p.data --sort pid,dso -g none
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prefix-caching", default="off", choices=("on", "off"))
+    p.add_argument("--decode-marker", default="", help="create this file at the last repetition's 3rd decode step "
+                   "(a cue for an external profiler to attach: perf record -p PID, py-spy)")
     args = p.parse_args()
     sys.path[:0] = [args.repo, str(Path(args.repo) / "experiments")]
     import torch
@@ -64,6 +73,8 @@ def main() -> None:
             t = time.perf_counter()
             engine.step()
             (prefill if in_prefill else decode).append(time.perf_counter() - t)
+            if args.decode_marker and rep == args.reps - 1 and len(decode) == 3 and not in_prefill:
+                Path(args.decode_marker).touch()
             if not in_prefill:
                 by_rows.setdefault(min(128, 1 << max(0, rows - 1).bit_length()), []).append(decode[-1])
         total = time.perf_counter() - t0
