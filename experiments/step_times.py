@@ -73,10 +73,10 @@ def main() -> None:
             t = time.perf_counter()
             engine.step()
             (prefill if in_prefill else decode).append(time.perf_counter() - t)
-            if args.decode_marker and rep == args.reps - 1 and len(decode) == 3 and not in_prefill:
-                Path(args.decode_marker).touch()
             if not in_prefill:
                 by_rows.setdefault(min(128, 1 << max(0, rows - 1).bit_length()), []).append(decode[-1])
+                if args.decode_marker and rep == args.reps - 1 and len(decode) == 3:
+                    Path(args.decode_marker).touch()
         total = time.perf_counter() - t0
         print(f"rep{rep} prefill {sum(prefill):.2f}s ({len(prefill)} steps) decode median "
               f"{1000 * statistics.median(decode):.1f} ms mean {1000 * statistics.mean(decode):.1f} ms "
