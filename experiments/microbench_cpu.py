@@ -1,4 +1,4 @@
-"""Two CPU microbenchmarks behind the CPU-speed results: the in-place decode kernel, and oneDNN GEMMs by rows.
+"""CPU microbenchmarks behind the CPU-speed results: the in-place decode kernel, oneDNN GEMMs by rows, prefill SDPA.
 
 ``kernel``: ``torch_paged``'s in-place kernel (``_paged_kernel.paged_attention``), compiled by inductor
 with the engine's settings (``compile.inductor_config``, so FMA contraction for bf16), on decode rows
@@ -16,16 +16,30 @@ It prints GF/s (best of ``--rounds``). ``--huge-pages`` backs the packed weights
 huge pages first (``madvise(MADV_COLLAPSE)``, Linux >= 6.1, after the engine's ``tune_malloc``, so the
 weights sit in the process heap).
 
+``sdpa``: where the CPU flash SDPA's prefill time goes, on one padded bucket of ``torch``'s packed prefill
+path (``--tiles`` query tiles of ``--tile`` tokens, each KV head's 3 query heads as ``3 * tile`` rows,
+``--keys`` keys, a causal boolean mask per tile). It times SDPA in bf16, then the same attention as oneDNN
+bf16 ``bmm`` for q.k and p.v with a softmax compiled by inductor in between (each part, and all three in
+one compiled function; the ``bmm`` rounds scores to bf16, so this is a speed reference, not a
+replacement), and, where torch is built with MKL, counts the GEMMs SDPA issues and their FLOPs from
+``MKL_VERBOSE=1`` in a child process (ATen's ``cpublas::gemm`` for bf16 inputs and float32 output goes
+to MKL on x86; oneDNN is not on that route), which bounds their rate from below.
+
     .venv/bin/python experiments/microbench_cpu.py kernel --threads 2
     .venv/bin/python experiments/microbench_cpu.py gemm --threads 2 --rows 1,8,16,64,2048
+    .venv/bin/python experiments/microbench_cpu.py sdpa --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -115,10 +129,101 @@ def bench_gemm(rows: int, name: str, rounds: int, huge_pages: bool = False) -> d
     return out
 
 
+#: SmolLM2's attention: KV heads, query heads per KV head, head size.
+ATTN_SHAPE = (3, 3, 64)
+_MKL_GEMM = re.compile(r"GEMM_BF16BF16F32\(([NT]),([NT]),(\d+),(\d+),(\d+),")
+
+
+def prefill_bucket(tiles: int, tile: int, keys: int) -> tuple[torch.Tensor, ...]:
+    """Random bf16 ``q [R, KVH, G * tile, D]``, ``k``/``v [R, KVH, keys, D]`` and the causal boolean mask
+    ``[R, 1, G * tile, keys]`` of ``tiles`` query tiles that end at random positions (``torch``'s packed layout)."""
+    kv_heads, group, head = ATTN_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(tiles, kv_heads, group * tile, head, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(tiles, kv_heads, keys, head, generator=gen).to(torch.bfloat16) for _ in range(2))
+    first = torch.randint(0, keys - tile + 1, (tiles, 1), generator=gen) + torch.arange(tile)  # [R, tile] query positions
+    mask = torch.arange(keys) <= first[..., None]  # [R, tile, keys]
+    return q, k, v, mask[:, None].expand(-1, group, -1, -1).reshape(tiles, 1, group * tile, keys)
+
+
+def _best_ms(fn: Callable[[], object], rounds: int, calls: int = 10) -> float:
+    """Best of ``rounds`` mean wall times of ``calls`` calls of ``fn``, milliseconds."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e3
+
+
+def mkl_gemm_calls(tiles: int, tile: int, keys: int, threads: int) -> dict[str, float]:
+    """The GEMMs one SDPA call on :func:`prefill_bucket` hands to MKL (``MKL_VERBOSE=1``, child process):
+    ``calls`` and their total ``gflop``; empty when torch has no MKL or MKL printed no GEMM line. (The
+    times MKL prints are not used: verbose mode's own printing inflates them.)"""
+    if not torch.backends.mkl.is_available():
+        return {}
+    code = ("import sys, torch, torch.nn.functional as F; sys.path.insert(0, sys.argv[1]); "
+            "from microbench_cpu import prefill_bucket; torch.set_num_threads(int(sys.argv[5])); "
+            "q, k, v, m = prefill_bucket(*map(int, sys.argv[2:5])); "
+            "[F.scaled_dot_product_attention(q, k, v, attn_mask=m) for _ in range(2)]")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(tiles), str(tile), str(keys),
+                          str(threads or torch.get_num_threads())], env={**os.environ, "MKL_VERBOSE": "1"},
+                         capture_output=True, text=True, check=True).stdout
+    flops = [2 * int(m) * int(n) * int(k) for m, n, k in (g.groups()[2:5] for g in _MKL_GEMM.finditer(out))]
+    flops = flops[len(flops) // 2:]  # the second of the two SDPA calls
+    return {"calls": len(flops), "gflop": sum(flops) / 1e9} if flops else {}
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The weights for ``p.v``: softmax over keys of ``scores [R * KVH, rows, keys]`` (``q.k``, unscaled;
+    head size 64) in float32, ``-inf`` where ``mask [R, 1, rows, keys]`` is False, rounded to the scores' dtype."""
+    tiles, _, rows, keys = mask.shape
+    s = scores.float().view(tiles, -1, rows, keys).masked_fill(~mask, float("-inf")) * ATTN_SHAPE[2] ** -0.5
+    return torch.softmax(s, -1).to(scores.dtype).flatten(0, 1)
+
+
+def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`prefill_bucket`'s attention as two ``bmm``s and :func:`masked_softmax`: ``[R, KVH, rows, D]``.
+
+    In bf16 the ``bmm``s run on oneDNN and round the scores to bf16 (CPU ``bmm`` has no float32 output).
+    """
+    qf, kt, vf = q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), v.flatten(0, 1)
+    return torch.bmm(masked_softmax(torch.bmm(qf, kt), mask), vf).view(q.shape)
+
+
+def bench_sdpa(tiles: int, tile: int, keys: int, rounds: int, threads: int) -> dict[str, float]:
+    """Milliseconds of SDPA and of :func:`bmm_attention` (its parts, and all compiled) on one prefill bucket,
+    the ``bmm``'s GF/s, and MKL's GEMMs inside SDPA (``mkl_*``, :func:`mkl_gemm_calls`)."""
+    import torch.nn.functional as F
+
+    from plugins.attention.torch_paged import _counting_inductor  # inductor with the engine's settings
+
+    q, k, v, mask = prefill_bucket(tiles, tile, keys)
+    qf, kt, vf = q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), v.flatten(0, 1)
+    scores = torch.bmm(qf, kt)
+    compiled_softmax = torch.compile(masked_softmax, backend=_counting_inductor)
+    compiled_attention = torch.compile(bmm_attention, backend=_counting_inductor)
+    probs = compiled_softmax(scores, mask)
+    r = {"sdpa": _best_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rounds),
+         "qk_bmm": _best_ms(lambda: torch.bmm(qf, kt), rounds),
+         "pv_bmm": _best_ms(lambda: torch.bmm(probs, vf), rounds),
+         "softmax": _best_ms(lambda: compiled_softmax(scores, mask), rounds),
+         "bmm_attention": _best_ms(lambda: compiled_attention(q, k, v, mask), rounds)}
+    r["bmm_gflops"] = 2 * scores.numel() * q.shape[-1] / r["qk_bmm"] / 1e6
+    mkl = mkl_gemm_calls(tiles, tile, keys, threads)
+    r.update({f"mkl_{key}": value for key, value in mkl.items()})
+    if mkl:  # if SDPA were all GEMM: a floor on the rate of its MKL GEMMs
+        r["mkl_gflops_floor"] = mkl["gflop"] / r["sdpa"] * 1e3
+    return r
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Run one benchmark; returns what it printed (``{placement: {dram, l3}}`` or ``{rows: {gemm: {dram, l3}}}``)."""
+    """Run one benchmark; returns what it printed (``{placement: {dram, l3}}``, ``{rows: {gemm: {dram, l3}}}``
+    or :func:`bench_sdpa`'s dict)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("bench", choices=("kernel", "gemm"))
+    p.add_argument("bench", choices=("kernel", "gemm", "sdpa"))
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0 = torch default")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=64, help="kernel: decode rows")
@@ -128,10 +233,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rows", default="64,128,256,2048", help="gemm: comma list of M")
     p.add_argument("--gemms", default=",".join(GEMMS), help="gemm: comma list of " + "|".join(GEMMS))
     p.add_argument("--huge-pages", action="store_true", help="gemm: back the packed weights with 2 MiB huge pages")
+    p.add_argument("--tiles", type=int, default=16, help="sdpa: query tiles in the bucket")
+    p.add_argument("--tile", type=int, default=64, help="sdpa: query tokens per tile (the engine's prefill_tile)")
+    p.add_argument("--keys", type=int, default=256, help="sdpa: keys per tile (padded)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     results: dict = {}
+    if args.bench == "sdpa":
+        r = bench_sdpa(args.tiles, args.tile, args.keys, args.rounds, args.threads)
+        print(f"bucket {args.tiles} tiles x {ATTN_SHAPE[1] * args.tile} rows x {args.keys} keys: SDPA {r['sdpa']:.3f} ms | "
+              f"bmm q.k {r['qk_bmm']:.3f} ms ({r['bmm_gflops']:.0f} GF/s), softmax (compiled) {r['softmax']:.3f} ms, "
+              f"bmm p.v {r['pv_bmm']:.3f} ms, all three compiled {r['bmm_attention']:.3f} ms")
+        if "mkl_calls" in r:
+            print(f"SDPA's GEMMs (MKL, bf16 in, float32 out): {r['mkl_calls']} calls, {r['mkl_gflop']:.3f} GFLOP, "
+                  f">= {r['mkl_gflops_floor']:.0f} GF/s (the rate if SDPA's whole time were GEMM)")
+        return r
     if args.bench == "kernel":
         for placement in args.placement.split(","):
             r = results[placement] = bench_kernel(args.tokens, args.context, args.layers, placement, args.rounds)

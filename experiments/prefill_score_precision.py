@@ -13,7 +13,8 @@ It captures each request's q/k/v from a transformers forward of ``bench_offline.
 transformers attention hook, ``--layers`` of them), and for every variant prints the output error
 against a float64 reference (relative L2 per request and layer: median and max; max absolute) and
 the best of ``--rounds`` timings over all requests and layers, eager and (unless ``--no-compile``)
-compiled by inductor with dynamic shapes::
+compiled by inductor with dynamic shapes, and (also unless ``--no-compile``) ``flex_attention`` in
+float32 (:func:`flex_fp32`)::
 
     .venv/bin/python experiments/prefill_score_precision.py --workload mixed --requests 13 --threads 2
 """
@@ -21,12 +22,14 @@ compiled by inductor with dynamic shapes::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +93,34 @@ def bf16_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shift: bool) 
     return torch.bmm(weights.view(kv_heads, group * length, length), v).view(heads, length, dim)
 
 
+@functools.cache
+def _causal_block_mask(length: int) -> Any:
+    """flex_attention's causal ``BlockMask`` for ``length`` queries and keys (CPU), one per length."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, length, length, device="cpu")
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    """``flex_attention`` compiled by inductor (its CPU C++ template), dynamic in the sequence length."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def flex_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal ``flex_attention`` with GQA on float32 copies of q/k/v: ``[H, p, D]`` in ``q.dtype``.
+
+    In float32 inductor's CPU template computes q.k with its own vectorised micro-GEMM and p.v with
+    ``cpublas::brgemm``, which runs oneDNN's ukernel for float32 (AVX2 and up); for bf16 inputs both
+    GEMMs of SDPA and of the bf16 template go to MKL on x86 (``microbench_cpu.py sdpa``).
+    """
+    out = _compiled_flex()(q[None].float(), k[None].float(), v[None].float(),
+                           block_mask=_causal_block_mask(q.shape[1]), enable_gqa=True)
+    return out[0].to(q.dtype)
+
+
 def measure(fn: Callable[..., torch.Tensor], data: list[QKV], rounds: int) -> dict[str, float]:
     """Error against a float64 reference and the best of ``rounds`` timings (seconds) over ``data``."""
     rel, worst = [], 0.0
@@ -111,7 +142,7 @@ def measure(fn: Callable[..., torch.Tensor], data: list[QKV], rounds: int) -> di
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     """Print and return each variant's error and time (keys: ``sdpa``, ``bf16``, ``bf16_shift``, and
-    ``compiled_`` versions of the last two)."""
+    unless ``--no-compile`` the ``compiled_`` versions of the last two and ``flex_fp32``)."""
     from bench_offline import add_model_workload_args, build_workload, load_texts
     from transformers import AutoTokenizer
 
@@ -140,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
 
         for name in ("bf16", "bf16_shift"):
             variants[f"compiled_{name}"] = torch.compile(variants[name], dynamic=True, backend=_counting_inductor)
+        variants["flex_fp32"] = flex_fp32
     print(f"{len(chosen)} requests ({sum(map(len, chosen))} tokens), {len(data) // len(chosen)} layers each, "
           f"dtype={args.dtype}")
     results = {}

@@ -13,9 +13,12 @@ total tok/s, and the decode steps grouped by batch size (rows up to 1, 2, 4, ...
     for r in /tmp/base .; do .venv/bin/python experiments/step_times.py --repo $r --num-prompts 64 --reps 1; done
 
 ``--decode-marker F`` creates ``F`` once the last repetition is three steps into its decode, so a sampling
-profiler can attach to the decode phase alone (how docs/results.md's per-thread split was taken)::
+profiler can attach to the decode phase alone (how docs/results.md's per-thread split was taken);
+``--prefill-only`` gives every request one output token, so that a run is prefills alone, and the marker
+is created as the last repetition starts::
 
     .venv/bin/python experiments/step_times.py --reps 2 --output-len 256 --prefix-caching on --decode-marker /tmp/m &
+    # prefills alone: .venv/bin/python experiments/step_times.py --workload mixed --prefill-only --reps 4 --prefix-caching on --decode-marker /tmp/m &
     while [ ! -f /tmp/m ]; do sleep 0.2; done; perf record -e cpu-clock -F 999 -p $! -o /tmp/p.data -- sleep 8
     perf report -i /tmp/p.data --sort pid,dso -g none
 """
@@ -40,6 +43,8 @@ def main() -> None:
     p.add_argument("--prefix-caching", default="off", choices=("on", "off"))
     p.add_argument("--decode-marker", default="", help="create this file at the last repetition's 3rd decode step "
                    "(a cue for an external profiler to attach: perf record -p PID, py-spy)")
+    p.add_argument("--prefill-only", action="store_true", help="one output token per request: prefills alone "
+                   "(--decode-marker's file is then created as the last repetition starts)")
     args = p.parse_args()
     sys.path[:0] = [args.repo, str(Path(args.repo) / "experiments")]
     import torch
@@ -58,9 +63,13 @@ def main() -> None:
     prompts, out_lens = build_workload(llm.get_tokenizer(), load_texts(Path(wargs.prompts_file)), wargs)
     llm.generate([{"prompt_token_ids": q[:16]} for q in prompts[:2]],
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    if args.prefill_only:
+        out_lens = [1] * len(out_lens)
     engine = llm.engine
     for rep in range(args.reps):
         reset_prefix_cache(llm)
+        if args.decode_marker and args.prefill_only and rep == args.reps - 1:
+            Path(args.decode_marker).touch()
         for i, (prompt, out_len) in enumerate(zip(prompts, out_lens)):
             engine.add_request(f"r{rep}_{i}", prompt, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
         prefill: list[float] = []
@@ -78,10 +87,10 @@ def main() -> None:
                 if args.decode_marker and rep == args.reps - 1 and len(decode) == 3:
                     Path(args.decode_marker).touch()
         total = time.perf_counter() - t0
-        print(f"rep{rep} prefill {sum(prefill):.2f}s ({len(prefill)} steps) decode median "
-              f"{1000 * statistics.median(decode):.1f} ms mean {1000 * statistics.mean(decode):.1f} ms "
-              f"({len(decode)} steps) total {total:.2f}s tok/s {sum(out_lens) / total:.1f} "
-              f"recompiles {engine.runner.compile_stats.num_recompiles}", flush=True)
+        steps = (f"decode median {1000 * statistics.median(decode):.1f} ms mean {1000 * statistics.mean(decode):.1f} ms "
+                 f"({len(decode)} steps)" if decode else "no decode steps")
+        print(f"rep{rep} prefill {sum(prefill):.2f}s ({len(prefill)} steps) {steps} total {total:.2f}s "
+              f"tok/s {sum(out_lens) / total:.1f} recompiles {engine.runner.compile_stats.num_recompiles}", flush=True)
         for bucket, times in sorted(by_rows.items()):
             label = f"<= {bucket:3d}" if bucket < 128 else ">   64"
             print(f"  decode rows {label}: {len(times):4d} steps {sum(times):6.2f}s median "

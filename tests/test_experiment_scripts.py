@@ -113,3 +113,24 @@ def test_microbench_cpu_times_the_kernel_and_the_gemms():
     gemm = microbench_cpu.main(["gemm", "--rows", "2,8", "--gemms", "o,down", "--rounds", "1", "--huge-pages"])
     assert sorted(gemm) == [2, 8] and all(sorted(r) == ["down", "o"] for r in gemm.values())
     assert all(v["dram"] > 0 and v["l3"] > 0 for r in gemm.values() for v in r.values())
+
+
+def test_microbench_cpu_splits_prefill_sdpa():
+    """``microbench_cpu.py sdpa``: the bucket's ``bmm`` attention equals SDPA (exactly in float32, within bf16
+    rounding in bf16), every part is timed, and where torch has MKL the GEMMs SDPA hands it are counted."""
+    import torch
+    import torch.nn.functional as F
+
+    from experiments import microbench_cpu
+
+    q, k, v, mask = microbench_cpu.prefill_bucket(2, 8, 32)
+    assert mask.shape == (2, 1, 24, 32) and mask.any(-1).all()  # every query row sees at least one key
+    f32 = [x.float() for x in (q, k, v)]
+    torch.testing.assert_close(microbench_cpu.bmm_attention(*f32, mask),
+                               F.scaled_dot_product_attention(*f32, attn_mask=mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(microbench_cpu.bmm_attention(q, k, v, mask).float(),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask).float(), rtol=0.05, atol=0.05)
+    r = microbench_cpu.main(["sdpa", "--tiles", "2", "--tile", "8", "--keys", "32", "--rounds", "1"])
+    assert all(r[key] > 0 for key in ("sdpa", "qk_bmm", "pv_bmm", "softmax", "bmm_attention", "bmm_gflops"))
+    if torch.backends.mkl.is_available():
+        assert r["mkl_calls"] > 0 and r["mkl_gflop"] > 0 and r["mkl_gflops_floor"] > 0
