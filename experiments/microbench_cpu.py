@@ -136,7 +136,13 @@ _MKL_GEMM = re.compile(r"GEMM_BF16BF16F32\(([NT]),([NT]),(\d+),(\d+),(\d+),")
 
 def prefill_bucket(tiles: int, tile: int, keys: int) -> tuple[torch.Tensor, ...]:
     """Random bf16 ``q [R, KVH, G * tile, D]``, ``k``/``v [R, KVH, keys, D]`` and the causal boolean mask
-    ``[R, 1, G * tile, keys]`` of ``tiles`` query tiles that end at random positions (``torch``'s packed layout)."""
+    ``[R, 1, G * tile, keys]`` of ``tiles`` query tiles that end at random positions (``torch``'s packed layout).
+
+    Raises:
+        ValueError: ``keys < tile`` (a tile's queries see themselves, so it needs at least ``tile`` keys).
+    """
+    if keys < tile:
+        raise ValueError(f"--keys ({keys}) must be at least --tile ({tile}): a tile's queries see themselves")
     kv_heads, group, head = ATTN_SHAPE
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(tiles, kv_heads, group * tile, head, generator=gen).to(torch.bfloat16)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from helpers import REPO, STORIES
 
 from framework import LLM, SamplingParams
@@ -123,6 +124,8 @@ def test_microbench_cpu_splits_prefill_sdpa():
 
     from experiments import microbench_cpu
 
+    with pytest.raises(ValueError, match="at least --tile"):
+        microbench_cpu.prefill_bucket(2, 64, 32)
     q, k, v, mask = microbench_cpu.prefill_bucket(2, 8, 32)
     assert mask.shape == (2, 1, 24, 32) and mask.any(-1).all()  # every query row sees at least one key
     f32 = [x.float() for x in (q, k, v)]
