@@ -55,6 +55,8 @@ GEMMS = {"qkv": ((960, 576), 30), "o": ((576, 576), 30), "gate_up": ((3072, 576)
 DRAM_BYTES = 96 << 20
 MADV_COLLAPSE = 25  # Linux >= 6.1 <sys/mman.h>
 HUGE_PAGE = 2 << 20  # bytes
+#: SmolLM2's attention: KV heads, query heads per KV head, head size.
+ATTN_SHAPE = (3, 3, 64)
 
 
 def bench_kernel(tokens: int, context: int, layers: int, placement: str, rounds: int) -> dict[str, float]:
@@ -62,7 +64,7 @@ def bench_kernel(tokens: int, context: int, layers: int, placement: str, rounds:
     from plugins.attention import _paged_kernel as kernel
     from plugins.attention.torch_paged import _compiled_kernel, _mark_dynamic
 
-    kv_heads, group, head, block = 3, 3, 64, 16
+    (kv_heads, group, head), block = ATTN_SHAPE, 16
     per_request = -(-context // block)
     num_blocks = tokens * per_request + 8
     rng = np.random.default_rng(0)
@@ -129,9 +131,7 @@ def bench_gemm(rows: int, name: str, rounds: int, huge_pages: bool = False) -> d
     return out
 
 
-#: SmolLM2's attention: KV heads, query heads per KV head, head size.
-ATTN_SHAPE = (3, 3, 64)
-_MKL_GEMM = re.compile(r"GEMM_BF16BF16F32\(([NT]),([NT]),(\d+),(\d+),(\d+),")
+_MKL_GEMM = re.compile(r"GEMM_BF16BF16F32\([NT],[NT],(\d+),(\d+),(\d+),")
 
 
 def prefill_bucket(tiles: int, tile: int, keys: int) -> tuple[torch.Tensor, ...]:
@@ -177,7 +177,7 @@ def mkl_gemm_calls(tiles: int, tile: int, keys: int, threads: int) -> dict[str, 
     out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(tiles), str(tile), str(keys),
                           str(threads or torch.get_num_threads())], env={**os.environ, "MKL_VERBOSE": "1"},
                          capture_output=True, text=True, check=True).stdout
-    flops = [2 * int(m) * int(n) * int(k) for m, n, k in (g.groups()[2:5] for g in _MKL_GEMM.finditer(out))]
+    flops = [2 * int(m) * int(n) * int(k) for m, n, k in (g.groups() for g in _MKL_GEMM.finditer(out))]
     flops = flops[len(flops) // 2:]  # the second of the two SDPA calls
     return {"calls": len(flops), "gflop": sum(flops) / 1e9} if flops else {}
 
@@ -190,12 +190,18 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.softmax(s, -1).to(scores.dtype).flatten(0, 1)
 
 
+def bmm_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`prefill_bucket`'s q/k/v as ``bmm`` operands: ``q [R * KVH, rows, D]``, ``k^T [R * KVH, D, keys]``
+    and ``v [R * KVH, keys, D]`` (views)."""
+    return q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), v.flatten(0, 1)
+
+
 def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """:func:`prefill_bucket`'s attention as two ``bmm``s and :func:`masked_softmax`: ``[R, KVH, rows, D]``.
 
     In bf16 the ``bmm``s run on oneDNN and round the scores to bf16 (CPU ``bmm`` has no float32 output).
     """
-    qf, kt, vf = q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), v.flatten(0, 1)
+    qf, kt, vf = bmm_operands(q, k, v)
     return torch.bmm(masked_softmax(torch.bmm(qf, kt), mask), vf).view(q.shape)
 
 
@@ -207,7 +213,7 @@ def bench_sdpa(tiles: int, tile: int, keys: int, rounds: int, threads: int) -> d
     from plugins.attention.torch_paged import _counting_inductor  # inductor with the engine's settings
 
     q, k, v, mask = prefill_bucket(tiles, tile, keys)
-    qf, kt, vf = q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), v.flatten(0, 1)
+    qf, kt, vf = bmm_operands(q, k, v)
     scores = torch.bmm(qf, kt)
     compiled_softmax = torch.compile(masked_softmax, backend=_counting_inductor)
     compiled_attention = torch.compile(bmm_attention, backend=_counting_inductor)
