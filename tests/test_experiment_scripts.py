@@ -57,6 +57,41 @@ def test_bench_vs_vllm_repeats_report_medians(capsys, tmp_path):
     assert "tok/s of each repeat" in capsys.readouterr().out and (tmp_path / "out.json").is_file()
 
 
+def test_bench_vs_vllm_interleave_rotates_rounds_and_pairs_them():
+    """``--interleave``: one repeat of every system per round, the order rotating each round; blocks
+    otherwise. Paired ratios are per round (ours / peer throughput, peer / ours batch-1 time)."""
+    from experiments import bench_vs_vllm
+
+    calls = []
+
+    def system(name, seconds):
+        def run():
+            calls.append(name)
+            return {"seconds": seconds[len([c for c in calls if c == name]) - 1], "tokens": [], "b1_seconds": 1.0,
+                    "b1_tokens": 10}
+        return run
+
+    systems = {"a": system("a", [1.0, 2.0, 4.0]), "b": system("b", [2.0, 2.0, 2.0]), "c": system("c", [1, 1, 1])}
+    runs = bench_vs_vllm.run_rounds(systems, 3, interleave=True)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    pr = bench_vs_vllm.paired_ratios(runs, "a", "b")
+    assert pr["tok_s"] == [2.0, 1.0, 0.5] and pr["tok_s_median"] == 1.0 and pr["b1"] == [1.0] * 3
+    calls.clear()
+    bench_vs_vllm.run_rounds(systems, 2, interleave=False)
+    assert calls == ["a", "a", "b", "b", "c", "c"]
+
+
+def test_bench_vs_vllm_worker_failure_is_reported(tmp_path):
+    """A vLLM worker that cannot start (here: an interpreter without vllm) raises with its stderr."""
+    import argparse
+
+    from experiments import bench_vs_vllm
+
+    args = argparse.Namespace(vllm_python=sys.executable, workdir=str(tmp_path), batch1_tokens=2, prefix_caching="on")
+    with pytest.raises(RuntimeError, match=r"(?s)vllm_compiled worker ended without READY.*No module named .vllm."):
+        bench_vs_vllm.start_vllm("unused", [[1, 2]], [2], args, eager=False)
+
+
 def test_bench_prefill_attention_times_every_tile(capsys):
     """The prefill-attention benchmark captures real prefill steps and times each tile size per round."""
     from experiments import bench_prefill_attention
