@@ -92,6 +92,32 @@ def test_bench_vs_vllm_worker_failure_is_reported(tmp_path):
         bench_vs_vllm.start_vllm("unused", [[1, 2]], [2], args, eager=False)
 
 
+def test_nano_batch_cpu_times_each_setting():
+    """``nano_batch_cpu``: the whole forward, the split forwards one after the other and in two Python
+    threads (in this process, tiny and eager), and two engines pinned one per core, started together
+    per round (their own processes), are each timed."""
+    import argparse
+
+    import torch
+
+    from experiments import nano_batch_cpu
+    from experiments.bench_offline import add_model_workload_args
+
+    p = argparse.ArgumentParser()
+    add_model_workload_args(p)
+    args = p.parse_args(["--model", STORIES, "--dtype", "float32", "--num-prompts", "4", "--output-len", "3",
+                         "--input-len", "16"])
+    args.eager, args.rows, args.steps, args.rounds = True, 2, 1, 1
+    threads = torch.get_num_threads()
+    try:
+        out = {**nano_batch_cpu.child_threads("whole", args), **nano_batch_cpu.child_threads("split", args)}
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(out) == ["sequential", "two_threads", "whole"] and min(out.values()) > 0
+    (tok_s,) = nano_batch_cpu.run_dp(args, shards=2, threads=1)
+    assert tok_s > 0
+
+
 def test_bench_prefill_attention_times_every_tile(capsys):
     """The prefill-attention benchmark captures real prefill steps and times each tile size per round."""
     from experiments import bench_prefill_attention
