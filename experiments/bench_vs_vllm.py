@@ -113,8 +113,9 @@ class PeerWorker:
             if line.startswith(prefix):
                 return line
         self._stderr.seek(0)
-        raise RuntimeError(f"{self.name} worker ended without {prefix} (rc={self.proc.wait()}):\n"
-                           f"{self._stderr.read()[-4000:]}")
+        message = f"{self.name} worker ended without {prefix} (rc={self.proc.wait()}):\n{self._stderr.read()[-4000:]}"
+        self._stderr.close()
+        raise RuntimeError(message)
 
     def run_repeat(self) -> dict[str, Any]:
         """One throughput and one batch-1 generate in the worker (:func:`one_repeat`'s dict)."""
@@ -127,7 +128,8 @@ class PeerWorker:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(timeout=120)
-        self._stderr.close()
+        if not self._stderr.closed:
+            self._stderr.close()
 
 
 def one_repeat(generate: Any, prompts: list[list[int]], out_lens: list[int], batch1_tokens: int,
@@ -161,17 +163,6 @@ def combine(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     return {"seconds": statistics.median(r["seconds"] for r in repeats), "tokens": repeats[0]["tokens"],
             "b1_seconds": statistics.median(r["b1_seconds"] for r in repeats), "b1_tokens": repeats[0]["b1_tokens"],
             "all_seconds": [r["seconds"] for r in repeats], "all_b1_seconds": [r["b1_seconds"] for r in repeats]}
-
-
-def measure(generate: Any, prompts: list[list[int]], out_lens: list[int], batch1_tokens: int, repeats: int,
-            reset_prefix_cache: Any) -> dict[str, Any]:
-    """``repeats`` :func:`one_repeat` in a row, combined (:func:`combine`).
-
-    Raises:
-        RuntimeError: an engine refused a prefix-cache reset.
-    """
-    return combine([one_repeat(generate, prompts, out_lens, batch1_tokens, reset_prefix_cache)
-                    for _ in range(repeats)])
 
 
 def start_vllm(model_path: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace,

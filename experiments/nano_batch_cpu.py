@@ -33,13 +33,15 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 
-def engine(model: str, dtype: str, compile: bool) -> object:
+def engine(model: str, dtype: str, compile: bool) -> Any:
     """servelab's ``LLM`` as the benchmarks run it (paged in-place attention, prefix caching on)."""
     from framework import LLM
 
@@ -60,7 +62,7 @@ def child_threads(setting: str, args: argparse.Namespace) -> dict[str, float]:
         for _ in range(args.steps):
             runner._dummy_forward(n, n)
 
-    def timed(fn: object) -> float:
+    def timed(fn: Callable[[], Any]) -> float:
         times = []
         for _ in range(args.rounds):
             t0 = time.perf_counter()
