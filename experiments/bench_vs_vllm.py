@@ -173,17 +173,18 @@ def start_vllm(model_path: str, prompts: list[list[int]], out_lens: list[int], a
                       name=f"vllm_{'eager' if eager else 'compiled'}")
 
 
-def start_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace,
-                   compile: bool = False) -> tuple[Any, Any]:
-    """servelab's ``LLM`` in this process (``compile``: engine.compile), warmed up.
+def servelab_llm(model: str, dtype: str, attention: str, prefix_caching: bool, compile: bool,
+                 prompts: list[list[int]]) -> tuple[Any, Any]:
+    """servelab's ``LLM`` in this process, warmed up by a small generate (the first 16 tokens of
+    two of ``prompts``, 4 output tokens each).
 
     Returns:
-        ``(run_repeat, engine)``: a function doing one :func:`one_repeat` on it, and its ``LLMEngine``.
+        ``(llm, generate)``: the ``LLM``, and ``generate(prompts, out_lens) -> (wall seconds, output
+        token ids)`` on it (greedy, ``ignore_eos``).
     """
     from framework import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=args.dtype, attention=args.attention,
-              enable_prefix_caching=args.prefix_caching == "on", compile=compile)
+    llm = LLM(model=model, dtype=dtype, attention=attention, enable_prefix_caching=prefix_caching, compile=compile)
 
     def generate(ps: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
@@ -192,6 +193,17 @@ def start_servelab(model: str, prompts: list[list[int]], out_lens: list[int], ar
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
     generate([p[:16] for p in prompts[:2]], [4, 4])
+    return llm, generate
+
+
+def start_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace,
+                   compile: bool = False) -> tuple[Any, Any]:
+    """servelab's ``LLM`` in this process (``compile``: engine.compile), warmed up (:func:`servelab_llm`).
+
+    Returns:
+        ``(run_repeat, engine)``: a function doing one :func:`one_repeat` on it, and its ``LLMEngine``.
+    """
+    llm, generate = servelab_llm(model, args.dtype, args.attention, args.prefix_caching == "on", compile, prompts)
     return (lambda: one_repeat(generate, prompts, out_lens, args.batch1_tokens,
                                llm.engine.scheduler.kv.reset_prefix_cache)), llm.engine
 

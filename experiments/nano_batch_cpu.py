@@ -41,11 +41,25 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 
-def engine(model: str, dtype: str, compile: bool) -> Any:
-    """servelab's ``LLM`` as the benchmarks run it (paged in-place attention, prefix caching on)."""
-    from framework import LLM
+def engine(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[Any, Any]:
+    """servelab's ``LLM`` as the benchmarks run it (paged in-place attention, prefix caching on,
+    compiled unless ``--eager``) and its ``generate`` (``bench_vs_vllm.servelab_llm``)."""
+    from experiments.bench_vs_vllm import servelab_llm
 
-    return LLM(model=model, dtype=dtype, attention="torch_paged", enable_prefix_caching=True, compile=compile)
+    return servelab_llm(args.model, args.dtype, "torch_paged", True, not args.eager, prompts)
+
+
+def wait_for(paths: list[Path], procs: list[subprocess.Popen]) -> None:
+    """Block until every file in ``paths`` exists.
+
+    Raises:
+        RuntimeError: one of ``procs`` failed (exited with a non-zero code) before that. A shard that
+            exits with 0 has written its last file already.
+    """
+    while not all(path.exists() for path in paths):
+        if any(p.poll() not in (None, 0) for p in procs):
+            raise RuntimeError("a dp engine failed; run its command alone to see why")
+        time.sleep(0.005)
 
 
 def child_threads(setting: str, args: argparse.Namespace) -> dict[str, float]:
@@ -54,7 +68,7 @@ def child_threads(setting: str, args: argparse.Namespace) -> dict[str, float]:
     import torch
 
     torch.set_num_threads(2 if setting == "whole" else 1)
-    runner = engine(args.model, args.dtype, not args.eager).engine.runner
+    runner = engine(args, [[1] * 16] * 2)[0].engine.runner
     rows = args.rows
 
     def forward(n: int) -> None:
@@ -93,19 +107,15 @@ def child_dp(args: argparse.Namespace) -> None:
     from experiments.bench_offline import build_workload, load_texts
 
     torch.set_num_threads(args.threads)
-    llm = engine(args.model, args.dtype, not args.eager)
-    prompts, lens = build_workload(llm.get_tokenizer(), load_texts(Path(args.prompts_file)), args)
+    from transformers import AutoTokenizer
+
+    from framework.model_loader import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    prompts, lens = build_workload(tokenizer, load_texts(Path(args.prompts_file)), args)
     order = sorted(range(len(prompts)), key=lambda i: -lens[i])[args.shard::args.num_shards]  # balanced by length
     prompts, lens = [prompts[i] for i in order], [lens[i] for i in order]
-    from framework import SamplingParams
-
-    def generate(ps: list[list[int]], ls: list[int]) -> tuple[float, list[list[int]]]:
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in ps],
-                     [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in ls])
-        return time.perf_counter() - t0, []
-
-    generate([p[:16] for p in prompts[:2]], [4, 4])
+    llm, generate = engine(args, prompts)
     sync = Path(args.sync)
     (sync / f"ready{args.shard}").touch()
     seconds = []
@@ -133,14 +143,10 @@ def run_dp(args: argparse.Namespace, shards: int, threads: int) -> list[float]:
             pin = (lambda c=s % cores: os.sched_setaffinity(0, {c})) if shards > 1 else None
             procs.append(subprocess.Popen([*base, "--shard", str(s)], stdout=subprocess.PIPE, text=True,
                                           preexec_fn=pin))
-        while sum((Path(sync) / f"ready{s}").exists() for s in range(shards)) < shards:
-            if any(p.poll() not in (None, 0) for p in procs):
-                raise RuntimeError("a dp engine failed to start")
-            time.sleep(0.1)
+        wait_for([Path(sync) / f"ready{s}" for s in range(shards)], procs)
         for r in range(args.rounds):
             (Path(sync) / f"go{r}").touch()
-            while sum((Path(sync) / f"done{s}_{r}").exists() for s in range(shards)) < shards:
-                time.sleep(0.01)
+            wait_for([Path(sync) / f"done{s}_{r}" for s in range(shards)], procs)
         results = [json.loads(next(line for line in p.communicate()[0].splitlines()
                                    if line.startswith("RESULT ")).removeprefix("RESULT ")) for p in procs]
     tokens = sum(r["tokens"] for r in results)
