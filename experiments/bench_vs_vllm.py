@@ -124,10 +124,14 @@ class PeerWorker:
         return json.loads(self._expect("RESULT ").removeprefix("RESULT "))
 
     def close(self) -> None:
-        """Stop the worker (it exits at end of input)."""
+        """Stop the worker (it exits at end of input; killed if it has not after 120 s)."""
         if self.proc.poll() is None:
             self.proc.stdin.close()
-            self.proc.wait(timeout=120)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         if not self._stderr.closed:
             self._stderr.close()
 

@@ -143,12 +143,18 @@ def run_dp(args: argparse.Namespace, shards: int, threads: int) -> list[float]:
             pin = (lambda c=s % cores: os.sched_setaffinity(0, {c})) if shards > 1 else None
             procs.append(subprocess.Popen([*base, "--shard", str(s)], stdout=subprocess.PIPE, text=True,
                                           preexec_fn=pin))
-        wait_for([Path(sync) / f"ready{s}" for s in range(shards)], procs)
-        for r in range(args.rounds):
-            (Path(sync) / f"go{r}").touch()
-            wait_for([Path(sync) / f"done{s}_{r}" for s in range(shards)], procs)
-        results = [json.loads(next(line for line in p.communicate()[0].splitlines()
-                                   if line.startswith("RESULT ")).removeprefix("RESULT ")) for p in procs]
+        try:
+            wait_for([Path(sync) / f"ready{s}" for s in range(shards)], procs)
+            for r in range(args.rounds):
+                (Path(sync) / f"go{r}").touch()
+                wait_for([Path(sync) / f"done{s}_{r}" for s in range(shards)], procs)
+            results = [json.loads(next(line for line in p.communicate()[0].splitlines()
+                                       if line.startswith("RESULT ")).removeprefix("RESULT ")) for p in procs]
+        finally:  # a shard that failed leaves the others polling for go files that never come
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     tokens = sum(r["tokens"] for r in results)
     return [tokens / max(r["seconds"][i] for r in results) for i in range(args.rounds)]
 
