@@ -1,5 +1,5 @@
 """``engine.compile=true``: greedy parity with transformers, no recompiles after the warm-up across a
-mixed-length run (chunked prefill, prefix hits, batch-1 decode), the attention custom op's contract,
+mixed-length run (chunked prefill, prefix hits, batch-1 decode; prepacked and ATen linears), the attention custom op's contract,
 and the fallback to eager when the compiler is unavailable or fails."""
 
 from __future__ import annotations
@@ -13,14 +13,22 @@ from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, assert_all_blocks_fr
 from framework import LLM, SamplingParams
 from framework.compile import INDUCTOR_CONFIG, CompiledDecoder, decoder_entry, inductor_config
 from framework.forward_context import ForwardContext, attention_op, forward_context, servelab_attention
+from framework.prepack import PrepackedLinear
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
+PREPACK = "on" if torch.backends.mkldnn.is_available() else "off"
+
+
 @pytest.fixture(scope="module")
 def compiled_llm():
-    """One compiled engine for the module (the warm-up compiles two graphs, tens of seconds)."""
-    llm = LLM(model=STORIES, compile=True, block_size=8, max_num_batched_tokens=24, long_prefill_token_threshold=16)
+    """One compiled engine for the module (the warm-up compiles three graphs, tens of seconds), with
+    the CPU's bf16 default of prepacked oneDNN linears (the opaque ``servelab::prepacked_linear`` op,
+    fused q/k/v; the one-row graph's traced GEMV) forced on in float32, so its greedy tokens must equal
+    transformers. Compiled ATen linears run in ``test_engines_keep_their_own_graphs``."""
+    llm = LLM(model=STORIES, compile=True, prepack_linears=PREPACK, block_size=8, max_num_batched_tokens=24,
+              long_prefill_token_threshold=16)
     yield llm
     assert_all_blocks_free(llm.engine)
 
@@ -28,6 +36,8 @@ def compiled_llm():
 def test_warm_up_compiles_three_graphs(compiled_llm):
     stats = compiled_llm.engine.runner.compile_stats
     assert stats.active and stats.fallback_reason is None
+    if PREPACK == "on":
+        assert isinstance(compiled_llm.engine.runner.model.model.layers[0].self_attn.qkv_proj, PrepackedLinear)
     # default torch_paged: num_tokens >= 2 (opaque attention), and the traced-attention decode graphs
     # of num_tokens == 1 and >= 2; no graph breaks
     assert stats.num_graphs_warmup == 3
@@ -52,6 +62,7 @@ def test_engines_keep_their_own_graphs(compiled_llm):
     so a shared cache would hand it the first engine's graphs), and both keep transformers parity and
     no recompiles when they alternate."""
     other = LLM(model=STORIES, compile=True, attention="torch", max_num_batched_tokens=24)
+    assert type(other.engine.runner.model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # float32: ATen's
     assert other.engine.runner.compile_stats.num_graphs_warmup == 2  # its own prefill and batch-1 graphs
     before = compiled_llm.engine.runner.compile_stats.num_recompiles
     for llm in (other, compiled_llm, other):
