@@ -119,6 +119,23 @@ def build_workload(tokenizer: Any, texts: list[str], args: argparse.Namespace) -
     return prompts, output_lens
 
 
+def load_workload(args: argparse.Namespace) -> tuple[str, Any, list[list[int]], list[int]]:
+    """``args.model``'s local path and tokenizer (no download), and :func:`build_workload`'s prompt
+    token ids and output lengths for ``args``.
+
+    Raises:
+        FileNotFoundError: the model or ``args.prompts_file`` is not on this machine.
+    """
+    from transformers import AutoTokenizer
+
+    from framework.model_loader import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    prompts, out_lens = build_workload(tokenizer, load_texts(Path(args.prompts_file)), args)
+    return path, tokenizer, prompts, out_lens
+
+
 # ---------------------------------------------------------------------------------------------
 # systems
 # ---------------------------------------------------------------------------------------------
@@ -384,13 +401,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     code = code_state()  # at start: the plugin modules are imported during this run
     if args.threads:
         torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
+    from framework.model_loader import load_model_config
 
-    from framework.model_loader import load_model_config, resolve_model_path
-
-    path = resolve_model_path(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    prompts, out_lens = build_workload(tokenizer, load_texts(Path(args.prompts_file)), args)
+    path, tokenizer, prompts, out_lens = load_workload(args)
     mc = load_model_config(args.model)
     gen_eos = json.loads((Path(path) / "generation_config.json").read_text()).get("eos_token_id") \
         if (Path(path) / "generation_config.json").is_file() else None

@@ -257,7 +257,7 @@ def summarize(name: str, res: dict[str, Any]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO_ROOT))
-    from experiments.bench_offline import add_model_workload_args, build_workload, load_texts
+    from experiments.bench_offline import add_model_workload_args, load_workload
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_workload_args(p)
@@ -282,13 +282,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         import torch
 
         torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    from framework.model_loader import resolve_model_path
-
-    model_path = resolve_model_path(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts, out_lens = build_workload(tokenizer, load_texts(Path(args.prompts_file)), args)
+    model_path, _, prompts, out_lens = load_workload(args)
     modes = ["compiled"] if args.compile else [m for m in args.servelab_modes.split(",") if m]
     systems, engines, workers = {}, {}, []
     try:

@@ -104,15 +104,10 @@ def child_dp(args: argparse.Namespace) -> None:
     prints ``RESULT`` with each round's seconds."""
     import torch
 
-    from experiments.bench_offline import build_workload, load_texts
+    from experiments.bench_offline import load_workload
 
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    from framework.model_loader import resolve_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
-    prompts, lens = build_workload(tokenizer, load_texts(Path(args.prompts_file)), args)
+    _, _, prompts, lens = load_workload(args)
     order = sorted(range(len(prompts)), key=lambda i: -lens[i])[args.shard::args.num_shards]  # balanced by length
     prompts, lens = [prompts[i] for i in order], [lens[i] for i in order]
     llm, generate = engine(args, prompts)

@@ -1,6 +1,6 @@
 """``engine.compile=true``: greedy parity with transformers, no recompiles after the warm-up across a
-mixed-length run (chunked prefill, prefix hits, batch-1 decode; prepacked and ATen linears), the attention custom op's contract,
-and the fallback to eager when the compiler is unavailable or fails."""
+mixed-length run (chunked prefill, prefix hits, batch-1 decode; prepacked and ATen linears), the
+attention custom op's contract, and the fallback to eager when the compiler is unavailable or fails."""
 
 from __future__ import annotations
 
