@@ -22,15 +22,15 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from framework import registry  # noqa: E402
-from framework.engine import validate_plugins  # noqa: E402
-from framework.hydra_config import (  # noqa: E402
+from framework.engine.llm_engine import validate_plugins  # noqa: E402
+from framework.entrypoints.hydra_config import (  # noqa: E402
     CONF_DIR,
     engine_config_from_cfg,
     register_config_nodes,
     sampling_params_from_cfg,
 )
-from framework.run_record import write_run_record  # noqa: E402
-from framework.workloads_synthetic import theoretical_hit_rate, validate_arrivals  # noqa: E402
+from framework.entrypoints.run_record import write_run_record  # noqa: E402
+from framework.workloads.synthetic import theoretical_hit_rate, validate_arrivals  # noqa: E402
 
 register_config_nodes()  # every registered plugin name is a valid group option, file or not
 
@@ -65,7 +65,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             stack.callback(tracker.close)
             observer = tracker
             if cfg.mode == "serve":  # tracker logging (W&B) runs on a relay thread, never stalling the loop
-                from framework.hook_relay import ThreadedHookRelay
+                from framework.entrypoints.hook_relay import ThreadedHookRelay
 
                 observer = ThreadedHookRelay(tracker)
                 stack.callback(observer.close)  # drained before tracker.close
@@ -84,8 +84,8 @@ def _without_secrets(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _serve(cfg: DictConfig, engine_config: Any, run_dir: Path) -> dict[str, Any]:
-    """Serve the engine over HTTP (``framework/server``) until SIGINT/SIGTERM; then write ``metrics.json``."""
-    from framework.server.launch import serve
+    """Serve the engine over HTTP (``framework/entrypoints/server``) until SIGINT/SIGTERM; then write ``metrics.json``."""
+    from framework.entrypoints.server.launch import serve
 
     summary = serve(cfg, engine_config)
     (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -94,10 +94,10 @@ def _serve(cfg: DictConfig, engine_config: Any, run_dir: Path) -> dict[str, Any]
 
 def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run_dir: Path) -> dict[str, Any]:
     """Build the engine, run the workload, write the run files, report the summary."""
-    from framework.engine import build_engine
-    from framework.metrics import MetricsCollector, render_summary_table
-    from framework.offline_runner import run_workload
-    from framework.workload import build_workload
+    from framework.engine.llm_engine import build_engine
+    from framework.entrypoints.offline_runner import run_workload
+    from framework.metrics.collector import MetricsCollector, render_summary_table
+    from framework.workloads.workload import build_workload
 
     engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms,
                                                                   slo_tpot_ms=cfg.slo.tpot_ms))
@@ -106,7 +106,7 @@ def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run
     logger.info("running %d requests; outputs in %s", len(items), run_dir)
     with contextlib.ExitStack() as stack:
         if cfg.get("ui", "progress") == "dashboard":  # live rich dashboard fed by the lifecycle hooks
-            from framework.dashboard import Dashboard
+            from framework.entrypoints.dashboard import Dashboard
 
             dashboard = stack.enter_context(Dashboard(total_requests=len(items)))
             stack.enter_context(registry.registered(dashboard, name="dashboard"))

@@ -128,7 +128,7 @@ def load_workload(args: argparse.Namespace) -> tuple[str, Any, list[list[int]], 
     """
     from transformers import AutoTokenizer
 
-    from framework.model_loader import resolve_model_path
+    from framework.worker.model_loader import resolve_model_path
 
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -147,9 +147,9 @@ def _load_avg() -> float:
 
 
 def run_ours(prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    from framework.llm import LLM
-    from framework.metrics import MetricsCollector
-    from framework.sampling_params import SamplingParams
+    from framework.core.sampling_params import SamplingParams
+    from framework.entrypoints.llm import LLM
+    from framework.metrics.collector import MetricsCollector
 
     kwargs: dict[str, Any] = {"enable_prefix_caching": args.prefix_caching == "on"}
     if args.max_num_seqs is not None:
@@ -182,7 +182,7 @@ def run_ours(prompts: list[list[int]], out_lens: list[int], args: argparse.Names
 
 
 def _load_hf_model(args: argparse.Namespace) -> tuple[Any, Any, int]:
-    from framework.model_loader import load_model
+    from framework.worker.model_loader import load_model
 
     loaded = load_model(args.model, dtype=args.dtype)  # transformers default attention (sdpa)
     tok = loaded.tokenizer
@@ -337,8 +337,8 @@ def code_state() -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    hot = ("framework/model_runner.py", "plugins/attention/torch.py", "framework/sampler.py", "framework/engine.py",
-           "framework/scheduler.py")
+    hot = ("framework/worker/model_runner.py", "plugins/attention/torch.py", "framework/worker/sampler.py", "framework/engine/llm_engine.py",
+           "framework/core/scheduler.py")
     return {"commit": git("rev-parse", "--short", "HEAD"),
             "modified": [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()],
             "sha1": {f: hashlib.sha1((REPO_ROOT / f).read_bytes()).hexdigest()[:10] for f in hot
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     code = code_state()  # at start: the plugin modules are imported during this run
     if args.threads:
         torch.set_num_threads(args.threads)
-    from framework.model_loader import load_model_config
+    from framework.worker.model_loader import load_model_config
 
     path, tokenizer, prompts, out_lens = load_workload(args)
     mc = load_model_config(args.model)

@@ -37,8 +37,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from framework.metrics import percentile  # noqa: E402
-from framework.workload import WorkloadItem  # noqa: E402
+from framework.metrics.collector import percentile  # noqa: E402
+from framework.workloads.workload import WorkloadItem  # noqa: E402
 
 
 @dataclass
@@ -56,7 +56,7 @@ class RequestResult:
 
 
 def load_items(workload: str, overrides: list[str], model: str) -> list[WorkloadItem]:
-    """The workload's requests (with arrival offsets), built by ``framework.workload.build_workload`` with the
+    """The workload's requests (with arrival offsets), built by ``framework.workloads.workload.build_workload`` with the
     tokenizer and vocabulary size of ``model`` (a servelab alias or local folder), exactly as
     ``python run.py workload=<workload> <overrides>`` builds them (same seed -> same prompts).
 
@@ -66,9 +66,9 @@ def load_items(workload: str, overrides: list[str], model: str) -> list[Workload
     from hydra import compose, initialize_config_dir
     from transformers import AutoTokenizer
 
-    from framework.hydra_config import CONF_DIR
-    from framework.model_loader import load_model_config, resolve_model_path
-    from framework.workload import build_workload
+    from framework.entrypoints.hydra_config import CONF_DIR
+    from framework.worker.model_loader import load_model_config, resolve_model_path
+    from framework.workloads.workload import build_workload
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"workload={workload}", *overrides])

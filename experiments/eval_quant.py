@@ -37,7 +37,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from framework import LLM, registry  # noqa: E402
-from framework.sampling_params import SamplingParams  # noqa: E402
+from framework.core.sampling_params import SamplingParams  # noqa: E402
 from plugins.quant._common import weight_bytes  # noqa: E402
 from plugins.quant._eval import heldout_text, perplexity  # noqa: E402
 
@@ -60,7 +60,7 @@ def _timed_tok_s(llm: LLM, prompts: list[str], output_len: int) -> float:
 def _perplexity(args: argparse.Namespace, method: str, params: dict, tokenizer) -> float:
     from transformers import AutoModelForCausalLM
 
-    from framework.model_loader import resolve_model_path
+    from framework.worker.model_loader import resolve_model_path
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=getattr(torch, args.dtype))
     if method != "none":

@@ -65,7 +65,7 @@ def whole_run_split(llm: Any, prompts: list[list[int]], out_lens: list[int]) -> 
     """
     from bench_offline import reset_prefix_cache
 
-    from framework.sampling_params import SamplingParams
+    from framework.core.sampling_params import SamplingParams
 
     reset_prefix_cache(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
@@ -112,9 +112,9 @@ def main() -> None:
 
     from bench_offline import build_workload, load_texts
 
-    from framework.llm import LLM
-    from framework.metrics import MetricsCollector
-    from framework.sampling_params import SamplingParams
+    from framework.core.sampling_params import SamplingParams
+    from framework.entrypoints.llm import LLM
+    from framework.metrics.collector import MetricsCollector
 
     kw = {"enable_prefix_caching": args.prefix_caching == "on"}
     if args.max_num_batched_tokens:

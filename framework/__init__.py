@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from framework.config import EngineConfig
+from framework.core.outputs import CompletionOutput, RequestOutput
+from framework.core.sampling_params import SamplingParams
+from framework.core.structured_output_params import StructuredOutputsParams
 from framework.hookspecs import hookimpl
-from framework.outputs import CompletionOutput, RequestOutput
-from framework.sampling_params import SamplingParams
-from framework.structured_output_params import StructuredOutputsParams
 
-_LAZY = {"LLM": "framework.llm", "LLMEngine": "framework.engine", "build_engine": "framework.engine"}
+_LAZY = {"LLM": "framework.entrypoints.llm", "LLMEngine": "framework.engine.llm_engine",
+         "build_engine": "framework.engine.llm_engine"}
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams", "build_engine", "hookimpl"]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from framework.outputs import RequestOutput, SchedulerStats
+    from framework.core.outputs import RequestOutput, SchedulerStats
 
 PROJECT_NAME = "servelab"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

@@ -50,7 +50,7 @@ class MaskProcessor:
     """transformers ``LogitsProcessor`` driving a matcher from the same compiled grammar."""
 
     def __init__(self, grammar, compiled, prompt_len: int, vocab: int):
-        from framework.structured_output import apply_token_bitmask
+        from framework.core.structured_output import apply_token_bitmask
 
         self.matcher, self.prompt_len, self.apply = grammar.matcher(compiled), prompt_len, apply_token_bitmask
         self.bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)

@@ -11,7 +11,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from framework import hookimpl, registry
-from framework.hydra_config import engine_config_from_cfg, register_config_nodes, sampling_params_from_cfg
+from framework.entrypoints.hydra_config import engine_config_from_cfg, register_config_nodes, sampling_params_from_cfg
 from framework.interfaces import SchedulerPolicy
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -20,7 +20,7 @@ GRID = ("model=stories260K", "scheduler=fcfs,priority", "engine.max_num_seqs=2,8
 def servelab(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     env.pop("WANDB_MODE", None)
-    return subprocess.run([sys.executable, "-m", "framework.cli", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "framework.entrypoints.cli", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from framework.interfaces.base import Plugin
 
 if TYPE_CHECKING:
-    from framework.request import Request
+    from framework.core.request import Request
 
 
 @dataclass

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 from framework.interfaces.base import Plugin
 
 if TYPE_CHECKING:
-    from framework.request import Request
+    from framework.core.request import Request
 
 
 class SchedulerPolicy(Plugin, ABC):
-    """Decides *who* goes first; the scheduler core (``framework.scheduler``) decides *how much*.
+    """Decides *who* goes first; the scheduler core (``framework.core.scheduler``) decides *how much*.
 
     The core re-ranks the waiting queue with :meth:`sort_waiting` (default: by :meth:`key`) at the
     start of every step, so keys may change over time (aging, prefix-cache state); it admits from

@@ -1,5 +1,5 @@
 """KV-allocator invariants (``framework.interfaces.KVAllocator``) under a seeded random schedule of
-admissions, decode growth and frees, driven the way ``framework.scheduler`` drives an allocator.
+admissions, decode growth and frees, driven the way ``framework.core.scheduler`` drives an allocator.
 
 Shadow-cache seam: when ``framework/testing/shadow_cache.py`` exists (an exact reference simulation
 of the prefix cache, written separately) and defines ``check_against_shadow_cache(allocator_cls,
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import random
 
+from framework.core.request import Request
+from framework.core.sampling_params import SamplingParams
 from framework.interfaces import KVAllocator
-from framework.request import Request
-from framework.sampling_params import SamplingParams
 from framework.testing.shadow_cache import check_against_shadow_cache
 
 

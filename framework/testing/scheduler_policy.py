@@ -7,9 +7,9 @@ from __future__ import annotations
 import copy
 import random
 
+from framework.core.request import Request
+from framework.core.sampling_params import SamplingParams
 from framework.interfaces import SchedulerPolicy
-from framework.request import Request
-from framework.sampling_params import SamplingParams
 
 
 def _requests(n: int, seed: int) -> list[Request]:

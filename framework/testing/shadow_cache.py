@@ -24,9 +24,9 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from framework.outputs import ModelRunnerOutput, SchedulerOutput
-from framework.request import Request
-from framework.scheduler import Scheduler
+from framework.core.outputs import ModelRunnerOutput, SchedulerOutput
+from framework.core.request import Request
+from framework.core.scheduler import Scheduler
 
 
 @dataclass
@@ -197,9 +197,9 @@ def check_against_shadow_cache(allocator_cls: type, policies: Sequence[str] = ("
         AssertionError: a stale/foreign KV read, a leaked block, or no progress.
     """
     from framework import registry
-    from framework.sampling_params import SamplingParams
-    from framework.stop import StopChecker
-    from framework.swap import SwapSpace
+    from framework.core.sampling_params import SamplingParams
+    from framework.core.stop import StopChecker
+    from framework.core.swap import SwapSpace
 
     rng = random.Random(seed)
     for policy in policies:

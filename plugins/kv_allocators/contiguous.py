@@ -15,9 +15,9 @@ from collections import deque
 from typing import Any
 
 from framework import hookimpl
+from framework.core.request import Request
 from framework.hookspecs import Register
 from framework.interfaces import KVAllocator, KVCacheStats
-from framework.request import Request
 
 
 class ContiguousKVAllocator(KVAllocator):

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from framework import hookimpl
+from framework.core.request import Request
 from framework.hookspecs import Register
 from framework.interfaces import KVAllocator, KVCacheStats
-from framework.request import Request
 from plugins.kv_allocators._eviction import EVICTION_POLICIES, FreeBlockQueue
 
 if TYPE_CHECKING:

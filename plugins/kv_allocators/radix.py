@@ -26,9 +26,9 @@ from collections import deque
 from typing import Any
 
 from framework import hookimpl
+from framework.core.request import Request
 from framework.hookspecs import Register
 from framework.interfaces import KVAllocator, KVCacheStats
-from framework.request import Request
 
 _NEVER = 1 << 62  # "inserted up to" marker of a request whose insertion stopped at a duplicate
 

@@ -82,7 +82,7 @@ class Int4WeightOnly(LinearQuantMethod):
         skip = tuple(params.get("skip", ()))
         if group not in GROUP_SIZES:
             return problems + [f"quant.params.group_size must be one of {GROUP_SIZES}, got {group}"]
-        from framework.model_loader import load_model_config
+        from framework.worker.model_loader import load_model_config
 
         mc = load_model_config(config.model)
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads

@@ -13,9 +13,9 @@ import itertools
 from collections import Counter
 
 from framework import hookimpl
+from framework.core.request import Request
 from framework.hookspecs import Register
 from framework.interfaces import SchedulerPolicy
-from framework.request import Request
 
 
 class FairPolicy(SchedulerPolicy):

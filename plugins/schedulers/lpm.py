@@ -9,9 +9,9 @@ prefix lookup, so the ranking follows the cache as it changes step by step.
 from __future__ import annotations
 
 from framework import hookimpl
+from framework.core.request import Request
 from framework.hookspecs import Register
 from framework.interfaces import SchedulerPolicy
-from framework.request import Request
 
 
 class LPMPolicy(SchedulerPolicy):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from framework import hookimpl
+from framework.core.request import Request
 from framework.hookspecs import Register
 from framework.interfaces import SchedulerPolicy
-from framework.request import Request
 
 
 class PriorityPolicy(SchedulerPolicy):

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 
 from framework import hookimpl
+from framework.core.request import Request
 from framework.hookspecs import Register
 from framework.interfaces import SchedulerPolicy
-from framework.request import Request
 
 
 class SJFPolicy(SchedulerPolicy):

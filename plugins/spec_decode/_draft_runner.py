@@ -1,7 +1,7 @@
 """The KV side of drafters that run a model of their own (``draft_model``, ``eagle``).
 
 Such a drafter gets its own attention backend instance (its own head shape), its own paged KV
-tensors and ``paged`` block pool (no prefix caching), and a :class:`framework.model_runner.ModelRunner`
+tensors and ``paged`` block pool (no prefix caching), and a :class:`framework.worker.model_runner.ModelRunner`
 whose input preparation flattens its steps like the target's.
 """
 
@@ -33,8 +33,8 @@ def build_draft_runner(model: torch.nn.Module, model_config: Any, config: Engine
         ``(kv_allocator, model_runner)``.
     """
     from framework import registry
-    from framework.model_runner import ModelRunner
-    from framework.sampler import Sampler
+    from framework.worker.model_runner import ModelRunner
+    from framework.worker.sampler import Sampler
 
     dtype, device = getattr(torch, config.dtype), torch.device(config.device)
     mc = model_config

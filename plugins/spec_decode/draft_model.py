@@ -4,13 +4,13 @@ Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decodin
 al. 2023 ("Accelerating Large Language Model Decoding with Speculative Sampling"): the draft model
 runs k cheap autoregressive steps, the target verifies them in one forward. The draft model has
 its own attention backend instance, its own paged KV cache (its own layer count and head shape)
-and its own block pool; it runs through a second :class:`framework.model_runner.ModelRunner`, so
+and its own block pool; it runs through a second :class:`framework.worker.model_runner.ModelRunner`, so
 its steps are flattened batches like the target's. Its KV is kept across steps: after a verify
 step only the longest common prefix of what it computed and the request's accepted tokens is
 reused, the rest is recomputed (rejected positions are overwritten).
 
 Drafts are greedy (the draft's argmax), so ``q`` is one-hot and verification is exact for any
-sampling parameters (``framework.rejection_sampler``).
+sampling parameters (``framework.worker.rejection_sampler``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch
 
 from framework import hookimpl
 from framework.config import EngineConfig
+from framework.core.request import Request
+from framework.core.sampling_params import SamplingParams
 from framework.hookspecs import Register
 from framework.interfaces import Drafter
-from framework.request import Request
-from framework.sampling_params import SamplingParams
 
 MISSING_MODEL = "spec_decode=draft_model needs spec_decode.params.model=PATH (e.g. models/stories260K-draft)"
 
@@ -62,7 +62,7 @@ class DraftModelDrafter(Drafter):
         path = config.drafter_params.get("model")
         if not path:
             return problems + [MISSING_MODEL]
-        from framework.model_loader import load_model_config
+        from framework.worker.model_loader import load_model_config
 
         try:
             draft_vocab = load_model_config(path).vocab_size
@@ -77,8 +77,8 @@ class DraftModelDrafter(Drafter):
 
     def load(self, model: torch.nn.Module, model_config: Any, config: EngineConfig) -> None:
         """Load the draft model, its attention backend, KV cache, block pool and runner."""
-        from framework.forward_context import register_attention_implementation
-        from framework.model_loader import load_model
+        from framework.worker.forward_context import register_attention_implementation
+        from framework.worker.model_loader import load_model
         from plugins.spec_decode._draft_runner import build_draft_runner
 
         loaded = load_model(str(Path(self.model_path)), dtype=config.dtype, device=config.device,
@@ -116,7 +116,7 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, requests: list[Request]) -> dict[str, list[int]]:
         """k greedy draft steps over all requests at once (the first also catches up the context)."""
-        from framework.outputs import SchedulerOutput
+        from framework.core.outputs import SchedulerOutput
 
         states = [self._sync(r) for r in requests]
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}

@@ -6,7 +6,7 @@ target's last hidden states of every forward (``Drafter.needs_hidden_states``), 
 once per step. Head position ``j`` of a request pairs the target feature at position
 ``start + j`` with the token sampled from it; the head has its own attention backend instance,
 paged KV cache (its own layer count) and block pool, and runs flattened batches through a second
-:class:`framework.model_runner.ModelRunner`'s input preparation.
+:class:`framework.worker.model_runner.ModelRunner`'s input preparation.
 
 Per request the drafter keeps the features the head has not consumed yet. Each ``propose`` first
 catches the head's KV up on the real features (positions below ``num_computed_tokens``; rows of
@@ -17,7 +17,7 @@ head's context starts at the first feature it saw. RoPE attention depends only o
 positions, so head positions count from that start; acceptance may drop, output never changes.
 
 Drafts are the head's argmax, so ``q`` is one-hot and verification is exact for every sampling
-setting (``framework.rejection_sampler``).
+setting (``framework.worker.rejection_sampler``).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import torch
 
 from framework import hookimpl
 from framework.config import EngineConfig
+from framework.core.outputs import SchedulerOutput, TargetHiddenStates
+from framework.core.request import Request
+from framework.core.sampling_params import SamplingParams
 from framework.hookspecs import Register
 from framework.interfaces import Drafter
-from framework.outputs import SchedulerOutput, TargetHiddenStates
-from framework.request import Request
-from framework.sampling_params import SamplingParams
 
 MISSING_MODEL = ("spec_decode=eagle needs spec_decode.params.model=PATH of an EAGLE head "
                  "(e.g. models/stories260K-eagle; train one with experiments/train_eagle.py)")
@@ -82,7 +82,7 @@ class EagleDrafter(Drafter):
         path = config.drafter_params.get("model")
         if not path:
             return problems + [MISSING_MODEL]
-        from framework.model_loader import load_model_config
+        from framework.worker.model_loader import load_model_config
         from plugins.spec_decode._eagle_head import load_head_config
 
         try:
@@ -98,7 +98,7 @@ class EagleDrafter(Drafter):
         Raises:
             ValueError: the head's hidden size or vocabulary differs from the target's.
         """
-        from framework.forward_context import register_attention_implementation
+        from framework.worker.forward_context import register_attention_implementation
         from plugins.spec_decode._draft_runner import build_draft_runner
         from plugins.spec_decode._eagle_head import load_head, load_head_config
 
@@ -182,7 +182,7 @@ class EagleDrafter(Drafter):
     def _head_step(self, shadows: list[Request], feats: dict[str, torch.Tensor]) -> torch.Tensor:
         """One flattened head forward over every shadow's uncomputed pairs; returns each shadow's
         last predicted feature, ``(len(shadows), hidden)`` in ``shadows`` order."""
-        from framework.forward_context import ForwardContext, forward_context
+        from framework.worker.forward_context import ForwardContext, forward_context
 
         n = {s.request_id: s.num_tokens - s.num_computed_tokens for s in shadows}
         so = SchedulerOutput(scheduled_requests=shadows, num_scheduled_tokens=n, total_num_scheduled_tokens=sum(n.values()),

@@ -15,9 +15,9 @@ import numpy as np
 
 from framework import hookimpl
 from framework.config import EngineConfig
+from framework.core.request import Request
 from framework.hookspecs import Register
 from framework.interfaces import Drafter
-from framework.request import Request
 
 
 def ngram_propose(context: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:

@@ -16,10 +16,10 @@ import os
 from typing import Any
 
 from framework import hookimpl
+from framework.core.outputs import SchedulerStats
 from framework.hookspecs import Register
 from framework.interfaces import Tracker
-from framework.outputs import SchedulerStats
-from framework.results import flatten
+from framework.metrics.results import flatten
 
 MODES = ("offline", "online", "disabled")
 # W&B line charts logged at the end of a run: chart name -> SchedulerStats fields over steps

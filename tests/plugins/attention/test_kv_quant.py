@@ -9,8 +9,8 @@ import torch
 from helpers import STORIES
 
 from framework.config import EngineConfig
+from framework.core.sampling_params import SamplingParams
 from framework.interfaces import CommonAttentionMetadata
-from framework.sampling_params import SamplingParams
 from plugins.attention._kv_quant import quantize_rows
 from plugins.attention.torch import TorchAttentionBackend
 

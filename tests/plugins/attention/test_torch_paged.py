@@ -169,7 +169,7 @@ def test_engine_greedy_parity_chunked_preempted_prefix_cached(make_llm):
 @pytest.mark.slow
 def test_smollm2_greedy_parity_chunked_prefix_cached(make_llm):
     """SmolLM2-135M (GQA 9:3, head size 64) float32 with torch_paged: chunked prefill and prefix-cache hits."""
-    from framework.model_loader import resolve_model_path
+    from framework.worker.model_loader import resolve_model_path
 
     path = resolve_model_path("smollm2")
     llm = make_llm(model=path, attention="torch_paged", max_model_len=512, max_num_batched_tokens=24,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from framework.request import Request
-from framework.sampling_params import SamplingParams
+from framework.core.request import Request
+from framework.core.sampling_params import SamplingParams
 from plugins.kv_allocators.contiguous import ContiguousKVAllocator
 
 

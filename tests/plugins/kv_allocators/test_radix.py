@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from framework.request import Request
-from framework.sampling_params import SamplingParams
+from framework.core.request import Request
+from framework.core.sampling_params import SamplingParams
 from plugins.kv_allocators.radix import RadixKVAllocator
 
 

@@ -9,8 +9,8 @@ from helpers import STORIES
 
 from framework import registry
 from framework.config import EngineConfig
-from framework.engine import validate_plugins
-from framework.sampling_params import SamplingParams
+from framework.core.sampling_params import SamplingParams
+from framework.engine.llm_engine import validate_plugins
 
 # stories260K: hidden 64, intermediate 172 (not a multiple of 16/32), so int4 keeps the MLP full precision
 METHODS = {
@@ -107,7 +107,7 @@ def test_method_the_device_cannot_run() -> None:
 def test_prequantized_checkpoint_refused() -> None:
     from transformers import AutoConfig
 
-    from framework.engine import refuse_prequantized
+    from framework.engine.llm_engine import refuse_prequantized
 
     config = AutoConfig.from_pretrained(STORIES)
     refuse_prequantized(config)  # plain checkpoint: fine

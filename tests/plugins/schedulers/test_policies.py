@@ -7,10 +7,10 @@ import random
 import pytest
 
 from framework import registry
-from framework.request import Request
-from framework.sampling_params import SamplingParams
-from framework.scheduler import Scheduler
-from framework.stop import StopChecker
+from framework.core.request import Request
+from framework.core.sampling_params import SamplingParams
+from framework.core.scheduler import Scheduler
+from framework.core.stop import StopChecker
 from framework.testing.shadow_cache import fake_runner
 from plugins.kv_allocators.paged import PagedKVAllocator
 from plugins.schedulers.fair import FairPolicy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from framework import registry
-from framework.outputs import SchedulerStats
+from framework.core.outputs import SchedulerStats
 from plugins.trackers.wandb import WandbTracker
 
 

@@ -1,0 +1,153 @@
+"""Boundary dataclasses between engine parts: scheduler -> runner -> scheduler -> caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from framework.core.request import Request
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step computes; built by ``Scheduler.schedule()``, read by the model runner.
+
+    Requests appear in ``scheduled_requests`` in the scheduler's order; the runner may reorder
+    them inside its batch (e.g. decodes first) but reports results by request id.
+    """
+
+    scheduled_requests: list[Request]  # requests with >= 1 token to compute this step
+    num_scheduled_tokens: dict[str, int]  # request_id -> tokens computed this step (>= 1)
+    total_num_scheduled_tokens: int  # sum of num_scheduled_tokens; <= max_num_batched_tokens
+    block_ids: dict[str, list[int]]  # request_id -> its block table (allocator's list, read-only)
+    preempted_req_ids: set[str] = field(default_factory=set)  # preempted (recompute) in this step
+    finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
+    # swap preemption: block copies the runner makes before the forward, all outs before all ins
+    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (device blocks, swap slots)
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (swap slots, device blocks)
+    # request_id -> the draft tokens among its scheduled tokens (the last len(...) of them); only
+    # requests that verify drafts this step have an entry (speculative decoding)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing is scheduled and nothing is swapped (the runner is not called)."""
+        return self.total_num_scheduled_tokens == 0 and not self.swap_out and not self.swap_in
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward produced, built by ``ModelRunner.execute_model``.
+
+    A request that only advanced a prefill chunk (did not reach the end of its tokens) has no
+    entry in ``sampled_token_ids``.
+    """
+
+    sampled_token_ids: dict[str, list[int]]  # request_id -> new tokens (1 without spec decode)
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # per new token: id -> logprob
+    prepare_s: float = 0.0  # input preparation time, seconds
+    forward_s: float = 0.0  # model forward time, seconds
+    sample_s: float = 0.0  # logits processing + sampling time, seconds
+    # request_id -> draft tokens accepted this step (speculative decoding; <= its scheduled drafts)
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    # the target's last hidden states of every scheduled token; only when a drafter asks (EAGLE)
+    hidden_states: TargetHiddenStates | None = None
+
+
+@dataclass
+class TargetHiddenStates:
+    """The target's last hidden states (after its final norm: the LM head's input) of one forward.
+
+    Token ``t`` of request ``i`` (batch order) is row ``query_start_loc[i] + t`` and sits at
+    position ``context_lens[i] + t``. Rows of draft tokens that verification rejected are included;
+    the reader keeps only positions below the request's ``num_computed_tokens`` after the step.
+    """
+
+    request_ids: list[str]  # batch order
+    query_start_loc: np.ndarray  # (num_reqs + 1,) int64: first row of each request
+    context_lens: np.ndarray  # (num_reqs,) int64: position of each request's first scheduled token
+    hidden_states: torch.Tensor  # (num_tokens, hidden_size), model dtype, on the model's device
+
+
+@dataclass
+class RequestMetrics:
+    """Latency metrics of one finished request, seconds (vLLM / SGLang benchmark definitions)."""
+
+    ttft_s: float | None  # time to first token: first token - arrival
+    tpot_s: float | None  # time per output token after the first: (finish - first) / (n_out - 1)
+    itl_s: list[float]  # inter-token latencies between consecutive output tokens
+    e2e_s: float | None  # end-to-end latency: finish - arrival
+    queue_s: float | None  # waiting time: first scheduled - arrival
+    num_prompt_tokens: int  # prompt length, tokens
+    num_output_tokens: int  # generated tokens
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    num_preemptions: int  # times the request was preempted
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain-dict form for JSON writers."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's ``CompletionOutput``)."""
+
+    index: int  # completion index (always 0: n == 1)
+    text: str  # detokenized output; stop string trimmed unless include_stop_str_in_output
+    token_ids: list[int]  # (num_output_tokens,) sampled ids, including a final EOS/stop id
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    logprobs: list[dict[int, float]] | None = None  # per output token: top-N ids -> logprob
+
+
+@dataclass
+class RequestOutput:
+    """A request's state as reported to the caller (vLLM's ``RequestOutput``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None  # set once finished
+    error: str | None = None  # set when the request was rejected (e.g. prompt too long)
+
+
+@dataclass
+class SchedulerStats:
+    """Per-step statistics passed to the ``on_step_end`` lifecycle hook."""
+
+    step: int  # engine step counter, from 0
+    num_running_reqs: int  # requests holding KV blocks after scheduling
+    num_waiting_reqs: int  # requests queued (incl. preempted)
+    num_scheduled_tokens: int  # tokens computed this step (prefill + decode)
+    num_prefill_tokens: int  # of which belong to requests still in prefill (chunks)
+    num_decode_tokens: int  # of which are single-token decodes
+    kv_cache_usage: float  # fraction of KV blocks in use, [0, 1]
+    prefix_cache_hit_rate: float  # cumulative hit tokens / queried tokens, [0, 1]
+    num_preemptions: int  # preemptions in this step
+    schedule_s: float = 0.0  # time in Scheduler.schedule, seconds
+    prepare_s: float = 0.0  # runner input preparation, seconds
+    forward_s: float = 0.0  # model forward, seconds
+    sample_s: float = 0.0  # sampling, seconds
+    update_s: float = 0.0  # Scheduler.update_from_output, seconds
+    step_s: float = 0.0  # whole step, seconds
+    num_generated_tokens: int = 0  # output tokens produced this step
+    kv_cache_fragmentation: float = 0.0  # allocated but unused token slots / allocated slots, [0, 1]
+    num_preemptions_swap: int = 0  # of num_preemptions, those that swapped out (the rest recompute)
+    num_swap_out_blocks: int = 0  # KV blocks copied device -> swap space this step (swap preemption)
+    num_swap_in_blocks: int = 0  # KV blocks copied swap space -> device this step
+    swapped_bytes: int = 0  # bytes moved by this step's swaps (both directions)
+    num_sampled_reqs: int = 0  # requests that got >= 1 token this step
+    num_spec_reqs: int = 0  # requests that verified drafts this step (speculative decoding)
+    num_draft_tokens: int = 0  # draft tokens verified this step
+    num_accepted_tokens: int = 0  # of which the target accepted
+    draft_s: float = 0.0  # drafter time after this step (proposing the next drafts), seconds
+
+    def as_dict(self) -> dict[str, float | int]:
+        """Plain-dict form for trackers."""
+        return dict(self.__dict__)

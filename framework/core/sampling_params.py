@@ -1,0 +1,107 @@
+"""Per-request sampling and stopping parameters (vLLM's ``SamplingParams`` vocabulary)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from framework.core.structured_output_params import StructuredOutputsParams
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's ``RequestOutputKind``).
+
+    ``CUMULATIVE``: all text/tokens so far, every step. ``DELTA``: only what is new since the
+    previous output of that request. ``FINAL_ONLY``: one output, when the request finishes.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples tokens and when it stops.
+
+    Field names and semantics follow vLLM's ``SamplingParams`` so that research code moves
+    between the two unchanged.
+
+    Raises:
+        ValueError: from :meth:`validate` (called in ``__post_init__``) when a value is out of
+            range; the message names the field and the accepted range. Nothing is queued.
+    """
+
+    n: int = 1  # number of completions; only 1 is supported by the engine today
+    temperature: float = 1.0  # 0 means greedy (argmax)
+    top_p: float = 1.0  # nucleus sampling mass in (0, 1]
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob; in [0, 1]
+    seed: int | None = None  # per-request generator seed; None uses the engine's generator
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output (CTRL paper)
+    presence_penalty: float = 0.0  # OpenAI-style, subtracted once per token seen in the output
+    frequency_penalty: float = 0.0  # OpenAI-style, subtracted per occurrence in the output
+    max_tokens: int | None = 16  # output-token cap; None means up to max_model_len
+    min_tokens: int = 0  # EOS / stop_token_ids are masked until this many output tokens exist
+    stop: list[str] = field(default_factory=list)  # stop strings, trimmed from the returned text
+    stop_token_ids: list[int] = field(default_factory=list)  # extra token ids that end the request
+    ignore_eos: bool = False  # keep generating past the model's EOS ids
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    logprobs: int | None = None  # number of top log-probabilities returned per sampled position
+    skip_special_tokens: bool = True  # passed to the tokenizer when detokenizing
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each step's RequestOutput holds
+    structured_outputs: StructuredOutputsParams | None = None  # output constraint (needs grammar != none)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field's range.
+
+        Raises:
+            ValueError: naming the offending field, its value and the accepted range.
+        """
+        checks: list[tuple[bool, str]] = [
+            (self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}"),
+            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k == -1 or self.top_k >= 0, f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1 or None, got {self.max_tokens}"),
+            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            ),
+            (self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0 or None, got {self.logprobs}"),
+            (all(isinstance(s, str) and s for s in self.stop), f"stop must hold non-empty strings, got {self.stop!r}"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"),
+            (self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}"),
+            (isinstance(self.output_kind, RequestOutputKind),
+             f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             f"structured_outputs must be StructuredOutputsParams or None, got {self.structured_outputs!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"Invalid SamplingParams: {message}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax token (temperature 0)."""
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        """True when any repetition/presence/frequency penalty changes the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -1,0 +1,300 @@
+"""Scheduler core: one rule for prefill, decode, chunked prefill, prefix hits and preemption.
+
+Follows vLLM V1's scheduler (``vllm/v1/core/sched/scheduler.py``): there are no phases; each
+request's ``num_computed_tokens`` catches up with ``num_tokens`` within a per-step token budget.
+Running requests are served first (decodes and unfinished chunks), then waiting requests are
+admitted in policy order. When the KV allocator says no, the policy's victim is preempted by
+recompute (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+PagedAttention", SOSP'23, Sec. 4.5).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from framework.core.outputs import ModelRunnerOutput, SchedulerOutput
+from framework.core.request import Request, RequestStatus
+from framework.core.stop import StopChecker
+from framework.core.swap import SwapSpace
+from framework.interfaces import KVAllocator, SchedulerPolicy
+
+
+class Scheduler:
+    """Chooses which tokens each step computes and applies the step's results.
+
+    Args:
+        policy: waiting-queue order, preemption victim and may-preempt rule.
+        kv_allocator: block ownership; the scheduler is its only caller.
+        stop_checker: decides when a request is finished after a new token.
+        max_num_seqs: max requests in one step.
+        max_num_batched_tokens: token budget of one step.
+        max_model_len: prompt + output cap, tokens.
+        long_prefill_token_threshold: cap on one request's prefill chunk per step (0: none).
+        swap_space: CPU swap slots for ``preemption_mode=swap`` (vLLM's swapping preemption); ``None``
+            preempts by recompute. A victim is swapped when its written blocks fit, else recomputed.
+    """
+
+    def __init__(self, policy: SchedulerPolicy, kv_allocator: KVAllocator, stop_checker: StopChecker,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 long_prefill_token_threshold: int = 0, swap_space: SwapSpace | None = None) -> None:
+        self.policy = policy
+        self.kv = kv_allocator
+        self.stop_checker = stop_checker
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.requests: dict[str, Request] = {}  # every unfinished request by id
+        self.waiting: list[Request] = []  # re-ranked by the policy at the start of every schedule()
+        self.running: list[Request] = []  # admission order
+        self._finished_ids: set[str] = set()  # finished since the last schedule()
+        self.num_preemptions_last_step = 0
+        self.swap_space = swap_space
+        self._swap_out: list[tuple[list[int], list[int]]] = []  # this step's (device blocks, swap slots)
+        self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's (swap slots, device blocks)
+        policy.attach(self._num_cached_prefix_tokens)
+
+    # ---- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (status WAITING)."""
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _num_cached_prefix_tokens(self, request: Request) -> int:
+        """Read-only prefix-cache lookup handed to the policy (``lpm``): tokens a hit would serve."""
+        return self.kv.get_computed_blocks(request)[1]
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the given requests as aborted, freeing their blocks; unknown ids are ignored."""
+        aborted = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+                if self.swap_space is not None:
+                    self.swap_space.drop(rid)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._finish(request)
+            aborted.append(request)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue."""
+        return len(self.waiting)
+
+    # ---- scheduling -------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens: running requests first, then admissions from waiting.
+
+        Mutates: ``running``/``waiting``, request status, KV ownership (through the allocator).
+        ``num_computed_tokens`` is advanced in :meth:`update_from_output`, except for prefix-cache
+        hits, which count as computed at admission.
+        """
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        preempted: set[str] = set()
+        # keys may change over time (aging, prefix hits): rank afresh every step
+        self.waiting = self.policy.sort_waiting(self.waiting)
+        self._preempt_for_waiting(preempted)
+        num_preempted_for_waiting = len(preempted)
+
+        scheduled_running: list[Request] = []
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                idx += 1
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.policy.select_victim(self.running)
+                self._preempt(victim, preempted)
+                if victim in scheduled_running:  # give back its tokens
+                    scheduled_running.remove(victim)
+                    budget += num_scheduled.pop(victim.request_id)
+                if victim is request:
+                    break
+                idx = self.running.index(request)
+            else:
+                scheduled_running.append(request)
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+                idx += 1
+                continue
+            # the request preempted itself; the list shifted, idx points at the next one
+
+        if len(preempted) == num_preempted_for_waiting:  # as vLLM: no admissions when KV ran out
+            budget = self._admit_waiting(budget, num_scheduled)
+
+        scheduled = [r for r in self.running if r.request_id in num_scheduled]
+        spec_tokens = self._scheduled_spec_tokens(scheduled, num_scheduled)
+        out = SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            block_ids={r.request_id: self.kv.get_block_ids(r.request_id) for r in scheduled},
+            preempted_req_ids=preempted,
+            finished_req_ids=self._finished_ids,
+            swap_out=self._swap_out,
+            swap_in=self._swap_in,
+            scheduled_spec_decode_tokens=spec_tokens,
+        )
+        self._swap_out, self._swap_in = [], []
+        self._finished_ids = set()
+        self.num_preemptions_last_step = len(preempted)
+        now = time.perf_counter()
+        for request in scheduled:
+            if request.times.first_scheduled_s is None:
+                request.times.first_scheduled_s = now
+        return out
+
+    def _num_new_tokens(self, request: Request, budget: int, num_hit_tokens: int = 0) -> int:
+        """Tokens to compute this step: the remainder after ``num_computed_tokens`` plus prefix
+        hits, capped by ``long_prefill_token_threshold`` and the budget."""
+        num_new = request.num_tokens_with_spec - request.num_computed_tokens - num_hit_tokens
+        if 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        return min(num_new, budget)
+
+    @staticmethod
+    def _scheduled_spec_tokens(scheduled: list[Request], num_scheduled: dict[str, int]) -> dict[str, list[int]]:
+        """request_id -> the drafts among its scheduled tokens (drafts trimmed by the budget drop off
+        the end; a request whose real tokens did not all fit verifies none)."""
+        out: dict[str, list[int]] = {}
+        for request in scheduled:
+            if not request.spec_token_ids:
+                continue
+            n_spec = num_scheduled[request.request_id] - (request.num_tokens - request.num_computed_tokens)
+            if n_spec > 0:
+                out[request.request_id] = request.spec_token_ids[:n_spec]
+        return out
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
+        num_admitted = 0
+        for request in self.waiting:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            computed_blocks, num_hit_tokens = self._lookup(request)
+            num_new = self._num_new_tokens(request, budget, num_hit_tokens)
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break  # head-of-line: no skipping ahead of the policy's order (as vLLM)
+            if self.swap_space is not None and request.request_id in self.swap_space:
+                slots = self.swap_space.swap_in(request.request_id)
+                self._swap_in.append((slots, self.kv.get_block_ids(request.request_id)[:len(slots)]))
+            num_admitted += 1
+            self.policy.on_admitted(request)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens += num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        del self.waiting[:num_admitted]
+        return budget
+
+    def _preempt_for_waiting(self, preempted: set[str]) -> None:
+        """Let the head of the waiting queue evict outranked running requests (priority policies)."""
+        while self.waiting and self.running:
+            candidate = self.waiting[0]
+            victim = self.policy.select_victim(self.running)
+            if not self.policy.may_preempt(candidate, victim) or self._can_admit(candidate):
+                return
+            self._preempt(victim, preempted)
+
+    def _can_admit(self, request: Request) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        hit_blocks, num_hit = self._lookup(request)
+        first_chunk = self._num_new_tokens(request, self.max_num_batched_tokens, num_hit)
+        return self.kv.can_allocate(request, first_chunk, hit_blocks)
+
+    def _lookup(self, request: Request) -> tuple[list[int], int]:
+        """Prefix-cache lookup for admission; a swapped-out request brings its own K/V back instead."""
+        if self.swap_space is not None and request.request_id in self.swap_space:
+            return [], 0
+        return self.kv.get_computed_blocks(request)
+
+    def _preempt(self, request: Request, preempted: set[str]) -> None:
+        """Evict a running request: swap its written blocks out when swap space has room (it resumes
+        with its ``num_computed_tokens``), else recompute (it restarts from token 0)."""
+        self.running.remove(request)
+        slots = None
+        if self.swap_space is not None and request.num_computed_tokens:
+            num_written = -(-request.num_computed_tokens // self.kv.block_size)
+            slots = self.swap_space.swap_out(request.request_id, num_written)
+            if slots is not None:  # copied before this step's forward can reuse the freed blocks
+                self._swap_out.append((list(self.kv.get_block_ids(request.request_id)[:num_written]), slots))
+        self.kv.free(request)  # frees while num_computed_tokens still counts the written tokens
+        request.status = RequestStatus.PREEMPTED
+        if slots is None:
+            request.num_computed_tokens = 0
+        request.spec_token_ids = []  # drafts are re-proposed after re-admission
+        request.num_preemptions += 1
+        preempted.add(request.request_id)
+        self.waiting.append(request)
+
+    # ---- applying results -------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> tuple[list[Request], list[Request]]:
+        """Advance computed tokens, append sampled tokens, check stops, free finished requests.
+
+        Requests aborted between :meth:`schedule` and this call (or otherwise finished or unknown)
+        are skipped: their sampled tokens are dropped and nothing of theirs is touched. Runner
+        results for request ids that were not scheduled are ignored.
+
+        Returns:
+            ``(updated, finished)``: requests that got new tokens this step, and those of them
+            that finished (their blocks are already freed).
+        """
+        if self.swap_space is not None:
+            self.swap_space.end_step()  # the runner has copied this step's swap-ins
+        now = time.perf_counter()
+        updated: list[Request] = []
+        finished: list[Request] = []
+        for request in scheduler_output.scheduled_requests:
+            if request.is_finished or self.requests.get(request.request_id) is not request:
+                continue  # aborted (or finished) after schedule(): its blocks are gone, drop its results
+            rid = request.request_id
+            # speculative decoding: only accepted drafts count as computed; the KV of rejected
+            # positions is overwritten by later steps
+            num_rejected = (len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
+                            - runner_output.num_accepted_tokens.get(rid, 0))
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid] - num_rejected
+            request.spec_token_ids = []
+            new_tokens = runner_output.sampled_token_ids.get(request.request_id)
+            if not new_tokens:
+                continue
+            new_logprobs = runner_output.logprobs.get(request.request_id)
+            for i, token_id in enumerate(new_tokens):
+                request.append_output_token(token_id)
+                if new_logprobs:
+                    request.logprobs.append(new_logprobs[i])
+                request.times.token_s.append(now)
+                if self.stop_checker.check(request, self.max_model_len):
+                    break
+            if request.times.first_token_s is None:
+                request.times.first_token_s = now
+            updated.append(request)
+            if request.is_finished:
+                self.running.remove(request)
+                self._finish(request)
+                finished.append(request)
+        return updated, finished
+
+    def _finish(self, request: Request) -> None:
+        self.kv.free(request)
+        request.times.finished_s = time.perf_counter()
+        self.stop_checker.finalize(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.add(request.request_id)

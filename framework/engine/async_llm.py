@@ -1,0 +1,169 @@
+"""``AsyncLLM``: an asyncio front end over one engine loop (vLLM V1 ``AsyncLLM`` shape, in-process).
+
+One background thread owns the :class:`~framework.engine.llm_engine.LLMEngine`: it steps while requests are
+pending and blocks on its command queue when idle. ``add_request``/``abort`` from any thread or
+event loop are commands on that queue, drained between steps, so engine state is never touched
+from two threads and new requests join the running batch at the next step boundary. Outputs go
+back to each caller's event loop with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from framework.core.outputs import RequestOutput
+from framework.core.sampling_params import RequestOutputKind, SamplingParams
+from framework.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5  # seconds the idle loop blocks on the command queue before re-checking shutdown
+
+
+@dataclasses.dataclass
+class _Stream:
+    """Where one request's outputs go: an asyncio queue owned by the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # RequestOutput items, or an Exception (rejection / engine failure)
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    """Asynchronous generation over one engine; thread-safe, many concurrent ``generate`` calls.
+
+    Args:
+        engine: a built engine; from now on only this object's loop thread may touch it.
+
+    Use :meth:`shutdown` (or ``async with``) to abort everything in flight and stop the loop.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}  # loop thread only
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self.errored: BaseException | None = None  # set if the loop died; new requests then fail
+        self._thread = threading.Thread(target=self._run, name="servelab-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- caller side ---------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Queue one request and yield its outputs as the engine produces them.
+
+        Outputs follow ``sampling_params.output_kind`` (default here: ``DELTA``, i.e. only new
+        text/tokens per output). The last output has ``finished=True``. Leaving the loop early
+        (``break``, task cancellation, client disconnect) aborts the request: its blocks are
+        freed at the next step boundary.
+
+        Raises:
+            ValueError: the engine rejected the request (bad prompt/params, duplicate id).
+            RuntimeError: the engine loop is shut down or died.
+        """
+        if self._stopping.is_set() or self.errored is not None:
+            raise RuntimeError(f"the engine loop is not running ({self.errored or 'shut down'})")
+        params = sampling_params or SamplingParams(output_kind=RequestOutputKind.DELTA)
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._commands.put(("add", request_id, (prompt, params, priority), stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (from any thread); its stream gets a final ``finish_reason="abort"`` output."""
+        self._commands.put(("abort", request_id, None, None))
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort every in-flight request (each stream gets its final output) and stop the loop thread."""
+        self._stopping.set()
+        self._commands.put(("stop", "", None, None))
+        self._thread.join(timeout_s)
+
+    @property
+    def is_running(self) -> bool:
+        """True while the loop thread is alive and not shutting down."""
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    # ---- loop thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                busy = self.engine.has_unfinished_requests()
+                self._drain(block=not busy)
+                if self.engine.has_unfinished_requests() and not self._stopping.is_set():
+                    self._dispatch(self.engine.step())
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting stream
+            logger.exception("engine loop died")
+            self.errored = exc
+            for stream in self._streams.values():
+                stream.put(RuntimeError(f"engine loop died: {exc!r}"))
+            self._streams.clear()
+            return
+        self._drain(block=False)
+        self._dispatch(self.engine.abort_request(list(self._streams)))
+
+    def _drain(self, block: bool) -> None:
+        """Apply queued commands; when ``block``, wait (idle) for the first one."""
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, kind: str, request_id: str, payload: Any, stream: _Stream | None) -> None:
+        if kind == "add":
+            prompt, params, priority = payload
+            if request_id in self._streams:
+                stream.put(ValueError(f"request_id {request_id!r} is already in use; use a unique id"))
+                return
+            try:
+                self.engine.add_request(request_id, prompt, params, priority=priority)
+            except ValueError as exc:
+                stream.put(exc)
+                return
+            self._streams[request_id] = stream
+        elif kind == "abort":
+            self._dispatch(self.engine.abort_request(request_id))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.put(output)

@@ -1,0 +1,438 @@
+"""``LLMEngine``: one step = schedule -> execute -> update -> observe (vLLM V1 ``EngineCore``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from framework import registry
+from framework.config import PLUGIN_FIELDS, EngineConfig
+from framework.core.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerStats
+from framework.core.request import Request
+from framework.core.sampling_params import RequestOutputKind, SamplingParams
+from framework.core.scheduler import Scheduler
+from framework.core.stop import StopChecker
+from framework.core.structured_output import StructuredOutputManager
+from framework.core.swap import SwapSpace
+from framework.interfaces import Drafter
+from framework.metrics.collector import MetricsCollector, compute_request_metrics
+from framework.worker.cpu_malloc import tune_malloc
+from framework.worker.forward_context import register_attention_implementation
+from framework.worker.model_runner import ModelRunner
+from framework.worker.prepack import prepack_linears, should_prepack
+from framework.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """The engine loop. Build it with :func:`build_engine`.
+
+    The engine talks to the scheduler and the model runner only; the scheduler owns the KV
+    allocator and the policy, the runner owns the model, the KV tensors and the sampler.
+    """
+
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any,
+                 eos_token_ids: frozenset[int], vocab_size: int, metrics: MetricsCollector | None = None,
+                 structured_output: StructuredOutputManager | None = None,
+                 drafter: Drafter | None = None) -> None:
+        self.config = config
+        self.drafter = drafter
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.max_model_len = scheduler.max_model_len
+        self.metrics = metrics or MetricsCollector()
+        self.num_steps = 0
+        self._sent: dict[str, tuple[int, int]] = {}  # DELTA requests: (chars, tokens) already reported
+        self._hook = registry.plugin_manager().hook
+        # structured requests wait here (outside the scheduler) while their grammar compiles
+        self.structured_output = structured_output
+        self._compiling: dict[str, Request] = {}
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None, client_id: str | None = None) -> None:
+        """Validate and queue one request.
+
+        Args:
+            prompt: text (tokenized with the model's tokenizer, special tokens added) or token ids.
+            arrival_time: ``time.perf_counter()`` seconds; default now.
+            client_id: the sender, for fair-share policies (``scheduler=fair``).
+
+        Raises:
+            ValueError: empty prompt, token id outside the vocabulary, prompt longer than
+                ``max_model_len``, duplicate ``request_id`` or invalid sampling params. Nothing is
+                queued and engine state is unchanged.
+        """
+        sampling_params = sampling_params or SamplingParams()
+        sampling_params.validate()
+        if sampling_params.structured_outputs is not None and self.structured_output is None:
+            raise ValueError("structured_outputs needs a grammar engine but grammar=none; "
+                             "use grammar=xgrammar (default) or grammar=llguidance")
+        token_ids = self.tokenize(prompt)
+        if request_id in self.scheduler.requests or request_id in self._compiling:
+            raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=sampling_params,
+                          prompt=prompt if isinstance(prompt, str) else None, priority=priority, client_id=client_id,
+                          eos_token_ids=self.eos_token_ids,
+                          arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        if sampling_params.structured_outputs is not None:
+            self.structured_output.submit(request)
+            self._compiling[request_id] = request
+            return
+        self.scheduler.add_request(request)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of ``prompt``, checked against the vocabulary and ``max_model_len``.
+
+        Raises:
+            ValueError: see :meth:`add_request`.
+        """
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass prompt token ids")
+            token_ids = list(self.tokenizer(prompt).input_ids)
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("empty prompt: give at least one token")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got "
+                             f"min {min(token_ids)}, max {max(token_ids)}")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
+                             "shorten the prompt or raise max_model_len (up to the model's max positions)")
+        return token_ids
+
+    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
+        """Abort running or waiting requests at any point between or inside steps.
+
+        Their blocks are freed at once; tokens a runner already sampled for them in the current
+        step are dropped by the scheduler. Unknown or already finished ids are ignored.
+
+        Returns:
+            One final ``RequestOutput`` per aborted request (``finished=True``,
+            ``finish_reason="abort"``, the tokens produced so far). ``step()`` does not repeat them.
+        """
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outputs = [self._fail(self._compiling.pop(rid), None) for rid in ids if rid in self._compiling]
+        aborted = self.scheduler.abort_requests(ids)
+        if self.drafter is not None and aborted:  # drop drafter state now, not at the next step
+            self.drafter.on_requests_freed({r.request_id for r in aborted})
+        for request in aborted:
+            if self.structured_output is not None:
+                self.structured_output.discard(request.request_id)
+            outputs.append(self._report_finished(request))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
+
+    # ---- the loop ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step.
+
+        Returns:
+            A ``RequestOutput`` for each request that produced tokens this step (finished
+            ones with ``finished=True``, final ``text`` and ``metrics``).
+        """
+        t0 = time.perf_counter()
+        failed = self._admit_compiled()
+        sched_out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched_out.is_empty:
+            runner_out = ModelRunnerOutput(sampled_token_ids={})
+        else:
+            runner_out = self.runner.execute_model(sched_out)
+        t2 = time.perf_counter()
+        updated, _ = self.scheduler.update_from_output(sched_out, runner_out)
+        self._advance_grammars(updated)
+        t3 = time.perf_counter()
+        draft_s = self._propose_drafts(sched_out, runner_out, updated) if self.drafter is not None else 0.0
+        outputs = failed + [self._make_output(r) for r in updated]
+        if not sched_out.is_empty:
+            self._observe_step(sched_out, runner_out, updated, (t0, t1, t2, t3), draft_s)
+        for request, output in zip(updated, outputs[len(failed):]):
+            if request.is_finished:
+                self._observe_finished(output)
+        return [o for o in outputs if o is not None]
+
+    # ---- structured output ------------------------------------------------------------
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand requests whose grammar compiled to the scheduler; fail those whose compile failed.
+        Returns the failed requests' outputs. Waits briefly when nothing else can run."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            self.structured_output.wait_any(timeout_s=0.05)
+        failed = []
+        for rid in [r for r in self._compiling if self.structured_output.is_ready(r)]:
+            request = self._compiling.pop(rid)
+            error = self.structured_output.start(request)
+            if error is None:
+                self.scheduler.add_request(request)
+            else:
+                failed.append(self._fail(request, error))
+        return failed
+
+    def _fail(self, request: Request, error: str | None) -> RequestOutput:
+        """Finish a request that never reached the scheduler as aborted (``error`` set)."""
+        from framework.core.request import RequestStatus
+
+        self.structured_output.discard(request.request_id)
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.error = error
+        request.times.finished_s = time.perf_counter()
+        return self._report_finished(request)
+
+    def _advance_grammars(self, updated: list[Request]) -> None:
+        """Advance matchers on the tokens the scheduler appended; a terminated grammar finishes its
+        request with ``stop``, a violating token aborts it with an error."""
+        from framework.core.request import RequestStatus
+
+        if self.structured_output is None:
+            return
+        for request in updated:
+            terminated, error = self.structured_output.advance(request)
+            if request.is_finished:
+                self.structured_output.discard(request.request_id)
+            elif terminated or error:
+                self.scheduler.abort_requests([request.request_id])
+                self.structured_output.discard(request.request_id)
+                request.status = RequestStatus.FINISHED_ABORTED if error else RequestStatus.FINISHED_STOPPED
+                request.error = error
+
+    def _propose_drafts(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request]) -> float:
+        """Hand the drafter the step's target hidden states (when it asked for them), tell it which
+        requests left, then draft for running requests in their decode phase (all tokens but the
+        last computed). Drafts are capped so that verifying them can reach neither
+        ``max_model_len`` nor ``max_tokens``, and cut to the prefix the request's grammar accepts
+        (structured outputs). Returns the drafter time, seconds."""
+        t0 = time.perf_counter()
+        if runner_out.hidden_states is not None:
+            self.drafter.observe_hidden_states(runner_out.hidden_states)
+        # finished this step (length/stop/grammar) or preempted; aborts are told in abort_request
+        gone = (sched_out.preempted_req_ids | sched_out.finished_req_ids
+                | {r.request_id for r in updated if r.is_finished})
+        if gone:
+            self.drafter.on_requests_freed(gone)
+        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        if decoding:
+            drafts = self.drafter.propose(decoding)
+            for request in decoding:
+                max_tokens = request.sampling_params.max_tokens or self.max_model_len
+                room = min(self.max_model_len - request.num_tokens, max_tokens - request.num_output_tokens) - 1
+                draft = list(drafts.get(request.request_id, ()))[:max(room, 0)]
+                if self.structured_output is not None and draft:
+                    draft = self.structured_output.valid_draft_prefix(request.request_id, draft)
+                request.spec_token_ids = draft
+        return time.perf_counter() - t0
+
+    def _observe_step(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request],
+                      times: tuple[float, float, float, float], draft_s: float = 0.0) -> None:
+        t0, t1, t2, t3 = times
+        n = sched_out.num_scheduled_tokens
+        num_decode = sum(1 for v in n.values() if v == 1)
+        kv_stats = self.scheduler.kv.stats()
+        stats = SchedulerStats(
+            step=self.num_steps, num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=self.scheduler.num_waiting,
+            num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
+            num_prefill_tokens=sched_out.total_num_scheduled_tokens - num_decode, num_decode_tokens=num_decode,
+            kv_cache_usage=kv_stats.usage, kv_cache_fragmentation=kv_stats.fragmentation,
+            num_preemptions_swap=len(sched_out.swap_out),
+            num_swap_out_blocks=sum(len(b) for b, _ in sched_out.swap_out),
+            num_swap_in_blocks=sum(len(b) for _, b in sched_out.swap_in),
+            swapped_bytes=self.runner.block_bytes * sum(len(b) for b, _ in sched_out.swap_out + sched_out.swap_in),
+            prefix_cache_hit_rate=kv_stats.hit_rate,
+            num_preemptions=len(sched_out.preempted_req_ids), schedule_s=t1 - t0,
+            prepare_s=runner_out.prepare_s, forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
+            update_s=t3 - t2, step_s=t3 - t0, num_generated_tokens=sum(len(v) for v in
+                                                                          runner_out.sampled_token_ids.values()),
+            num_sampled_reqs=len(updated), num_spec_reqs=len(sched_out.scheduled_spec_decode_tokens),
+            num_draft_tokens=sum(len(v) for v in sched_out.scheduled_spec_decode_tokens.values()),
+            num_accepted_tokens=sum(runner_out.num_accepted_tokens.values()), draft_s=draft_s,
+        )
+        self.num_steps += 1
+        self.metrics.observe_step(stats)
+        self._hook.on_step_end(stats=stats)
+
+    def _report_finished(self, request: Request) -> RequestOutput:
+        output = self._make_output(request)
+        self._observe_finished(output)
+        return output
+
+    def _observe_finished(self, output: RequestOutput) -> None:
+        self.metrics.observe_finished(output)
+        self._hook.on_request_finished(output=output)
+
+    def _make_output(self, request: Request) -> RequestOutput | None:
+        """The caller's view of ``request`` after a step, shaped by ``sampling_params.output_kind``.
+
+        ``CUMULATIVE`` copies text/tokens so far; ``DELTA`` gives only what is new since this
+        request's previous output (no full-list copy); ``FINAL_ONLY`` gives None until finished.
+        While running, the last ``len(longest stop string) - 1`` characters are held back, so a
+        stop string that spans two steps never reaches a stream before it is trimmed.
+        """
+        params = request.sampling_params
+        finished = request.is_finished
+        kind = params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        text = request.output_text
+        if not finished and params.stop and not params.include_stop_str_in_output:
+            text = text[:max(0, len(text) - (max(len(s) for s in params.stop) - 1))]
+        token_ids, logprobs = request.output_token_ids, request.logprobs
+        if kind is RequestOutputKind.DELTA:
+            sent_chars, sent_tokens = self._sent.pop(request.request_id, (0, 0))
+            if not finished:
+                self._sent[request.request_id] = (max(sent_chars, len(text)), len(token_ids))
+            text, token_ids, logprobs = text[sent_chars:], token_ids[sent_tokens:], logprobs[sent_tokens:]
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(token_ids), finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason, logprobs=list(logprobs) if params.logprobs is not None else None)
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
+                             metrics=compute_request_metrics(request) if finished else None, error=request.error)
+
+    @property
+    def kv_allocator(self) -> Any:
+        """The KV allocator (for inspection and tests)."""
+        return self.scheduler.kv
+
+
+def validate_plugins(config: EngineConfig) -> list[type | None]:
+    """Resolve every plugin choice and run its capability check, before any weights load.
+
+    Raises:
+        registry.UnknownPluginError: an unknown name (lists the valid choices).
+        ValueError: a plugin that cannot run here or with this config (each problem names a fix).
+    """
+    classes, problems = [], []
+    for kind in PLUGIN_FIELDS:
+        name = getattr(config, kind)
+        cls = registry.get_class(kind, name)
+        classes.append(cls)
+        if cls is not None:
+            problems += cls.validate(config)
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        problems.append(f"device={config.device!r} but CUDA is not available; use device=cpu")
+    if problems:
+        raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
+    return classes
+
+
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
+                                                   "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def refuse_prequantized(model_config: Any) -> None:
+    """Refuse a pre-quantized (GPTQ/AWQ/compressed-tensors...) checkpoint before its weights load.
+
+    None of transformers' quantizer back ends for these formats is installed or verified here (they
+    need CUDA kernels or extra packages: gptqmodel, autoawq, compressed-tensors), so servelab loads
+    only unquantized checkpoints and quantizes them itself with ``quant=<method>``.
+
+    Raises:
+        ValueError: the config carries a ``quantization_config`` (names its ``quant_method``).
+    """
+    qc = getattr(model_config, "quantization_config", None)
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
+        raise ValueError(f"pre-quantized checkpoints are not supported (this one is {method!s}): transformers' "
+                         "quantizer for it needs kernels not available here; load the unquantized model and "
+                         "use quant=int8_wo|int4_wo|w8a8|fp8 instead")
+
+
+def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) -> LLMEngine:
+    """Validate plugins, load the model, size the KV cache and assemble the engine.
+
+    Args:
+        metrics: collector of step/request metrics (e.g. with goodput SLOs); default a plain one.
+
+    Raises:
+        registry.UnknownPluginError, ValueError: from :func:`validate_plugins` (before loading),
+            or a KV budget smaller than one ``max_model_len`` request, or ``max_model_len`` above
+            the model's maximum positions.
+    """
+    from framework.worker.model_loader import load_model, load_model_config
+
+    validate_plugins(config)
+    model_config = load_model_config(config.model)
+    refuse_prequantized(model_config)
+    max_pos = int(getattr(model_config, "max_position_embeddings", 0) or 0)
+    max_model_len = config.max_model_len or max_pos
+    if max_pos and max_model_len > max_pos:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
+    mc = model_config
+    head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    problems = registry.get_class("attention", config.attention).validate_model(
+        mc.num_attention_heads, mc.num_key_value_heads, head_size)
+    if problems:
+        raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
+    if config.tune_malloc and torch.device(config.device).type == "cpu":
+        tune_malloc()
+    loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                        attn_implementation=register_attention_implementation())
+    model = loaded.model
+    dtype = getattr(torch, config.dtype)
+    quant = registry.create("quant", config.quant, **config.plugin_params("quant"))
+    if quant is not None:
+        model = quant.apply(model)
+    if should_prepack(config.prepack_linears, torch.device(config.device), dtype, config.compile_freezing):
+        logger.info("prepack_linears: %d GEMMs prepacked for oneDNN", prepack_linears(model, compiled=config.compile))
+    kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or (quant.kv_cache_dtype(dtype) if quant else dtype)
+
+    mc = loaded.config
+    scale = next((m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")),
+                 head_size ** -0.5)
+    backend = registry.create("attention", config.attention, num_heads=mc.num_attention_heads,
+                              num_kv_heads=mc.num_key_value_heads, head_size=head_size, scale=scale,
+                              block_size=config.block_size, dtype=kv_dtype, device=torch.device(config.device),
+                              **config.plugin_params("attention"))
+    num_blocks = config.num_blocks or config.kv_cache_memory_bytes // backend.kv_cache_bytes_per_block(
+        mc.num_hidden_layers)
+    if num_blocks * config.block_size < max_model_len:
+        raise ValueError(
+            f"KV cache holds {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
+            f"tokens, fewer than one max_model_len={max_model_len} request; raise kv_cache_memory_bytes/num_blocks "
+            "or lower max_model_len")
+    allocator = registry.create("kv_allocator", config.kv_allocator, num_blocks=num_blocks,
+                                block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                                max_model_len=max_model_len, **config.plugin_params("kv_allocator"))
+    policy = registry.create("scheduler", config.scheduler, **config.plugin_params("scheduler"))
+    block_bytes = backend.kv_cache_bytes_per_block(mc.num_hidden_layers)
+    num_swap_blocks = config.swap_space_bytes // block_bytes if config.preemption_mode == "swap" else 0
+    swap_space = SwapSpace(num_swap_blocks) if config.preemption_mode == "swap" else None
+    scheduler = Scheduler(policy, allocator, StopChecker(loaded.tokenizer), max_num_seqs=config.max_num_seqs,
+                          max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+                          long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space)
+    runner = ModelRunner(model, backend, num_blocks, mc.num_hidden_layers, backend.cache_dtype, torch.device(config.device),
+                         Sampler(mc.vocab_size, seed=config.seed), num_swap_blocks=num_swap_blocks,
+                         compile=config.compile, compile_freezing=config.compile_freezing)
+    structured = None
+    if config.grammar != "none":
+        grammar = registry.create("grammar", config.grammar, tokenizer=loaded.tokenizer, vocab_size=mc.vocab_size,
+                                  eos_token_ids=loaded.eos_token_ids, **config.plugin_params("grammar"))
+        structured = runner.structured_output = StructuredOutputManager(grammar, mc.vocab_size)
+    drafter = registry.create("drafter", config.drafter, **config.plugin_params("drafter"))
+    if drafter is not None:
+        drafter.load(model=model, model_config=mc, config=config)
+        runner.keep_hidden_states = drafter.needs_hidden_states
+    engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size, metrics,
+                       structured, drafter)
+    engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
+                                    "kv_cache_bytes_per_block": backend.kv_cache_bytes_per_block(mc.num_hidden_layers)}
+    engine.metrics.compile_stats = runner.compile_stats
+    logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",
+                num_blocks, runner.kv_cache_bytes / 2**20, config.kv_cache_dtype,
+                backend.kv_cache_bytes_per_block(mc.num_hidden_layers), max_model_len)
+    registry.plugin_manager().hook.on_engine_start(config=config.to_dict())
+    return engine

@@ -1,0 +1,113 @@
+"""Offline batch API shaped like vLLM's ``LLM``: ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from framework.config import EngineConfig
+from framework.core.outputs import CompletionOutput, RequestOutput
+from framework.core.sampling_params import RequestOutputKind, SamplingParams
+from framework.engine.llm_engine import LLMEngine, build_engine
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
+
+
+class LLM:
+    """Offline inference over a batch of prompts with continuous batching.
+
+    Args:
+        model: local HF folder, alias (``smollm2``, ``stories260K``) or cached hub id.
+        dtype: ``float32`` | ``bfloat16`` | ``float16``.
+        scheduler, kv_allocator, attention, drafter, quant, grammar: plugin names (registry keys).
+        **kwargs: any other ``EngineConfig`` field (``max_num_seqs``, ``max_num_batched_tokens``,
+            ``block_size``, ``num_blocks``, ``kv_cache_memory_bytes``, ``enable_prefix_caching``,
+            ``long_prefill_token_threshold``, ``max_model_len``, ``device``, ``seed``, ``*_params``).
+
+    Raises:
+        registry.UnknownPluginError, ValueError, TypeError: bad plugin names or knobs, before the
+            model loads (see ``framework.engine.llm_engine.build_engine``).
+    """
+
+    def __init__(self, model: str, dtype: str = "float32", scheduler: str = "fcfs", kv_allocator: str = "paged",
+                 attention: str = "torch_paged", **kwargs: Any) -> None:
+        self.config = EngineConfig(model=model, dtype=dtype, scheduler=scheduler, kv_allocator=kv_allocator,
+                                   attention=attention, **kwargs)
+        self.engine: LLMEngine = build_engine(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        """The model's HF tokenizer."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate completions for all prompts; returns one output per prompt, in input order.
+
+        A prompt the engine rejects (e.g. longer than ``max_model_len``) gets a finished output
+        with ``error`` set and ``finish_reason="abort"``; the other prompts run normally.
+
+        Raises:
+            ValueError: invalid sampling params or mismatched list lengths — before anything
+                is queued.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = self._per_prompt(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
+        for p in params:
+            p.validate()
+        # only final outputs are kept here: don't build per-step outputs (vLLM's LLM does the same)
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
+
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, sp, prio in zip(prompts, params, priorities):
+            request_id = str(next(self._ids))
+            order.append(request_id)
+            text, payload = self._unpack(prompt)
+            try:
+                self.engine.add_request(request_id, payload, sp, priority=prio)
+            except ValueError as exc:
+                logger.warning("request %s rejected: %s", request_id, exc)
+                results[request_id] = _rejected(request_id, text, exc)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[rid] for rid in order]
+
+    @staticmethod
+    def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return params
+
+    @staticmethod
+    def _unpack(prompt: Prompt) -> tuple[str | None, str | list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt["prompt"], prompt["prompt"]
+        return (prompt if isinstance(prompt, str) else None), prompt
+
+
+def _rejected(request_id: str, prompt: str | None, exc: Exception) -> RequestOutput:
+    return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=[],
+                         outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
+                         finished=True, error=str(exc))

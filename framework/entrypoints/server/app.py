@@ -1,0 +1,279 @@
+"""The OpenAI-compatible FastAPI app over an :class:`~framework.engine.async_llm.AsyncLLM`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` -> Server-Sent
+Events: ``data: {chunk}`` lines, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
+``GET /version``, ``GET /metrics`` (Prometheus text). Errors use OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``: malformed JSON / wrong-typed or unknown field
+-> 400, unknown model -> 404, missing/wrong bearer token on ``/v1/*`` (when an API key is set) ->
+401, engine shut down or dead -> 503. A streaming client that disconnects aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from importlib import metadata
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from framework.core.sampling_params import RequestOutputKind
+from framework.entrypoints.server import responses as R
+from framework.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from framework.entrypoints.server.serving import (
+    EngineJob,
+    RequestError,
+    ServerState,
+    build_jobs,
+    check_model,
+    generate_final,
+    merged_outputs,
+    render_chat,
+    tokenize_prompts,
+)
+
+
+class _SSEResponse(StreamingResponse):
+    """``text/event-stream`` response that always closes its body iterator (so a disconnect aborts
+    the request at once, whichever way the ASGI server reports it)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def _error(exc: RequestError) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.status, exc.param, exc.code), status_code=exc.status)
+
+
+def _engine_error(exc: Exception) -> RequestError:
+    """Map an engine-side failure to the error the client sees (rejection 400, engine down 503)."""
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, ValueError):
+        return RequestError(str(exc), 400)
+    return RequestError(f"the engine is not available: {exc}", 503)
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Return when the client has gone (the body is already read, so the next ASGI message is the disconnect)."""
+    message = await request.receive()
+    while message["type"] != "http.disconnect":
+        message = await request.receive()
+
+
+async def _final(state: ServerState, jobs: list[EngineJob], request: Request) -> list[Any]:
+    """Final outputs of ``jobs``; a client that disconnects first aborts them (as vLLM's ``with_cancellation``)."""
+    work = asyncio.ensure_future(generate_final(state.llm, jobs))
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # client gone (or handler cancelled): aborts every job
+    if work not in done:
+        raise RequestError("client disconnected; its requests were aborted", 499)
+    try:
+        outs = work.result()
+    except (ValueError, RuntimeError) as exc:
+        raise _engine_error(exc) from exc
+    for out in outs:
+        if out.error:
+            raise RequestError(out.error, 400)
+    return outs
+
+
+async def _stream(state: ServerState, jobs: list[EngineJob], rid: str, obj: str, num_prompt_tokens: int,
+                  include_usage: bool, chunk_choices: Any, first_choices: list[dict] | None = None
+                  ) -> AsyncIterator[str]:
+    """SSE body shared by both endpoints; ``chunk_choices(job, output, seen) -> list[choice]`` (``seen``: a
+    dict the callback keeps per-choice state in, e.g. text offset and last token id)."""
+    created, num_out, seen = int(time.time()), 0, {}
+    try:
+        if first_choices:
+            yield _sse(R.envelope(rid, obj, state.model_name, first_choices, created=created))
+        async with merged_outputs(state.llm, jobs) as outputs:
+            async for job, out in outputs:
+                if out.error:
+                    raise RequestError(out.error, 400)
+                num_out += len(out.outputs[0].token_ids)
+                choices = chunk_choices(job, out, seen)
+                if choices:
+                    yield _sse(R.envelope(rid, obj, state.model_name, choices, created=created))
+        if include_usage:
+            yield _sse(R.envelope(rid, obj, state.model_name, [], R.usage(num_prompt_tokens, num_out), created))
+    except (RequestError, ValueError, RuntimeError) as exc:
+        err = _engine_error(exc)
+        yield _sse(error_body(err.message, err.status, err.param, err.code))
+    yield _sse("[DONE]")
+
+
+def _check_auth(request: Request) -> None:
+    state: ServerState = request.app.state.servelab
+    if state.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+        raise RequestError("Incorrect or missing API key: send 'Authorization: Bearer <server.api_key>'", 401,
+                           code="invalid_api_key")
+
+
+def _v1_routes(state: ServerState) -> APIRouter:
+    """``/v1/*`` routes (bearer-token checked when ``state.api_key`` is set)."""
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_check_auth)])
+
+    @router.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "servelab", "max_model_len": state.max_model_len}]}
+
+    _add_completions(router, state)
+    _add_chat_completions(router, state)
+    return router
+
+
+def _add_completions(router: APIRouter, state: ServerState) -> None:
+    """``POST /v1/completions``."""
+    tok = state.tokenizer
+
+    @router.post("/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Any:
+        check_model(state, req.model)
+        if req.echo:
+            raise RequestError("echo=true is not supported", param="echo")
+        prompts = tokenize_prompts(state, req.prompt)
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        jobs = build_jobs(state, req, prompts, req.max_tokens, req.logprobs, kind)
+        rid, num_prompt = f"cmpl-{uuid.uuid4().hex}", sum(len(p) for p in prompts)
+
+        def logprobs(out: Any, offset: int, prev_id: int) -> dict | None:
+            if req.logprobs is None:
+                return None
+            return R.completion_logprobs(tok, out, req.logprobs, offset, prev_id)
+
+        if req.stream:
+            def chunk(job: EngineJob, out: Any, seen: dict[int, tuple[int, int]]) -> list[dict]:
+                c = out.outputs[0]
+                offset, prev_id = seen.get(job.index, (0, job.prompt_token_ids[-1]))
+                seen[job.index] = (offset + len(c.text), c.token_ids[-1] if c.token_ids else prev_id)
+                if not (c.text or out.finished or (c.token_ids and req.logprobs is not None)):
+                    return []
+                return [R.completion_choice(job.index, c, logprobs(c, offset, prev_id))]
+
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return _SSEResponse(_stream(state, jobs, rid, "text_completion", num_prompt, include, chunk))
+        outs = await _final(state, jobs, raw)
+        choices = [R.completion_choice(j.index, o.outputs[0], logprobs(o.outputs[0], 0, j.prompt_token_ids[-1]))
+                   for j, o in zip(jobs, outs)]
+        return R.envelope(rid, "text_completion", state.model_name, choices,
+                          R.usage(num_prompt, sum(len(o.outputs[0].token_ids) for o in outs)))
+
+
+def _add_chat_completions(router: APIRouter, state: ServerState) -> None:
+    """``POST /v1/chat/completions``."""
+    tok = state.tokenizer
+
+    @router.post("/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
+        check_model(state, req.model)
+        ids = render_chat(state, req.messages)
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        num_top = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        jobs = build_jobs(state, req, [ids], max_tokens, num_top, kind)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+
+        def logprobs(out: Any, prev_id: int) -> dict | None:
+            return None if num_top is None else R.chat_logprobs(tok, out, num_top, prev_id)
+
+        if req.stream:
+            def chunk(job: EngineJob, out: Any, seen: dict[int, int]) -> list[dict]:
+                c = out.outputs[0]
+                prev_id = seen.get(job.index, job.prompt_token_ids[-1])
+                seen[job.index] = c.token_ids[-1] if c.token_ids else prev_id
+                if not (c.text or out.finished or (c.token_ids and num_top is not None)):
+                    return []
+                delta = {"content": c.text} if c.text or not out.finished else {}
+                return [R.chat_delta_choice(job.index, delta, logprobs(c, prev_id), c.finish_reason)]
+
+            first = [R.chat_delta_choice(j.index, {"role": "assistant", "content": ""}) for j in jobs]
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return _SSEResponse(_stream(state, jobs, rid, "chat.completion.chunk", len(ids), include, chunk, first))
+        outs = await _final(state, jobs, raw)
+        choices = [R.chat_choice(j.index, o.outputs[0], logprobs(o.outputs[0], j.prompt_token_ids[-1]))
+                   for j, o in zip(jobs, outs)]
+        return R.envelope(rid, "chat.completion", state.model_name, choices,
+                          R.usage(len(ids), sum(len(o.outputs[0].token_ids) for o in outs)))
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI app serving ``state.llm`` under ``state.model_name``.
+
+    The app does not own the engine loop: whoever built ``state.llm`` shuts it down (see
+    :func:`framework.entrypoints.server.launch.serve`).
+    """
+    app = FastAPI(title="servelab", version=_version())
+    app.state.servelab = state
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ())[1:]]
+        if first.get("type") == "json_invalid":
+            message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
+        else:
+            message = f"invalid field {'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return _error(RequestError(message, 400, ".".join(loc) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(RequestError(str(exc.detail), exc.status_code))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.llm.errored is not None or not state.llm.is_running:
+            return _error(RequestError(f"engine loop is down ({state.llm.errored or 'shut down'})", 503))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        if state.metrics is None:
+            return _error(RequestError("metrics are not enabled on this app", 404))
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(_v1_routes(state))
+    return app
+
+
+def _version() -> str:
+    try:
+        return metadata.version("servelab")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+

@@ -1,0 +1,101 @@
+"""``python run.py mode=serve ...``: build the engine from the composed config and serve it with uvicorn.
+
+Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections; at the same moment every in-flight
+request is aborted (its stream gets a final ``finish_reason="abort"`` chunk and ``[DONE]``), so
+open connections finish and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from framework import registry
+from framework.config import EngineConfig
+from framework.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger("servelab.server")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``server.chat_template``: the contents of a file when ``value`` is an existing path, else
+    ``value`` itself as a Jinja template; None stays None (use the tokenizer's)."""
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    return path.read_text(encoding="utf-8") if path.is_file() else value
+
+
+def resolve_api_key(configured: str | None) -> str | None:
+    """The bearer token clients must send: ``server.api_key``, else ``$SERVELAB_API_KEY``, else None (no auth)."""
+    return configured or os.environ.get("SERVELAB_API_KEY") or None
+
+
+def _uvicorn_server(config: Any, on_exit: Any) -> Any:
+    """A ``uvicorn.Server`` that calls ``on_exit()`` on SIGINT/SIGTERM and does not re-raise the signal
+    after its graceful shutdown (uvicorn >= 0.29 does, which would end the process with the signal
+    instead of status 0)."""
+    import signal
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            on_exit()
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
+
+    return _Server(config)
+
+
+def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
+    """Serve ``engine_config`` over HTTP until SIGINT/SIGTERM; returns the engine's metrics summary.
+
+    Reads ``cfg.server`` (``host``, ``port``, ``api_key``, ``served_model_name``, ``chat_template``,
+    ``log_level``) and ``cfg.slo`` (goodput SLOs of the summary).
+
+    Raises:
+        ImportError: the ``serve`` extra is not installed (names the pip command).
+        ValueError, registry.UnknownPluginError: from ``build_engine``, before the port is bound.
+    """
+    try:
+        import uvicorn  # noqa: F401
+
+        from framework.entrypoints.server.app import build_app
+        from framework.entrypoints.server.metrics import ServerMetrics
+    except ImportError as exc:
+        raise ImportError(f"mode=serve needs the serve extra ({exc}); install it with "
+                          "pip install -e '.[serve]' 'torch==2.13.0'") from exc
+    import uvicorn
+
+    from framework.engine.llm_engine import build_engine
+    from framework.entrypoints.server.serving import ServerState
+    from framework.metrics.collector import MetricsCollector
+
+    server_cfg = cfg.server
+    engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms,
+                                                                  slo_tpot_ms=cfg.slo.tpot_ms))
+    name = server_cfg.get("served_model_name") or engine_config.model
+    llm = AsyncLLM(engine)
+    metrics = ServerMetrics(engine, name)
+    state = ServerState(llm=llm, model_name=name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                        tokenizer=engine.tokenizer, supports_structured_outputs=engine.structured_output is not None,
+                        chat_template=load_chat_template(server_cfg.get("chat_template")),
+                        api_key=resolve_api_key(server_cfg.get("api_key")), metrics=metrics)
+    config = uvicorn.Config(build_app(state), host=server_cfg.host, port=int(server_cfg.port),
+                            log_level=server_cfg.get("log_level", "info"), timeout_graceful_shutdown=30)
+    server = _uvicorn_server(config, on_exit=lambda: llm.shutdown(timeout_s=0))
+    logger.info("serving %s at http://%s:%s/v1 (auth %s)", name, server_cfg.host, server_cfg.port,
+                "on" if state.api_key else "off")
+    with registry.registered(metrics, name="servelab-server-metrics"):
+        try:
+            server.run()
+        finally:
+            llm.shutdown()
+    return engine.metrics.summary()

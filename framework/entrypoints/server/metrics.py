@@ -1,0 +1,124 @@
+"""Prometheus metrics of the server: vLLM's ``vllm:*`` set under the ``servelab:`` prefix.
+
+Fed by the engine's lifecycle hooks (``on_step_end``, ``on_request_finished``), which run on the
+engine-loop thread; ``prometheus_client`` metrics are thread-safe, and each update is a few
+additions, so the loop is not stalled. Every metric carries the ``model_name`` label, as vLLM's.
+
+Differences from vLLM, by design: TTFT/ITL/queue-time histograms are observed when a request
+finishes (from its ``RequestMetrics``), not as each token arrives; ``prompt_tokens`` counts a
+request's prompt once, when it finishes (aborted requests included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from framework.core.outputs import RequestOutput, SchedulerStats
+from framework.hookspecs import hookimpl
+
+PREFIX = "servelab:"
+# histogram buckets, seconds (vLLM's defaults, shortened at the top end)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0)
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics, in their own ``CollectorRegistry`` (several apps per process work).
+
+    Register the object as a pluggy plugin (``registry.registered(metrics)``) so the engine's
+    lifecycle hooks feed it. Metric names (``servelab:`` + vLLM's name):
+
+    * gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (fraction of
+      KV blocks in use, [0, 1], as vLLM despite the name);
+    * counters ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens),
+      ``prompt_tokens_total``, ``generation_tokens_total`` (tokens), ``num_preemptions_total``,
+      ``request_success_total{finished_reason}`` (``stop``/``length``/``abort``);
+    * histograms (seconds) ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+      ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
+      ``request_time_per_output_token_seconds``.
+
+    Args:
+        engine: the engine whose scheduler and KV allocator the gauges read (on its loop thread only).
+        model_name: value of the ``model_name`` label.
+    """
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests holding KV blocks (in model execution batches).")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use, [0, 1].")
+        self.prefix_queries = counter("prefix_cache_queries", "Prefix-cache queries, tokens.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix-cache hits, tokens.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.preemptions = counter("num_preemptions", "Cumulative preemptions.")
+        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token, s.", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Inter-token latency, s.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency, s.", _E2E_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Time waiting before first scheduled, s.", _E2E_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds", "Time per output token after the first, s.",
+                              _ITL_BUCKETS)
+        self._prefix_seen = (0, 0)  # (queries, hits) tokens already counted
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (``/metrics`` body)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    def _refresh(self) -> None:
+        """Read queue sizes, KV usage and prefix-cache totals from the engine (loop thread only)."""
+        scheduler = self.engine.scheduler
+        stats = scheduler.kv.stats()
+        self.running.set(len(scheduler.running))
+        self.waiting.set(scheduler.num_waiting)
+        self.kv_usage.set(stats.usage)
+        queries, hits = stats.prefix_queries_tokens, stats.prefix_hits_tokens
+        self.prefix_queries.inc(max(0, queries - self._prefix_seen[0]))
+        self.prefix_hits.inc(max(0, hits - self._prefix_seen[1]))
+        self._prefix_seen = (max(queries, self._prefix_seen[0]), max(hits, self._prefix_seen[1]))
+
+    @hookimpl
+    def on_step_end(self, stats: SchedulerStats) -> None:
+        """Per step: generated tokens, preemptions, gauges."""
+        self.generation_tokens.inc(stats.num_generated_tokens)
+        self.preemptions.inc(stats.num_preemptions)
+        self._refresh()
+
+    @hookimpl
+    def on_request_finished(self, output: RequestOutput) -> None:
+        """Per finished request: success counter, prompt tokens, latency histograms, gauges (blocks
+        are already freed, so an idle server shows ``kv_cache_usage_perc`` 0)."""
+        reason = output.outputs[0].finish_reason if output.outputs else "abort"
+        self._success.labels(self.model_name, reason or "abort").inc()
+        m = output.metrics
+        if m is not None:
+            self.prompt_tokens.inc(m.num_prompt_tokens)
+            for hist, value in ((self.ttft, m.ttft_s), (self.e2e, m.e2e_s), (self.queue, m.queue_s),
+                                (self.tpot, m.tpot_s)):
+                if value is not None:
+                    hist.observe(value)
+            for gap in m.itl_s:
+                self.itl.observe(gap)
+        self._refresh()

@@ -1,0 +1,277 @@
+"""Run metrics: per-request latencies and a run summary with vLLM ``benchmark_serving`` names.
+
+Definitions (vLLM / SGLang benchmarks):
+
+* TTFT  = first token - arrival; TPOT = (finish - first token) / (n_out - 1), only for n_out >= 2;
+  ITL = gaps between consecutive output tokens (all requests' gaps pooled); e2e latency (``e2el``)
+  = finish - arrival; queue = first scheduled - arrival.
+* goodput = completed requests per second that meet every given SLO (DistServe, Zhong et al.,
+  OSDI'24, Sec. 2); a request with fewer than two output tokens has no TPOT and meets a TPOT SLO.
+
+Latencies are reported in milliseconds (``*_ms``), throughputs per second of ``duration_s``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from framework.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
+
+if TYPE_CHECKING:
+    from framework.core.request import Request
+
+STEP_PARTS = ("schedule", "prepare", "forward", "sample", "update")  # SchedulerStats.<part>_s
+LATENCIES = ("ttft", "tpot", "itl", "e2el", "queue")
+STATS = ("mean", "median", "std", "p90", "p99")
+_SWAP_COUNTERS = ("num_preemptions_swap", "num_swap_out_blocks", "num_swap_in_blocks", "swapped_bytes")
+
+
+def compute_request_metrics(request: Request) -> RequestMetrics:
+    """Latency metrics of one (normally finished) request from its ``request.times``, seconds.
+
+    A missing timestamp gives ``None`` for the metrics that need it (e.g. an aborted request that
+    was never scheduled has no TTFT or queue time).
+    """
+    t = request.times
+    n_out = request.num_output_tokens
+    ttft = None if t.first_token_s is None else t.first_token_s - t.arrival_s
+    tpot = None
+    if n_out >= 2 and t.first_token_s is not None and t.finished_s is not None:
+        tpot = (t.finished_s - t.first_token_s) / (n_out - 1)
+    return RequestMetrics(
+        ttft_s=ttft,
+        tpot_s=tpot,
+        itl_s=[b - a for a, b in zip(t.token_s, t.token_s[1:])],
+        e2e_s=None if t.finished_s is None else t.finished_s - t.arrival_s,
+        queue_s=None if t.first_scheduled_s is None else t.first_scheduled_s - t.arrival_s,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=n_out,
+        num_cached_tokens=request.num_cached_tokens,
+        num_preemptions=request.num_preemptions,
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    """``q``-th percentile (0..100) with linear interpolation, as ``numpy.percentile``'s default.
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("percentile of an empty list")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _describe(values_s: list[float]) -> dict[str, float | None]:
+    """mean/median/std (population)/p90/p99 of ``values_s`` in ms; ``None`` each when empty."""
+    if not values_s:
+        return dict.fromkeys(STATS)
+    ms = [v * 1000.0 for v in values_s]
+    mean = sum(ms) / len(ms)
+    return {"mean": mean, "median": percentile(ms, 50), "std": math.sqrt(sum((v - mean) ** 2 for v in ms) / len(ms)),
+            "p90": percentile(ms, 90), "p99": percentile(ms, 99)}
+
+
+class MetricsCollector:
+    """Accumulates per-step stats and finished requests of one run; :meth:`summary` reduces them.
+
+    The engine calls :meth:`observe_step` after each step that scheduled work and
+    :meth:`observe_finished` once per request that reached a terminal state.
+
+    Args:
+        slo_ttft_ms: TTFT SLO for goodput, ms; ``None`` = no TTFT constraint.
+        slo_tpot_ms: TPOT SLO for goodput, ms; ``None`` = no TPOT constraint.
+    """
+
+    def __init__(self, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> None:
+        self.slo_ttft_ms = slo_ttft_ms
+        self.slo_tpot_ms = slo_tpot_ms
+        self.completed: list[RequestMetrics] = []  # finish_reason stop/length, no error
+        self.num_failed = 0  # aborted or rejected requests seen by the engine
+        self.num_steps = 0
+        self.step_time_s = dict.fromkeys((*STEP_PARTS, "step"), 0.0)  # totals, seconds
+        self.peak_kv_cache_usage = 0.0
+        self.sum_kv_cache_usage = 0.0  # summed over steps (mean = sum / num_steps)
+        self.sum_kv_cache_fragmentation = 0.0
+        self.sum_num_running_reqs = 0
+        self.peak_num_running_reqs = 0  # concurrency: requests holding KV in one step
+        self.swap_totals = dict.fromkeys(_SWAP_COUNTERS, 0)  # swap preemption counters, summed
+        self.timeline: list[dict[str, float]] = []  # per step: time_s, running, waiting, kv usage, fragmentation
+        self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
+        self.num_preemptions = 0
+        self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block}
+        self.compile_stats: Any = None  # framework.worker.compile.CompileStats, set by build_engine; live (recompiles grow)
+        self.num_generated_tokens = 0  # output tokens over all steps
+        self.num_sampled_reqs = 0  # (request, step) pairs that produced tokens: target forwards per request
+        # speculative decoding totals (SchedulerStats field names)
+        self.spec = dict.fromkeys(("num_spec_reqs", "num_draft_tokens", "num_accepted_tokens", "draft_s"), 0)
+        self.spec_verify_s = 0.0  # forward + sample time of steps that verified drafts, seconds
+        self._first_s: float | None = None  # perf_counter at the start of the first observed step
+        self._last_s: float | None = None  # perf_counter at the last observation
+
+    def _touch(self, start_s: float) -> None:
+        now = time.perf_counter()
+        self._first_s = start_s if self._first_s is None else min(self._first_s, start_s)
+        self._last_s = now
+
+    def observe_step(self, stats: SchedulerStats) -> None:
+        """Add one step's stats (time split, KV usage, preemptions)."""
+        self._touch(time.perf_counter() - stats.step_s)
+        self.num_steps += 1
+        for part in STEP_PARTS:
+            self.step_time_s[part] += getattr(stats, f"{part}_s")
+        self.step_time_s["step"] += stats.step_s
+        self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, stats.kv_cache_usage)
+        self.sum_kv_cache_usage += stats.kv_cache_usage
+        self.sum_kv_cache_fragmentation += stats.kv_cache_fragmentation
+        self.sum_num_running_reqs += stats.num_running_reqs
+        self.peak_num_running_reqs = max(self.peak_num_running_reqs, stats.num_running_reqs)
+        self.timeline.append({"step": stats.step, "time_s": self._last_s - self._first_s,
+                              "num_running_reqs": stats.num_running_reqs, "num_waiting_reqs": stats.num_waiting_reqs,
+                              "kv_cache_usage": stats.kv_cache_usage,
+                              "kv_cache_fragmentation": stats.kv_cache_fragmentation,
+                              "num_preemptions": stats.num_preemptions})
+        self.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
+        self.num_preemptions += stats.num_preemptions
+        for key in _SWAP_COUNTERS:
+            self.swap_totals[key] += getattr(stats, key)
+        self.num_generated_tokens += stats.num_generated_tokens
+        self.num_sampled_reqs += stats.num_sampled_reqs
+        for key in self.spec:
+            self.spec[key] += getattr(stats, key)
+        if stats.num_draft_tokens:
+            self.spec_verify_s += stats.forward_s + stats.sample_s
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Add one finished request; aborted/rejected ones only count in ``num_failed``."""
+        self._touch(time.perf_counter())
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        if output.error is None and reason in ("stop", "length") and output.metrics is not None:
+            self.completed.append(output.metrics)
+        else:
+            self.num_failed += 1
+
+    def _meets_slo(self, m: RequestMetrics) -> bool:
+        if self.slo_ttft_ms is not None and (m.ttft_s is None or m.ttft_s * 1000.0 > self.slo_ttft_ms):
+            return False
+        return self.slo_tpot_ms is None or m.tpot_s is None or m.tpot_s * 1000.0 <= self.slo_tpot_ms
+
+    def summary(self, duration_s: float | None = None) -> dict[str, Any]:
+        """Reduce everything observed so far.
+
+        Args:
+            duration_s: wall time the throughputs divide by, seconds; default from the start of
+                the first observed step to the last observation.
+
+        Returns:
+            Flat dict: counts, ``duration_s``, ``request_throughput`` (req/s), ``request_goodput``
+            (req/s; ``None`` without SLOs), ``output_throughput`` and ``total_token_throughput``
+            (tok/s), ``{mean,median,std,p90,p99}_{ttft,tpot,itl,e2el,queue}_ms``,
+            ``peak_kv_cache_usage``, ``mean_kv_cache_usage``, ``mean_kv_cache_fragmentation``,
+            ``peak_num_running_reqs`` / ``mean_num_running_reqs`` (concurrency),
+            ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
+            ``kv_cache_dtype``, ``kv_cache_num_blocks``, ``kv_cache_bytes_per_block`` (bytes, all layers),
+            ``compile``, ``compile_active``, ``compile_s`` (warm-up seconds), ``compile_num_graphs_warmup``,
+            ``compile_num_recompiles`` (graphs compiled after the warm-up), ``compile_fallback`` (only with
+            ``engine.compile=true``; see ``framework.worker.compile.CompileStats``),
+            step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time,
+            ``tokens_per_forward`` (output tokens per request per target forward) and, when a
+            drafter verified drafts, ``spec_acceptance_rate``, ``spec_mean_accepted_length`` (tokens
+            per verify step incl. the target's own), ``spec_num_{draft,accepted}_tokens``,
+            ``spec_draft_s`` and ``spec_verify_s`` (forward + sample time of verifying steps).
+        """
+        if duration_s is None:
+            duration_s = 0.0 if self._first_s is None else self._last_s - self._first_s
+        done = self.completed
+        n_in = sum(m.num_prompt_tokens for m in done)
+        n_out = sum(m.num_output_tokens for m in done)
+
+        def per_s(x: float) -> float:
+            return x / duration_s if duration_s > 0 else 0.0
+
+        has_slo = self.slo_ttft_ms is not None or self.slo_tpot_ms is not None
+        out: dict[str, Any] = {
+            "num_requests": len(done), "num_failed": self.num_failed, "duration_s": duration_s,
+            "total_input_tokens": n_in, "total_output_tokens": n_out,
+            "total_cached_tokens": sum(m.num_cached_tokens for m in done),
+            "request_throughput": per_s(len(done)),
+            "request_goodput": per_s(sum(map(self._meets_slo, done))) if has_slo else None,
+            "output_throughput": per_s(n_out), "total_token_throughput": per_s(n_in + n_out),
+        }
+        series = {"ttft": [m.ttft_s for m in done], "tpot": [m.tpot_s for m in done],
+                  "itl": [x for m in done for x in m.itl_s], "e2el": [m.e2e_s for m in done],
+                  "queue": [m.queue_s for m in done]}
+        for name, values in series.items():
+            for stat, value in _describe([v for v in values if v is not None]).items():
+                out[f"{stat}_{name}_ms"] = value
+        total_step_s = self.step_time_s["step"] or sum(self.step_time_s[p] for p in STEP_PARTS)
+        steps = max(self.num_steps, 1)
+        out.update(peak_kv_cache_usage=self.peak_kv_cache_usage, mean_kv_cache_usage=self.sum_kv_cache_usage / steps,
+                   mean_kv_cache_fragmentation=self.sum_kv_cache_fragmentation / steps,
+                   peak_num_running_reqs=self.peak_num_running_reqs,
+                   mean_num_running_reqs=self.sum_num_running_reqs / steps,
+                   prefix_cache_hit_rate=self.prefix_cache_hit_rate,
+                   num_preemptions=self.num_preemptions,
+                   num_preemptions_recompute=self.num_preemptions - self.swap_totals["num_preemptions_swap"],
+                   **self.swap_totals, num_steps=self.num_steps, step_s=total_step_s,
+                   **self.kv_cache_info)
+        if self.compile_stats is not None and self.compile_stats.enabled:
+            out.update(self.compile_stats.as_dict())
+        for part in STEP_PARTS:
+            out[f"{part}_s"] = self.step_time_s[part]
+            out[f"{part}_frac"] = self.step_time_s[part] / total_step_s if total_step_s > 0 else 0.0
+        # output tokens per request per target forward: 1 without speculation, up to k+1 with it
+        out["tokens_per_forward"] = (self.num_generated_tokens / self.num_sampled_reqs
+                                     if self.num_sampled_reqs else 0.0)
+        if self.spec["num_draft_tokens"]:
+            out.update(self._spec_summary())
+        return out
+
+    def _spec_summary(self) -> dict[str, float | int]:
+        """Speculative decoding: acceptance rate (accepted / drafted), mean accepted length per
+        verify step (accepted drafts + the target's own token, so 1..k+1), drafter vs verify time."""
+        s = self.spec
+        return {"spec_num_draft_tokens": s["num_draft_tokens"], "spec_num_accepted_tokens": s["num_accepted_tokens"],
+                "spec_acceptance_rate": s["num_accepted_tokens"] / s["num_draft_tokens"],
+                "spec_mean_accepted_length": (s["num_accepted_tokens"] + s["num_spec_reqs"]) / s["num_spec_reqs"],
+                "spec_draft_s": s["draft_s"], "spec_verify_s": self.spec_verify_s}
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 1 else f"{value:.{digits}f}"
+    return str(value)
+
+
+def render_summary_table(summary: dict[str, Any]) -> Table:
+    """A rich table of :meth:`MetricsCollector.summary`: one row per scalar (extra keys such as the
+    runner's ``num_rejected`` included, in dict order), step-time parts as ``seconds (share %)``,
+    then one row per latency with mean / median / p90 / p99 in ms (``std`` stays in ``metrics.json``)."""
+    table = Table(title="servelab run summary", header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    latency_keys = {f"{stat}_{name}_ms" for stat in STATS for name in LATENCIES}
+    frac_keys = {f"{part}_frac" for part in STEP_PARTS}
+    for key, value in summary.items():
+        if key in latency_keys or key in frac_keys:
+            continue
+        part = key.removesuffix("_s")
+        if part in STEP_PARTS and f"{part}_frac" in summary:
+            table.add_row(key, f"{_fmt(value)} ({100 * summary[f'{part}_frac']:.1f}%)")
+        else:
+            table.add_row(key, _fmt(value))
+    table.add_section()
+    for name in LATENCIES:
+        values = [summary.get(f"{stat}_{name}_ms") for stat in ("mean", "median", "p90", "p99")]
+        table.add_row(f"{name} ms mean/p50/p90/p99", " / ".join(_fmt(v, digits=1) for v in values))
+    return table

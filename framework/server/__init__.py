@@ -1,6 +1,0 @@
-"""OpenAI-compatible HTTP server over :class:`~framework.async_engine.AsyncLLM` (``serve`` extra).
-
-``protocol`` request bodies, ``serving`` body -> engine requests, ``responses`` engine outputs ->
-OpenAI bodies, ``app`` the FastAPI routes, ``metrics`` Prometheus ``servelab:*`` metrics,
-``launch`` the ``mode=serve`` entry point. Nothing here is imported by the engine.
-"""

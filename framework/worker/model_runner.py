@@ -1,0 +1,292 @@
+"""Model runner: turns a ``SchedulerOutput`` into one flattened forward and sampled tokens.
+
+The whole step is one "super sequence": ``input_ids``/``position_ids`` of shape
+``(1, num_tokens)`` fed to an unmodified transformers model whose attention layers call the
+selected backend (``framework.worker.forward_context``). Only the logits of positions that sample are
+computed (``logits_to_keep``). With ``compile=True`` the decoder runs through
+``framework.worker.compile.CompiledDecoder`` (``torch.compile``, warmed up in ``__init__``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from framework.core.outputs import ModelRunnerOutput, SchedulerOutput, TargetHiddenStates
+from framework.core.request import Request
+from framework.interfaces import AttentionBackend, CommonAttentionMetadata
+from framework.worker.compile import CompiledDecoder, CompileStats
+from framework.worker.forward_context import ForwardContext, GraphAttention, forward_context
+from framework.worker.rejection_sampler import RejectionSampler
+from framework.worker.sampler import Sampler
+
+
+@dataclass
+class BatchInputs:
+    """Inputs of one step, requests reordered decodes first (built by ``ModelRunner.prepare_inputs``)."""
+
+    requests: list[Request]  # batch order
+    input_ids: torch.Tensor  # (1, num_tokens) int64
+    positions: torch.Tensor  # (1, num_tokens) int64
+    common: CommonAttentionMetadata
+    sample_requests: list[Request]  # requests whose last scheduled token reaches num_tokens (+ drafts)
+    logits_index: torch.Tensor  # (num_sample_rows,) int64 flattened token index of each sampled row
+    num_spec: list[int]  # per sample request: drafts verified this step (rows = num_spec + 1)
+    query_start_loc_cpu: np.ndarray  # (num_reqs + 1,) int64, host copy of common.query_start_loc
+    context_lens_cpu: np.ndarray  # (num_reqs,) int64, host copy of common.context_lens
+
+
+class ModelRunner:
+    """Owns the model, the paged KV cache tensors, the attention backend and the sampler.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` loaded with ``attn_implementation="servelab"``.
+        backend: the attention backend instance.
+        num_blocks: KV blocks to allocate per layer.
+        num_layers: decoder layers.
+        kv_cache_dtype: cache dtype (model dtype unless a quant method says otherwise).
+        device: torch device of model and cache.
+        sampler: the sampler.
+        num_swap_blocks: CPU swap-space blocks (``preemption_mode=swap``); 0 allocates none.
+        compile: ``torch.compile`` the decoder and warm it up here (writes dummy K/V into blocks
+            ``0..1``, which no request owns yet); falls back to eager with a warning.
+        compile_freezing: inductor weight freezing/prepacking (``compile=True`` only).
+
+    Attributes:
+        keep_hidden_states: set by ``build_engine`` when the drafter reads the target's last hidden
+            states (EAGLE); each output then carries them (``ModelRunnerOutput.hidden_states``),
+            taken from the one forward (decoder, then the LM head on the sampled rows only).
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, num_blocks: int, num_layers: int,
+                 kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler, num_swap_blocks: int = 0,
+                 compile: bool = False, compile_freezing: bool = False) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.block_size = backend.block_size
+        self.sampler = sampler
+        self.block_bytes = backend.kv_cache_bytes_per_block(num_layers)  # one block, all layers, K and V
+        self.structured_output: Any = None  # StructuredOutputManager; set by build_engine when grammar != none
+        self.rejection_sampler = RejectionSampler(sampler)
+        self.keep_hidden_states = False
+        shape = backend.get_kv_cache_shape(num_blocks)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(num_layers)]
+        # CPU swap space for preemption_mode=swap (pinned so GPU copies can be asynchronous)
+        swap_shape = backend.get_kv_cache_shape(num_swap_blocks)
+        pin = device.type == "cuda"
+        self.swap_caches = [torch.zeros(swap_shape, dtype=kv_cache_dtype, pin_memory=pin)
+                            for _ in range(num_layers if num_swap_blocks else 0)]
+        self.compiled = CompiledDecoder(model, freezing=compile_freezing) if compile else None
+        if self.compiled is not None:
+            self.compiled.warm_up(self._dummy_forward, device)
+
+    @property
+    def compile_stats(self) -> CompileStats:
+        """Compile time, graphs and recompiles (``enabled=False`` when the runner is eager)."""
+        return self.compiled.stats if self.compiled is not None else CompileStats()
+
+    @torch.inference_mode()
+    def _dummy_forward(self, num_tokens: int, num_reqs: int = 1) -> None:
+        """One dummy step for the compile warm-up, its K/V written into blocks ``0, 1, ...``
+        (harmless before any request runs: every request writes its slots before reading them, and
+        these blocks are not in the prefix cache).
+
+        ``num_reqs == 1``: a ``num_tokens``-token prefill at positions ``0..num_tokens-1`` (at most
+        as many tokens as the cache has slots).
+        ``num_reqs == num_tokens``: that many decodes, each at position ``2 * block_size`` of a
+        3-block table (the decoder is called with duck sizing off, so batch dims that happen to be
+        equal here, e.g. a traced backend's partition count and the batch size, still get separate
+        symbols).
+        """
+        dev = self.device
+        i32 = {"dtype": torch.int32, "device": dev}
+        if num_reqs == 1:
+            num_tokens = min(num_tokens, self.kv_caches[0].shape[1] * self.block_size)
+            num_blocks, ctx, q_lens = -(-num_tokens // self.block_size), [0], [num_tokens]
+            positions = torch.arange(num_tokens, device=dev)
+            slots = positions
+        else:
+            num_blocks = min(3, self.kv_caches[0].shape[1])
+            ctx, q_lens = [(num_blocks - 1) * self.block_size] * num_reqs, [1] * num_reqs
+            positions = torch.tensor(ctx, device=dev)
+            slots = positions  # blocks 0..num_blocks-1 in order: slot == position
+        seq_lens = [c + q for c, q in zip(ctx, q_lens)]
+        num_decodes = sum(q == 1 for q in q_lens)
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.tensor([0, *np.cumsum(q_lens).tolist()], **i32),
+            seq_lens=torch.tensor(seq_lens, **i32), context_lens=torch.tensor(ctx, **i32),
+            block_table=torch.arange(num_blocks, **i32)[None].repeat(num_reqs, 1), slot_mapping=slots,
+            query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, num_reqs=num_reqs, num_tokens=num_tokens,
+            num_decodes=num_decodes, num_decode_tokens=num_decodes, max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens), block_size=self.block_size)
+        ids = torch.zeros((1, num_tokens), dtype=torch.long, device=dev)
+        metadata = self.backend.build_metadata(common)
+        with forward_context(ForwardContext(self.backend, metadata, self.kv_caches)):
+            self._forward(ids, positions[None], torch.tensor([num_tokens - 1], device=dev), metadata)
+
+    def _graph_attention(self, metadata: Any) -> GraphAttention | None:
+        """The traced-attention inputs of this step when the decoder is compiled and the backend
+        offers them (``AttentionBackend.traceable_inputs``), else ``None``."""
+        if self.compiled is None or not self.compiled.stats.active:
+            return None
+        inputs = self.backend.traceable_inputs(metadata)
+        return None if inputs is None else GraphAttention(self.backend, self.kv_caches, inputs)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
+                 metadata: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(num_sample_rows, vocab)`` logits at ``logits_index`` and, when ``keep_hidden_states``,
+        the last hidden states ``(num_tokens, hidden)`` of the same forward (else ``None``); call
+        inside ``forward_context`` (``metadata``: the backend's for this step)."""
+        graph = self._graph_attention(metadata)
+        if self.keep_hidden_states:  # decoder, then the LM head on the sampled rows only
+            hidden = self.compiled.hidden_states(input_ids, positions, graph) if self.compiled is not None else None
+            if hidden is None:
+                hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=positions,
+                                                  use_cache=False).last_hidden_state[0]
+            return self.model.get_output_embeddings()(hidden[logits_index]), hidden
+        if self.compiled is not None:
+            return self.compiled(input_ids, positions, logits_index, graph), None
+        return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                          logits_to_keep=logits_index).logits[0], None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the KV cache tensors."""
+        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one forward over every scheduled token and sample where a request reaches its end.
+
+        Returns:
+            Sampled token ids (and logprobs when asked) by request id, plus the time split.
+        """
+        t0 = time.perf_counter()
+        self._swap(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(sampled_token_ids={}, prepare_s=time.perf_counter() - t0)
+        batch = self.prepare_inputs(scheduler_output)
+        metadata = self.backend.build_metadata(batch.common)
+        t1 = time.perf_counter()
+        hidden_states = None
+        with forward_context(ForwardContext(self.backend, metadata, self.kv_caches)):
+            logits, hidden = self._forward(batch.input_ids, batch.positions, batch.logits_index, metadata)
+        if hidden is not None:  # (num_tokens, hidden) for an EAGLE-style drafter
+            hidden_states = TargetHiddenStates(
+                request_ids=[r.request_id for r in batch.requests],
+                query_start_loc=batch.query_start_loc_cpu, context_lens=batch.context_lens_cpu, hidden_states=hidden)
+        t2 = time.perf_counter()
+        sampled, logprobs, accepted = {}, {}, {}
+        if batch.sample_requests:
+            plain = [i for i, n in enumerate(batch.num_spec) if n == 0]
+            row_start = np.concatenate([[0], np.cumsum(np.array(batch.num_spec) + 1)])
+            if plain:
+                reqs = [batch.sample_requests[i] for i in plain]
+                rows = (logits[torch.from_numpy(row_start[plain]).to(logits.device)]
+                        if len(plain) < len(batch.num_spec) else logits)
+                if self.structured_output is not None:  # grammar bitmask before sampling (never drafted)
+                    self.structured_output.apply_bitmask(rows, reqs)
+                out = self.sampler(rows, reqs)
+                for j, request in enumerate(reqs):
+                    sampled[request.request_id] = [out.token_ids[j]]
+                    if out.logprobs is not None and request.sampling_params.logprobs is not None:
+                        logprobs[request.request_id] = [out.logprobs[j]]
+            if len(plain) < len(batch.num_spec):
+                self._verify(logits, batch, row_start, so=scheduler_output, out=(sampled, logprobs, accepted))
+        t3 = time.perf_counter()
+        return ModelRunnerOutput(sampled, logprobs, prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2,
+                                 num_accepted_tokens=accepted, hidden_states=hidden_states)
+
+    def _verify(self, logits: torch.Tensor, batch: BatchInputs, row_start: np.ndarray, so: SchedulerOutput,
+                out: tuple[dict, dict, dict]) -> None:
+        """Rejection-sample the speculating requests' k+1 rows each; fills ``out`` in place."""
+        sampled, logprobs, accepted = out
+        spec = [i for i, n in enumerate(batch.num_spec) if n > 0]
+        rows = np.concatenate([np.arange(row_start[i], row_start[i + 1]) for i in spec])
+        reqs = [batch.sample_requests[i] for i in spec]
+        drafts = [so.scheduled_spec_decode_tokens[r.request_id] for r in reqs]
+        verify_logits = logits[torch.from_numpy(rows).to(logits.device)]
+        if self.structured_output is not None:  # grammar masks per verify row (output + drafts so far)
+            self.structured_output.apply_verify_bitmask(verify_logits, reqs, drafts)
+        res = self.rejection_sampler(verify_logits, reqs, drafts)
+        for j, request in enumerate(reqs):
+            sampled[request.request_id] = res.token_ids[j]
+            accepted[request.request_id] = res.num_accepted[j]
+            if res.logprobs is not None and request.sampling_params.logprobs is not None:
+                logprobs[request.request_id] = res.logprobs[j]
+
+    def _swap(self, so: SchedulerOutput) -> None:
+        """The step's swap copies through the backend: every swap-out, then every swap-in, before
+        the forward (a block freed by a swap-out may be rewritten by this very step)."""
+        for blocks, slots in so.swap_out:
+            self.backend.copy_blocks(self.kv_caches, blocks, self.swap_caches, slots)
+        for slots, blocks in so.swap_in:
+            self.backend.copy_blocks(self.swap_caches, slots, self.kv_caches, blocks)
+
+    def prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
+        """Flatten the scheduled tokens; one Python pass over requests, vectorized over tokens."""
+        n_sched = so.num_scheduled_tokens
+        requests = ([r for r in so.scheduled_requests if n_sched[r.request_id] == 1]
+                    + [r for r in so.scheduled_requests if n_sched[r.request_id] > 1])
+        num_decodes = sum(1 for r in requests if n_sched[r.request_id] == 1)
+        query_lens = np.array([n_sched[r.request_id] for r in requests], dtype=np.int64)
+        context_lens = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+        seq_lens = context_lens + query_lens
+        spec = so.scheduled_spec_decode_tokens
+        num_spec = np.array([len(spec.get(r.request_id, ())) for r in requests], dtype=np.int64)
+        token_ids: list[int] = []
+        for request, start, n, k in zip(requests, context_lens.tolist(), query_lens.tolist(), num_spec.tolist()):
+            if k:  # verify: the real tokens, then the drafts
+                token_ids.extend(request.all_token_ids[start:start + n - k])
+                token_ids.extend(spec[request.request_id])
+            else:
+                token_ids.extend(request.all_token_ids[start:start + n])
+        query_start_loc = np.zeros(len(requests) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        req_of_token = np.repeat(np.arange(len(requests)), query_lens)
+        positions = context_lens[req_of_token] + np.arange(num_tokens) - query_start_loc[req_of_token]
+
+        tables = [so.block_ids[r.request_id] for r in requests]
+        block_table = np.zeros((len(requests), max(len(t) for t in tables)), dtype=np.int64)
+        for i, table in enumerate(tables):
+            block_table[i, :len(table)] = table
+        slot_mapping = (block_table[req_of_token, positions // self.block_size] * self.block_size
+                        + positions % self.block_size)
+
+        is_last = seq_lens == np.array([r.num_tokens for r in requests], dtype=np.int64) + num_spec
+        sample_idx = np.nonzero(is_last)[0]
+        # k+1 rows per speculating request: the positions of its last real token and its drafts
+        sample_k = num_spec[sample_idx]
+        row_req = np.repeat(sample_idx, sample_k + 1)
+        row_off = np.arange(int((sample_k + 1).sum())) - np.repeat(np.cumsum(sample_k + 1) - (sample_k + 1),
+                                                                   sample_k + 1)
+        logits_index = query_start_loc[row_req + 1] - np.repeat(sample_k + 1, sample_k + 1) + row_off
+        dev = self.device
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev, torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
+            context_lens=torch.from_numpy(context_lens).to(dev, torch.int32),
+            block_table=torch.from_numpy(block_table).to(dev, torch.int32),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
+            num_reqs=len(requests), num_tokens=num_tokens, num_decodes=num_decodes,
+            num_decode_tokens=num_decodes, max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()), block_size=self.block_size,
+        )
+        return BatchInputs(
+            requests=requests,
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev)[None],
+            positions=torch.from_numpy(positions).to(dev)[None],
+            common=common,
+            sample_requests=[requests[i] for i in sample_idx.tolist()],
+            logits_index=torch.from_numpy(logits_index).to(dev),
+            num_spec=sample_k.tolist(),
+            query_start_loc_cpu=query_start_loc,
+            context_lens_cpu=context_lens,
+        )

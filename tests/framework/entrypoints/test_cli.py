@@ -1,0 +1,44 @@
+"""The servelab command: subcommand dispatch, ``servelab plugins``, ``servelab rerun`` argv."""
+
+from __future__ import annotations
+
+import pytest
+
+from framework.entrypoints import cli
+from framework.entrypoints.plugin_info import chosen_plugin_sources, list_plugins
+
+
+def test_plugins_lists_every_builtin_with_package_and_capabilities(capsys):
+    infos = {(p.kind, p.name): p for p in list_plugins()}
+    assert {("scheduler", "fcfs"), ("scheduler", "priority"), ("kv_allocator", "paged"),
+            ("attention", "torch")} <= set(infos)
+    torch_attn = infos[("attention", "torch")]
+    assert torch_attn.package == "servelab" and torch_attn.version and "float32" in torch_attn.dtypes
+    assert "cpu" in torch_attn.devices
+    assert cli.main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "fcfs" in out and "servelab" in out and "float32" in out
+
+
+def test_chosen_plugin_sources_names_package_and_version():
+    record = chosen_plugin_sources({"scheduler": "fcfs", "drafter": "none", "attention": "torch"})
+    assert set(record) == {"scheduler", "attention"}
+    assert record["scheduler"]["package"] == "servelab" and record["scheduler"]["class"].endswith("FCFSPolicy")
+
+
+def test_serve_injects_mode_override_and_bare_args_go_to_hydra(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "_run_hydra", lambda argv: seen.append(argv))
+    cli.main(["serve", "model=stories260K"])
+    cli.main(["scheduler=priority"])
+    assert seen == [["mode=serve", "model=stories260K"], ["scheduler=priority"]]
+
+
+def test_rerun_argv_points_hydra_at_the_saved_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="finished run"):
+        cli.rerun_argv(tmp_path, [])
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("mode: offline\n")
+    argv = cli.rerun_argv(tmp_path, ["tracker.name=none"])
+    assert argv[:4] == ["--config-path", str(tmp_path / ".hydra"), "--config-name", "config"]
+    assert argv[4] == f"hydra.run.dir={tmp_path / 'rerun-0'}" and argv[5] == "tracker.name=none"

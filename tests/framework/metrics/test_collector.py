@@ -1,0 +1,147 @@
+"""Request metrics and the run summary, on synthetic requests with hand-set timestamps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rich.console import Console
+from rich.table import Table
+
+from framework.core.outputs import CompletionOutput, RequestOutput, SchedulerStats
+from framework.core.request import Request, RequestStatus
+from framework.core.sampling_params import SamplingParams
+from framework.metrics.collector import MetricsCollector, compute_request_metrics, percentile, render_summary_table
+
+
+def make_request(rid, prompt_len, arrival, scheduled, token_times, status=RequestStatus.FINISHED_LENGTH):
+    """A finished request whose output tokens were produced at ``token_times`` (seconds)."""
+    req = Request(request_id=rid, prompt_token_ids=list(range(3, 3 + prompt_len)), sampling_params=SamplingParams(),
+                  arrival_time=arrival)
+    req.times.first_scheduled_s = scheduled
+    for i, t in enumerate(token_times):
+        req.append_output_token(10 + i)
+        req.times.token_s.append(t)
+    req.times.first_token_s = token_times[0] if token_times else None
+    req.times.finished_s = token_times[-1] if token_times else scheduled
+    req.status = status
+    return req
+
+
+def as_output(req, error=None):
+    completion = CompletionOutput(index=0, text="", token_ids=list(req.output_token_ids),
+                                  finish_reason=req.finish_reason)
+    return RequestOutput(request_id=req.request_id, prompt=None, prompt_token_ids=req.prompt_token_ids,
+                         outputs=[completion], finished=True, metrics=compute_request_metrics(req), error=error)
+
+
+# A: arrives 0, scheduled 0.5, tokens at 1.0/1.2/1.6 -> TTFT 1.0, TPOT 0.3, ITL [0.2, 0.4], e2e 1.6, queue 0.5
+# B: arrives 1.0, scheduled 1.0, one token at 1.5  -> TTFT 0.5, no TPOT, no ITL, e2e 0.5, queue 0
+REQ_A = dict(rid="a", prompt_len=4, arrival=0.0, scheduled=0.5, token_times=[1.0, 1.2, 1.6])
+REQ_B = dict(rid="b", prompt_len=2, arrival=1.0, scheduled=1.0, token_times=[1.5])
+
+
+def stats(step, usage, hit_rate, preemptions):
+    return SchedulerStats(step=step, num_running_reqs=1, num_waiting_reqs=0, num_scheduled_tokens=4,
+                          num_prefill_tokens=3, num_decode_tokens=1, kv_cache_usage=usage,
+                          prefix_cache_hit_rate=hit_rate, num_preemptions=preemptions, schedule_s=0.1, prepare_s=0.2,
+                          forward_s=0.5, sample_s=0.1, update_s=0.1, step_s=1.0, num_generated_tokens=1)
+
+
+def test_compute_request_metrics():
+    m = compute_request_metrics(make_request(**REQ_A))
+    assert m.ttft_s == pytest.approx(1.0) and m.tpot_s == pytest.approx(0.3)
+    assert m.itl_s == pytest.approx([0.2, 0.4])
+    assert m.e2e_s == pytest.approx(1.6) and m.queue_s == pytest.approx(0.5)
+    assert (m.num_prompt_tokens, m.num_output_tokens, m.num_preemptions) == (4, 3, 0)
+    single = compute_request_metrics(make_request(**REQ_B))
+    assert single.tpot_s is None and single.itl_s == [] and single.ttft_s == pytest.approx(0.5)
+
+
+def test_never_scheduled_request_has_no_latencies():
+    req = Request(request_id="x", prompt_token_ids=[5, 6], sampling_params=SamplingParams(), arrival_time=0.0)
+    req.status = RequestStatus.FINISHED_ABORTED
+    m = compute_request_metrics(req)
+    assert (m.ttft_s, m.tpot_s, m.e2e_s, m.queue_s, m.itl_s) == (None, None, None, None, [])
+
+
+def test_percentile_matches_numpy_linear():
+    assert percentile([500.0, 1000.0], 99) == pytest.approx(995.0)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([7.0], 90) == 7.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def collector(**slo):
+    c = MetricsCollector(**slo)
+    c.observe_step(stats(0, usage=0.3, hit_rate=0.1, preemptions=1))
+    c.observe_step(stats(1, usage=0.7, hit_rate=0.25, preemptions=2))
+    c.observe_finished(as_output(make_request(**REQ_A)))
+    c.observe_finished(as_output(make_request(**REQ_B)))
+    rejected = make_request("c", 3, 0.0, 0.0, [], status=RequestStatus.FINISHED_ABORTED)
+    c.observe_finished(as_output(rejected, error="prompt too long"))
+    return c
+
+
+def test_summary_hand_checked():
+    s = collector().summary(duration_s=2.0)
+    assert (s["num_requests"], s["num_failed"], s["num_steps"]) == (2, 1, 2)
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (6, 4)
+    assert s["request_throughput"] == pytest.approx(1.0)
+    assert s["output_throughput"] == pytest.approx(2.0)
+    assert s["total_token_throughput"] == pytest.approx(5.0)
+    assert s["request_goodput"] is None  # no SLO given
+    # TTFT [1000, 500] ms
+    assert s["mean_ttft_ms"] == pytest.approx(750) and s["median_ttft_ms"] == pytest.approx(750)
+    assert s["std_ttft_ms"] == pytest.approx(250)
+    assert s["p90_ttft_ms"] == pytest.approx(950) and s["p99_ttft_ms"] == pytest.approx(995)
+    # TPOT only from A (B has one token)
+    assert s["mean_tpot_ms"] == pytest.approx(300) and s["p99_tpot_ms"] == pytest.approx(300)
+    # ITL pooled [200, 400]
+    assert s["mean_itl_ms"] == pytest.approx(300) and s["p90_itl_ms"] == pytest.approx(380)
+    # e2e [1600, 500]
+    assert s["mean_e2el_ms"] == pytest.approx(1050) and s["p99_e2el_ms"] == pytest.approx(1589)
+    assert s["mean_queue_ms"] == pytest.approx(250)
+    assert s["peak_kv_cache_usage"] == pytest.approx(0.7)
+    assert s["prefix_cache_hit_rate"] == pytest.approx(0.25)  # last step's cumulative value
+    assert s["num_preemptions"] == 3
+    assert s["step_s"] == pytest.approx(2.0)
+    assert s["schedule_s"] == pytest.approx(0.2) and s["schedule_frac"] == pytest.approx(0.1)
+    assert s["forward_s"] == pytest.approx(1.0) and s["forward_frac"] == pytest.approx(0.5)
+    assert s["prepare_frac"] == pytest.approx(0.2) and s["sample_frac"] == pytest.approx(0.1)
+    assert s["update_frac"] == pytest.approx(0.1)
+    json.dumps(s)  # JSON-serializable as is
+
+
+@pytest.mark.parametrize("slo, goodput", [
+    (dict(slo_ttft_ms=800), 0.5),  # A misses TTFT (1000 ms)
+    (dict(slo_tpot_ms=250), 0.5),  # A misses TPOT (300 ms); B has no TPOT and meets it
+    (dict(slo_ttft_ms=1200, slo_tpot_ms=350), 1.0),  # both meet both
+    (dict(slo_ttft_ms=800, slo_tpot_ms=250), 0.5),
+])
+def test_goodput_distserve(slo, goodput):
+    """Requests meeting every SLO, per second (2 s run); the rejected request never counts."""
+    assert collector(**slo).summary(duration_s=2.0)["request_goodput"] == pytest.approx(goodput)
+
+
+def test_empty_summary_and_default_duration():
+    empty = MetricsCollector().summary()
+    assert empty["num_requests"] == 0 and empty["duration_s"] == 0.0 and empty["mean_ttft_ms"] is None
+    assert empty["request_throughput"] == 0.0
+    s = collector().summary()
+    # from the first step's start (its observation minus step_s = 1.0) to the last observation
+    assert 1.0 <= s["duration_s"] < 1.5
+
+
+def test_render_summary_table():
+    s = collector(slo_ttft_ms=800).summary(duration_s=2.0)
+    s["num_rejected"] = 0
+    table = render_summary_table(s)
+    assert isinstance(table, Table)
+    console = Console(record=True, width=160)
+    console.print(table)
+    text = console.export_text()
+    for needle in ("request_throughput", "num_rejected", "ttft ms", "750.0", "995.0", "request_goodput",
+                   "forward_s", "(50.0%)"):
+        assert needle in text

@@ -1,0 +1,213 @@
+"""``engine.compile=true``: greedy parity with transformers, no recompiles after the warm-up across a
+mixed-length run (chunked prefill, prefix hits, batch-1 decode; prepacked and ATen linears), the
+attention custom op's contract, and the fallback to eager when the compiler is unavailable or fails."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, assert_all_blocks_free, assert_greedy_parity
+
+from framework import LLM, SamplingParams
+from framework.worker.compile import INDUCTOR_CONFIG, CompiledDecoder, decoder_entry, inductor_config
+from framework.worker.forward_context import ForwardContext, attention_op, forward_context, servelab_attention
+from framework.worker.prepack import PrepackedLinear
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+PREPACK = "on" if torch.backends.mkldnn.is_available() else "off"
+
+
+@pytest.fixture(scope="module")
+def compiled_llm():
+    """One compiled engine for the module (the warm-up compiles three graphs, tens of seconds), with
+    the CPU's bf16 default of prepacked oneDNN linears (the opaque ``servelab::prepacked_linear`` op,
+    fused q/k/v; the one-row graph's traced GEMV) forced on in float32, so its greedy tokens must equal
+    transformers. Compiled ATen linears run in ``test_engines_keep_their_own_graphs``."""
+    llm = LLM(model=STORIES, compile=True, prepack_linears=PREPACK, block_size=8, max_num_batched_tokens=24,
+              long_prefill_token_threshold=16)
+    yield llm
+    assert_all_blocks_free(llm.engine)
+
+
+def test_warm_up_compiles_three_graphs(compiled_llm):
+    stats = compiled_llm.engine.runner.compile_stats
+    assert stats.active and stats.fallback_reason is None
+    if PREPACK == "on":
+        assert isinstance(compiled_llm.engine.runner.model.model.layers[0].self_attn.qkv_proj, PrepackedLinear)
+    # default torch_paged: num_tokens >= 2 (opaque attention), and the traced-attention decode graphs
+    # of num_tokens == 1 and >= 2; no graph breaks
+    assert stats.num_graphs_warmup == 3
+    assert stats.compile_s > 0
+
+
+def test_parity_and_no_recompiles_over_mixed_lengths(compiled_llm):
+    """Chunked prefill (24-token budget, 16-token chunks), prefix-cache hits, batches shrinking to one
+    decode: every step reuses a warm-up graph, and tokens equal transformers ``generate``."""
+    assert_greedy_parity(compiled_llm, PREFIX_PROMPTS + STORY_PROMPTS, max_tokens=20)
+    assert_greedy_parity(compiled_llm, [STORY_PROMPTS[3]], max_tokens=12)  # batch-1 decode, T == 1
+    summary = compiled_llm.engine.metrics.summary()
+    assert summary["prefix_cache_hit_rate"] > 0.1
+    assert summary["compile"] and summary["compile_active"]
+    assert summary["compile_num_recompiles"] == 0, "a step shape recompiled after the warm-up"
+    assert summary["compile_num_graphs_warmup"] == 3 and summary["compile_s"] > 0
+
+
+def test_engines_keep_their_own_graphs(compiled_llm):
+    """The decoder's module and parameter guards are dropped (``decoder_entry``): a second compiled
+    engine of the same model compiles graphs of its own (the guards that told engines apart are gone,
+    so a shared cache would hand it the first engine's graphs), and both keep transformers parity and
+    no recompiles when they alternate."""
+    other = LLM(model=STORIES, compile=True, attention="torch", max_num_batched_tokens=24)
+    assert type(other.engine.runner.model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # float32: ATen's
+    assert other.engine.runner.compile_stats.num_graphs_warmup == 2  # its own prefill and batch-1 graphs
+    before = compiled_llm.engine.runner.compile_stats.num_recompiles
+    for llm in (other, compiled_llm, other):
+        assert_greedy_parity(llm, STORY_PROMPTS[:3], max_tokens=8)
+    assert other.engine.runner.compile_stats.num_recompiles == 0
+    assert compiled_llm.engine.runner.compile_stats.num_recompiles == before
+
+
+def test_decoder_entry_has_a_code_object_of_its_own():
+    module = torch.nn.Identity()
+    first, second = decoder_entry(module), decoder_entry(module)
+    assert first.__code__ is not second.__code__
+    assert first(input=torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_fma_contraction_only_for_reduced_precision_graphs():
+    """bf16/fp16 graphs (any such input: weights, KV cache) compile with FMA contraction; float32
+    graphs keep inductor's default (off), which the token-for-token transformers parity relies on."""
+    flag = "cpp.enable_floating_point_contract_flag"
+    ids = torch.zeros(4, dtype=torch.long)
+    assert inductor_config([ids, torch.zeros(2, 3)]) == INDUCTOR_CONFIG
+    for dtype in (torch.bfloat16, torch.float16):
+        config = inductor_config([ids, torch.zeros(2, 3), torch.zeros(3, dtype=dtype), 1.5])
+        assert config[flag] == "fast" and INDUCTOR_CONFIG.items() <= config.items()
+    assert flag not in INDUCTOR_CONFIG
+
+
+@pytest.mark.slow
+def test_freezing_parity():
+    """``compile_freezing=True`` (weights as constants, prepacked for oneDNN on CPU) keeps parity.
+
+    Freezing concerns the weights, not attention, so this runs the ``torch`` backend (attention as
+    the opaque op, 2 graphs): with ``torch_paged``'s traced-attention graphs the test compiled for
+    ~100 s; the default backend's graphs are compiled by the other tests of this module."""
+    llm = LLM(model=STORIES, compile=True, compile_freezing=True, attention="torch", max_num_batched_tokens=24)
+    assert_greedy_parity(llm, PREFIX_PROMPTS[:4] + STORY_PROMPTS[:8], max_tokens=16)
+    stats = llm.engine.runner.compile_stats
+    assert stats.active and stats.num_recompiles == 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_attention_op_contract(compiled_llm):
+    """``servelab::attention`` passes ``torch.library.opcheck`` (schema, fake shapes, AOT dispatch)
+    and equals the eager attention call, inside a real step's forward context."""
+    runner = compiled_llm.engine.runner
+    backend = runner.backend
+    num_tokens = 5
+    from framework.interfaces import CommonAttentionMetadata
+
+    i32 = {"dtype": torch.int32}
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, num_tokens], **i32), seq_lens=torch.tensor([num_tokens], **i32),
+        context_lens=torch.zeros(1, **i32), block_table=torch.tensor([[0]], **i32),
+        slot_mapping=torch.arange(num_tokens), query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens], num_reqs=1,
+        num_tokens=num_tokens, num_decodes=0, num_decode_tokens=0, max_query_len=num_tokens,
+        max_seq_len=num_tokens, block_size=backend.block_size)
+    q = torch.randn(1, backend.num_heads, num_tokens, backend.head_size)
+    k = torch.randn(1, backend.num_kv_heads, num_tokens, backend.head_size)
+    v = torch.randn(1, backend.num_kv_heads, num_tokens, backend.head_size)
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    with forward_context(ForwardContext(backend, backend.build_metadata(common), runner.kv_caches)):
+        expected, _ = servelab_attention(module, q, k, v, None)
+        out = attention_op(q, k, v, 0)
+        torch.library.opcheck(attention_op, (q, k, v, 0))
+    assert out.shape == (1, num_tokens, backend.num_heads, backend.head_size) and out.is_contiguous()
+    torch.testing.assert_close(out, expected)
+
+
+def test_decode_steps_attend_inside_the_graph(compiled_llm, monkeypatch):
+    """Default ``torch_paged``: an all-decode step's attention is traced into the compiled decoder
+    (``traceable_forward``), so the backend's per-layer ``forward`` (the opaque op's body) runs for the
+    prefill step only; the output still equals transformers and nothing recompiles."""
+    runner = compiled_llm.engine.runner
+    calls = []
+    forward = runner.backend.forward
+    monkeypatch.setattr(runner.backend, "forward", lambda *args: calls.append(args[0]) or forward(*args))
+    before = runner.compile_stats.num_recompiles
+    prompt = "Once upon a time"  # one prefill step (under the 16-token chunk threshold), then 6 decodes
+    assert len(compiled_llm.get_tokenizer()(prompt).input_ids) < 16
+    assert_greedy_parity(compiled_llm, [prompt], max_tokens=7)
+    assert calls == list(range(len(runner.kv_caches))), "a decode step called the backend outside the graph"
+    assert runner.compile_stats.num_recompiles == before
+
+
+def test_recompile_is_counted(compiled_llm, monkeypatch, caplog):
+    """The counter is live: a forward no warm-up graph covers (int32 position ids fail a dtype guard)
+    compiles a new graph, counted in ``compile_num_recompiles`` and logged. Runs last on the shared
+    engine: the dummy forward overwrites blocks 0..1, which may hold cached prefixes."""
+    runner = compiled_llm.engine.runner
+    before = runner.compile_stats.num_recompiles
+    forward = runner._forward
+    monkeypatch.setattr(runner, "_forward", lambda ids, pos, index, meta: forward(ids, pos.int(), index, meta))
+    with caplog.at_level(logging.WARNING, logger="framework.worker.compile"):
+        runner._dummy_forward(3)
+    assert runner.compile_stats.num_recompiles == before + 1
+    assert compiled_llm.engine.metrics.summary()["compile_num_recompiles"] == before + 1
+    assert any("recompiling after the warm-up" in r.message for r in caplog.records)
+
+
+def test_fallback_when_compiler_missing(caplog):
+    """No C++ compiler for inductor: a warning names the cause and the engine runs eagerly, correctly."""
+    with (torch._inductor.config.patch({"cpp.cxx": ("servelab-no-such-c++",)}),
+          caplog.at_level(logging.WARNING, logger="framework.worker.compile")):
+        llm = LLM(model=STORIES, compile=True)
+    stats = llm.engine.runner.compile_stats
+    assert not stats.active and "compiler unavailable" in stats.fallback_reason
+    assert any("running the model eagerly" in r.message and "compiler unavailable" in r.message
+               for r in caplog.records)
+    assert_greedy_parity(llm, STORY_PROMPTS[:6], max_tokens=12)
+    assert llm.engine.metrics.summary()["compile_active"] is False
+    assert_all_blocks_free(llm.engine)
+
+
+def test_fallback_when_compile_fails(monkeypatch, caplog):
+    """An error while compiling the first graph (here: the inductor backend raises) falls back to eager."""
+    def broken(self, gm, example_inputs):
+        raise RuntimeError("simulated inductor failure")
+
+    monkeypatch.setattr(CompiledDecoder, "_backend", broken)
+    with caplog.at_level(logging.WARNING, logger="framework.worker.compile"):
+        llm = LLM(model=STORIES, compile=True)
+    stats = llm.engine.runner.compile_stats
+    assert not stats.active and "simulated inductor failure" in stats.fallback_reason
+    assert any("simulated inductor failure" in r.message for r in caplog.records)
+    outs = assert_greedy_parity(llm, STORY_PROMPTS[:6], max_tokens=12)
+    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
+    assert_all_blocks_free(llm.engine)
+
+
+def test_compile_off_reports_nothing(make_llm):
+    llm = make_llm()
+    assert llm.engine.runner.compiled is None
+    llm.generate(["Once upon a time"], SamplingParams(max_tokens=2))
+    assert "compile_s" not in llm.engine.metrics.summary()
+
+
+def test_hydra_engine_compile_knob():
+    from hydra import compose, initialize_config_dir
+
+    from framework.entrypoints.hydra_config import CONF_DIR, engine_config_from_cfg
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=["engine.compile=true", "engine.compile_freezing=true"])
+    config = engine_config_from_cfg(cfg)
+    assert config.compile is True and config.compile_freezing is True
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        assert engine_config_from_cfg(compose("config")).compile is False
