@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from framework import registry  # noqa: E402
-from framework.engine.llm_engine import validate_plugins  # noqa: E402
+from framework.engine.builder import validate_plugins  # noqa: E402
 from framework.entrypoints.hydra_config import (  # noqa: E402
     CONF_DIR,
     engine_config_from_cfg,
@@ -94,7 +94,7 @@ def _serve(cfg: DictConfig, engine_config: Any, run_dir: Path) -> dict[str, Any]
 
 def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run_dir: Path) -> dict[str, Any]:
     """Build the engine, run the workload, write the run files, report the summary."""
-    from framework.engine.llm_engine import build_engine
+    from framework.engine.builder import build_engine
     from framework.entrypoints.offline_runner import run_workload
     from framework.metrics.collector import MetricsCollector, render_summary_table
     from framework.workloads.workload import build_workload

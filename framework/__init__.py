@@ -15,7 +15,7 @@ from framework.core.structured_output_params import StructuredOutputsParams
 from framework.hookspecs import hookimpl
 
 _LAZY = {"LLM": "framework.entrypoints.llm", "LLMEngine": "framework.engine.llm_engine",
-         "build_engine": "framework.engine.llm_engine"}
+         "build_engine": "framework.engine.builder"}
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams", "build_engine", "hookimpl"]

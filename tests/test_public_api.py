@@ -7,7 +7,6 @@ import importlib
 import re
 
 import pytest
-
 from helpers import REPO
 
 DOCS = [REPO / "README.md", REPO / "docs" / "plugins.md"]

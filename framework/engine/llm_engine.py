@@ -6,30 +6,22 @@ import logging
 import time
 from typing import Any
 
-import torch
-
 from framework import registry
-from framework.config import PLUGIN_FIELDS, EngineConfig
+from framework.config import EngineConfig
 from framework.core.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerStats
 from framework.core.request import Request
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.scheduler import Scheduler
-from framework.core.stop import StopChecker
 from framework.core.structured_output import StructuredOutputManager
-from framework.core.swap import SwapSpace
 from framework.interfaces import Drafter
 from framework.metrics.collector import MetricsCollector, compute_request_metrics
-from framework.worker.cpu_malloc import tune_malloc
-from framework.worker.forward_context import register_attention_implementation
 from framework.worker.model_runner import ModelRunner
-from framework.worker.prepack import prepack_linears, should_prepack
-from framework.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """The engine loop. Build it with :func:`build_engine`.
+    """The engine loop. Build it with :func:`framework.engine.builder.build_engine`.
 
     The engine talks to the scheduler and the model runner only; the scheduler owns the KV
     allocator and the policy, the runner owns the model, the KV tensors and the sampler.
@@ -306,133 +298,3 @@ class LLMEngine:
     def kv_allocator(self) -> Any:
         """The KV allocator (for inspection and tests)."""
         return self.scheduler.kv
-
-
-def validate_plugins(config: EngineConfig) -> list[type | None]:
-    """Resolve every plugin choice and run its capability check, before any weights load.
-
-    Raises:
-        registry.UnknownPluginError: an unknown name (lists the valid choices).
-        ValueError: a plugin that cannot run here or with this config (each problem names a fix).
-    """
-    classes, problems = [], []
-    for kind in PLUGIN_FIELDS:
-        name = getattr(config, kind)
-        cls = registry.get_class(kind, name)
-        classes.append(cls)
-        if cls is not None:
-            problems += cls.validate(config)
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        problems.append(f"device={config.device!r} but CUDA is not available; use device=cpu")
-    if problems:
-        raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
-    return classes
-
-
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
-                                                   "fp8_e4m3": torch.float8_e4m3fn}
-
-
-def refuse_prequantized(model_config: Any) -> None:
-    """Refuse a pre-quantized (GPTQ/AWQ/compressed-tensors...) checkpoint before its weights load.
-
-    None of transformers' quantizer back ends for these formats is installed or verified here (they
-    need CUDA kernels or extra packages: gptqmodel, autoawq, compressed-tensors), so servelab loads
-    only unquantized checkpoints and quantizes them itself with ``quant=<method>``.
-
-    Raises:
-        ValueError: the config carries a ``quantization_config`` (names its ``quant_method``).
-    """
-    qc = getattr(model_config, "quantization_config", None)
-    if qc is not None:
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
-        raise ValueError(f"pre-quantized checkpoints are not supported (this one is {method!s}): transformers' "
-                         "quantizer for it needs kernels not available here; load the unquantized model and "
-                         "use quant=int8_wo|int4_wo|w8a8|fp8 instead")
-
-
-def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) -> LLMEngine:
-    """Validate plugins, load the model, size the KV cache and assemble the engine.
-
-    Args:
-        metrics: collector of step/request metrics (e.g. with goodput SLOs); default a plain one.
-
-    Raises:
-        registry.UnknownPluginError, ValueError: from :func:`validate_plugins` (before loading),
-            or a KV budget smaller than one ``max_model_len`` request, or ``max_model_len`` above
-            the model's maximum positions.
-    """
-    from framework.worker.model_loader import load_model, load_model_config
-
-    validate_plugins(config)
-    model_config = load_model_config(config.model)
-    refuse_prequantized(model_config)
-    max_pos = int(getattr(model_config, "max_position_embeddings", 0) or 0)
-    max_model_len = config.max_model_len or max_pos
-    if max_pos and max_model_len > max_pos:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
-    mc = model_config
-    head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    problems = registry.get_class("attention", config.attention).validate_model(
-        mc.num_attention_heads, mc.num_key_value_heads, head_size)
-    if problems:
-        raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
-    if config.tune_malloc and torch.device(config.device).type == "cpu":
-        tune_malloc()
-    loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                        attn_implementation=register_attention_implementation())
-    model = loaded.model
-    dtype = getattr(torch, config.dtype)
-    quant = registry.create("quant", config.quant, **config.plugin_params("quant"))
-    if quant is not None:
-        model = quant.apply(model)
-    if should_prepack(config.prepack_linears, torch.device(config.device), dtype, config.compile_freezing):
-        logger.info("prepack_linears: %d GEMMs prepacked for oneDNN", prepack_linears(model, compiled=config.compile))
-    kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or (quant.kv_cache_dtype(dtype) if quant else dtype)
-
-    mc = loaded.config
-    scale = next((m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")),
-                 head_size ** -0.5)
-    backend = registry.create("attention", config.attention, num_heads=mc.num_attention_heads,
-                              num_kv_heads=mc.num_key_value_heads, head_size=head_size, scale=scale,
-                              block_size=config.block_size, dtype=kv_dtype, device=torch.device(config.device),
-                              **config.plugin_params("attention"))
-    num_blocks = config.num_blocks or config.kv_cache_memory_bytes // backend.kv_cache_bytes_per_block(
-        mc.num_hidden_layers)
-    if num_blocks * config.block_size < max_model_len:
-        raise ValueError(
-            f"KV cache holds {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
-            f"tokens, fewer than one max_model_len={max_model_len} request; raise kv_cache_memory_bytes/num_blocks "
-            "or lower max_model_len")
-    allocator = registry.create("kv_allocator", config.kv_allocator, num_blocks=num_blocks,
-                                block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                                max_model_len=max_model_len, **config.plugin_params("kv_allocator"))
-    policy = registry.create("scheduler", config.scheduler, **config.plugin_params("scheduler"))
-    block_bytes = backend.kv_cache_bytes_per_block(mc.num_hidden_layers)
-    num_swap_blocks = config.swap_space_bytes // block_bytes if config.preemption_mode == "swap" else 0
-    swap_space = SwapSpace(num_swap_blocks) if config.preemption_mode == "swap" else None
-    scheduler = Scheduler(policy, allocator, StopChecker(loaded.tokenizer), max_num_seqs=config.max_num_seqs,
-                          max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-                          long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space)
-    runner = ModelRunner(model, backend, num_blocks, mc.num_hidden_layers, backend.cache_dtype, torch.device(config.device),
-                         Sampler(mc.vocab_size, seed=config.seed), num_swap_blocks=num_swap_blocks,
-                         compile=config.compile, compile_freezing=config.compile_freezing)
-    structured = None
-    if config.grammar != "none":
-        grammar = registry.create("grammar", config.grammar, tokenizer=loaded.tokenizer, vocab_size=mc.vocab_size,
-                                  eos_token_ids=loaded.eos_token_ids, **config.plugin_params("grammar"))
-        structured = runner.structured_output = StructuredOutputManager(grammar, mc.vocab_size)
-    drafter = registry.create("drafter", config.drafter, **config.plugin_params("drafter"))
-    if drafter is not None:
-        drafter.load(model=model, model_config=mc, config=config)
-        runner.keep_hidden_states = drafter.needs_hidden_states
-    engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, mc.vocab_size, metrics,
-                       structured, drafter)
-    engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
-                                    "kv_cache_bytes_per_block": backend.kv_cache_bytes_per_block(mc.num_hidden_layers)}
-    engine.metrics.compile_stats = runner.compile_stats
-    logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",
-                num_blocks, runner.kv_cache_bytes / 2**20, config.kv_cache_dtype,
-                backend.kv_cache_bytes_per_block(mc.num_hidden_layers), max_model_len)
-    registry.plugin_manager().hook.on_engine_start(config=config.to_dict())
-    return engine

@@ -11,7 +11,8 @@ from typing import Any
 from framework.config import EngineConfig
 from framework.core.outputs import CompletionOutput, RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
-from framework.engine.llm_engine import LLMEngine, build_engine
+from framework.engine.builder import build_engine
+from framework.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class LLM:
 
     Raises:
         registry.UnknownPluginError, ValueError, TypeError: bad plugin names or knobs, before the
-            model loads (see ``framework.engine.llm_engine.build_engine``).
+            model loads (see ``framework.engine.builder.build_engine``).
     """
 
     def __init__(self, model: str, dtype: str = "float32", scheduler: str = "fcfs", kv_allocator: str = "paged",

@@ -74,7 +74,7 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
                           "pip install -e '.[serve]' 'torch==2.13.0'") from exc
     import uvicorn
 
-    from framework.engine.llm_engine import build_engine
+    from framework.engine.builder import build_engine
     from framework.entrypoints.server.serving import ServerState
     from framework.metrics.collector import MetricsCollector
 

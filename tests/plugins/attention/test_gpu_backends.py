@@ -15,7 +15,7 @@ from attention_harness import common_metadata, run_random_batch, run_same_step_p
 from helpers import STORIES
 
 from framework import EngineConfig, registry
-from framework.engine.llm_engine import build_engine, validate_plugins
+from framework.engine.builder import build_engine, validate_plugins
 from plugins.attention._paged_metadata import (
     cu_seqlens,
     gather_context_index,

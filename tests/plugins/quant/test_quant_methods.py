@@ -10,7 +10,7 @@ from helpers import STORIES
 from framework import registry
 from framework.config import EngineConfig
 from framework.core.sampling_params import SamplingParams
-from framework.engine.llm_engine import validate_plugins
+from framework.engine.builder import validate_plugins
 
 # stories260K: hidden 64, intermediate 172 (not a multiple of 16/32), so int4 keeps the MLP full precision
 METHODS = {
@@ -19,6 +19,7 @@ METHODS = {
     "w8a8": {},
     "fp8": {},
 }
+BATCH_SHAPE_DEPENDENT = {"w8a8"}  # int8 x int8 GEMMs whose rounding depends on the batch shape on some CPUs
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park and"]
 MAX_NEW = 24
 
@@ -39,8 +40,11 @@ def _generate(model: torch.nn.Module, ids: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_engine_matches_generate_on_same_quantized_model(make_llm, method: str) -> None:
-    """Token-for-token equality (float32 activations; all four methods keep float32 activations on CPU
-    except w8a8, whose per-token activation quantization is row-independent, so batching cannot change it)."""
+    """Token-for-token equality where the method keeps float32 activations (int8_wo, int4_wo, fp8 on CPU).
+
+    w8a8's int8 GEMM is not bit-identical across batch shapes on every CPU (with AMX, oneDNN picks
+    another kernel for the engine's flattened batch than for ``generate``'s one row: token 14 differed
+    on an Intel Xeon), so its tokens are checked with the near-tie rule of :func:`_assert_near_greedy`."""
     llm = make_llm(quant=method, quant_params=METHODS[method], num_blocks=64)
     tok = llm.engine.tokenizer
     prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
@@ -48,7 +52,41 @@ def test_engine_matches_generate_on_same_quantized_model(make_llm, method: str) 
                         SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
     oracle = _quantized_hf_model(method, METHODS[method])
     for ids, out in zip(prompt_ids, outs):
-        assert list(out.outputs[0].token_ids) == _generate(oracle, ids)
+        if method in BATCH_SHAPE_DEPENDENT:
+            _assert_near_greedy(oracle, ids, list(out.outputs[0].token_ids))
+        else:
+            assert list(out.outputs[0].token_ids) == _generate(oracle, ids)
+
+
+def _assert_near_greedy(model: torch.nn.Module, prompt_ids: list[int], output_ids: list[int],
+                        rel_tol: float = 1e-3) -> None:
+    """Every engine token is the oracle's argmax given the engine's own prefix, up to a near tie.
+
+    One teacher-forced forward of ``prompt + output``; at each generated position the engine's token
+    must have a logit within ``rel_tol * max|logit|`` of the maximum (kernel rounding can flip a near
+    tie, and then the sequences legitimately part; a wrong engine gives tokens far from the argmax).
+    """
+    assert len(output_ids) == MAX_NEW
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids + output_ids])).logits[0, len(prompt_ids) - 1:-1]
+    top = logits.max(dim=-1).values
+    chosen = logits.gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+    gap = top - chosen  # (MAX_NEW,) >= 0
+    tol = rel_tol * logits.abs().max(dim=-1).values
+    assert bool((gap <= tol).all()), f"tokens far from the oracle's argmax at positions {(gap > tol).nonzero()[:, 0].tolist()}"
+
+
+def test_near_greedy_rule_rejects_a_wrong_token() -> None:
+    """Negative control of the w8a8 check: the oracle's own greedy tokens pass, one changed token fails."""
+    from transformers import AutoTokenizer
+
+    oracle = _quantized_hf_model("w8a8", {})
+    ids = AutoTokenizer.from_pretrained(STORIES)(PROMPTS[2])["input_ids"]
+    greedy = _generate(oracle, ids)
+    _assert_near_greedy(oracle, ids, greedy)
+    wrong = greedy[:5] + [(greedy[5] + 1) % 512] + greedy[6:]
+    with pytest.raises(AssertionError, match="far from the oracle"):
+        _assert_near_greedy(oracle, ids, wrong)
 
 
 def test_quantization_really_shrinks_weights() -> None:
@@ -107,7 +145,7 @@ def test_method_the_device_cannot_run() -> None:
 def test_prequantized_checkpoint_refused() -> None:
     from transformers import AutoConfig
 
-    from framework.engine.llm_engine import refuse_prequantized
+    from framework.engine.builder import refuse_prequantized
 
     config = AutoConfig.from_pretrained(STORIES)
     refuse_prequantized(config)  # plain checkpoint: fine

@@ -1,0 +1,275 @@
+"""``build_engine``: from an :class:`~framework.config.EngineConfig` to a running :class:`LLMEngine`.
+
+The steps, in the order they run (each a function below, so a reader can follow one at a time):
+
+1. :func:`validate_plugins` — every plugin name resolves and each class's ``validate(config)``
+   passes (device, dtype, block size...), before anything is read from disk.
+2. :func:`inspect_model` — ``config.json`` only: refuse pre-quantized checkpoints, resolve
+   ``max_model_len``, read the attention shape (:class:`ModelSpec`) and let the attention backend
+   refuse a model it cannot run — still before any weights load.
+3. :func:`load_weights` — load the transformers model and tokenizer, apply the quant method and
+   prepack CPU linears.
+4. :func:`make_attention_backend` — the backend instance for the model's heads and the cache dtype.
+5. :func:`size_kv_cache` — how many KV blocks the budget holds (at least one ``max_model_len`` request).
+6. :func:`make_scheduler` — KV allocator, scheduler policy, swap space, stop checker.
+7. :func:`make_runner` — the model runner (KV tensors, sampler, optional ``torch.compile`` warm-up).
+8. :func:`attach_structured_output`, :func:`attach_drafter` — grammar engine and drafter, if chosen.
+9. :func:`assemble` — the engine, its metrics' KV info, the ``on_engine_start`` hook.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from framework import registry
+from framework.config import PLUGIN_FIELDS, EngineConfig
+from framework.core.scheduler import Scheduler
+from framework.core.stop import StopChecker
+from framework.core.structured_output import StructuredOutputManager
+from framework.core.swap import SwapSpace
+from framework.engine.llm_engine import LLMEngine
+from framework.interfaces import AttentionBackend, Drafter
+from framework.metrics.collector import MetricsCollector
+from framework.worker.cpu_malloc import tune_malloc
+from framework.worker.forward_context import register_attention_implementation
+from framework.worker.model_loader import LoadedModel
+from framework.worker.model_runner import ModelRunner
+from framework.worker.prepack import prepack_linears, should_prepack
+from framework.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
+                                                   "fp8_e4m3": torch.float8_e4m3fn}
+
+
+@dataclass
+class ModelSpec:
+    """What the engine must know about a model before its weights load (read from ``config.json``)."""
+
+    hf_config: Any  # transformers PretrainedConfig
+    max_model_len: int  # prompt + output cap, tokens
+    num_layers: int  # decoder layers (one KV cache tensor each)
+    num_heads: int  # query heads per layer
+    num_kv_heads: int  # key/value heads per layer
+    head_size: int  # channels per head
+    vocab_size: int  # logits columns
+
+
+def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) -> LLMEngine:
+    """Validate plugins, inspect and load the model, size the KV cache and assemble the engine.
+
+    Args:
+        metrics: collector of step/request metrics (e.g. with goodput SLOs); default a plain one.
+
+    Raises:
+        registry.UnknownPluginError, ValueError: from :func:`validate_plugins` or
+            :func:`inspect_model` (before any weights load), or a KV budget smaller than one
+            ``max_model_len`` request (:func:`size_kv_cache`).
+    """
+    validate_plugins(config)
+    spec = inspect_model(config)
+    loaded = load_weights(config)
+    backend = make_attention_backend(config, loaded.model, spec, loaded.kv_cache_dtype)
+    num_blocks = size_kv_cache(config, backend, spec)
+    scheduler = make_scheduler(config, spec, backend, num_blocks, loaded.tokenizer)
+    runner = make_runner(config, loaded.model, spec, backend, num_blocks)
+    structured = attach_structured_output(config, runner, loaded, spec)
+    drafter = attach_drafter(config, runner, loaded)
+    return assemble(config, scheduler, runner, loaded, spec, structured, drafter, metrics)
+
+
+def validate_plugins(config: EngineConfig) -> list[type | None]:
+    """Step 1: resolve every plugin choice and run its capability check, before any weights load.
+
+    Returns:
+        The class chosen for each kind of ``PLUGIN_FIELDS`` (``None`` for ``none``).
+
+    Raises:
+        registry.UnknownPluginError: an unknown name (lists the valid choices).
+        ValueError: a plugin that cannot run here or with this config (each problem names a fix).
+    """
+    classes, problems = [], []
+    for kind in PLUGIN_FIELDS:
+        name = getattr(config, kind)
+        cls = registry.get_class(kind, name)
+        classes.append(cls)
+        if cls is not None:
+            problems += cls.validate(config)
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        problems.append(f"device={config.device!r} but CUDA is not available; use device=cpu")
+    if problems:
+        raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
+    return classes
+
+
+def refuse_prequantized(model_config: Any) -> None:
+    """Refuse a pre-quantized (GPTQ/AWQ/compressed-tensors...) checkpoint before its weights load.
+
+    None of transformers' quantizer back ends for these formats is installed or verified here (they
+    need CUDA kernels or extra packages: gptqmodel, autoawq, compressed-tensors), so servelab loads
+    only unquantized checkpoints and quantizes them itself with ``quant=<method>``.
+
+    Raises:
+        ValueError: the config carries a ``quantization_config`` (names its ``quant_method``).
+    """
+    qc = getattr(model_config, "quantization_config", None)
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
+        raise ValueError(f"pre-quantized checkpoints are not supported (this one is {method!s}): transformers' "
+                         "quantizer for it needs kernels not available here; load the unquantized model and "
+                         "use quant=int8_wo|int4_wo|w8a8|fp8 instead")
+
+
+def inspect_model(config: EngineConfig) -> ModelSpec:
+    """Step 2: read ``config.json``, resolve ``max_model_len`` and let the backend refuse the model.
+
+    Raises:
+        ValueError: a pre-quantized checkpoint, ``max_model_len`` above the model's
+            ``max_position_embeddings``, or a model shape the attention backend cannot run.
+    """
+    from framework.worker.model_loader import load_model_config
+
+    mc = load_model_config(config.model)
+    refuse_prequantized(mc)
+    max_pos = int(getattr(mc, "max_position_embeddings", 0) or 0)
+    max_model_len = config.max_model_len or max_pos
+    if max_pos and max_model_len > max_pos:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
+    head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    spec = ModelSpec(hf_config=mc, max_model_len=max_model_len, num_layers=mc.num_hidden_layers,
+                     num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads, head_size=head_size,
+                     vocab_size=mc.vocab_size)
+    problems = registry.get_class("attention", config.attention).validate_model(
+        spec.num_heads, spec.num_kv_heads, spec.head_size)
+    if problems:
+        raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
+    return spec
+
+
+@dataclass
+class LoadedWeights(LoadedModel):
+    """A :class:`LoadedModel` after the quant method and prepacking ran."""
+
+    kv_cache_dtype: torch.dtype | None = None  # what the quant method asks of the KV cache (None: model dtype)
+
+
+def load_weights(config: EngineConfig) -> LoadedWeights:
+    """Step 3: load model and tokenizer (attention routed to servelab), quantize, prepack CPU linears."""
+    from framework.worker.model_loader import load_model
+
+    device = torch.device(config.device)
+    if config.tune_malloc and device.type == "cpu":
+        tune_malloc()
+    loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                        attn_implementation=register_attention_implementation())
+    model, dtype = loaded.model, getattr(torch, config.dtype)
+    quant = registry.create("quant", config.quant, **config.plugin_params("quant"))
+    if quant is not None:
+        model = quant.apply(model)
+    if should_prepack(config.prepack_linears, device, dtype, config.compile_freezing):
+        logger.info("prepack_linears: %d GEMMs prepacked for oneDNN", prepack_linears(model, compiled=config.compile))
+    return LoadedWeights(model=model, tokenizer=loaded.tokenizer, config=loaded.config,
+                         eos_token_ids=loaded.eos_token_ids, max_model_len=loaded.max_model_len, path=loaded.path,
+                         kv_cache_dtype=quant.kv_cache_dtype(dtype) if quant is not None else None)
+
+
+def make_attention_backend(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec,
+                           quant_kv_dtype: torch.dtype | None) -> AttentionBackend:
+    """Step 4: the backend for the model's heads; the softmax scale is the attention modules' own
+    ``scaling`` (``head_size ** -0.5`` when they have none); the cache dtype is
+    ``engine.kv_cache_dtype``, else what the quant method asks, else the model dtype."""
+    kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or quant_kv_dtype or getattr(torch, config.dtype)
+    scale = next((m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")),
+                 spec.head_size ** -0.5)
+    return registry.create("attention", config.attention, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                           head_size=spec.head_size, scale=scale, block_size=config.block_size, dtype=kv_dtype,
+                           device=torch.device(config.device), **config.plugin_params("attention"))
+
+
+def size_kv_cache(config: EngineConfig, backend: AttentionBackend, spec: ModelSpec) -> int:
+    """Step 5: KV blocks: ``num_blocks`` if set, else ``kv_cache_memory_bytes`` over one block's bytes.
+
+    Raises:
+        ValueError: the cache cannot hold one ``max_model_len`` request (names the knobs to raise).
+    """
+    num_blocks = config.num_blocks or config.kv_cache_memory_bytes // backend.kv_cache_bytes_per_block(
+        spec.num_layers)
+    if num_blocks * config.block_size < spec.max_model_len:
+        raise ValueError(
+            f"KV cache holds {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
+            f"tokens, fewer than one max_model_len={spec.max_model_len} request; raise kv_cache_memory_bytes/"
+            "num_blocks or lower max_model_len")
+    return num_blocks
+
+
+def num_swap_blocks(config: EngineConfig, backend: AttentionBackend, spec: ModelSpec) -> int:
+    """CPU swap-space blocks for ``preemption_mode=swap`` (``swap_space_bytes`` / block bytes), else 0."""
+    if config.preemption_mode != "swap":
+        return 0
+    return config.swap_space_bytes // backend.kv_cache_bytes_per_block(spec.num_layers)
+
+
+def make_scheduler(config: EngineConfig, spec: ModelSpec, backend: AttentionBackend, num_blocks: int,
+                   tokenizer: Any) -> Scheduler:
+    """Step 6: KV allocator + scheduler policy + (swap preemption) swap space + stop checker."""
+    allocator = registry.create("kv_allocator", config.kv_allocator, num_blocks=num_blocks,
+                                block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                                max_model_len=spec.max_model_len, **config.plugin_params("kv_allocator"))
+    policy = registry.create("scheduler", config.scheduler, **config.plugin_params("scheduler"))
+    swap_space = SwapSpace(num_swap_blocks(config, backend, spec)) if config.preemption_mode == "swap" else None
+    return Scheduler(policy, allocator, StopChecker(tokenizer), max_num_seqs=config.max_num_seqs,
+                     max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=spec.max_model_len,
+                     long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space)
+
+
+def make_runner(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, backend: AttentionBackend,
+                num_blocks: int) -> ModelRunner:
+    """Step 7: the model runner: KV tensors, swap tensors, sampler and (``compile``) the warmed-up graphs."""
+    return ModelRunner(model, backend, num_blocks, spec.num_layers, backend.cache_dtype, torch.device(config.device),
+                       Sampler(spec.vocab_size, seed=config.seed),
+                       num_swap_blocks=num_swap_blocks(config, backend, spec),
+                       compile=config.compile, compile_freezing=config.compile_freezing)
+
+
+def attach_structured_output(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel,
+                             spec: ModelSpec) -> StructuredOutputManager | None:
+    """Step 8a: the grammar engine (``grammar != none``), shared by the engine and the runner's bitmasks."""
+    if config.grammar == "none":
+        return None
+    grammar = registry.create("grammar", config.grammar, tokenizer=loaded.tokenizer, vocab_size=spec.vocab_size,
+                              eos_token_ids=loaded.eos_token_ids, **config.plugin_params("grammar"))
+    runner.structured_output = StructuredOutputManager(grammar, spec.vocab_size)
+    return runner.structured_output
+
+
+def attach_drafter(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel) -> Drafter | None:
+    """Step 8b: the drafter (``spec_decode != none``), loaded after the target; EAGLE-style drafters
+    make the runner keep the target's hidden states."""
+    drafter = registry.create("drafter", config.drafter, **config.plugin_params("drafter"))
+    if drafter is not None:
+        drafter.load(model=runner.model, model_config=loaded.config, config=config)
+        runner.keep_hidden_states = drafter.needs_hidden_states
+    return drafter
+
+
+def assemble(config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, loaded: LoadedModel, spec: ModelSpec,
+             structured: StructuredOutputManager | None, drafter: Drafter | None,
+             metrics: MetricsCollector | None) -> LLMEngine:
+    """Step 9: the engine; records the KV cache's shape in its metrics and fires ``on_engine_start``."""
+    engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, spec.vocab_size, metrics,
+                       structured, drafter)
+    bytes_per_block = runner.backend.kv_cache_bytes_per_block(spec.num_layers)
+    num_blocks = scheduler.kv.num_blocks
+    engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
+                                    "kv_cache_bytes_per_block": bytes_per_block}
+    engine.metrics.compile_stats = runner.compile_stats
+    logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",
+                num_blocks, runner.kv_cache_bytes / 2**20, config.kv_cache_dtype, bytes_per_block,
+                spec.max_model_len)
+    registry.plugin_manager().hook.on_engine_start(config=config.to_dict())
+    return engine
