@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from framework import registry  # noqa: E402
-from framework.engine.builder import validate_plugins  # noqa: E402
+from framework.engine.builder import resolve_dtype, validate_plugins  # noqa: E402
 from framework.entrypoints.hydra_config import (  # noqa: E402
     CONF_DIR,
     engine_config_from_cfg,
@@ -50,6 +50,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     engine_config = engine_config_from_cfg(cfg)
     default_sampling = sampling_params_from_cfg(cfg.sampling)
     validate_plugins(engine_config)  # unknown names / capabilities fail before the tracker starts or weights load
+    engine_config = resolve_dtype(engine_config)  # model.dtype=auto -> the checkpoint's (in run_record.json too)
     validate_arrivals(cfg.workload)  # bad rates / traces fail before weights load too
     record = write_run_record(run_dir, cfg, engine_config)  # run_record.json: versions, git sha, plugin packages
     params = cfg.tracker.get("params")

@@ -17,7 +17,7 @@ class EngineConfig:
     """
 
     model: str  # local HF folder, hub id (cache only, no download) or "smollm2"
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (the checkpoint's config.json dtype, float32 if it names none) | float32 | bfloat16 | float16
     device: str = "cpu"  # "cpu" or "cuda[:N]"
     tokenizer: str | None = None  # defaults to the model path
     scheduler: str = "fcfs"
@@ -59,8 +59,8 @@ class EngineConfig:
             ValueError: naming the knob and its accepted range.
         """
         checks = [
-            (self.dtype in ("float32", "bfloat16", "float16"),
-             f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),

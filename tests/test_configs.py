@@ -48,7 +48,7 @@ def test_defaults_map_onto_engine_config():
     cfg = _compose()
     config = engine_config_from_cfg(cfg)
     assert (config.model, config.dtype, config.scheduler, config.kv_allocator, config.attention) == (
-        "smollm2", "bfloat16", "fcfs", "paged", "torch_paged")
+        "smollm2", "auto", "fcfs", "paged", "torch_paged")
     assert (config.drafter, config.quant, config.grammar) == ("none", "none", "xgrammar")
     assert config.max_num_batched_tokens == 2048 and config.kv_cache_memory_bytes == 1 << 30
     assert sampling_params_from_cfg(cfg.sampling).greedy

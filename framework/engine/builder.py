@@ -2,8 +2,9 @@
 
 The steps, in the order they run (each a function below, so a reader can follow one at a time):
 
-1. :func:`validate_plugins` — every plugin name resolves and each class's ``validate(config)``
-   passes (device, dtype, block size...), before anything is read from disk.
+1. :func:`validate_plugins` — every plugin name resolves (before anything is read from disk), then
+   :func:`resolve_dtype` turns ``dtype="auto"`` into the checkpoint's dtype (``config.json`` only) and
+   each class's ``validate(config)`` passes (device, dtype, block size...).
 2. :func:`inspect_model` — ``config.json`` only: refuse pre-quantized checkpoints, resolve
    ``max_model_len``, read the attention shape (:class:`ModelSpec`) and let the attention backend
    refuse a model it cannot run — still before any weights load.
@@ -19,6 +20,7 @@ The steps, in the order they run (each a function below, so a reader can follow 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -64,14 +66,18 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
     """Validate plugins, inspect and load the model, size the KV cache and assemble the engine.
 
     Args:
+        config: the engine's configuration; ``dtype="auto"`` is resolved first, and the engine keeps
+            the resolved copy (``engine.config``).
         metrics: collector of step/request metrics (e.g. with goodput SLOs); default a plain one.
 
     Raises:
         registry.UnknownPluginError, ValueError: from :func:`validate_plugins` or
             :func:`inspect_model` (before any weights load), or a KV budget smaller than one
             ``max_model_len`` request (:func:`size_kv_cache`).
+        FileNotFoundError, ModuleNotFoundError: the model cannot be found (:func:`resolve_dtype`).
     """
     validate_plugins(config)
+    config = resolve_dtype(config)
     spec = inspect_model(config)
     loaded = load_weights(config)
     backend = make_attention_backend(config, loaded.model, spec, loaded.kv_cache_dtype)
@@ -83,8 +89,29 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
     return assemble(config, scheduler, runner, loaded, spec, structured, drafter, metrics)
 
 
+def resolve_dtype(config: EngineConfig) -> EngineConfig:
+    """Step 1b: ``dtype="auto"`` -> the checkpoint's dtype (``config.json``'s ``dtype``, float32 when it
+    names none), as vLLM's ``dtype="auto"``: SmolLM2's folder runs in bfloat16, stories260K in float32.
+    Transformers parity is checked in float32: ask for it with ``dtype="float32"``.
+
+    Returns:
+        ``config`` itself when its dtype is explicit, else a copy with the checkpoint's dtype.
+
+    Raises:
+        FileNotFoundError, ModuleNotFoundError: the model cannot be found (see ``resolve_model_path``).
+    """
+    if config.dtype != "auto":
+        return config
+    from framework.worker.model_loader import checkpoint_dtype, load_model_config
+
+    dtype = checkpoint_dtype(load_model_config(config.model))
+    logger.info("dtype=auto: %s (the checkpoint's config.json)", dtype)
+    return dataclasses.replace(config, dtype=dtype)
+
+
 def validate_plugins(config: EngineConfig) -> list[type | None]:
-    """Step 1: resolve every plugin choice and run its capability check, before any weights load.
+    """Step 1: resolve every plugin name, then (with ``dtype="auto"`` resolved from ``config.json``)
+    run each class's capability check, before any weights load.
 
     Returns:
         The class chosen for each kind of ``PLUGIN_FIELDS`` (``None`` for ``none``).
@@ -93,11 +120,10 @@ def validate_plugins(config: EngineConfig) -> list[type | None]:
         registry.UnknownPluginError: an unknown name (lists the valid choices).
         ValueError: a plugin that cannot run here or with this config (each problem names a fix).
     """
-    classes, problems = [], []
-    for kind in PLUGIN_FIELDS:
-        name = getattr(config, kind)
-        cls = registry.get_class(kind, name)
-        classes.append(cls)
+    classes = [registry.get_class(kind, getattr(config, kind)) for kind in PLUGIN_FIELDS]  # names first
+    config = resolve_dtype(config)
+    problems: list[str] = []
+    for cls in classes:
         if cls is not None:
             problems += cls.validate(config)
     if config.device.startswith("cuda") and not torch.cuda.is_available():

@@ -24,7 +24,8 @@ class LLM:
 
     Args:
         model: local HF folder, alias (``smollm2``, ``stories260K``) or cached hub id.
-        dtype: ``float32`` | ``bfloat16`` | ``float16``.
+        dtype: ``auto`` (default: the checkpoint's ``config.json`` dtype, as vLLM; float32 when it names
+            none) | ``float32`` (the transformers-parity path) | ``bfloat16`` | ``float16``.
         scheduler, kv_allocator, attention, drafter, quant, grammar: plugin names (registry keys).
         **kwargs: any other ``EngineConfig`` field (``max_num_seqs``, ``max_num_batched_tokens``,
             ``block_size``, ``num_blocks``, ``kv_cache_memory_bytes``, ``enable_prefix_caching``,
@@ -35,11 +36,12 @@ class LLM:
             model loads (see ``framework.engine.builder.build_engine``).
     """
 
-    def __init__(self, model: str, dtype: str = "float32", scheduler: str = "fcfs", kv_allocator: str = "paged",
+    def __init__(self, model: str, dtype: str = "auto", scheduler: str = "fcfs", kv_allocator: str = "paged",
                  attention: str = "torch_paged", **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, scheduler=scheduler, kv_allocator=kv_allocator,
                                    attention=attention, **kwargs)
         self.engine: LLMEngine = build_engine(self.config)
+        self.config = self.engine.config  # dtype="auto" resolved
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

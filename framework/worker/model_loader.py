@@ -229,6 +229,19 @@ def load_model_config(model: str) -> PretrainedConfig:
     return AutoConfig.from_pretrained(resolve_model_path(model), local_files_only=True)
 
 
+def checkpoint_dtype(model_config: PretrainedConfig) -> str:
+    """The dtype ``dtype="auto"`` loads a model in: its ``config.json``'s ``dtype`` (``torch_dtype`` in
+    older files), as vLLM's ``dtype="auto"``; ``"float32"`` when the file names none or a dtype outside
+    :data:`DTYPES` (e.g. float64).
+
+    Returns:
+        One of :data:`DTYPES`.
+    """
+    value = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    name = str(value).removeprefix("torch.") if value is not None else "float32"
+    return name if name in DTYPES else "float32"
+
+
 def eos_token_ids(generation_config: object, config: object, tokenizer: object) -> frozenset[int]:
     """Union of the end-of-sequence ids the three objects name (each an int, a list or None).
 

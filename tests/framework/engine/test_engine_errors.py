@@ -45,7 +45,7 @@ def test_capability_check_before_model_load():
         pytest.skip("machine has CUDA: the capability check passes")
     with registry.registered(_CudaOnlyPlugin()):
         with pytest.raises(ValueError, match="needs a CUDA GPU.*attention=torch"):
-            LLM(model=MISSING_MODEL, attention="cuda_only")
+            LLM(model=MISSING_MODEL, dtype="float32", attention="cuda_only")  # auto would read config.json
 
 
 def test_kv_budget_too_small_for_one_request():
@@ -133,4 +133,4 @@ def test_drafter_bad_num_speculative_tokens_before_weights_load():
 
     with registry.registered(_Plugin()):
         with pytest.raises(ValueError, match="num_speculative_tokens"):
-            LLM(model=MISSING_MODEL, drafter="dummy_drafter", drafter_params={"num_speculative_tokens": 0})
+            LLM(model=MISSING_MODEL, dtype="float32", drafter="dummy_drafter", drafter_params={"num_speculative_tokens": 0})

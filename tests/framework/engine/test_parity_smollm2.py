@@ -52,19 +52,19 @@ def _check(llm, path, prompts, **gen_kwargs):
 
 @pytest.mark.parametrize("scheduler", ["fcfs", "priority"])
 def test_whole_batch(make_llm, smollm2_path, scheduler):
-    llm = make_llm(model=smollm2_path, scheduler=scheduler, max_model_len=512)
+    llm = make_llm(model=smollm2_path, dtype="float32", scheduler=scheduler, max_model_len=512)
     _check(llm, smollm2_path, PROMPTS, priority=[i % 4 for i in range(len(PROMPTS))])
 
 
 def test_chunked_prefill_and_prefix_caching(make_llm, smollm2_path):
-    llm = make_llm(model=smollm2_path, max_model_len=512, max_num_batched_tokens=24, long_prefill_token_threshold=16,
+    llm = make_llm(model=smollm2_path, dtype="float32", max_model_len=512, max_num_batched_tokens=24, long_prefill_token_threshold=16,
                    block_size=8)
     _check(llm, smollm2_path, PROMPTS + [SYSTEM + p for p in PROMPTS[:6]])
     assert llm.engine.kv_allocator.stats().hit_rate > 0
 
 
 def test_preemption(make_llm, smollm2_path):
-    llm = make_llm(model=smollm2_path, scheduler="priority", max_model_len=128, num_blocks=12, block_size=16)
+    llm = make_llm(model=smollm2_path, dtype="float32", scheduler="priority", max_model_len=128, num_blocks=12, block_size=16)
     _check(llm, smollm2_path, PROMPTS, priority=[(5 * i) % 3 for i in range(len(PROMPTS))])
     assert llm.engine.metrics.summary()["num_preemptions"] > 0
 
@@ -76,7 +76,7 @@ def test_kv_research_set(make_llm, smollm2_path, kv_cache, scheduler, mode):
     system-prompt prefixes in one batch, every token equal to transformers."""
     block_bytes = 2 * 4 * 3 * 64 * 4 * 30  # K+V, 4 tokens, 3 kv heads x 64, float32, 30 layers
     swap = {"preemption_mode": "swap", "swap_space_bytes": 8 * block_bytes} if mode == "swap" else {}
-    llm = make_llm(model=smollm2_path, kv_allocator=kv_cache, scheduler=scheduler, max_model_len=64,
+    llm = make_llm(model=smollm2_path, dtype="float32", kv_allocator=kv_cache, scheduler=scheduler, max_model_len=64,
                    num_blocks=32 if kv_cache == "contiguous" else 16, block_size=4, max_num_batched_tokens=48,
                    long_prefill_token_threshold=32, **swap)
     prompts = PROMPTS[:8] + [SYSTEM + p for p in PROMPTS[:4]]

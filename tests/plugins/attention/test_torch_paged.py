@@ -172,7 +172,7 @@ def test_smollm2_greedy_parity_chunked_prefix_cached(make_llm):
     from framework.worker.model_loader import resolve_model_path
 
     path = resolve_model_path("smollm2")
-    llm = make_llm(model=path, attention="torch_paged", max_model_len=512, max_num_batched_tokens=24,
+    llm = make_llm(model=path, dtype="float32", attention="torch_paged", max_model_len=512, max_num_batched_tokens=24,
                    long_prefill_token_threshold=16, block_size=8)
     tok = llm.get_tokenizer()
     system = "You are a concise assistant. Answer in plain English and keep every answer short. "

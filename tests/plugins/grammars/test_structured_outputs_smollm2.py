@@ -23,7 +23,7 @@ def smollm2_path() -> str:
 
 @pytest.mark.parametrize("grammar", ["xgrammar", "llguidance"])
 def test_constraints_hold_on_smollm2(make_llm, smollm2_path, grammar):
-    llm = make_llm(model=smollm2_path, grammar=grammar, max_model_len=512)
+    llm = make_llm(model=smollm2_path, dtype="float32", grammar=grammar, max_model_len=512)
     kinds, params = [], []
     for seed in range(2):
         for temperature in (0.0, 1.0):
@@ -47,7 +47,7 @@ def test_constraints_hold_on_smollm2(make_llm, smollm2_path, grammar):
 def test_greedy_matches_transformers_with_same_mask_smollm2(make_llm, smollm2_path, grammar):
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-    llm = make_llm(model=smollm2_path, grammar=grammar, max_model_len=512)
+    llm = make_llm(model=smollm2_path, dtype="float32", grammar=grammar, max_model_len=512)
     manager = llm.engine.structured_output
     so = StructuredOutputsParams(json=SPECS["json"])
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so))[0]
