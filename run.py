@@ -23,6 +23,7 @@ from rich.console import Console  # noqa: E402
 
 from framework import registry  # noqa: E402
 from framework.engine.builder import resolve_dtype, validate_plugins  # noqa: E402
+from framework.entrypoints.config_errors import exit_on_config_error, run_app  # noqa: E402
 from framework.entrypoints.hydra_config import (  # noqa: E402
     CONF_DIR,
     engine_config_from_cfg,
@@ -36,31 +37,22 @@ register_config_nodes()  # every registered plugin name is a valid group option,
 
 logger = logging.getLogger("servelab")
 MODES = ("offline", "serve")
+UIS = ("progress", "dashboard", "none")
 
 
 # absolute config path: also right when started as the ``servelab`` console script (module ``run``)
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    """Run the composed config; returns the metrics summary (Hydra sweepers may read it)."""
+    """Run the composed config; returns the metrics summary (Hydra sweepers may read it).
+
+    A configuration mistake found while setting up (an unknown key or mode, a plugin that cannot run
+    here, a missing model or workload file...) prints its message alone and exits with status 2
+    (``framework/entrypoints/config_errors.py``; ``HYDRA_FULL_ERROR=1`` shows the traceback).
+    """
     os.environ["HF_HUB_OFFLINE"] = "1"
-    if cfg.mode not in MODES:
-        raise ValueError(f"unknown mode {cfg.mode!r}; valid: {', '.join(MODES)}")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    engine_config = engine_config_from_cfg(cfg)
-    default_sampling = sampling_params_from_cfg(cfg.sampling)
-    validate_plugins(engine_config)  # unknown names / capabilities fail before the tracker starts or weights load
-    engine_config = resolve_dtype(engine_config)  # model.dtype=auto -> the checkpoint's (in run_record.json too)
-    validate_arrivals(cfg.workload)  # bad rates / traces fail before weights load too
-    record = write_run_record(run_dir, cfg, engine_config)  # run_record.json: versions, git sha, plugin packages
-    params = cfg.tracker.get("params")
-    tracker_params = {} if params is None else OmegaConf.to_container(params, resolve=True)
-    if "group" in tracker_params and tracker_params["group"] is None:
-        tracker_params["group"] = record["sweep_group"]  # every job of a multirun in one tracker group
-    tracker = registry.create("tracker", cfg.tracker.name, run_dir=str(run_dir),
-                              config={**_without_secrets(OmegaConf.to_container(cfg, resolve=True)),
-                                      "servelab_run": {k: v for k, v in record.items() if k != "config"}},
-                              **tracker_params)
+    with exit_on_config_error():
+        engine_config, tracker = _set_up(cfg, run_dir)
     with contextlib.ExitStack() as stack:
         if tracker is not None:
             stack.callback(tracker.close)
@@ -73,7 +65,39 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             stack.enter_context(registry.registered(observer, name=f"tracker-{cfg.tracker.name}"))
         if cfg.mode == "serve":
             return _serve(cfg, engine_config, run_dir)
-        return _run_offline(cfg, engine_config, default_sampling, run_dir)
+        return _run_offline(cfg, engine_config, sampling_params_from_cfg(cfg.sampling), run_dir)
+
+
+def _set_up(cfg: DictConfig, run_dir: Path) -> tuple[Any, Any]:
+    """Check the composed config before any weights load, write ``resolved_config.yaml`` and
+    ``run_record.json``, start the tracker.
+
+    Returns:
+        ``(engine_config, tracker)``; the tracker is ``None`` for ``tracker=none``.
+
+    Raises:
+        ValueError, FileNotFoundError, ImportError: a configuration mistake (the message names the fix).
+    """
+    if cfg.mode not in MODES:
+        raise ValueError(f"unknown mode {cfg.mode!r}; valid: {', '.join(MODES)}")
+    if cfg.get("ui", "progress") not in UIS:
+        raise ValueError(f"unknown ui {cfg.ui!r}; valid: {', '.join(UIS)}")
+    (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    engine_config = engine_config_from_cfg(cfg)
+    sampling_params_from_cfg(cfg.sampling)  # unknown keys / bad values fail here too
+    validate_plugins(engine_config)  # unknown names / capabilities fail before the tracker starts or weights load
+    engine_config = resolve_dtype(engine_config)  # model.dtype=auto -> the checkpoint's (in run_record.json too)
+    validate_arrivals(cfg.workload)  # bad rates / traces fail before weights load too
+    record = write_run_record(run_dir, cfg, engine_config)  # run_record.json: versions, git sha, plugin packages
+    params = cfg.tracker.get("params")
+    tracker_params = {} if params is None else OmegaConf.to_container(params, resolve=True)
+    if "group" in tracker_params and tracker_params["group"] is None:
+        tracker_params["group"] = record["sweep_group"]  # every job of a multirun in one tracker group
+    tracker = registry.create("tracker", cfg.tracker.name, run_dir=str(run_dir),
+                              config={**_without_secrets(OmegaConf.to_container(cfg, resolve=True)),
+                                      "servelab_run": {k: v for k, v in record.items() if k != "config"}},
+                              **tracker_params)
+    return engine_config, tracker
 
 
 def _without_secrets(config: dict[str, Any]) -> dict[str, Any]:
@@ -100,10 +124,11 @@ def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run
     from framework.metrics.collector import MetricsCollector, render_summary_table
     from framework.workloads.workload import build_workload
 
-    engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms,
-                                                                  slo_tpot_ms=cfg.slo.tpot_ms))
-    items = build_workload(cfg.workload, engine.tokenizer, vocab_size=getattr(engine, "vocab_size", None),
-                           max_model_len=engine.max_model_len)
+    with exit_on_config_error():  # the model or the workload file may still be missing or refused
+        engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms,
+                                                                      slo_tpot_ms=cfg.slo.tpot_ms))
+        items = build_workload(cfg.workload, engine.tokenizer, vocab_size=getattr(engine, "vocab_size", None),
+                               max_model_len=engine.max_model_len)
     logger.info("running %d requests; outputs in %s", len(items), run_dir)
     with contextlib.ExitStack() as stack:
         if cfg.get("ui", "progress") == "dashboard":  # live rich dashboard fed by the lifecycle hooks
@@ -111,8 +136,6 @@ def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run
 
             dashboard = stack.enter_context(Dashboard(total_requests=len(items)))
             stack.enter_context(registry.registered(dashboard, name="dashboard"))
-        elif cfg.get("ui", "progress") not in ("progress", "none"):
-            raise ValueError(f"unknown ui {cfg.ui!r}; valid: progress, dashboard, none")
         records, summary = run_workload(engine, items, default_sampling, progress=cfg.get("ui", "progress") == "progress")
     with open(run_dir / "outputs.jsonl", "w", encoding="utf-8") as f:
         for record in records:
@@ -139,4 +162,4 @@ def _write_timeline(path: Path, rows: list[dict[str, float]]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_app(main)

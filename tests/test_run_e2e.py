@@ -64,13 +64,24 @@ def test_rejected_prompt_is_recorded_and_others_run(tmp_path):
     assert not (run_dir / "wandb").exists()
 
 
-def test_chat_without_template_and_bad_choices_fail_clearly(tmp_path):
+def _assert_config_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    """Exit status 2 and the message alone on stderr: no traceback, no Hydra search path."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "servelab: error: " in proc.stderr and all(f in proc.stderr for f in fragments), proc.stderr
+    assert "Traceback" not in proc.stderr and "Config search path" not in proc.stderr, proc.stderr
+
+
+def test_configuration_mistakes_print_the_message_alone(tmp_path):
     proc = run_cli("model=stories260K", "tracker=none", "workload.chat=true", f"hydra.run.dir={tmp_path / 'a'}")
-    assert proc.returncode != 0 and "workload.chat=false" in proc.stderr
+    _assert_config_error(proc, "workload.chat=false")
     proc = run_cli("scheduler=nope", f"hydra.run.dir={tmp_path / 'b'}")
-    assert proc.returncode != 0 and "fcfs" in proc.stderr and "priority" in proc.stderr
-    proc = run_cli("mode=bogus", "tracker=none", f"hydra.run.dir={tmp_path / 'c'}")
-    assert proc.returncode != 0 and "unknown mode" in proc.stderr and "serve" in proc.stderr
+    _assert_config_error(proc, "unknown scheduler 'nope'", "fcfs", "priority")
+    proc = run_cli("model=stories260K", "attention=flashinfer", "tracker=none", f"hydra.run.dir={tmp_path / 'd'}")
+    _assert_config_error(proc, "'flashinfer' needs a CUDA GPU")
+    serve = subprocess.run([sys.executable, "-m", "framework.entrypoints.cli", "serve", "model=stories260K",
+                            "attention=flashinfer", "tracker=none", f"hydra.run.dir={tmp_path / 'e'}"], cwd=REPO,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+    _assert_config_error(serve, "'flashinfer' needs a CUDA GPU")
 
 
 def test_shared_prefix_run_reports_kv_metrics_and_timeline(tmp_path):
@@ -94,5 +105,5 @@ def test_shared_prefix_run_reports_kv_metrics_and_timeline(tmp_path):
 def test_bad_arrivals_fail_before_weights_load(tmp_path):
     proc = run_cli("model=stories260K", "workload=random", "workload.request_rate=0", "tracker=none",
                    f"hydra.run.dir={tmp_path / 'run'}")
-    assert proc.returncode != 0 and "request_rate must be > 0" in proc.stderr
+    _assert_config_error(proc, "request_rate must be > 0")
     assert "Loading weights" not in proc.stderr

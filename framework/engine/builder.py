@@ -77,7 +77,9 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
         FileNotFoundError, ModuleNotFoundError: the model cannot be found (:func:`resolve_dtype`).
     """
     validate_plugins(config)
-    config = resolve_dtype(config)
+    if config.dtype == "auto":
+        config = resolve_dtype(config)
+        logger.info("dtype=auto: %s (the checkpoint's config.json)", config.dtype)
     spec = inspect_model(config)
     loaded = load_weights(config)
     backend = make_attention_backend(config, loaded.model, spec, loaded.kv_cache_dtype)
@@ -104,9 +106,7 @@ def resolve_dtype(config: EngineConfig) -> EngineConfig:
         return config
     from framework.worker.model_loader import checkpoint_dtype, load_model_config
 
-    dtype = checkpoint_dtype(load_model_config(config.model))
-    logger.info("dtype=auto: %s (the checkpoint's config.json)", dtype)
-    return dataclasses.replace(config, dtype=dtype)
+    return dataclasses.replace(config, dtype=checkpoint_dtype(load_model_config(config.model)))
 
 
 def validate_plugins(config: EngineConfig) -> list[type | None]:

@@ -21,11 +21,13 @@ SUBCOMMANDS = ("results", "plugins", "serve", "rerun")
 
 
 def _run_hydra(argv: list[str]) -> None:
-    """Run ``run.main`` (the Hydra app) with ``argv`` as its command line."""
+    """Run ``run.main`` (the Hydra app) with ``argv`` as its command line; a configuration mistake prints
+    its message alone and exits with status 2 (``framework/entrypoints/config_errors.py``)."""
     import run
+    from framework.entrypoints.config_errors import run_app
 
     sys.argv = [sys.argv[0], *argv]
-    run.main()
+    run_app(run.main)
 
 
 def rerun_argv(run_dir: str | Path, overrides: list[str]) -> list[str]:

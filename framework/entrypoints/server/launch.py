@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from framework import registry
 from framework.config import EngineConfig
 from framework.engine.async_llm import AsyncLLM
+from framework.entrypoints.config_errors import exit_on_config_error
 
 logger = logging.getLogger("servelab.server")
 
@@ -54,6 +55,28 @@ def _uvicorn_server(config: Any, on_exit: Any) -> Any:
     return _Server(config)
 
 
+def _build_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
+    """The engine to serve, after checking that the ``serve`` extra is installed.
+
+    Raises:
+        ImportError: the ``serve`` extra is missing (names the pip command).
+        ValueError, FileNotFoundError: from ``build_engine``.
+    """
+    try:
+        import uvicorn  # noqa: F401
+
+        import framework.entrypoints.server.app  # noqa: F401
+        import framework.entrypoints.server.metrics  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"mode=serve needs the serve extra ({exc}); install it with "
+                          "pip install -e '.[serve]' 'torch==2.13.0'") from exc
+    from framework.engine.builder import build_engine
+    from framework.metrics.collector import MetricsCollector
+
+    return build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms,
+                                                                slo_tpot_ms=cfg.slo.tpot_ms))
+
+
 def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     """Serve ``engine_config`` over HTTP until SIGINT/SIGTERM; returns the engine's metrics summary.
 
@@ -61,26 +84,19 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     ``log_level``) and ``cfg.slo`` (goodput SLOs of the summary).
 
     Raises:
-        ImportError: the ``serve`` extra is not installed (names the pip command).
-        ValueError, registry.UnknownPluginError: from ``build_engine``, before the port is bound.
+        SystemExit: a configuration mistake, before the port is bound: the ``serve`` extra is not
+            installed (the message names the pip command), or ``build_engine`` refuses the config
+            (``framework/entrypoints/config_errors.py``).
     """
-    try:
-        import uvicorn  # noqa: F401
-
-        from framework.entrypoints.server.app import build_app
-        from framework.entrypoints.server.metrics import ServerMetrics
-    except ImportError as exc:
-        raise ImportError(f"mode=serve needs the serve extra ({exc}); install it with "
-                          "pip install -e '.[serve]' 'torch==2.13.0'") from exc
+    with exit_on_config_error():
+        engine = _build_engine(cfg, engine_config)
     import uvicorn
 
-    from framework.engine.builder import build_engine
+    from framework.entrypoints.server.app import build_app
+    from framework.entrypoints.server.metrics import ServerMetrics
     from framework.entrypoints.server.serving import ServerState
-    from framework.metrics.collector import MetricsCollector
 
     server_cfg = cfg.server
-    engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms,
-                                                                  slo_tpot_ms=cfg.slo.tpot_ms))
     name = server_cfg.get("served_model_name") or engine_config.model
     llm = AsyncLLM(engine)
     metrics = ServerMetrics(engine, name)
