@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "grammar")
+COMPILE_MODES = ("auto", "true", "false")
 
 
 @dataclass
@@ -44,12 +45,17 @@ class EngineConfig:
     seed: int = 0  # engine RNG seed (requests without their own seed)
     preemption_mode: str = "recompute"  # recompute | swap (KV blocks to a CPU swap space and back)
     swap_space_bytes: int = 0  # CPU swap space for preemption_mode=swap, bytes
-    compile: bool = False  # torch.compile the decoder (inductor) at start-up; eager with a warning if it cannot
+    # auto | true | false (a bool is normalized): torch.compile (inductor) the decoder; auto compiles for a
+    # server and for offline work past the break-even (framework/engine/compile_policy.py); eager with a
+    # warning if it cannot
+    compile: bool | str = "auto"
     compile_freezing: bool = False  # inductor freezing: weights as constants, prepacked for oneDNN on CPU
     prepack_linears: str = "auto"  # auto | on | off: oneDNN-prepacked (and fused q/k/v, gate/up) CPU linears (auto: bf16/fp16)
     tune_malloc: bool = True  # CPU: glibc mallopt so large activations reuse heap memory instead of fresh page-faulted mmaps
 
     def __post_init__(self) -> None:
+        if isinstance(self.compile, bool):
+            self.compile = "true" if self.compile else "false"
         self.validate()
 
     def validate(self) -> None:
@@ -78,6 +84,7 @@ class EngineConfig:
             (self.preemption_mode != "swap" or self.swap_space_bytes > 0,
              "preemption_mode=swap needs engine.swap_space_bytes > 0 (e.g. 1073741824 for 1 GiB of CPU swap)"),
             (self.swap_space_bytes >= 0, f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}"),
+            (str(self.compile) in COMPILE_MODES, f"compile must be auto, true or false, got {self.compile!r}"),
             (self.prepack_linears in ("auto", "on", "off"),
              f"prepack_linears must be auto, on or off, got {self.prepack_linears!r}"),
         ]

@@ -26,6 +26,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"needs CUDA: would check {item.name}"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def eager_unless_asked() -> Iterator[None]:
+    """``engine.compile=auto`` stays eager in tests (the break-even is out of reach), so the suite does
+    not compile as a test's tokens add up; compilation tests pass ``compile=True`` or patch
+    ``framework.engine.compile_policy.COMPILE_BREAK_EVEN_TOKENS`` themselves. Subprocess runs
+    (``run.py``) keep the real rule: their workloads are far below it, and servers pass
+    ``engine.compile=false``."""
+    from framework.engine import compile_policy
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compile_policy, "COMPILE_BREAK_EVEN_TOKENS", 1 << 62)
+        yield
+
+
 @pytest.fixture
 def make_llm() -> Iterator[Callable]:
     """Factory ``make_llm(model=STORIES, **kwargs) -> LLM``; after the test, asserts no KV block leaked."""

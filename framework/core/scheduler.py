@@ -87,6 +87,15 @@ class Scheduler:
         """True while any request is waiting or running."""
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (vLLM's ``reset_prefix_cache``): afterwards no block holds K/V that a
+        later request would read without writing it first.
+
+        Returns:
+            False (nothing changed) while a request holds KV blocks, or when the allocator cannot reset.
+        """
+        return not self.running and self.kv.reset_prefix_cache()
+
     @property
     def num_waiting(self) -> int:
         """Requests in the waiting queue."""

@@ -13,7 +13,8 @@ The steps, in the order they run (each a function below, so a reader can follow 
 4. :func:`make_attention_backend` — the backend instance for the model's heads and the cache dtype.
 5. :func:`size_kv_cache` — how many KV blocks the budget holds (at least one ``max_model_len`` request).
 6. :func:`make_scheduler` — KV allocator, scheduler policy, swap space, stop checker.
-7. :func:`make_runner` — the model runner (KV tensors, sampler, optional ``torch.compile`` warm-up).
+7. :func:`make_runner` — the model runner (KV tensors, sampler; ``engine.compile=true``: the
+   ``torch.compile`` warm-up; ``auto`` compiles later, in ``LLMEngine.maybe_compile``).
 8. :func:`attach_structured_output`, :func:`attach_drafter` — grammar engine and drafter, if chosen.
 9. :func:`assemble` — the engine, its metrics' KV info, the ``on_engine_start`` hook.
 """
@@ -198,7 +199,8 @@ def load_weights(config: EngineConfig) -> LoadedWeights:
     if quant is not None:
         model = quant.apply(model)
     if should_prepack(config.prepack_linears, device, dtype, config.compile_freezing):
-        logger.info("prepack_linears: %d GEMMs prepacked for oneDNN", prepack_linears(model, compiled=config.compile))
+        num_gemms = prepack_linears(model, compiled=config.compile == "true")  # auto: unfused if compiled later
+        logger.info("prepack_linears: %d GEMMs prepacked for oneDNN", num_gemms)
     return LoadedWeights(model=model, tokenizer=loaded.tokenizer, config=loaded.config,
                          eos_token_ids=loaded.eos_token_ids, max_model_len=loaded.max_model_len, path=loaded.path,
                          kv_cache_dtype=quant.kv_cache_dtype(dtype) if quant is not None else None)
@@ -255,11 +257,12 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, backend: AttentionBack
 
 def make_runner(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, backend: AttentionBackend,
                 num_blocks: int) -> ModelRunner:
-    """Step 7: the model runner: KV tensors, swap tensors, sampler and (``compile``) the warmed-up graphs."""
+    """Step 7: the model runner: KV tensors, swap tensors, sampler and (``engine.compile=true``) the
+    warmed-up graphs."""
     return ModelRunner(model, backend, num_blocks, spec.num_layers, backend.cache_dtype, torch.device(config.device),
                        Sampler(spec.vocab_size, seed=config.seed),
                        num_swap_blocks=num_swap_blocks(config, backend, spec),
-                       compile=config.compile, compile_freezing=config.compile_freezing)
+                       compile=config.compile == "true", compile_freezing=config.compile_freezing)
 
 
 def attach_structured_output(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel,
@@ -293,7 +296,6 @@ def assemble(config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, lo
     num_blocks = scheduler.kv.num_blocks
     engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
                                     "kv_cache_bytes_per_block": bytes_per_block}
-    engine.metrics.compile_stats = runner.compile_stats
     logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",
                 num_blocks, runner.kv_cache_bytes / 2**20, config.kv_cache_dtype, bytes_per_block,
                 spec.max_model_len)

@@ -13,6 +13,7 @@ from framework.core.request import Request
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.structured_output import StructuredOutputManager
+from framework.engine.compile_policy import CompileDecision, decide_compile, startup_reason
 from framework.interfaces import Drafter
 from framework.metrics.collector import MetricsCollector, compute_request_metrics
 from framework.worker.model_runner import ModelRunner
@@ -46,6 +47,10 @@ class LLMEngine:
         # structured requests wait here (outside the scheduler) while their grammar compiles
         self.structured_output = structured_output
         self._compiling: dict[str, Request] = {}
+        self._compile_checked = False  # maybe_compile ran once (its first eager verdict is logged at INFO)
+        self.compile_decision = CompileDecision(runner.compiled is not None, startup_reason(str(config.compile)))
+        logger.info("%s", self.compile_decision.reason)
+        self._record_compile()
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -126,6 +131,45 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return self.scheduler.has_unfinished_requests() or bool(self._compiling)
+
+    # ---- compilation ------------------------------------------------------------------
+    def maybe_compile(self, planned_output_tokens: int | None) -> CompileDecision:
+        """``engine.compile=auto``: compile the decoder now if the work about to start passes the
+        break-even (``framework/engine/compile_policy.py``); engines built with ``true``/``false``, or
+        compiled already, keep their decision.
+
+        Entry points call it before adding a batch of requests: ``LLM.generate`` with the call's
+        ``max_tokens`` budget, the offline runner with its workload's, the server with ``None``. The
+        warm-up writes dummy K/V, so the prefix cache is dropped first; while a request holds KV blocks
+        the compile is put off to the next call (reason logged).
+
+        Args:
+            planned_output_tokens: output-token budget of the work about to start, tokens; ``None``
+                for open-ended work (a server).
+
+        Returns:
+            The decision in force (also in ``metrics.json`` as ``compile_reason``).
+        """
+        if self.config.compile != "auto" or self.runner.compiled is not None:
+            return self.compile_decision
+        decision = decide_compile("auto", planned_output_tokens, self.metrics.num_generated_tokens)
+        if decision.compile and not self.scheduler.reset_prefix_cache():
+            decision = CompileDecision(False, "engine.compile=auto: compile put off, requests still hold KV "
+                                              "blocks (the warm-up writes dummy K/V)")
+        logger.log(logging.INFO if decision.compile or not self._compile_checked else logging.DEBUG, "%s",
+                   decision.reason)
+        self._compile_checked = True
+        self.compile_decision = decision
+        if decision.compile:
+            self.runner.compile_decoder()
+        self._record_compile()
+        return decision
+
+    def _record_compile(self) -> None:
+        """Mirror the compile decision and the runner's compile stats into the metrics."""
+        self.metrics.compile_stats = self.runner.compile_stats
+        self.metrics.compile_info = {"compile_mode": str(self.config.compile),
+                                     "compile_reason": self.compile_decision.reason}
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -298,3 +342,4 @@ class LLMEngine:
     def kv_allocator(self) -> Any:
         """The KV allocator (for inspection and tests)."""
         return self.scheduler.kv
+

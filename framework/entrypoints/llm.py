@@ -27,6 +27,9 @@ class LLM:
         dtype: ``auto`` (default: the checkpoint's ``config.json`` dtype, as vLLM; float32 when it names
             none) | ``float32`` (the transformers-parity path) | ``bfloat16`` | ``float16``.
         scheduler, kv_allocator, attention, drafter, quant, grammar: plugin names (registry keys).
+        compile: ``auto`` (default: the decoder is compiled before the first ``generate`` call that
+            brings the output tokens -- generated so far plus the call's ``max_tokens`` budget -- to the
+            break-even, ``framework/engine/compile_policy.py``) | ``True`` (at construction) | ``False``.
         **kwargs: any other ``EngineConfig`` field (``max_num_seqs``, ``max_num_batched_tokens``,
             ``block_size``, ``num_blocks``, ``kv_cache_memory_bytes``, ``enable_prefix_caching``,
             ``long_prefill_token_threshold``, ``max_model_len``, ``device``, ``seed``, ``*_params``).
@@ -37,9 +40,10 @@ class LLM:
     """
 
     def __init__(self, model: str, dtype: str = "auto", scheduler: str = "fcfs", kv_allocator: str = "paged",
-                 attention: str = "torch_paged", **kwargs: Any) -> None:
+                 attention: str = "torch_paged", compile: bool | str = "auto", **kwargs: Any) -> None:
+        _show_info_logs()
         self.config = EngineConfig(model=model, dtype=dtype, scheduler=scheduler, kv_allocator=kv_allocator,
-                                   attention=attention, **kwargs)
+                                   attention=attention, compile=compile, **kwargs)
         self.engine: LLMEngine = build_engine(self.config)
         self.config = self.engine.config  # dtype="auto" resolved
         self._ids = itertools.count()
@@ -70,6 +74,8 @@ class LLM:
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
         for p in params:
             p.validate()
+        max_len = self.engine.max_model_len
+        self.engine.maybe_compile(sum(min(p.max_tokens or max_len, max_len) for p in params))
         # only final outputs are kept here: don't build per-step outputs (vLLM's LLM does the same)
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
 
@@ -114,3 +120,17 @@ def _rejected(request_id: str, prompt: str | None, exc: Exception) -> RequestOut
     return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=[],
                          outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
                          finished=True, error=str(exc))
+
+
+def _show_info_logs() -> None:
+    """Show servelab's INFO lines (the compile decision and its progress, the KV cache size) in a plain
+    script, as vLLM's ``LLM`` does: a stderr handler on the ``framework`` logger, only when the
+    application configured no logging of its own (the root logger has no handler)."""
+    framework_logger = logging.getLogger("framework")
+    if logging.getLogger().handlers or framework_logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s servelab: %(message)s"))
+    framework_logger.addHandler(handler)
+    framework_logger.setLevel(logging.INFO)
+    framework_logger.propagate = False

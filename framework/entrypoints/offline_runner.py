@@ -51,7 +51,9 @@ def run_workload(engine: Any, items: list[WorkloadItem], default_sampling: Sampl
                  progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run ``items`` through ``engine`` until every request finished.
 
-    Items arrive at ``run start + arrival_time_s`` (``None`` = at start; the loop sleeps while the
+    Before the run, ``engine.maybe_compile`` sees the workload's output-token budget (``engine.compile=auto``
+    compiles here when it passes the break-even; the warm-up is reported as ``compile_s``, outside
+    ``duration_s``). Items arrive at ``run start + arrival_time_s`` (``None`` = at start; the loop sleeps while the
     engine is idle and the next arrival lies ahead). Each request samples with
     ``default_sampling``, its ``max_tokens`` replaced by the item's when set. A request the
     engine rejects (``ValueError`` from ``add_request``, e.g. a prompt longer than
@@ -67,6 +69,8 @@ def run_workload(engine: Any, items: list[WorkloadItem], default_sampling: Sampl
         raise ValueError("workload request ids must be unique")
     records: dict[str, dict[str, Any]] = {}
     num_rejected = 0
+    max_len = engine.max_model_len
+    engine.maybe_compile(sum(min(item.max_tokens or default_sampling.max_tokens or max_len, max_len) for item in items))
     t0 = time.perf_counter()
     with _progress(progress, len(items)) as advance:
         while pending or engine.has_unfinished_requests():

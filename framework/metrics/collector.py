@@ -109,6 +109,7 @@ class MetricsCollector:
         self.num_preemptions = 0
         self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block}
         self.compile_stats: Any = None  # framework.worker.compile.CompileStats, set by build_engine; live (recompiles grow)
+        self.compile_info: dict[str, Any] = {}  # compile_mode (auto|true|false), compile_reason: set by the engine
         self.num_generated_tokens = 0  # output tokens over all steps
         self.num_sampled_reqs = 0  # (request, step) pairs that produced tokens: target forwards per request
         # speculative decoding totals (SchedulerStats field names)
@@ -179,9 +180,11 @@ class MetricsCollector:
             ``peak_num_running_reqs`` / ``mean_num_running_reqs`` (concurrency),
             ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
             ``kv_cache_dtype``, ``kv_cache_num_blocks``, ``kv_cache_bytes_per_block`` (bytes, all layers),
-            ``compile``, ``compile_active``, ``compile_s`` (warm-up seconds), ``compile_num_graphs_warmup``,
-            ``compile_num_recompiles`` (graphs compiled after the warm-up), ``compile_fallback`` (only with
-            ``engine.compile=true``; see ``framework.worker.compile.CompileStats``),
+            ``compile_mode`` (auto|true|false) and ``compile_reason`` (the decision, see
+            ``framework.engine.compile_policy``), and once the decoder was compiled ``compile``,
+            ``compile_active``, ``compile_s`` (warm-up seconds), ``compile_num_graphs_warmup``,
+            ``compile_num_recompiles`` (graphs compiled after the warm-up), ``compile_fallback`` (see
+            ``framework.worker.compile.CompileStats``),
             step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time,
             ``tokens_per_forward`` (output tokens per request per target forward) and, when a
             drafter verified drafts, ``spec_acceptance_rate``, ``spec_mean_accepted_length`` (tokens
@@ -223,6 +226,7 @@ class MetricsCollector:
                    num_preemptions_recompute=self.num_preemptions - self.swap_totals["num_preemptions_swap"],
                    **self.swap_totals, num_steps=self.num_steps, step_s=total_step_s,
                    **self.kv_cache_info)
+        out.update(self.compile_info)
         if self.compile_stats is not None and self.compile_stats.enabled:
             out.update(self.compile_stats.as_dict())
         for part in STEP_PARTS:

@@ -1,4 +1,5 @@
-"""``engine.compile=true``: the model's decoder stack compiled once by ``torch.compile`` (inductor).
+"""The model's decoder stack compiled once by ``torch.compile`` (inductor): ``engine.compile=true``, or
+``auto`` once the work ahead pays for it (``framework/engine/compile_policy.py``).
 
 What is compiled is the transformers decoder (``model.model``: embeddings, decoder layers, final
 norm), not the ``*ForCausalLM`` wrapper: the LM head runs eagerly on the sampled rows only, so the
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 #: the K/V write) ran on one thread at batch 64 (compiled decode step ~108 -> ~88 ms, SmolLM2 bf16).
 #: The model runner caps the prefill at its cache's slots.
 WARM_UP_STEPS = ((512, 1), (1, 1), (64, 64))
+#: What a user waits for at the first compile of a model, from docs/results.md (SmolLM2-135M bf16,
+#: 2-core AMD EPYC: 40-57 s for the three graphs, 68.5 s in the coldest run); shown in the progress line.
+FIRST_COMPILE_HINT = "~45-70 s for SmolLM2-135M on a 2-core CPU"
 #: inductor settings of every compiled decoder graph (with ``freezing``). No per-load bounds checks on indirect indexing: token ids
 #: are checked at ``add_request`` and block ids come from the allocator (a traced paged-attention
 #: kernel loads through them). No size, stride, alignment or scalar asserts in the Python wrapper:
@@ -114,6 +118,17 @@ class CompileStats:
         return {"compile": self.enabled, "compile_active": self.active, "compile_s": self.compile_s,
                 "compile_num_graphs_warmup": self.num_graphs_warmup, "compile_num_recompiles": self.num_recompiles,
                 "compile_fallback": self.fallback_reason}
+
+
+def _inductor_cache_dir() -> str:
+    """Where inductor keeps compiled kernels between processes (``$TORCHINDUCTOR_CACHE_DIR`` or its
+    default under the temp dir)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return cache_dir()
+    except Exception:  # noqa: BLE001 - a private torch helper: the message only loses the path
+        return "$TORCHINDUCTOR_CACHE_DIR"
 
 
 def check_compiler(device: torch.device) -> None:
@@ -209,9 +224,15 @@ class CompiledDecoder:
             self._fall_back(f"compiler unavailable ({type(err).__name__}: {err})")
             return
         self.stats.active = True
+        logger.info("engine.compile: compiling the decoder, %d warm-up steps (the first compile of a model takes "
+                    "%s; later runs reuse inductor's on-disk cache in %s and take less)",
+                    len(WARM_UP_STEPS), FIRST_COMPILE_HINT, _inductor_cache_dir())
         t0 = time.perf_counter()
-        for num_tokens, num_reqs in WARM_UP_STEPS:
+        for i, (num_tokens, num_reqs) in enumerate(WARM_UP_STEPS, 1):
             run_forward(num_tokens, num_reqs)
+            what = f"{num_tokens}-token prefill" if num_reqs == 1 and num_tokens > 1 else f"{num_reqs}-request decode"
+            logger.info("engine.compile: [%d/%d] %s step compiled, %.1f s so far", i, len(WARM_UP_STEPS), what,
+                        time.perf_counter() - t0)
         self.stats.compile_s = time.perf_counter() - t0
         self.stats.num_graphs_warmup = self.stats.num_graphs
         self._warmed_up = True

@@ -3,8 +3,9 @@
 The whole step is one "super sequence": ``input_ids``/``position_ids`` of shape
 ``(1, num_tokens)`` fed to an unmodified transformers model whose attention layers call the
 selected backend (``framework.worker.forward_context``). Only the logits of positions that sample are
-computed (``logits_to_keep``). With ``compile=True`` the decoder runs through
-``framework.worker.compile.CompiledDecoder`` (``torch.compile``, warmed up in ``__init__``).
+computed (``logits_to_keep``). Once compiled (``compile=True`` in ``__init__``, or later through
+:meth:`ModelRunner.compile_decoder`) the decoder runs through
+``framework.worker.compile.CompiledDecoder`` (``torch.compile``, warmed up when compiled).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from framework.core.request import Request
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from framework.worker.compile import CompiledDecoder, CompileStats
 from framework.worker.forward_context import ForwardContext, GraphAttention, forward_context
+from framework.worker.prepack import unfuse_gated_mlps
 from framework.worker.rejection_sampler import RejectionSampler
 from framework.worker.sampler import Sampler
 
@@ -52,9 +54,9 @@ class ModelRunner:
         device: torch device of model and cache.
         sampler: the sampler.
         num_swap_blocks: CPU swap-space blocks (``preemption_mode=swap``); 0 allocates none.
-        compile: ``torch.compile`` the decoder and warm it up here (writes dummy K/V into blocks
-            ``0..1``, which no request owns yet); falls back to eager with a warning.
-        compile_freezing: inductor weight freezing/prepacking (``compile=True`` only).
+        compile: compile the decoder here (:meth:`compile_decoder`); otherwise it runs eagerly until
+            :meth:`compile_decoder` is called (``engine.compile=auto``).
+        compile_freezing: inductor weight freezing/prepacking, whenever the decoder is compiled.
 
     Attributes:
         keep_hidden_states: set by ``build_engine`` when the drafter reads the target's last hidden
@@ -81,9 +83,27 @@ class ModelRunner:
         pin = device.type == "cuda"
         self.swap_caches = [torch.zeros(swap_shape, dtype=kv_cache_dtype, pin_memory=pin)
                             for _ in range(num_layers if num_swap_blocks else 0)]
-        self.compiled = CompiledDecoder(model, freezing=compile_freezing) if compile else None
-        if self.compiled is not None:
-            self.compiled.warm_up(self._dummy_forward, device)
+        self.compile_freezing = compile_freezing
+        self.compiled: CompiledDecoder | None = None
+        if compile:
+            self.compile_decoder()
+
+    def compile_decoder(self) -> CompileStats:
+        """``torch.compile`` the decoder and warm it up (:meth:`CompiledDecoder.warm_up`): the warm-up's
+        dummy steps write K/V into blocks ``0, 1, ...``, so call it only while no request owns a block
+        and no block is in a prefix cache (at start-up, or after ``Scheduler.reset_prefix_cache``).
+        Fused gate/up projections (eager prepacking) are split first: compiled graphs run them as two
+        GEMMs (``prepack.unfuse_gated_mlps``). Falls back to eager with a warning; a second call does
+        nothing.
+
+        Returns:
+            The compile outcome (also :attr:`compile_stats`).
+        """
+        if self.compiled is None:
+            unfuse_gated_mlps(self.model)
+            self.compiled = CompiledDecoder(self.model, freezing=self.compile_freezing)
+            self.compiled.warm_up(self._dummy_forward, self.device)
+        return self.compiled.stats
 
     @property
     def compile_stats(self) -> CompileStats:

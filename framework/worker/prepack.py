@@ -196,6 +196,22 @@ def prepack_linears(model: nn.Module, compiled: bool = False) -> int:
     return fused + len(packed)
 
 
+def unfuse_gated_mlps(model: nn.Module) -> int:
+    """Split every :class:`FusedGatedMLP` of ``model`` back into separate ``gate_proj``/``up_proj``
+    prepacked GEMMs, the layout compiled graphs run fastest (see :func:`prepack_linears`' ``compiled``).
+    Used when an eagerly prepacked model is compiled later (``engine.compile=auto``).
+
+    Returns:
+        The number of MLPs split (0 when none was fused).
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, FusedGatedMLP) and module.gate_up_proj is not None:
+            module.unfuse()
+            count += 1
+    return count
+
+
 class FusedGatedMLP(nn.Module):
     """A gated MLP (``down(act(gate(x)) * up(x))``: Llama, Mistral, Qwen2...) with ``gate``/``up`` as one GEMM.
 
@@ -207,12 +223,29 @@ class FusedGatedMLP(nn.Module):
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
         self.intermediate_size = mlp.gate_proj.out_features
-        self.gate_up_proj = PrepackedLinear.fused([mlp.gate_proj, mlp.up_proj])
+        self.gate_up_proj: PrepackedLinear | None = PrepackedLinear.fused([mlp.gate_proj, mlp.up_proj])
+        self.gate_proj: PrepackedLinear | None = None  # set by unfuse()
+        self.up_proj: PrepackedLinear | None = None
         self.down_proj = PrepackedLinear(mlp.down_proj)
         self.act_fn = mlp.act_fn
 
+    def unfuse(self) -> None:
+        """Replace the fused GEMM by separate ``gate_proj``/``up_proj`` ones (same weights, split)."""
+        fused, size = self.gate_up_proj, self.intermediate_size
+        parts = []
+        for rows in (slice(0, size), slice(size, None)):
+            part = nn.Linear(fused.in_features, size, bias=fused.bias is not None, device="meta")
+            part.weight = nn.Parameter(fused.weight.detach()[rows].clone(), requires_grad=False)
+            if fused.bias is not None:
+                part.bias = nn.Parameter(fused.bias.detach()[rows].clone(), requires_grad=False)
+            parts.append(PrepackedLinear(part))
+        self.gate_proj, self.up_proj = parts
+        self.gate_up_proj = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., hidden) -> (..., hidden)``, same dtype."""
+        if self.gate_up_proj is None:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 

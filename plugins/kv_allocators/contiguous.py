@@ -104,6 +104,10 @@ class ContiguousKVAllocator(KVAllocator):
         """The used prefix of the request's slab (live list; ``[]`` for unknown ids)."""
         return self._tables.get(request_id, [])
 
+    def reset_prefix_cache(self) -> bool:
+        """Nothing is cached here: succeeds whenever no request holds a slab."""
+        return not self._tables
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks not reserved by any request (free slabs plus the never-usable remainder)."""

@@ -90,6 +90,7 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     """
     with exit_on_config_error():
         engine = _build_engine(cfg, engine_config)
+    engine.maybe_compile(None)  # engine.compile=auto: a server's work is open-ended, so it compiles now
     import uvicorn
 
     from framework.entrypoints.server.app import build_app

@@ -1,5 +1,6 @@
-"""``engine.compile=true``: greedy parity with transformers, no recompiles after the warm-up across a
-mixed-length run (chunked prefill, prefix hits, batch-1 decode; prepacked and ATen linears), the
+"""The compiled decoder: greedy parity with transformers, no recompiles after the warm-up across a
+mixed-length run (chunked prefill, prefix hits, batch-1 decode; prepacked and ATen linears), compiled at
+start-up (``engine.compile=true``) and later (``auto``, past the break-even, after eager steps), the
 attention custom op's contract, and the fallback to eager when the compiler is unavailable or fails."""
 
 from __future__ import annotations
@@ -26,9 +27,26 @@ def compiled_llm():
     """One compiled engine for the module (the warm-up compiles three graphs, tens of seconds), with
     the CPU's bf16 default of prepacked oneDNN linears (the opaque ``servelab::prepacked_linear`` op,
     fused q/k/v; the one-row graph's traced GEMV) forced on in float32, so its greedy tokens must equal
-    transformers. Compiled ATen linears run in ``test_engines_keep_their_own_graphs``."""
-    llm = LLM(model=STORIES, compile=True, prepack_linears=PREPACK, block_size=8, max_num_batched_tokens=24,
+    transformers. Compiled ATen linears run in ``test_engines_keep_their_own_graphs``.
+
+    It is compiled the way ``engine.compile=auto`` (the default) does: eager first (gate/up fused, a
+    generate that fills the prefix cache), then compiled before the ``generate`` call whose budget
+    reaches the break-even (lowered to 100 tokens here), which splits gate/up and drops the prefix cache
+    the warm-up overwrites; the tests below then check parity and recompiles on that engine."""
+    from framework.engine import compile_policy
+
+    llm = LLM(model=STORIES, prepack_linears=PREPACK, block_size=8, max_num_batched_tokens=24,
               long_prefill_token_threshold=16)
+    assert llm.config.compile == "auto"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compile_policy, "COMPILE_BREAK_EVEN_TOKENS", 100)
+        assert_greedy_parity(llm, PREFIX_PROMPTS[:3], max_tokens=8)  # 24 tokens: eager
+        # eager so far, with cached prefix blocks that the warm-up's dummy K/V would corrupt if they stayed
+        assert llm.engine.runner.compiled is None and llm.engine.kv_allocator._cached
+        assert "eager" in llm.engine.metrics.summary()["compile_reason"]
+        assert_greedy_parity(llm, PREFIX_PROMPTS[3:6], max_tokens=30)  # 24 + 90 >= 100: compiles first
+    summary = llm.engine.metrics.summary()
+    assert summary["compile_mode"] == "auto" and "reach the break-even of 100" in summary["compile_reason"]
     yield llm
     assert_all_blocks_free(llm.engine)
 
@@ -193,11 +211,12 @@ def test_fallback_when_compile_fails(monkeypatch, caplog):
     assert_all_blocks_free(llm.engine)
 
 
-def test_compile_off_reports_nothing(make_llm):
-    llm = make_llm()
+def test_compile_off_reports_only_the_decision(make_llm):
+    llm = make_llm(compile=False)
     assert llm.engine.runner.compiled is None
     llm.generate(["Once upon a time"], SamplingParams(max_tokens=2))
-    assert "compile_s" not in llm.engine.metrics.summary()
+    summary = llm.engine.metrics.summary()
+    assert "compile_s" not in summary and summary["compile_reason"] == "engine.compile=false: the decoder runs eagerly"
 
 
 def test_hydra_engine_compile_knob():
@@ -208,6 +227,7 @@ def test_hydra_engine_compile_knob():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=["engine.compile=true", "engine.compile_freezing=true"])
     config = engine_config_from_cfg(cfg)
-    assert config.compile is True and config.compile_freezing is True
+    assert config.compile == "true" and config.compile_freezing is True
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        assert engine_config_from_cfg(compose("config")).compile is False
+        assert engine_config_from_cfg(compose("config")).compile == "auto"
+        assert engine_config_from_cfg(compose("config", overrides=["engine.compile=false"])).compile == "false"

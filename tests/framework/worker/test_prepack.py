@@ -10,7 +10,13 @@ import torch
 from helpers import STORIES, hf_greedy
 
 from framework import LLM, SamplingParams
-from framework.worker.prepack import FusedGatedMLP, PrepackedLinear, prepack_linears, should_prepack
+from framework.worker.prepack import (
+    FusedGatedMLP,
+    PrepackedLinear,
+    prepack_linears,
+    should_prepack,
+    unfuse_gated_mlps,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn) on CPU")
 
@@ -128,6 +134,12 @@ def test_fused_projections_compute_the_unfused_model(dtype, compiled):
         a, b = ref(ids).logits.float(), fused(ids).logits.float()
     tol = 1e-4 if dtype == torch.float32 else 0.15
     assert (a - b).abs().max() < tol
+    # engine.compile=auto compiles an eagerly prepacked model later: gate/up split again, still the reference
+    assert unfuse_gated_mlps(fused) == (0 if compiled else len(fused.model.layers))
+    if not compiled:
+        assert layer.mlp.gate_up_proj is None and isinstance(layer.mlp.gate_proj, PrepackedLinear)
+        with torch.inference_mode():
+            assert (fused(ids).logits.float() - a).abs().max() < tol
 
 
 def test_fused_linear_keeps_biases_and_refuses_mismatched_parts():
