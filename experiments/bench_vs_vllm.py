@@ -22,7 +22,12 @@ Before every throughput and batch-1 generate both engines drop their prefix cach
 (``reset_prefix_cache``), so a repeat finds only the prefixes its own prompts share, as the first,
 and the batch-1 prompt is prefilled, not found in the cache (until the eighth pass it was cached).
 ``ratio`` = servelab / vLLM (tok/s), vLLM / servelab (ms/token), i.e. > 1 means servelab is faster,
-for each servelab mode (``--servelab-modes eager,compiled``) against each vLLM mode.
+for each servelab mode (``--servelab-modes default,eager,compiled``) against each vLLM mode.
+``default`` is ``LLM(model)`` as a user gets it (``dtype="auto"``, ``compile="auto"``), told the whole
+run's output-token budget up front (``LLMEngine.maybe_compile``, as ``run.py`` tells it its workload),
+so ``engine.compile=auto`` compiles, before anything is timed, exactly when that budget passes the
+break-even; ``eager`` and ``compiled`` force ``--dtype`` and ``compile=False``/``True``. vLLM's
+``compiled`` mode is its default.
 
 Both engines get the same ``enable_prefix_caching`` (``--prefix-caching``, default ``on``: both
 engines' default; up to the seventh pass vLLM ran with its default and servelab with it off). The
@@ -37,6 +42,9 @@ Example (the issue-8 measurement)::
     # paired rounds against compiled vLLM (the seventeenth pass's measurement)
     .venv/bin/python experiments/bench_vs_vllm.py --workload fixed --num-prompts 64 --output-len 128 \
         --servelab-modes compiled --vllm-modes compiled --threads 2 --repeats 7 --interleave
+    # both engines' defaults (issue 35)
+    .venv/bin/python experiments/bench_vs_vllm.py --workload fixed --num-prompts 64 --output-len 128 \
+        --servelab-modes default,compiled --vllm-modes compiled --threads 2 --repeats 5 --interleave
 """
 
 from __future__ import annotations
@@ -177,7 +185,7 @@ def start_vllm(model_path: str, prompts: list[list[int]], out_lens: list[int], a
                       name=f"vllm_{'eager' if eager else 'compiled'}")
 
 
-def servelab_llm(model: str, dtype: str, attention: str, prefix_caching: bool, compile: bool,
+def servelab_llm(model: str, dtype: str, attention: str, prefix_caching: bool, compile: bool | str,
                  prompts: list[list[int]]) -> tuple[Any, Any]:
     """servelab's ``LLM`` in this process, warmed up by a small generate (the first 16 tokens of
     two of ``prompts``, 4 output tokens each).
@@ -200,14 +208,22 @@ def servelab_llm(model: str, dtype: str, attention: str, prefix_caching: bool, c
     return llm, generate
 
 
+SERVELAB_MODES = {"eager": "servelab", "compiled": "servelab_compiled", "default": "servelab_default"}
+
+
 def start_servelab(model: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace,
-                   compile: bool = False) -> tuple[Any, Any]:
-    """servelab's ``LLM`` in this process (``compile``: engine.compile), warmed up (:func:`servelab_llm`).
+                   mode: str = "eager") -> tuple[Any, Any]:
+    """servelab's ``LLM`` in this process, warmed up (:func:`servelab_llm`): ``mode`` ``eager`` /
+    ``compiled`` (``--dtype``, engine.compile false / true) or ``default`` (``dtype`` and ``compile``
+    ``auto``; the engine is told the run's whole output-token budget before the repeats).
 
     Returns:
         ``(run_repeat, engine)``: a function doing one :func:`one_repeat` on it, and its ``LLMEngine``.
     """
-    llm, generate = servelab_llm(model, args.dtype, args.attention, args.prefix_caching == "on", compile, prompts)
+    dtype, compile = ("auto", "auto") if mode == "default" else (args.dtype, mode == "compiled")
+    llm, generate = servelab_llm(model, dtype, args.attention, args.prefix_caching == "on", compile, prompts)
+    if mode == "default":
+        llm.engine.maybe_compile(args.repeats * (sum(out_lens) + args.batch1_tokens))
     return (lambda: one_repeat(generate, prompts, out_lens, args.batch1_tokens,
                                llm.engine.scheduler.kv.reset_prefix_cache)), llm.engine
 
@@ -270,7 +286,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--vllm-modes", default="eager,compiled", help="comma list of eager|compiled; empty skips vLLM")
     p.add_argument("--workdir", default="/tmp")
     p.add_argument("--repeats", type=int, default=1, help="timed generates per system (medians reported)")
-    p.add_argument("--servelab-modes", default="eager", help="comma list of eager|compiled (engine.compile)")
+    p.add_argument("--servelab-modes", default="eager", help="comma list of default|eager|compiled (default: "
+                   "LLM(model) as a user gets it, dtype and engine.compile auto; eager/compiled: --dtype and "
+                   "engine.compile false/true)")
     p.add_argument("--compile", action="store_true", help="same as --servelab-modes compiled: engine compile=True (torch.compile of the "
                    "decoder at start-up, like vLLM's compiled mode); prints compile time and recompiles")
     p.add_argument("--interleave", action="store_true", help="run the systems' repeats in rounds (one repeat of "
@@ -287,8 +305,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     systems, engines, workers = {}, {}, []
     try:
         for m in modes:
-            name = "servelab" if m == "eager" else "servelab_compiled"
-            systems[name], engines[name] = start_servelab(args.model, prompts, out_lens, args, compile=m == "compiled")
+            if m not in SERVELAB_MODES:
+                raise SystemExit(f"unknown servelab mode {m!r}; valid: {', '.join(SERVELAB_MODES)}")
+            name = SERVELAB_MODES[m]
+            systems[name], engines[name] = start_servelab(args.model, prompts, out_lens, args, mode=m)
         for mode in filter(None, args.vllm_modes.split(",")):
             workers.append(start_vllm(model_path, prompts, out_lens, args, eager=mode == "eager"))
             systems[workers[-1].name] = workers[-1].run_repeat
@@ -300,6 +320,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for name, engine in engines.items():
         stats = engine.runner.compile_stats
         results[name]["compile"] = stats.as_dict() if stats.enabled else None
+        results[name]["compile_reason"] = engine.compile_decision.reason
+        print(f"{name}: dtype={engine.config.dtype}; {engine.compile_decision.reason}")
     rows = [summarize(name, res) for name, res in results.items()]
     first = next(iter(results.values()))
     print(f"workload={args.workload} prompts={len(prompts)} output_tokens={rows[0]['output_tokens']} "
@@ -326,8 +348,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"({' '.join(f'{x:.3f}' for x in pr['tok_s'])}), batch-1 median {pr['b1_median']:.3f} "
               f"({' '.join(f'{x:.3f}' for x in pr['b1'])})")
     if args.json_out:
+        reasons = {name: results[name]["compile_reason"] for name in engines}
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows, "servelab_compile": compiled,
-                                                   "paired": paired}, indent=2))
+                                                   "servelab_compile_reasons": reasons, "paired": paired}, indent=2))
     return rows
 
 

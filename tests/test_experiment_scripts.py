@@ -43,18 +43,22 @@ def test_roofline_reports_every_category(capsys):
 
 
 def test_bench_vs_vllm_repeats_report_medians(capsys, tmp_path):
-    """servelab alone (no vLLM mode): ``--repeats`` times each generate after a prefix-cache reset and
+    """servelab alone (no vLLM mode), forced eager and as a user gets it (``default``: dtype and compile
+    auto, told the run's budget): ``--repeats`` times each generate after a prefix-cache reset and
     reports the median, with every repeat in the rows."""
     from experiments import bench_vs_vllm
 
     rows = bench_vs_vllm.main(["--model", STORIES, "--dtype", "float32", "--workload", "fixed", "--num-prompts", "4",
                                "--input-len", "16", "--output-len", "6", "--batch1-tokens", "4", "--repeats", "3",
-                               "--vllm-modes", "", "--json-out", str(tmp_path / "out.json")])
-    (row,) = rows
-    assert row["system"] == "servelab" and row["output_tokens"] == 24
-    assert len(row["all_tok_s"]) == len(row["all_b1_ms_per_token"]) == 3
-    assert sorted(row["all_tok_s"])[1] == row["tok_s"]  # the median repeat
-    assert "tok/s of each repeat" in capsys.readouterr().out and (tmp_path / "out.json").is_file()
+                               "--servelab-modes", "eager,default", "--vllm-modes", "",
+                               "--json-out", str(tmp_path / "out.json")])
+    assert [row["system"] for row in rows] == ["servelab", "servelab_default"]
+    for row in rows:
+        assert row["output_tokens"] == 24 and len(row["all_tok_s"]) == len(row["all_b1_ms_per_token"]) == 3
+        assert sorted(row["all_tok_s"])[1] == row["tok_s"]  # the median repeat
+    out = capsys.readouterr().out
+    assert "tok/s of each repeat" in out and "servelab_default: dtype=float32; engine.compile=auto: eager" in out
+    assert (tmp_path / "out.json").is_file()
 
 
 def test_bench_vs_vllm_interleave_rotates_rounds_and_pairs_them():
@@ -198,3 +202,18 @@ def test_microbench_cpu_splits_prefill_sdpa():
     assert all(r[key] > 0 for key in ("sdpa", "qk_bmm", "pv_bmm", "softmax", "bmm_attention", "bmm_gflops"))
     if torch.backends.mkl.is_available():
         assert r["mkl_calls"] > 0 and r["mkl_gflop"] > 0 and r["mkl_gflops_floor"] > 0
+
+
+def test_compile_break_even_divides_the_warm_up_by_the_saving():
+    """``compile_break_even.py``'s table (its two compiling child processes are too slow for the suite;
+    a tiny run is in its docstring): break-even tokens = warm-up seconds / seconds saved per token,
+    ``None`` where compiling saves nothing."""
+    from experiments import compile_break_even
+
+    cold, cached = {"warm_up_s": 60.0}, {"warm_up_s": 12.0, "per_batch": {
+        "1": {"eager": 0.032, "compiled": 0.016}, "64": {"eager": 0.0025, "compiled": 0.0019},
+        "8": {"eager": 0.010, "compiled": 0.011}}}
+    table = compile_break_even.break_even(cold, cached)
+    assert round(table[1]["break_even_tokens_cold"]) == 3750 and round(table[1]["break_even_tokens_cached"]) == 750
+    assert round(table[64]["break_even_tokens_cold"]) == 100_000 and abs(table[64]["saved_ms_per_token"] - 0.6) < 1e-9
+    assert table[8]["break_even_tokens_cold"] is None
