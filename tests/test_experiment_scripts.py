@@ -1,10 +1,12 @@
-"""The experiment scripts that produce reported numbers still run end to end (tiny settings, stories260K).
+"""The benchmarks users run still run end to end (tiny settings, stories260K); the studies under
+``experiments/studies/`` import and parse their arguments; ``experiments/README.md`` lists every script.
 
 These check that the scripts work and that their outputs are usable, not the numbers themselves
 (speed is never asserted)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import pytest
@@ -96,42 +98,6 @@ def test_bench_vs_vllm_worker_failure_is_reported(tmp_path):
         bench_vs_vllm.start_vllm("unused", [[1, 2]], [2], args, eager=False)
 
 
-def test_nano_batch_cpu_times_each_setting():
-    """``nano_batch_cpu``: the whole forward, the split forwards one after the other and in two Python
-    threads (in this process, tiny and eager), and two engines pinned one per core, started together
-    per round (their own processes), are each timed."""
-    import argparse
-
-    import torch
-
-    from experiments import nano_batch_cpu
-    from experiments.bench_offline import add_model_workload_args
-
-    p = argparse.ArgumentParser()
-    add_model_workload_args(p)
-    args = p.parse_args(["--model", STORIES, "--dtype", "float32", "--num-prompts", "4", "--output-len", "3",
-                         "--input-len", "16"])
-    args.eager, args.rows, args.steps, args.rounds = True, 2, 1, 1
-    threads = torch.get_num_threads()
-    try:
-        out = {**nano_batch_cpu.child_threads("whole", args), **nano_batch_cpu.child_threads("split", args)}
-    finally:
-        torch.set_num_threads(threads)
-    assert sorted(out) == ["sequential", "two_threads", "whole"] and min(out.values()) > 0
-    (tok_s,) = nano_batch_cpu.run_dp(args, shards=2, threads=1)
-    assert tok_s > 0
-
-
-def test_bench_prefill_attention_times_every_tile(capsys):
-    """The prefill-attention benchmark captures real prefill steps and times each tile size per round."""
-    from experiments import bench_prefill_attention
-
-    times = bench_prefill_attention.main(["--model", STORIES, "--workload", "mixed", "--num-prompts", "6",
-                                          "--input-len", "40", "--tiles", "0,8", "--rounds", "2"])
-    assert sorted(times) == [0, 8] and all(len(v) == 2 and min(v) > 0 for v in times.values())
-    assert "prefill_tile=   8" in capsys.readouterr().out
-
-
 def test_profile_engine_whole_run_split_names_and_sums_its_categories():
     """``profile_engine.py --whole-run``: each profiler event lands in one category (the in-place
     kernel by its softmax ``amax``), and the reported shares cover the whole profiled time."""
@@ -154,56 +120,6 @@ def test_profile_engine_whole_run_split_names_and_sums_its_categories():
     assert abs(sum(shares) - 100) < 0.5
 
 
-def test_prefill_score_precision_variants_match_float64_in_float32(capsys):
-    """``prefill_score_precision.py``: on captured real q/k/v, the bf16-GEMM attention variants (plain and
-    max-shifted) equal the float64 causal reference when run in float32 (GQA packing, causal mask and
-    shift are exact there), and carry a small nonzero error in bfloat16."""
-    from experiments import prefill_score_precision
-
-    common = ["--model", STORIES, "--workload", "mixed", "--num-prompts", "6", "--input-len", "40", "--requests", "3",
-              "--layers", "0,1", "--rounds", "1", "--no-compile"]
-    exact = prefill_score_precision.main(common + ["--dtype", "float32"])
-    assert sorted(exact) == ["bf16", "bf16_shift", "sdpa"]
-    assert all(r["rel_max"] < 1e-5 and r["seconds"] > 0 for r in exact.values())
-    rounded = prefill_score_precision.main(common + ["--dtype", "bfloat16"])
-    assert all(0 < r["rel_max"] < 0.05 for r in rounded.values())
-    assert "bf16_shift" in capsys.readouterr().out
-
-
-def test_microbench_cpu_times_the_kernel_and_the_gemms():
-    """``microbench_cpu.py``: the in-place kernel per block placement, oneDNN GF/s per M (DRAM and L3 settings of each)."""
-    from experiments import microbench_cpu
-
-    kernel = microbench_cpu.main(["kernel", "--tokens", "4", "--context", "40", "--layers", "2", "--rounds", "2"])
-    assert sorted(kernel) == ["consecutive", "random"] and all(v["dram"] > 0 and v["l3"] > 0 for v in kernel.values())
-    gemm = microbench_cpu.main(["gemm", "--rows", "2,8", "--gemms", "o,down", "--rounds", "1", "--huge-pages"])
-    assert sorted(gemm) == [2, 8] and all(sorted(r) == ["down", "o"] for r in gemm.values())
-    assert all(v["dram"] > 0 and v["l3"] > 0 for r in gemm.values() for v in r.values())
-
-
-def test_microbench_cpu_splits_prefill_sdpa():
-    """``microbench_cpu.py sdpa``: the bucket's ``bmm`` attention equals SDPA (exactly in float32, within bf16
-    rounding in bf16), every part is timed, and where torch has MKL the GEMMs SDPA hands it are counted."""
-    import torch
-    import torch.nn.functional as F
-
-    from experiments import microbench_cpu
-
-    with pytest.raises(ValueError, match="at least --tile"):
-        microbench_cpu.prefill_bucket(2, 64, 32)
-    q, k, v, mask = microbench_cpu.prefill_bucket(2, 8, 32)
-    assert mask.shape == (2, 1, 24, 32) and mask.any(-1).all()  # every query row sees at least one key
-    f32 = [x.float() for x in (q, k, v)]
-    torch.testing.assert_close(microbench_cpu.bmm_attention(*f32, mask),
-                               F.scaled_dot_product_attention(*f32, attn_mask=mask), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(microbench_cpu.bmm_attention(q, k, v, mask).float(),
-                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask).float(), rtol=0.05, atol=0.05)
-    r = microbench_cpu.main(["sdpa", "--tiles", "2", "--tile", "8", "--keys", "32", "--rounds", "1"])
-    assert all(r[key] > 0 for key in ("sdpa", "qk_bmm", "pv_bmm", "softmax", "bmm_attention", "bmm_gflops"))
-    if torch.backends.mkl.is_available():
-        assert r["mkl_calls"] > 0 and r["mkl_gflop"] > 0 and r["mkl_gflops_floor"] > 0
-
-
 def test_compile_break_even_divides_the_warm_up_by_the_saving():
     """``compile_break_even.py``'s table (its two compiling child processes are too slow for the suite;
     a tiny run is in its docstring): break-even tokens = warm-up seconds / seconds saved per token,
@@ -217,3 +133,26 @@ def test_compile_break_even_divides_the_warm_up_by_the_saving():
     assert round(table[1]["break_even_tokens_cold"]) == 3750 and round(table[1]["break_even_tokens_cached"]) == 750
     assert round(table[64]["break_even_tokens_cold"]) == 100_000 and abs(table[64]["saved_ms_per_token"] - 0.6) < 1e-9
     assert table[8]["break_even_tokens_cold"] is None
+
+
+EXPERIMENTS = REPO / "experiments"
+SCRIPTS = sorted(p.relative_to(EXPERIMENTS).as_posix() for p in EXPERIMENTS.rglob("*.py"))
+
+
+def test_readme_lists_every_script_with_its_command():
+    readme = (EXPERIMENTS / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| `")]
+    for script in SCRIPTS:
+        row = next((r for r in rows if r.startswith(f"| `{script}` |")), None)
+        assert row is not None, f"experiments/README.md has no row for {script}"
+        assert f"experiments/{script}" in row, f"the row of {script} gives no command running it"
+    assert len(rows) == len(SCRIPTS), "experiments/README.md lists a script that does not exist"
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s.startswith("studies/")])
+def test_studies_import_and_parse_their_arguments(script, capsys):
+    """A study is not run (its finding is recorded); it must still import and parse ``--help``."""
+    module = importlib.import_module("experiments." + script.removesuffix(".py").replace("/", "."))
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0 and "usage:" in capsys.readouterr().out

@@ -16,7 +16,7 @@ the best of ``--rounds`` timings over all requests and layers, eager and (unless
 compiled by inductor with dynamic shapes, and (also unless ``--no-compile``) ``flex_attention`` in
 float32 (:func:`flex_fp32`)::
 
-    .venv/bin/python experiments/prefill_score_precision.py --workload mixed --requests 13 --threads 2
+    .venv/bin/python experiments/studies/prefill_score_precision.py --workload mixed --requests 13 --threads 2
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "experiments"))
 

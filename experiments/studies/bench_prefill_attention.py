@@ -8,8 +8,8 @@ does) for every tile size, in alternating rounds in one process, and prints the 
 (``max_tokens=1`` generates of compiled engines, one per tile size, alternating) and checks that
 their greedy first tokens agree::
 
-    .venv/bin/python experiments/bench_prefill_attention.py --workload mixed --tiles 0,32,64,128
-    .venv/bin/python experiments/bench_prefill_attention.py --workload mixed --tiles 0,64 --engine
+    .venv/bin/python experiments/studies/bench_prefill_attention.py --workload mixed --tiles 0,32,64,128
+    .venv/bin/python experiments/studies/bench_prefill_attention.py --workload mixed --tiles 0,64 --engine
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "experiments"))
 

@@ -9,16 +9,16 @@ total tok/s, and the decode steps grouped by batch size (rows up to 1, 2, 4, ...
 ``git worktree`` of the previous commit), so two versions can be interleaved on the same machine::
 
     git worktree add /tmp/base HEAD~1
-    for r in /tmp/base .; do .venv/bin/python experiments/step_times.py --repo $r --num-prompts 1; done
-    for r in /tmp/base .; do .venv/bin/python experiments/step_times.py --repo $r --num-prompts 64 --reps 1; done
+    for r in /tmp/base .; do .venv/bin/python experiments/studies/step_times.py --repo $r --num-prompts 1; done
+    for r in /tmp/base .; do .venv/bin/python experiments/studies/step_times.py --repo $r --num-prompts 64 --reps 1; done
 
 ``--decode-marker F`` creates ``F`` once the last repetition is three steps into its decode, so a sampling
 profiler can attach to the decode phase alone (how docs/results.md's per-thread split was taken);
 ``--prefill-only`` gives every request one output token, so that a run is prefills alone, and the marker
 is created as the last repetition starts::
 
-    .venv/bin/python experiments/step_times.py --reps 2 --output-len 256 --prefix-caching on --decode-marker /tmp/m &
-    # prefills alone: .venv/bin/python experiments/step_times.py --workload mixed --prefill-only --reps 4 --prefix-caching on --decode-marker /tmp/m &
+    .venv/bin/python experiments/studies/step_times.py --reps 2 --output-len 256 --prefix-caching on --decode-marker /tmp/m &
+    # prefills alone: .venv/bin/python experiments/studies/step_times.py --workload mixed --prefill-only --reps 4 --prefix-caching on --decode-marker /tmp/m &
     while [ ! -f /tmp/m ]; do sleep 0.2; done; perf record -e cpu-clock -F 999 -p $! -o /tmp/p.data -- sleep 8
     perf report -i /tmp/p.data --sort pid,dso -g none
 """
@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]), help="servelab checkout to import")
+    p.add_argument("--repo", default=str(Path(__file__).resolve().parents[2]), help="servelab checkout to import")
     p.add_argument("--workload", default="fixed", choices=("fixed", "mixed"))
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
@@ -45,7 +45,7 @@ def main() -> None:
                    "(a cue for an external profiler to attach: perf record -p PID, py-spy)")
     p.add_argument("--prefill-only", action="store_true", help="one output token per request: prefills alone "
                    "(--decode-marker's file is then created as the last repetition starts)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     sys.path[:0] = [args.repo, str(Path(args.repo) / "experiments")]
     import torch
 

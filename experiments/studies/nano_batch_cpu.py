@@ -18,8 +18,8 @@ both cores with 2 threads and every prompt. Each round's throughput is the outpu
 slower shard's seconds. Nothing is shared, so this also parallelises the engines' own host work,
 which an in-engine split would not.
 
-    .venv/bin/python experiments/nano_batch_cpu.py threads --rows 32
-    .venv/bin/python experiments/nano_batch_cpu.py dp --workload fixed --num-prompts 64 --output-len 128
+    .venv/bin/python experiments/studies/nano_batch_cpu.py threads --rows 32
+    .venv/bin/python experiments/studies/nano_batch_cpu.py dp --workload fixed --num-prompts 64 --output-len 128
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
 

@@ -25,9 +25,9 @@ replacement), and, where torch is built with MKL, counts the GEMMs SDPA issues a
 ``MKL_VERBOSE=1`` in a child process (ATen's ``cpublas::gemm`` for bf16 inputs and float32 output goes
 to MKL on x86; oneDNN is not on that route), which bounds their rate from below.
 
-    .venv/bin/python experiments/microbench_cpu.py kernel --threads 2
-    .venv/bin/python experiments/microbench_cpu.py gemm --threads 2 --rows 1,8,16,64,2048
-    .venv/bin/python experiments/microbench_cpu.py sdpa --threads 2
+    .venv/bin/python experiments/studies/microbench_cpu.py kernel --threads 2
+    .venv/bin/python experiments/studies/microbench_cpu.py gemm --threads 2 --rows 1,8,16,64,2048
+    .venv/bin/python experiments/studies/microbench_cpu.py sdpa --threads 2
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
 import numpy as np  # noqa: E402
