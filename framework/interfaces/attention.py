@@ -92,10 +92,12 @@ class AttentionBackend(Plugin, ABC):
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
-        """Capability check (device, dtype) before the model loads; see ``Plugin.validate``."""
+        """Capability check (device, dtype) before the model loads; see ``Plugin.validate``.
+
+        ``build_engine`` resolves ``dtype="auto"`` to the checkpoint's dtype before calling this; called
+        directly with ``auto``, the dtype is not checked (everything else is)."""
         problems = super().validate(config)
-        dtype = getattr(torch, config.dtype)
-        if dtype not in cls.supported_dtypes:
+        if config.dtype != "auto" and getattr(torch, config.dtype) not in cls.supported_dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
             problems.append(f"attention {cls.name!r} does not support dtype={config.dtype}; use one of {names}")
         device_type = torch.device(config.device).type
