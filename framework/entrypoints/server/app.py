@@ -5,7 +5,8 @@ Events: ``data: {chunk}`` lines, then ``data: [DONE]``), ``GET /v1/models``, ``G
 ``GET /version``, ``GET /metrics`` (Prometheus text). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``: malformed JSON / wrong-typed or unknown field
 -> 400, unknown model -> 404, missing/wrong bearer token on ``/v1/*`` (when an API key is set) ->
-401, engine shut down or dead -> 503. A streaming client that disconnects aborts its requests.
+401, a plugin or the detokenizer failed on the request (``RequestOutput.internal_error``) -> 500,
+engine shut down or dead -> 503. A streaming client that disconnects aborts its requests.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from framework.core.faults import EngineDeadError
+from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind
 from framework.entrypoints.server import responses as R
 from framework.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -67,7 +70,19 @@ def _engine_error(exc: Exception) -> RequestError:
         return exc
     if isinstance(exc, ValueError):
         return RequestError(str(exc), 400)
-    return RequestError(f"the engine is not available: {exc}", 503)
+    if isinstance(exc, EngineDeadError):
+        return RequestError(f"the engine is not available: {exc}", 503, code="engine_dead")
+    if isinstance(exc, RuntimeError):  # the loop is shut down
+        return RequestError(f"the engine is not available: {exc}", 503)
+    return RequestError(f"internal error: {type(exc).__name__}: {exc}", 500, code="internal_error")
+
+
+def _output_error(out: RequestOutput) -> RequestError:
+    """The error of a request the engine finished with ``error`` set: a fault of the server (a plugin or the
+    detokenizer raised on it) is 500, a rejection of the request (e.g. its grammar does not compile) 400."""
+    if out.internal_error:
+        return RequestError(f"internal error, this request was aborted: {out.error}", 500, code="internal_error")
+    return RequestError(out.error, 400)
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -91,11 +106,11 @@ async def _final(state: ServerState, jobs: list[EngineJob], request: Request) ->
         raise RequestError("client disconnected; its requests were aborted", 499)
     try:
         outs = work.result()
-    except (ValueError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
         raise _engine_error(exc) from exc
     for out in outs:
         if out.error:
-            raise RequestError(out.error, 400)
+            raise _output_error(out)
     return outs
 
 
@@ -111,14 +126,14 @@ async def _stream(state: ServerState, jobs: list[EngineJob], rid: str, obj: str,
         async with merged_outputs(state.llm, jobs) as outputs:
             async for job, out in outputs:
                 if out.error:
-                    raise RequestError(out.error, 400)
+                    raise _output_error(out)
                 num_out += len(out.outputs[0].token_ids)
                 choices = chunk_choices(job, out, seen)
                 if choices:
                     yield _sse(R.envelope(rid, obj, state.model_name, choices, created=created))
         if include_usage:
             yield _sse(R.envelope(rid, obj, state.model_name, [], R.usage(num_prompt_tokens, num_out), created))
-    except (RequestError, ValueError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes into the stream
         err = _engine_error(exc)
         yield _sse(error_body(err.message, err.status, err.param, err.code))
     yield _sse("[DONE]")
@@ -248,6 +263,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(RequestError(str(exc.detail), exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:  # a bug: still an OpenAI body (and logged)
+        return _error(_engine_error(exc))
 
     @app.get("/health")
     async def health() -> Response:
