@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,14 @@ class EngineDeadError(RuntimeError):
     """
 
 
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why the engine ends one request early (``finish_reason="abort"``)."""
+
+    error: str  # what failed, for the caller (``RequestOutput.error``)
+    internal: bool = True  # a fault of the server (a plugin or the detokenizer raised), else of the request itself
+
+
 class RequestFaults:
     """Failures of single requests collected during engine steps, by request id (the first one wins).
 
@@ -43,7 +52,7 @@ class RequestFaults:
     """
 
     def __init__(self) -> None:
-        self._errors: dict[str, str] = {}  # request_id -> error text, until the engine takes it
+        self._failures: dict[str, RequestFailure] = {}  # request_id -> why it fails, until the engine takes it
         self._logged: set[str] = set()  # call sites whose traceback was logged once already
 
     @contextlib.contextmanager
@@ -71,16 +80,22 @@ class RequestFaults:
         self._logged.add(what)
         logger.warning("request %s aborted: %s", request_id, text,
                        exc_info=exc if first and isinstance(exc, BaseException) else None)
-        self._errors.setdefault(request_id, text)
+        self._failures.setdefault(request_id, RequestFailure(text))
+
+    def reject(self, request_id: str, message: str) -> None:
+        """Record that the request itself cannot go on (e.g. its grammar allows no token): a rejection, not a
+        fault of the server (``internal`` false)."""
+        logger.info("request %s aborted: %s", request_id, message)
+        self._failures.setdefault(request_id, RequestFailure(message, internal=False))
 
     def failed(self, request_id: str) -> bool:
         """True when a failure of ``request_id`` is recorded and not yet taken."""
-        return request_id in self._errors
+        return request_id in self._failures
 
-    def take(self) -> dict[str, str]:
-        """Every recorded failure (request_id -> error text), forgetting them."""
-        errors, self._errors = self._errors, {}
-        return errors
+    def take(self) -> dict[str, RequestFailure]:
+        """Every recorded failure by request id, forgetting them."""
+        failures, self._failures = self._failures, {}
+        return failures
 
     def __bool__(self) -> bool:
-        return bool(self._errors)
+        return bool(self._failures)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
-from framework.core.faults import RequestFaults
+from framework.core.faults import RequestFailure, RequestFaults
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput
 from framework.core.request import Request, RequestStatus
 from framework.core.stop import StopChecker
@@ -71,19 +71,19 @@ class Scheduler:
         """Read-only prefix-cache lookup handed to the policy (``lpm``): tokens a hit would serve."""
         return self.kv.get_computed_blocks(request)[1]
 
-    def abort_requests(self, request_ids: Iterable[str], errors: Mapping[str, str] | None = None) -> list[Request]:
+    def abort_requests(self, request_ids: Iterable[str],
+                       failures: Mapping[str, RequestFailure] | None = None) -> list[Request]:
         """Finish the given requests as aborted, freeing their blocks; unknown ids are ignored.
 
-        ``errors``: request_id -> error text of requests failed by a fault (``RequestFaults``); those get
-        ``error`` set and ``internal_error`` true.
+        ``failures``: why requests failed (``RequestFaults``): those get ``error`` and ``internal_error`` set.
         """
         aborted = []
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is None:
                 continue
-            if errors and rid in errors:
-                request.error, request.internal_error = errors[rid], True
+            if failures and rid in failures:
+                request.error, request.internal_error = failures[rid].error, failures[rid].internal
             if request in self.running:
                 self.running.remove(request)
             else:

@@ -123,7 +123,42 @@ class StructuredOutputManager:
         for i in rows:
             with self.faults.guard(requests[i].request_id, self._what):
                 self.matchers[requests[i].request_id].fill_bitmask(bitmask, i)
+        self._reject_dead_ends(bitmask, {i: (requests[i], requests[i].num_output_tokens) for i in rows})
         apply_token_bitmask(logits, bitmask, [i for i in rows if not self.faults.failed(requests[i].request_id)])
+
+    def _reject_dead_ends(self, bitmask: torch.Tensor, rows: dict[int, tuple[Request, int]]) -> None:
+        """Reject (not fault) the request of a row that allows no token: an unsatisfiable constraint (e.g.
+        ``root ::= root``), or one that allows only stop tokens while ``min_tokens`` masks them. Either way the
+        request's own parameters are at fault; sampling would pick a token the grammar refuses.
+
+        ``rows``: bitmask row -> (its request, the request's output tokens before that row).
+        """
+        rows = {i: v for i, v in rows.items() if not self.faults.failed(v[0].request_id)}
+        if not rows:
+            return
+        idx = list(rows)
+        tail = self.vocab_size % 32
+        any_allowed = (bitmask[idx, :self.vocab_size // 32] != 0).any(dim=1)
+        if tail:
+            any_allowed |= (bitmask[idx, self.vocab_size // 32] & ((1 << tail) - 1)) != 0
+        for i, ok in zip(idx, any_allowed.tolist()):
+            request, num_output = rows[i]
+            params = request.sampling_params
+            if ok and num_output < params.min_tokens and not self._allows_non_stop(bitmask[i], request):
+                self.faults.reject(request.request_id, f"the structured-output constraint allows only stop tokens here, "
+                                   f"which min_tokens={params.min_tokens} forbids; lower min_tokens or change the "
+                                   "constraint")
+            elif not ok:
+                self.faults.reject(request.request_id, "the structured-output constraint allows no token here (it "
+                                   "cannot be satisfied); fix the schema, regex, choices or grammar")
+
+    def _allows_non_stop(self, row: torch.Tensor, request: Request) -> bool:
+        """Whether bitmask ``row`` allows a token that ``min_tokens`` does not mask (``sampler.apply_min_tokens``)."""
+        params = request.sampling_params
+        allowed = ((row.unsqueeze(-1) >> _BIT_SHIFTS) & 1).reshape(-1)[:self.vocab_size].bool()
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids))
+        allowed[[t for t in stop if 0 <= t < self.vocab_size]] = False
+        return bool(allowed.any())
 
     def fill_draft_bitmask(self, bitmask: torch.Tensor, first_row: int, request_id: str,
                            draft_token_ids: list[int]) -> int:
@@ -157,16 +192,15 @@ class StructuredOutputManager:
         if not any(r.request_id in self.matchers for r in requests):
             return
         bitmask = torch.full((logits.shape[0], self.num_words), -1, dtype=torch.int32)
-        rows, start = [], 0
+        rows, start = {}, 0
         for request, draft in zip(requests, drafts, strict=True):
             if request.request_id in self.matchers:
                 n = self.faults.call(request.request_id, self._what, self.fill_draft_bitmask, bitmask, start,
                                      request.request_id, draft, default=None)
-                if n is not None:
-                    rows += range(start, start + n + 1)
+                rows.update({start + j: (request, request.num_output_tokens + j) for j in range((n or 0) + 1)})
             start += len(draft) + 1
-        if rows:
-            apply_token_bitmask(logits, bitmask, rows)
+        self._reject_dead_ends(bitmask, rows)
+        apply_token_bitmask(logits, bitmask, [i for i, (r, _) in rows.items() if not self.faults.failed(r.request_id)])
 
     def valid_draft_prefix(self, request_id: str, draft_token_ids: list[int]) -> list[int]:
         """The longest prefix of ``draft_token_ids`` the request's grammar accepts from its current

@@ -9,6 +9,7 @@ from typing import Any
 
 from framework import registry
 from framework.config import EngineConfig
+from framework.core.faults import RequestFailure
 from framework.core.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerStats
 from framework.core.request import Request
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
@@ -66,9 +67,9 @@ class LLMEngine:
             client_id: the sender, for fair-share policies (``scheduler=fair``).
 
         Raises:
-            ValueError: empty prompt, token id outside the vocabulary, prompt longer than
-                ``max_model_len``, duplicate ``request_id`` or invalid sampling params. Nothing is
-                queued and engine state is unchanged.
+            ValueError: empty prompt, token id (prompt or ``logit_bias``) outside the vocabulary, prompt
+                longer than ``max_model_len``, duplicate ``request_id`` or invalid sampling params. Nothing
+                is queued and engine state is unchanged.
         """
         sampling_params = sampling_params or SamplingParams()
         sampling_params.validate()
@@ -77,6 +78,8 @@ class LLMEngine:
                              "use grammar=xgrammar (default) or grammar=llguidance")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer but this engine has none; pass stop_token_ids instead")
+        if sampling_params.logit_bias and max(sampling_params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}); got {max(sampling_params.logit_bias)}")
         token_ids = self.tokenize(prompt)
         if request_id in self.scheduler.requests or request_id in self._compiling:
             raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
@@ -126,10 +129,10 @@ class LLMEngine:
         outputs = [self._fail(self._compiling.pop(rid), None) for rid in ids if rid in self._compiling]
         return outputs + self._abort(ids)
 
-    def _abort(self, ids: list[str], errors: dict[str, str] | None = None) -> list[RequestOutput]:
-        """Abort scheduler requests (``errors``: those failed by a fault, with their error text); their
-        drafter state and matchers are dropped now. Returns their final outputs."""
-        aborted = self.scheduler.abort_requests(ids, errors)
+    def _abort(self, ids: list[str], failures: dict[str, RequestFailure] | None = None) -> list[RequestOutput]:
+        """Abort scheduler requests (``failures``: why some failed); their drafter state and matchers are
+        dropped now. Returns their final outputs."""
+        aborted = self.scheduler.abort_requests(ids, failures)
         if self.drafter is not None and aborted:  # drop drafter state now, not at the next step
             self._drafter_call("on_requests_freed", {r.request_id for r in aborted})
         for request in aborted:
@@ -139,8 +142,8 @@ class LLMEngine:
 
     def _abort_failed(self) -> list[RequestOutput]:
         """Abort the requests a per-request call site failed on (``self.faults``); everything else runs on."""
-        errors = self.faults.take()
-        return self._abort(list(errors), errors) if errors else []
+        failures = self.faults.take()
+        return self._abort(list(failures), failures) if failures else []
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""

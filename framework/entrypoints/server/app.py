@@ -22,14 +22,14 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from framework.core.faults import EngineDeadError
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind
 from framework.entrypoints.server import responses as R
-from framework.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from framework.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body
 from framework.entrypoints.server.serving import (
     EngineJob,
     RequestError,
@@ -41,6 +41,37 @@ from framework.entrypoints.server.serving import (
     render_chat,
     tokenize_prompts,
 )
+
+_OK_STREAM = {"description": "the completion (JSON), or Server-Sent Events when stream is true",
+              "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}
+
+
+def _responses(*statuses: int, ok: dict[str, Any] | None = None) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` of a route: its error statuses with OpenAI's error body and, when given, its 200
+    (``ok``: description and content types), so ``/openapi.json`` says what the server really answers."""
+    why = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model or route",
+           500: "a plugin or the detokenizer failed on this request", 503: "the engine is shut down or dead"}
+    out: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse, "description": why[s]} for s in statuses}
+    if ok is not None:
+        out[200] = ok
+    return out
+
+
+_V1_ERRORS = (400, 401, 404, 500, 503)
+
+
+def _without_422(app: FastAPI) -> Any:
+    """``app.openapi`` minus FastAPI's automatic 422 responses: validation errors are 400 here (OpenAI's)."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for ops in schema.get("paths", {}).values():
+                for op in ops.values():
+                    op.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
 
 
 class _SSEResponse(StreamingResponse):
@@ -153,7 +184,7 @@ def _v1_routes(state: ServerState) -> APIRouter:
     """``/v1/*`` routes (bearer-token checked when ``state.api_key`` is set)."""
     router = APIRouter(prefix="/v1", dependencies=[Depends(_check_auth)])
 
-    @router.get("/models")
+    @router.get("/models", responses=_responses(401, 500))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "servelab", "max_model_len": state.max_model_len}]}
@@ -167,7 +198,7 @@ def _add_completions(router: APIRouter, state: ServerState) -> None:
     """``POST /v1/completions``."""
     tok = state.tokenizer
 
-    @router.post("/completions")
+    @router.post("/completions", responses=_responses(*_V1_ERRORS, ok=_OK_STREAM))
     async def completions(req: CompletionRequest, raw: Request) -> Any:
         check_model(state, req.model)
         if req.echo:
@@ -204,7 +235,7 @@ def _add_chat_completions(router: APIRouter, state: ServerState) -> None:
     """``POST /v1/chat/completions``."""
     tok = state.tokenizer
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", responses=_responses(*_V1_ERRORS, ok=_OK_STREAM))
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         check_model(state, req.model)
         ids = render_chat(state, req.messages)
@@ -244,6 +275,7 @@ def build_app(state: ServerState) -> FastAPI:
     :func:`framework.entrypoints.server.launch.serve`).
     """
     app = FastAPI(title="servelab", version=_version())
+    app.openapi = _without_422(app)
     app.state.servelab = state
 
     @app.exception_handler(RequestError)
@@ -268,7 +300,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def _internal(_: Request, exc: Exception) -> JSONResponse:  # a bug: still an OpenAI body (and logged)
         return _error(_engine_error(exc))
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=_responses(503))
     async def health() -> Response:
         if state.llm.errored is not None or not state.llm.is_running:
             return _error(RequestError(f"engine loop is down ({state.llm.errored or 'shut down'})", 503))
@@ -278,7 +310,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 

@@ -152,3 +152,23 @@ def test_byte_fallback_sampling_on_random_weights_offline(make_llm, random_weigh
     outs = llm.generate(STORY_PROMPTS[:8], params)
     assert all(o.error is None and o.outputs[0].finish_reason in ("stop", "length") for o in outs)
     assert sum("\ufffd" in o.outputs[0].text for o in outs) >= 1  # the invalid byte runs did occur
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+@pytest.mark.parametrize("case", ["empty_language", "min_tokens_conflict"])
+def test_unsatisfiable_constraint_is_a_rejection(make_llm, baseline, drafter, case):
+    """Found by the request fuzzer: a grammar whose language is empty (``root ::= root``), or a choice that must
+    end while ``min_tokens`` masks EOS: the bitmask row allows no samplable token, the sampled token violated the
+    grammar and was reported as a server fault. It is the request's own error (``internal_error`` false: HTTP
+    400), found from the bitmask row before sampling."""
+    llm = make_llm(drafter=drafter)
+    if case == "empty_language":
+        dead = SamplingParams(temperature=0.0, max_tokens=8,
+                              structured_outputs=StructuredOutputsParams(grammar="root ::= root"))
+    else:
+        dead = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5,
+                              structured_outputs=StructuredOutputsParams(choice=["a"]))
+    outs, bad = _generate(llm, [dead])
+    assert [o.outputs[0].token_ids for o in outs] == baseline
+    assert bad[0].outputs[0].finish_reason == "abort" and not bad[0].internal_error
+    assert ("allows no token" if case == "empty_language" else "min_tokens=5 forbids") in bad[0].error
