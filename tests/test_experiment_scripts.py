@@ -5,6 +5,7 @@ These check that the scripts work and that their outputs are usable, not the num
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -198,3 +199,18 @@ def test_microbench_cpu_splits_prefill_sdpa():
     assert all(r[key] > 0 for key in ("sdpa", "qk_bmm", "pv_bmm", "softmax", "bmm_attention", "bmm_gflops"))
     if torch.backends.mkl.is_available():
         assert r["mkl_calls"] > 0 and r["mkl_gflop"] > 0 and r["mkl_gflops_floor"] > 0
+
+
+def test_soak_serving_smoke(tmp_path, capsys):
+    """A few seconds of the soak under faults (stories260K): every check passes and the table and JSON are written."""
+    pytest.importorskip("fastapi")
+    from experiments import soak_serving
+
+    out = tmp_path / "soak.json"
+    result = soak_serving.main(["--model", "stories260K", "--duration-s", "4", "--concurrency", "4",
+                                "--burst-every-s", "2", "--burst-size", "8", "--max-tokens", "12",
+                                "--json-out", str(out)])
+    assert result["ok"], result
+    assert result["num_requests"] > 0 and result["outcomes"]["unexpected"] == 0 and out.is_file()
+    assert "rss_growth_mib_per_1k_requests" in json.loads(out.read_text())
+    assert "check no_kv_leak" in capsys.readouterr().out
