@@ -145,7 +145,7 @@ def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run
     (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     _write_timeline(run_dir / "steps.csv", engine.metrics.timeline)
     Console().print(render_summary_table(summary))
-    registry.plugin_manager().hook.on_run_end(summary=summary)
+    registry.call_hook("on_run_end", summary=summary)
     return summary
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Iterator
 from importlib import metadata
@@ -40,6 +41,8 @@ OPTIONAL_KINDS = ("drafter", "quant", "grammar", "tracker")
 
 _plugin_manager: pluggy.PluginManager | None = None
 _sources: dict[int, tuple[str, str]] = {}  # id(plugin object) -> (distribution, version) of entry-point plugins
+_failed_hooks: set[tuple[str, str]] = set()  # (plugin name, hook) whose failure was logged with a traceback
+logger = logging.getLogger(__name__)
 
 
 class UnknownPluginError(ValueError):
@@ -98,6 +101,29 @@ def registered(plugin: object, name: str | None = None) -> Iterator[object]:
         yield plugin
     finally:
         pm.unregister(plugin)
+
+
+def call_hook(name: str, **kwargs: Any) -> None:
+    """Call lifecycle hook ``name`` (``on_engine_start``, ``on_step_end``, ``on_request_finished``,
+    ``on_run_end``) on every registered plugin, in pluggy's order, each one in isolation.
+
+    pluggy stops at the first implementation that raises and re-raises in the caller; an observer's bug
+    must neither kill the engine loop nor hide the hook from the other observers. So each implementation
+    is called on its own; an exception is swallowed and logged once per plugin and hook (an error with the
+    plugin's name and the traceback; later ones at debug level, so a hook failing every step does not
+    flood the log). Hook wrappers are not supported for lifecycle hooks (they fail the same way).
+    """
+    for impl in reversed(getattr(plugin_manager().hook, name).get_hookimpls()):
+        try:
+            if impl.hookwrapper or impl.wrapper:
+                raise TypeError("hook wrappers are not supported for lifecycle hooks")
+            impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+        except Exception:  # noqa: BLE001 - see the docstring
+            key = (impl.plugin_name, name)
+            log = logger.debug if key in _failed_hooks else logger.error
+            _failed_hooks.add(key)
+            log("lifecycle hook %s of plugin %r raised; the engine and the other plugins go on (logged once "
+                "per plugin and hook)", name, impl.plugin_name, exc_info=True)
 
 
 def available(kind: str) -> dict[str, type]:

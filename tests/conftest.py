@@ -55,3 +55,11 @@ def make_llm() -> Iterator[Callable]:
     yield factory
     for llm in made:
         assert_all_blocks_free(llm.engine)
+
+
+@pytest.fixture(scope="session")
+def random_weight_stories(tmp_path_factory) -> str:
+    """Path of a random-weight stories260K-shaped model with its byte-fallback tokenizer (built once)."""
+    from helpers import make_random_weight_model
+
+    return make_random_weight_model(tmp_path_factory.mktemp("random_stories"))

@@ -10,6 +10,26 @@ STORIES_DRAFT = str(REPO / "models" / "stories260K-draft")
 STORIES_EAGLE = str(REPO / "models" / "stories260K-eagle")  # EAGLE-1 head for stories260K (experiments/train_eagle.py)
 
 
+def make_random_weight_model(path, tokenizer_from: str = STORIES, seed: int = 0) -> str:
+    """A random-weight model with ``tokenizer_from``'s config and tokenizer files, saved to ``path`` (float32).
+
+    Random weights sample near-uniform tokens, so byte-fallback tokens form invalid UTF-8 runs often.
+    """
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tokenizer_from), dtype=torch.float32)
+    model.save_pretrained(path)
+    for f in Path(tokenizer_from).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, Path(path) / f.name)
+    return str(path)
+
+
 def assert_all_blocks_free(engine) -> None:
     """Every KV block is back in the pool and the allocator's invariants hold."""
     kv = engine.kv_allocator

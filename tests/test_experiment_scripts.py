@@ -7,6 +7,7 @@ These check that the scripts work and that their outputs are usable, not the num
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 
 import pytest
@@ -156,3 +157,18 @@ def test_studies_import_and_parse_their_arguments(script, capsys):
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--help"])
     assert exit_info.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_soak_serving_smoke(tmp_path, capsys):
+    """A few seconds of the soak under faults (stories260K): every check passes and the table and JSON are written."""
+    pytest.importorskip("fastapi")
+    from experiments import soak_serving
+
+    out = tmp_path / "soak.json"
+    result = soak_serving.main(["--model", "stories260K", "--duration-s", "4", "--concurrency", "4",
+                                "--burst-every-s", "2", "--burst-size", "8", "--max-tokens", "12",
+                                "--json-out", str(out)])
+    assert result["ok"], result
+    assert result["num_requests"] > 0 and result["outcomes"]["unexpected"] == 0 and out.is_file()
+    assert "rss_growth_mib_per_1k_requests" in json.loads(out.read_text())
+    assert "check no_kv_leak" in capsys.readouterr().out

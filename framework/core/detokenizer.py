@@ -12,13 +12,27 @@ scheme runs inside ``tokenizers.decoders.DecodeStream`` (Rust; what vLLM V1's
 ``FastIncrementalDetokenizer`` uses): one call per token instead of two Python ``decode`` calls,
 0.35 -> 0.07 ms per decode step of 64 requests on SmolLM2 here, with the same text (tested against
 the Python path on both tokenizer families).
+
+``DecodeStream`` raises ``Invalid prefix encountered`` when a new token changes text it already
+produced: SentencePiece's ``ByteFallback`` decoder turns every byte token of an invalid UTF-8 run into
+U+FFFD, so a valid byte token (``<0x58>`` = "X") becomes U+FFFD once an invalid byte follows it, which
+random-weight or high-temperature sampling produces easily (vLLM issue 17448). On any ``DecodeStream``
+error the request's detokenizer switches for good to the Python path, restarted from its recent tokens
+(the last few already-printed ids as context plus the ids not yet printed), as vLLM V1's
+``FastIncrementalDetokenizer`` recovers; invalid bytes then come out as U+FFFD in the text.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 _REPLACEMENT = "\ufffd"
+#: Already-printed ids kept as decoder context for a switch from ``DecodeStream`` to the Python path
+#: (SentencePiece needs the previous token to place a leading space; vLLM's prefix window is ~5 tokens).
+_CONTEXT_TOKENS = 4
 
 
 def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> tuple[Any, Any] | None:
@@ -58,7 +72,9 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.token_ids: list[int] = []  # output ids seen so far (the Python path's window; unused with DecodeStream)
+        # output ids seen so far on the Python path; with DecodeStream only the last few printed ids plus the
+        # ids not printed yet (what a switch to the Python path restarts from)
+        self.token_ids: list[int] = []
         self.prefix_offset = 0  # window start (context for the decoder), index into token_ids
         self.read_offset = 0  # ids before this are already in ``text``
         self.text = ""  # output text so far (trimmed at a stop string once one matched)
@@ -86,9 +102,22 @@ class IncrementalDetokenizer:
         return self._check_stop(len(delta)) if check_stop else None
 
     def _stream_delta(self, token_id: int) -> str | None:
-        """New text after ``token_id`` from ``DecodeStream`` (``None``/empty while nothing is printable)."""
+        """New text after ``token_id`` from ``DecodeStream`` (``None``/empty while nothing is printable);
+        on a ``DecodeStream`` error, the Python path from here on (module docstring)."""
         stream, backend = self._stream
-        return stream.step(backend, token_id)
+        try:
+            delta = stream.step(backend, token_id)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception ("Invalid prefix ...")
+            logger.info("DecodeStream failed on token %d (%s); this request's text continues on the Python "
+                        "detokenizer", token_id, exc)
+            self._stream = None
+            self.prefix_offset = 0  # read_offset: the printed ids kept as context
+            return self._window_delta(token_id)
+        self.token_ids.append(token_id)
+        if delta:  # everything so far is printed: keep only the context a restart needs
+            self.token_ids = self.token_ids[-_CONTEXT_TOKENS:]
+            self.read_offset = len(self.token_ids)
+        return delta
 
     def _window_delta(self, token_id: int) -> str:
         """New text after ``token_id`` by the prefix/read-offset scheme over ``tokenizer.decode``

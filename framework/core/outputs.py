@@ -114,7 +114,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None  # set once finished
-    error: str | None = None  # set when the request was rejected (e.g. prompt too long)
+    error: str | None = None  # set when the request was rejected (e.g. prompt too long) or failed (finish "abort")
+    # True when ``error`` is a fault of the server (a plugin or the detokenizer raised on this request; HTTP 500),
+    # False for a rejection of the request itself (HTTP 400)
+    internal_error: bool = False
 
 
 @dataclass

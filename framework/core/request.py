@@ -71,7 +71,8 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     output_text: str = ""  # detokenized output, filled at finish (and for stop-string checks)
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, top-N + sampled
-    error: str | None = None  # why it was rejected, for FINISHED_ABORTED by validation
+    error: str | None = None  # why it was rejected or failed (FINISHED_ABORTED only)
+    internal_error: bool = False  # error is a fault of the server (plugin, detokenizer), not a rejected request
     generator: torch.Generator | None = None  # per-request RNG when sampling_params.seed is set
     seq_no: int = field(default_factory=lambda: next(_arrival_counter))  # FIFO tie-breaker
     # draft tokens proposed for the next step (speculative decoding); never output, never hashed

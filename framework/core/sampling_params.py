@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from framework.core.structured_output_params import StructuredOutputsParams
+
+#: temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``): dividing by less overflows float32 logits
+SAMPLING_EPS = 1e-5
+_F32_MAX = 3.4028234663852886e38  # largest finite float32: sampling parameters become float32 tensors
+_F32_TINY = 1.1754943508222875e-38  # smallest normal float32
 
 
 class RequestOutputKind(enum.Enum):
@@ -33,7 +39,7 @@ class SamplingParams:
     """
 
     n: int = 1  # number of completions; only 1 is supported by the engine today
-    temperature: float = 1.0  # 0 means greedy (argmax)
+    temperature: float = 1.0  # 0 (anything below SAMPLING_EPS) means greedy (argmax)
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables
     min_p: float = 0.0  # drop tokens with prob < min_p * max prob; in [0, 1]
@@ -48,6 +54,8 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the model's EOS ids
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logprobs: int | None = None  # number of top log-probabilities returned per sampled position
+    # token id -> bias added to its logit before penalties and sampling, in [-100, 100] (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True  # passed to the tokenizer when detokenizing
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each step's RequestOutput holds
     structured_outputs: StructuredOutputsParams | None = None  # output constraint (needs grammar != none)
@@ -67,13 +75,19 @@ class SamplingParams:
         Raises:
             ValueError: naming the offending field, its value and the accepted range.
         """
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        for name in floats:  # NaN fails every range check below, but inf (or a float32 overflow) passes some
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and abs(value) <= _F32_MAX):
+                raise ValueError(f"Invalid SamplingParams: {name} must be a finite float32 number, got {value!r}")
         checks: list[tuple[bool, str]] = [
             (self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k == -1 or self.top_k >= 0, f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.repetition_penalty >= _F32_TINY,  # a float32 zero would turn masked -inf logits into NaN
+             f"repetition_penalty must be > 0 (at least 1.2e-38, float32), got {self.repetition_penalty}"),
             (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1 or None, got {self.max_tokens}"),
@@ -86,7 +100,12 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), f"stop must hold non-empty strings, got {self.stop!r}"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}"),
+            (self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
+             f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}"),
+            (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b) and -100 <= b <= 100
+                for t, b in self.logit_bias.items())),
+             f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {self.logit_bias!r}"),
             (isinstance(self.output_kind, RequestOutputKind),
              f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
@@ -98,8 +117,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the request takes the argmax token (temperature 0)."""
-        return self.temperature == 0.0
+        """True when the request takes the argmax token (temperature 0, or below ``SAMPLING_EPS``)."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def needs_penalties(self) -> bool:

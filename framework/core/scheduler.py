@@ -11,8 +11,9 @@ PagedAttention", SOSP'23, Sec. 4.5).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
+from framework.core.faults import RequestFailure, RequestFaults
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput
 from framework.core.request import Request, RequestStatus
 from framework.core.stop import StopChecker
@@ -33,6 +34,10 @@ class Scheduler:
         long_prefill_token_threshold: cap on one request's prefill chunk per step (0: none).
         swap_space: CPU swap slots for ``preemption_mode=swap`` (vLLM's swapping preemption); ``None``
             preempts by recompute. A victim is swapped when its written blocks fit, else recomputed.
+
+    Attributes:
+        faults: failures of single requests (``framework.core.faults``); the stop checker runs under it
+            here, and the engine shares it with its other per-request call sites and aborts what it holds.
     """
 
     def __init__(self, policy: SchedulerPolicy, kv_allocator: KVAllocator, stop_checker: StopChecker,
@@ -53,6 +58,7 @@ class Scheduler:
         self.swap_space = swap_space
         self._swap_out: list[tuple[list[int], list[int]]] = []  # this step's (device blocks, swap slots)
         self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's (swap slots, device blocks)
+        self.faults = RequestFaults()
         policy.attach(self._num_cached_prefix_tokens)
 
     # ---- queue management -------------------------------------------------------------
@@ -65,13 +71,19 @@ class Scheduler:
         """Read-only prefix-cache lookup handed to the policy (``lpm``): tokens a hit would serve."""
         return self.kv.get_computed_blocks(request)[1]
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
-        """Finish the given requests as aborted, freeing their blocks; unknown ids are ignored."""
+    def abort_requests(self, request_ids: Iterable[str],
+                       failures: Mapping[str, RequestFailure] | None = None) -> list[Request]:
+        """Finish the given requests as aborted, freeing their blocks; unknown ids are ignored.
+
+        ``failures``: why requests failed (``RequestFaults``): those get ``error`` and ``internal_error`` set.
+        """
         aborted = []
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is None:
                 continue
+            if failures and rid in failures:
+                request.error, request.internal_error = failures[rid].error, failures[rid].internal
             if request in self.running:
                 self.running.remove(request)
             else:
@@ -290,7 +302,9 @@ class Scheduler:
                 if new_logprobs:
                     request.logprobs.append(new_logprobs[i])
                 request.times.token_s.append(now)
-                if self.stop_checker.check(request, self.max_model_len):
+                # a detokenizer/stop-check fault fails this request only (the engine aborts it after the update)
+                if self.faults.call(rid, "stop checker (detokenizer, stop strings)", self.stop_checker.check, request,
+                                    self.max_model_len, default=True):
                     break
             if request.times.first_token_s is None:
                 request.times.first_token_s = now

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from framework.core.detokenizer import IncrementalDetokenizer
 from framework.core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 class StopChecker:
@@ -69,9 +72,15 @@ class StopChecker:
         """Fill ``request.output_text`` for a finished request (unless a stop string already did).
 
         The final text is one full ``decode`` of the output (the same text as before streaming
-        existed, so offline results are unchanged); the per-request detokenizer is dropped.
+        existed, so offline results are unchanged); the per-request detokenizer is dropped. Should the
+        tokenizer's ``decode`` raise, the incremental text is kept (logged): a request's text never
+        fails its finish.
         """
         self._detokenizers.pop(request.request_id, None)
         if self.tokenizer is not None and request.stop_reason not in request.sampling_params.stop:
-            request.output_text = self.tokenizer.decode(
-                request.output_token_ids, skip_special_tokens=request.sampling_params.skip_special_tokens)
+            try:
+                request.output_text = self.tokenizer.decode(
+                    request.output_token_ids, skip_special_tokens=request.sampling_params.skip_special_tokens)
+            except Exception:  # noqa: BLE001 - see the docstring
+                logger.exception("request %s: final decode failed; keeping its incremental text",
+                                 request.request_id)

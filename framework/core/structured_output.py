@@ -4,6 +4,10 @@ Follows vLLM V1's ``StructuredOutputManager`` (``vllm/v1/structured_output/__ini
 compile on a thread pool, a request waits outside the scheduler until its grammar is ready, the
 runner applies one ``(num_rows, ceil(vocab / 32))`` int32 bitmask to the logits before sampling, and
 the engine advances each matcher on the tokens the scheduler actually appended.
+
+Every per-request method runs its matcher under ``faults`` (``framework.core.faults``): a matcher that
+raises, or a token its grammar refuses, fails that request only (the engine aborts it with the error);
+its row is left unmasked, and its sampled token is dropped with the abort.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 
 import torch
 
+from framework.core.faults import RequestFaults
 from framework.core.request import Request
 from framework.interfaces import Grammar, GrammarMatcher
 
@@ -51,10 +56,17 @@ class StructuredOutputManager:
         grammar: the engine's grammar plugin.
         vocab_size: model vocabulary (logits columns the sampler keeps), tokens.
         max_workers: compile threads (the engine loop never compiles).
+
+    Attributes:
+        faults: where per-request matcher failures are recorded; the engine replaces it with the one it
+            shares with the scheduler.
     """
 
     def __init__(self, grammar: Grammar, vocab_size: int, max_workers: int = 1) -> None:
         self.grammar = grammar
+        self.faults = RequestFaults()
+        self._plugin = f"grammar {getattr(grammar, 'name', '') or type(grammar).__name__!r}"  # names it in errors
+        self._what = f"{self._plugin} matcher"
         self.vocab_size = vocab_size
         self.num_words = math.ceil(vocab_size / 32)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
@@ -82,15 +94,17 @@ class StructuredOutputManager:
             wait(list(self._pending.values()), timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def start(self, request: Request) -> str | None:
-        """Create the request's matcher from its compiled grammar; returns an error text instead if
-        compilation failed (the request must then be aborted)."""
+        """Create the request's matcher from its compiled grammar; returns an error text instead if the
+        constraint is invalid (the compiler raised ``ValueError``: the request must be rejected). Any other
+        exception of the compiler or the matcher is a fault of the grammar plugin, recorded in ``faults``."""
         future = self._pending.pop(request.request_id)
-        try:
-            matcher = self.grammar.matcher(future.result())
-        except ValueError as e:
-            return str(e)
-        self.matchers[request.request_id] = matcher
-        self._num_advanced[request.request_id] = 0
+        with self.faults.guard(request.request_id, self._plugin):
+            try:
+                compiled = future.result()
+            except ValueError as e:
+                return str(e)
+            self.matchers[request.request_id] = self.grammar.matcher(compiled)
+            self._num_advanced[request.request_id] = 0
         return None
 
     def discard(self, request_id: str) -> None:
@@ -107,8 +121,44 @@ class StructuredOutputManager:
             return
         bitmask = torch.full((len(requests), self.num_words), -1, dtype=torch.int32)
         for i in rows:
-            self.matchers[requests[i].request_id].fill_bitmask(bitmask, i)
-        apply_token_bitmask(logits, bitmask, rows)
+            with self.faults.guard(requests[i].request_id, self._what):
+                self.matchers[requests[i].request_id].fill_bitmask(bitmask, i)
+        self._reject_dead_ends(bitmask, {i: (requests[i], requests[i].num_output_tokens) for i in rows})
+        apply_token_bitmask(logits, bitmask, [i for i in rows if not self.faults.failed(requests[i].request_id)])
+
+    def _reject_dead_ends(self, bitmask: torch.Tensor, rows: dict[int, tuple[Request, int]]) -> None:
+        """Reject (not fault) the request of a row that allows no token: an unsatisfiable constraint (e.g.
+        ``root ::= root``), or one that allows only stop tokens while ``min_tokens`` masks them. Either way the
+        request's own parameters are at fault; sampling would pick a token the grammar refuses.
+
+        ``rows``: bitmask row -> (its request, the request's output tokens before that row).
+        """
+        rows = {i: v for i, v in rows.items() if not self.faults.failed(v[0].request_id)}
+        if not rows:
+            return
+        idx = list(rows)
+        tail = self.vocab_size % 32
+        any_allowed = (bitmask[idx, :self.vocab_size // 32] != 0).any(dim=1)
+        if tail:
+            any_allowed |= (bitmask[idx, self.vocab_size // 32] & ((1 << tail) - 1)) != 0
+        for i, ok in zip(idx, any_allowed.tolist()):
+            request, num_output = rows[i]
+            params = request.sampling_params
+            if ok and num_output < params.min_tokens and not self._allows_non_stop(bitmask[i], request):
+                self.faults.reject(request.request_id, f"the structured-output constraint allows only stop tokens here, "
+                                   f"which min_tokens={params.min_tokens} forbids; lower min_tokens or change the "
+                                   "constraint")
+            elif not ok:
+                self.faults.reject(request.request_id, "the structured-output constraint allows no token here (it "
+                                   "cannot be satisfied); fix the schema, regex, choices or grammar")
+
+    def _allows_non_stop(self, row: torch.Tensor, request: Request) -> bool:
+        """Whether bitmask ``row`` allows a token that ``min_tokens`` does not mask (``sampler.apply_min_tokens``)."""
+        params = request.sampling_params
+        allowed = ((row.unsqueeze(-1) >> _BIT_SHIFTS) & 1).reshape(-1)[:self.vocab_size].bool()
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids))
+        allowed[[t for t in stop if 0 <= t < self.vocab_size]] = False
+        return bool(allowed.any())
 
     def fill_draft_bitmask(self, bitmask: torch.Tensor, first_row: int, request_id: str,
                            draft_token_ids: list[int]) -> int:
@@ -142,14 +192,15 @@ class StructuredOutputManager:
         if not any(r.request_id in self.matchers for r in requests):
             return
         bitmask = torch.full((logits.shape[0], self.num_words), -1, dtype=torch.int32)
-        rows, start = [], 0
+        rows, start = {}, 0
         for request, draft in zip(requests, drafts, strict=True):
             if request.request_id in self.matchers:
-                n = self.fill_draft_bitmask(bitmask, start, request.request_id, draft)
-                rows += range(start, start + n + 1)
+                n = self.faults.call(request.request_id, self._what, self.fill_draft_bitmask, bitmask, start,
+                                     request.request_id, draft, default=None)
+                rows.update({start + j: (request, request.num_output_tokens + j) for j in range((n or 0) + 1)})
             start += len(draft) + 1
-        if rows:
-            apply_token_bitmask(logits, bitmask, rows)
+        self._reject_dead_ends(bitmask, rows)
+        apply_token_bitmask(logits, bitmask, [i for i, (r, _) in rows.items() if not self.faults.failed(r.request_id)])
 
     def valid_draft_prefix(self, request_id: str, draft_token_ids: list[int]) -> list[int]:
         """The longest prefix of ``draft_token_ids`` the request's grammar accepts from its current
@@ -157,26 +208,27 @@ class StructuredOutputManager:
         matcher = self.matchers.get(request_id)
         if matcher is None:
             return draft_token_ids
-        return draft_token_ids[:matcher.validate_tokens(draft_token_ids)]
+        return draft_token_ids[:self.faults.call(request_id, self._what, matcher.validate_tokens, draft_token_ids,
+                                                 default=0)]
 
-    def advance(self, request: Request) -> tuple[bool, str | None]:
-        """Feed the matcher the output tokens appended since the last call.
-
-        Returns:
-            ``(terminated, error)``: whether the grammar reached its end, and an error text when an
-            appended token violates the grammar (the request must then be aborted).
-        """
+    def advance(self, request: Request) -> bool:
+        """Feed the matcher the output tokens appended since the last call; returns True when the grammar
+        reached its end. A token the grammar refuses (the bitmask should have made that impossible) or a
+        matcher exception is recorded in ``faults`` (the request must then be aborted)."""
         matcher = self.matchers.get(request.request_id)
         if matcher is None:
-            return False, None
+            return False
+        return self.faults.call(request.request_id, self._what, self._advance, matcher, request, default=False)
+
+    def _advance(self, matcher: GrammarMatcher, request: Request) -> bool:
         start = self._num_advanced[request.request_id]
         for token_id in request.output_token_ids[start:]:
             if matcher.is_terminated():
                 break
             if not matcher.accept_token(token_id):
-                return False, f"token {token_id} violates the request's structured-output grammar"
+                raise ValueError(f"token {token_id} violates the request's structured-output grammar")
         self._num_advanced[request.request_id] = request.num_output_tokens
-        return matcher.is_terminated(), None
+        return matcher.is_terminated()
 
     def shutdown(self) -> None:
         """Stop the compile threads."""

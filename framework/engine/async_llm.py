@@ -5,6 +5,11 @@ pending and blocks on its command queue when idle. ``add_request``/``abort`` fro
 event loop are commands on that queue, drained between steps, so engine state is never touched
 from two threads and new requests join the running batch at the next step boundary. Outputs go
 back to each caller's event loop with ``call_soon_threadsafe``.
+
+Faults (issue 34): a request the engine fails (a plugin raised on it) ends with its own error output;
+an exception escaping ``engine.step()`` leaves the engine's state unknown, so the loop stops, every
+in-flight and later request gets :class:`~framework.core.faults.EngineDeadError`, and ``on_dead`` is
+called (the server then exits non-zero, as ``vllm serve`` does).
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from framework.core.faults import EngineDeadError
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.llm_engine import LLMEngine
@@ -34,8 +40,13 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue  # RequestOutput items, or an Exception (rejection / engine failure)
 
-    def put(self, item: RequestOutput | Exception) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | Exception) -> bool:
+        """Hand ``item`` to the caller's loop; False when that loop is closed (the caller is gone)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed": never let a vanished caller kill the engine loop
+            return False
+        return True
 
 
 class AsyncLLM:
@@ -43,12 +54,15 @@ class AsyncLLM:
 
     Args:
         engine: a built engine; from now on only this object's loop thread may touch it.
+        on_dead: called once, on the loop thread, with the fault when the engine dies (after every
+            in-flight request got its ``EngineDeadError``).
 
     Use :meth:`shutdown` (or ``async with``) to abort everything in flight and stop the loop.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.on_dead = on_dead
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self._ids = itertools.count()
@@ -69,10 +83,13 @@ class AsyncLLM:
 
         Raises:
             ValueError: the engine rejected the request (bad prompt/params, duplicate id).
-            RuntimeError: the engine loop is shut down or died.
+            EngineDeadError: the engine died (before or while this request ran).
+            RuntimeError: the engine loop is shut down.
         """
-        if self._stopping.is_set() or self.errored is not None:
-            raise RuntimeError(f"the engine loop is not running ({self.errored or 'shut down'})")
+        if self.errored is not None:
+            raise self._dead_error()
+        if self._stopping.is_set():
+            raise RuntimeError("the engine loop is not running (shut down)")
         params = sampling_params or SamplingParams(output_kind=RequestOutputKind.DELTA)
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -114,6 +131,14 @@ class AsyncLLM:
         await asyncio.to_thread(self.shutdown)
 
     # ---- loop thread -----------------------------------------------------------------
+    def _dead_error(self) -> EngineDeadError:
+        exc = self.errored
+        error = EngineDeadError(f"the engine died ({type(exc).__name__}: {exc}); its state is unknown, every "
+                                "in-flight request failed; restart the engine (the server exits for its supervisor "
+                                "to restart it)")
+        error.__cause__ = exc
+        return error
+
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
@@ -122,11 +147,13 @@ class AsyncLLM:
                 if self.engine.has_unfinished_requests() and not self._stopping.is_set():
                     self._dispatch(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting stream
-            logger.exception("engine loop died")
+            logger.exception("engine loop died: every in-flight request fails with EngineDeadError")
             self.errored = exc
             for stream in self._streams.values():
-                stream.put(RuntimeError(f"engine loop died: {exc!r}"))
+                stream.put(self._dead_error())
             self._streams.clear()
+            if self.on_dead is not None:
+                self.on_dead(exc)
             return
         self._drain(block=False)
         self._dispatch(self.engine.abort_request(list(self._streams)))
@@ -152,7 +179,10 @@ class AsyncLLM:
                 return
             try:
                 self.engine.add_request(request_id, prompt, params, priority=priority)
-            except ValueError as exc:
+            except Exception as exc:  # noqa: BLE001 - add_request changes nothing before it raises
+                if not isinstance(exc, ValueError):
+                    logger.exception("add_request(%r) raised; the request is rejected", request_id)
+                    exc = ValueError(f"request rejected: {type(exc).__name__}: {exc}")
                 stream.put(exc)
                 return
             self._streams[request_id] = stream
@@ -166,4 +196,6 @@ class AsyncLLM:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            stream.put(output)
+            if not stream.put(output) and not output.finished:  # its caller's loop is gone: stop computing it
+                del self._streams[output.request_id]
+                self.engine.abort_request(output.request_id)

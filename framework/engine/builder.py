@@ -299,5 +299,5 @@ def assemble(config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, lo
     logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",
                 num_blocks, runner.kv_cache_bytes / 2**20, config.kv_cache_dtype, bytes_per_block,
                 spec.max_model_len)
-    registry.plugin_manager().hook.on_engine_start(config=config.to_dict())
+    registry.call_hook("on_engine_start", config=config.to_dict())
     return engine

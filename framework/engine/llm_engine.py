@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from numbers import Integral
 from typing import Any
 
 from framework import registry
 from framework.config import EngineConfig
+from framework.core.faults import RequestFailure
 from framework.core.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerStats
 from framework.core.request import Request
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
@@ -26,6 +28,11 @@ class LLMEngine:
 
     The engine talks to the scheduler and the model runner only; the scheduler owns the KV
     allocator and the policy, the runner owns the model, the KV tensors and the sampler.
+
+    Per-request faults (``framework.core.faults``): the scheduler's ``RequestFaults`` is shared with the
+    structured-output manager and the engine's drafter calls; the requests it holds are aborted with
+    their error at fixed points of :meth:`step`. Anything else that raises in :meth:`step` leaves the
+    engine's state unknown: callers treat it as fatal (``EngineDeadError``).
     """
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any,
@@ -43,7 +50,6 @@ class LLMEngine:
         self.metrics = metrics or MetricsCollector()
         self.num_steps = 0
         self._sent: dict[str, tuple[int, int]] = {}  # DELTA requests: (chars, tokens) already reported
-        self._hook = registry.plugin_manager().hook
         # structured requests wait here (outside the scheduler) while their grammar compiles
         self.structured_output = structured_output
         self._compiling: dict[str, Request] = {}
@@ -51,6 +57,9 @@ class LLMEngine:
         self.compile_decision = CompileDecision(runner.compiled is not None, startup_reason(str(config.compile)))
         logger.info("%s", self.compile_decision.reason)
         self._record_compile()
+        self.faults = scheduler.faults  # one record of per-request failures for every per-request call site
+        if structured_output is not None:
+            structured_output.faults = self.faults
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -63,15 +72,19 @@ class LLMEngine:
             client_id: the sender, for fair-share policies (``scheduler=fair``).
 
         Raises:
-            ValueError: empty prompt, token id outside the vocabulary, prompt longer than
-                ``max_model_len``, duplicate ``request_id`` or invalid sampling params. Nothing is
-                queued and engine state is unchanged.
+            ValueError: empty prompt, token id (prompt or ``logit_bias``) outside the vocabulary, prompt
+                longer than ``max_model_len``, duplicate ``request_id`` or invalid sampling params. Nothing
+                is queued and engine state is unchanged.
         """
         sampling_params = sampling_params or SamplingParams()
         sampling_params.validate()
         if sampling_params.structured_outputs is not None and self.structured_output is None:
             raise ValueError("structured_outputs needs a grammar engine but grammar=none; "
                              "use grammar=xgrammar (default) or grammar=llguidance")
+        if sampling_params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer but this engine has none; pass stop_token_ids instead")
+        if sampling_params.logit_bias and max(sampling_params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}); got {max(sampling_params.logit_bias)}")
         token_ids = self.tokenize(prompt)
         if request_id in self.scheduler.requests or request_id in self._compiling:
             raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
@@ -119,14 +132,23 @@ class LLMEngine:
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         outputs = [self._fail(self._compiling.pop(rid), None) for rid in ids if rid in self._compiling]
-        aborted = self.scheduler.abort_requests(ids)
+        return outputs + self._abort(ids)
+
+    def _abort(self, ids: list[str], failures: dict[str, RequestFailure] | None = None) -> list[RequestOutput]:
+        """Abort scheduler requests (``failures``: why some failed); their drafter state and matchers are
+        dropped now. Returns their final outputs."""
+        aborted = self.scheduler.abort_requests(ids, failures)
         if self.drafter is not None and aborted:  # drop drafter state now, not at the next step
-            self.drafter.on_requests_freed({r.request_id for r in aborted})
+            self._drafter_call("on_requests_freed", {r.request_id for r in aborted})
         for request in aborted:
             if self.structured_output is not None:
                 self.structured_output.discard(request.request_id)
-            outputs.append(self._report_finished(request))
-        return outputs
+        return [self._report_finished(request) for request in aborted]
+
+    def _abort_failed(self) -> list[RequestOutput]:
+        """Abort the requests a per-request call site failed on (``self.faults``); everything else runs on."""
+        failures = self.faults.take()
+        return self._abort(list(failures), failures) if failures else []
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -188,10 +210,15 @@ class LLMEngine:
         else:
             runner_out = self.runner.execute_model(sched_out)
         t2 = time.perf_counter()
+        failed += self._abort_failed()  # a grammar matcher failed in the bitmask: its sampled token is dropped
         updated, _ = self.scheduler.update_from_output(sched_out, runner_out)
         self._advance_grammars(updated)
+        failed += self._abort_failed()  # detokenizer/stop checker or grammar matcher failed on the new tokens
         t3 = time.perf_counter()
         draft_s = self._propose_drafts(sched_out, runner_out, updated) if self.drafter is not None else 0.0
+        failed += self._abort_failed()  # the drafter failed on a request
+        gone = {o.request_id for o in failed}
+        updated = [r for r in updated if r.request_id not in gone]
         outputs = failed + [self._make_output(r) for r in updated]
         if not sched_out.is_empty:
             self._observe_step(sched_out, runner_out, updated, (t0, t1, t2, t3), draft_s)
@@ -216,7 +243,7 @@ class LLMEngine:
                 self.scheduler.add_request(request)
             else:
                 failed.append(self._fail(request, error))
-        return failed
+        return failed + self._abort_failed()  # the grammar plugin raised: start recorded a fault
 
     def _fail(self, request: Request, error: str | None) -> RequestOutput:
         """Finish a request that never reached the scheduler as aborted (``error`` set)."""
@@ -230,20 +257,21 @@ class LLMEngine:
 
     def _advance_grammars(self, updated: list[Request]) -> None:
         """Advance matchers on the tokens the scheduler appended; a terminated grammar finishes its
-        request with ``stop``, a violating token aborts it with an error."""
+        request with ``stop`` (a violating token is a fault: the manager records it in ``faults``)."""
         from framework.core.request import RequestStatus
 
         if self.structured_output is None:
             return
         for request in updated:
-            terminated, error = self.structured_output.advance(request)
+            if self.faults.failed(request.request_id):
+                continue  # aborted after this update anyway
+            terminated = self.structured_output.advance(request)
             if request.is_finished:
                 self.structured_output.discard(request.request_id)
-            elif terminated or error:
+            elif terminated:
                 self.scheduler.abort_requests([request.request_id])
                 self.structured_output.discard(request.request_id)
-                request.status = RequestStatus.FINISHED_ABORTED if error else RequestStatus.FINISHED_STOPPED
-                request.error = error
+                request.status = RequestStatus.FINISHED_STOPPED
 
     def _propose_drafts(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request]) -> float:
         """Hand the drafter the step's target hidden states (when it asked for them), tell it which
@@ -253,15 +281,15 @@ class LLMEngine:
         (structured outputs). Returns the drafter time, seconds."""
         t0 = time.perf_counter()
         if runner_out.hidden_states is not None:
-            self.drafter.observe_hidden_states(runner_out.hidden_states)
+            self._drafter_call("observe_hidden_states", runner_out.hidden_states)
         # finished this step (length/stop/grammar) or preempted; aborts are told in abort_request
         gone = (sched_out.preempted_req_ids | sched_out.finished_req_ids
                 | {r.request_id for r in updated if r.is_finished})
         if gone:
-            self.drafter.on_requests_freed(gone)
+            self._drafter_call("on_requests_freed", gone)
         decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
         if decoding:
-            drafts = self.drafter.propose(decoding)
+            drafts = self._drafts(decoding)
             for request in decoding:
                 max_tokens = request.sampling_params.max_tokens or self.max_model_len
                 room = min(self.max_model_len - request.num_tokens, max_tokens - request.num_output_tokens) - 1
@@ -270,6 +298,38 @@ class LLMEngine:
                     draft = self.structured_output.valid_draft_prefix(request.request_id, draft)
                 request.spec_token_ids = draft
         return time.perf_counter() - t0
+
+    def _drafts(self, requests: list[Request]) -> dict[str, list[int]]:
+        """``drafter.propose(requests)``, with faults kept to the request they belong to: when the batched call
+        raises, each request is proposed for alone and only those whose own call raises fail (their error
+        names the drafter); a draft token outside ``[0, vocab_size)`` fails its request too (it would index
+        out of the embedding table in the next forward)."""
+        what = f"drafter {self.drafter.name!r}"
+        try:
+            drafts = dict(self.drafter.propose(requests))
+        except Exception:  # noqa: BLE001 - find the culprit(s) below
+            drafts = {}
+            for request in requests:
+                with self.faults.guard(request.request_id, what):
+                    drafts.update(self.drafter.propose([request]))
+        for request in requests:
+            with self.faults.guard(request.request_id, what):
+                draft = list(drafts.get(request.request_id) or ())
+                bad = [t for t in draft if not (isinstance(t, Integral) and 0 <= t < self.vocab_size)]
+                if bad:
+                    raise ValueError(f"proposed token id {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
+                drafts[request.request_id] = draft
+        return {rid: d for rid, d in drafts.items() if not self.faults.failed(rid)}
+
+    def _drafter_call(self, method: str, arg: Any) -> None:
+        """A drafter bookkeeping call that belongs to no single request (``observe_hidden_states``,
+        ``on_requests_freed``): an exception is logged and the step goes on (at worst later drafts are worse;
+        drafts never change outputs, the target verifies them)."""
+        try:
+            getattr(self.drafter, method)(arg)
+        except Exception:  # noqa: BLE001 - see the docstring
+            logger.exception("drafter %r raised in %s; continuing (drafts are verified, outputs are unaffected)",
+                             self.drafter.name, method)
 
     def _observe_step(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request],
                       times: tuple[float, float, float, float], draft_s: float = 0.0) -> None:
@@ -298,7 +358,7 @@ class LLMEngine:
         )
         self.num_steps += 1
         self.metrics.observe_step(stats)
-        self._hook.on_step_end(stats=stats)
+        registry.call_hook("on_step_end", stats=stats)
 
     def _report_finished(self, request: Request) -> RequestOutput:
         output = self._make_output(request)
@@ -307,7 +367,7 @@ class LLMEngine:
 
     def _observe_finished(self, output: RequestOutput) -> None:
         self.metrics.observe_finished(output)
-        self._hook.on_request_finished(output=output)
+        registry.call_hook("on_request_finished", output=output)
 
     def _make_output(self, request: Request) -> RequestOutput | None:
         """The caller's view of ``request`` after a step, shaped by ``sampling_params.output_kind``.
@@ -336,7 +396,8 @@ class LLMEngine:
             stop_reason=request.stop_reason, logprobs=list(logprobs) if params.logprobs is not None else None)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
-                             metrics=compute_request_metrics(request) if finished else None, error=request.error)
+                             metrics=compute_request_metrics(request) if finished else None, error=request.error,
+                             internal_error=request.internal_error)
 
     @property
     def kv_allocator(self) -> Any:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from framework.config import EngineConfig
+from framework.core.faults import EngineDeadError
 from framework.core.outputs import CompletionOutput, RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.builder import build_engine
@@ -47,6 +48,7 @@ class LLM:
         self.engine: LLMEngine = build_engine(self.config)
         self.config = self.engine.config  # dtype="auto" resolved
         self._ids = itertools.count()
+        self._dead: BaseException | None = None  # the fault that killed the engine, if one did
 
     def get_tokenizer(self) -> Any:
         """The model's HF tokenizer."""
@@ -57,13 +59,19 @@ class LLM:
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate completions for all prompts; returns one output per prompt, in input order.
 
-        A prompt the engine rejects (e.g. longer than ``max_model_len``) gets a finished output
-        with ``error`` set and ``finish_reason="abort"``; the other prompts run normally.
+        A prompt the engine rejects (e.g. longer than ``max_model_len``), or a request a plugin or the
+        detokenizer fails on (``internal_error``), gets a finished output with ``error`` set and
+        ``finish_reason="abort"``; the other prompts run normally.
 
         Raises:
             ValueError: invalid sampling params or mismatched list lengths — before anything
                 is queued.
+            EngineDeadError: the engine step itself failed (e.g. the model forward); the batch is lost
+                and this ``LLM`` refuses further work (build a new one).
         """
+        if self._dead is not None:
+            raise EngineDeadError(f"this LLM's engine died earlier ({type(self._dead).__name__}: {self._dead}); "
+                                  "build a new LLM") from self._dead
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -87,11 +95,18 @@ class LLM:
             text, payload = self._unpack(prompt)
             try:
                 self.engine.add_request(request_id, payload, sp, priority=prio)
-            except ValueError as exc:
-                logger.warning("request %s rejected: %s", request_id, exc)
+            except Exception as exc:  # noqa: BLE001 - add_request changes nothing before it raises: reject this one
+                logger.warning("request %s rejected: %s", request_id, exc, exc_info=not isinstance(exc, ValueError))
                 results[request_id] = _rejected(request_id, text, exc)
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                self._dead = exc
+                raise EngineDeadError(f"the engine step failed ({type(exc).__name__}: {exc}); its state is unknown "
+                                      f"and the {len(order)} requests of this generate() call are lost; build a new "
+                                      "LLM") from exc
+            for out in outputs:
                 if out.finished:
                     results[out.request_id] = out
         return [results[rid] for rid in order]

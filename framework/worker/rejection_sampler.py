@@ -13,7 +13,7 @@ accepts, so the output distribution is exactly the target's:
   one-hot ``q``.
 
 ``p`` is the target distribution after exactly the processing normal sampling uses (min_tokens,
-penalties, temperature, min-p, top-k, top-p: :class:`framework.worker.sampler.Sampler`), and row ``j``
+logit_bias, penalties, temperature, min-p, top-k, top-p: :class:`framework.worker.sampler.Sampler`), and row ``j``
 of a request sees its output plus drafts ``0..j-1`` as if they had been generated.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from framework.core.request import Request
-from framework.worker.sampler import Sampler, apply_min_tokens, apply_penalties
+from framework.worker.sampler import Sampler, apply_logit_bias, apply_min_tokens, apply_penalties
 
 
 @dataclass
@@ -102,6 +102,7 @@ class RejectionSampler:
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
         raw_logprobs = logits.log_softmax(dim=1) if want_logprobs else None
         apply_min_tokens(logits, rows)  # type: ignore[arg-type]
+        apply_logit_bias(logits, rows)  # type: ignore[arg-type]
         params = [r.sampling_params for r in rows]
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(

@@ -4,7 +4,7 @@ Pipeline, vectorized over the batch (only per-request loops, never per-token one
 
 1. cast to float32; raw logprobs (``log_softmax`` of the model output, vLLM V1's default
    ``raw_logprobs`` mode) when any request asks for them;
-2. ``min_tokens``: mask the stop ids while a request is too short;
+2. ``min_tokens``: mask the stop ids while a request is too short; ``logit_bias``: add each request's biases;
 3. repetition / presence / frequency penalties;
 4. greedy rows: argmax;
 5. random rows: temperature, min-p, top-k, top-p, then an exponential race (``argmax(p / q)``,
@@ -36,6 +36,8 @@ class SamplerOutput:
     logprobs: list[dict[int, float]] | None
 
 
+#: Penalized logits are capped here: finite after a temperature division by anything >= ``SAMPLING_EPS``.
+MAX_LOGIT = 1e30
 #: Rows cast to float32 at a time by :func:`greedy_argmax` (32 x 49152 float32 = 6 MB).
 GREEDY_ROWS_PER_CHUNK = 32
 #: Vocabulary columns per block of :func:`greedy_argmax`'s two-stage argmax.
@@ -107,6 +109,30 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
         logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
 
 
+def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Add each request's ``logit_bias`` (token id -> bias) to its row, in place: OpenAI's ``logit_bias``, applied
+    with ``min_tokens`` before the penalties as vLLM V1's ``LogitBiasLogitsProcessor``.
+
+    Args:
+        logits: (num_reqs, vocab) float32, any device; modified in place.
+        requests: row ``i`` belongs to ``requests[i]``; their token ids are below ``vocab`` (checked at
+            ``add_request``).
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, request in enumerate(requests):
+        bias = request.sampling_params.logit_bias
+        if bias:
+            rows.extend([i] * len(bias))
+            cols.extend(bias)
+            biases.extend(bias.values())
+    if rows:
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(biases, dtype=logits.dtype, device=dev), accumulate=True)
+
+
 def _token_counts(prompt_ids: list[list[int]], output_ids: list[list[int]], vocab: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row prompt and output token counts from one ``scatter_add`` over a padded id tensor.
@@ -162,7 +188,10 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_id
     rep = torch.where(seen, repetition_penalties.unsqueeze(1), 1.0)
     logits = torch.where(logits > 0, logits / rep, logits * rep)
     logits = logits - frequency_penalties.unsqueeze(1) * output_counts.to(logits.dtype)
-    return logits - presence_penalties.unsqueeze(1) * output_mask.to(logits.dtype)
+    logits = logits - presence_penalties.unsqueeze(1) * output_mask.to(logits.dtype)
+    # a tiny repetition penalty overflows positive logits to +inf, and inf - inf is NaN in the softmax; cap them
+    # (ordering kept, -inf of masked tokens untouched)
+    return logits.clamp_(max=MAX_LOGIT)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -206,7 +235,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     probs = sorted_logits.softmax(dim=1)
     mass_before = probs.cumsum(dim=1) - probs
     use_p = (top_p < 1.0).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(use_p & (mass_before >= top_p.unsqueeze(1)), _NEG_INF)
+    drop = use_p & (mass_before >= top_p.unsqueeze(1))
+    drop[:, 0] = False  # the top token survives even a top_p that is 0 in float32 (e.g. 1e-300)
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
@@ -243,7 +274,7 @@ class Sampler:
         if not requests:
             return SamplerOutput(token_ids=[], logprobs=None)
         params = [r.sampling_params for r in requests]
-        if all(p.greedy and p.logprobs is None and not p.needs_penalties for p in params) and all(
+        if all(p.greedy and p.logprobs is None and not p.needs_penalties and not p.logit_bias for p in params) and all(
                 r.num_output_tokens >= r.sampling_params.min_tokens for r in requests):
             return SamplerOutput(token_ids=greedy_argmax(logits[:, :self.vocab_size]), logprobs=None)
         logits = logits[:, :self.vocab_size].to(torch.float32, copy=True)
@@ -251,6 +282,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=1) if want_logprobs else None
 
         apply_min_tokens(logits, requests)
+        apply_logit_bias(logits, requests)
         if any(p.needs_penalties for p in params):
             # rows without penalties contribute no ids: their factors are the identity anyway
             logits = apply_penalties(

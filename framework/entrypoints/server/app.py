@@ -5,7 +5,8 @@ Events: ``data: {chunk}`` lines, then ``data: [DONE]``), ``GET /v1/models``, ``G
 ``GET /version``, ``GET /metrics`` (Prometheus text). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``: malformed JSON / wrong-typed or unknown field
 -> 400, unknown model -> 404, missing/wrong bearer token on ``/v1/*`` (when an API key is set) ->
-401, engine shut down or dead -> 503. A streaming client that disconnects aborts its requests.
+401, a plugin or the detokenizer failed on the request (``RequestOutput.internal_error``) -> 500,
+engine shut down or dead -> 503. A streaming client that disconnects aborts its requests.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from framework.core.faults import EngineDeadError
+from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind
 from framework.entrypoints.server import responses as R
-from framework.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from framework.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body
 from framework.entrypoints.server.serving import (
     EngineJob,
     RequestError,
@@ -38,6 +41,37 @@ from framework.entrypoints.server.serving import (
     render_chat,
     tokenize_prompts,
 )
+
+_OK_STREAM = {"description": "the completion (JSON), or Server-Sent Events when stream is true",
+              "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}
+
+
+def _responses(*statuses: int, ok: dict[str, Any] | None = None) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` of a route: its error statuses with OpenAI's error body and, when given, its 200
+    (``ok``: description and content types), so ``/openapi.json`` says what the server really answers."""
+    why = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model or route",
+           500: "a plugin or the detokenizer failed on this request", 503: "the engine is shut down or dead"}
+    out: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse, "description": why[s]} for s in statuses}
+    if ok is not None:
+        out[200] = ok
+    return out
+
+
+_V1_ERRORS = (400, 401, 404, 500, 503)
+
+
+def _without_422(app: FastAPI) -> Any:
+    """``app.openapi`` minus FastAPI's automatic 422 responses: validation errors are 400 here (OpenAI's)."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for ops in schema.get("paths", {}).values():
+                for op in ops.values():
+                    op.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
 
 
 class _SSEResponse(StreamingResponse):
@@ -67,7 +101,19 @@ def _engine_error(exc: Exception) -> RequestError:
         return exc
     if isinstance(exc, ValueError):
         return RequestError(str(exc), 400)
-    return RequestError(f"the engine is not available: {exc}", 503)
+    if isinstance(exc, EngineDeadError):
+        return RequestError(f"the engine is not available: {exc}", 503, code="engine_dead")
+    if isinstance(exc, RuntimeError):  # the loop is shut down
+        return RequestError(f"the engine is not available: {exc}", 503)
+    return RequestError(f"internal error: {type(exc).__name__}: {exc}", 500, code="internal_error")
+
+
+def _output_error(out: RequestOutput) -> RequestError:
+    """The error of a request the engine finished with ``error`` set: a fault of the server (a plugin or the
+    detokenizer raised on it) is 500, a rejection of the request (e.g. its grammar does not compile) 400."""
+    if out.internal_error:
+        return RequestError(f"internal error, this request was aborted: {out.error}", 500, code="internal_error")
+    return RequestError(out.error, 400)
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -91,11 +137,11 @@ async def _final(state: ServerState, jobs: list[EngineJob], request: Request) ->
         raise RequestError("client disconnected; its requests were aborted", 499)
     try:
         outs = work.result()
-    except (ValueError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
         raise _engine_error(exc) from exc
     for out in outs:
         if out.error:
-            raise RequestError(out.error, 400)
+            raise _output_error(out)
     return outs
 
 
@@ -111,14 +157,14 @@ async def _stream(state: ServerState, jobs: list[EngineJob], rid: str, obj: str,
         async with merged_outputs(state.llm, jobs) as outputs:
             async for job, out in outputs:
                 if out.error:
-                    raise RequestError(out.error, 400)
+                    raise _output_error(out)
                 num_out += len(out.outputs[0].token_ids)
                 choices = chunk_choices(job, out, seen)
                 if choices:
                     yield _sse(R.envelope(rid, obj, state.model_name, choices, created=created))
         if include_usage:
             yield _sse(R.envelope(rid, obj, state.model_name, [], R.usage(num_prompt_tokens, num_out), created))
-    except (RequestError, ValueError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes into the stream
         err = _engine_error(exc)
         yield _sse(error_body(err.message, err.status, err.param, err.code))
     yield _sse("[DONE]")
@@ -138,7 +184,7 @@ def _v1_routes(state: ServerState) -> APIRouter:
     """``/v1/*`` routes (bearer-token checked when ``state.api_key`` is set)."""
     router = APIRouter(prefix="/v1", dependencies=[Depends(_check_auth)])
 
-    @router.get("/models")
+    @router.get("/models", responses=_responses(401, 500))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "servelab", "max_model_len": state.max_model_len}]}
@@ -152,7 +198,7 @@ def _add_completions(router: APIRouter, state: ServerState) -> None:
     """``POST /v1/completions``."""
     tok = state.tokenizer
 
-    @router.post("/completions")
+    @router.post("/completions", responses=_responses(*_V1_ERRORS, ok=_OK_STREAM))
     async def completions(req: CompletionRequest, raw: Request) -> Any:
         check_model(state, req.model)
         if req.echo:
@@ -189,7 +235,7 @@ def _add_chat_completions(router: APIRouter, state: ServerState) -> None:
     """``POST /v1/chat/completions``."""
     tok = state.tokenizer
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", responses=_responses(*_V1_ERRORS, ok=_OK_STREAM))
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         check_model(state, req.model)
         ids = render_chat(state, req.messages)
@@ -229,6 +275,7 @@ def build_app(state: ServerState) -> FastAPI:
     :func:`framework.entrypoints.server.launch.serve`).
     """
     app = FastAPI(title="servelab", version=_version())
+    app.openapi = _without_422(app)
     app.state.servelab = state
 
     @app.exception_handler(RequestError)
@@ -249,7 +296,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(RequestError(str(exc.detail), exc.status_code))
 
-    @app.get("/health")
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:  # a bug: still an OpenAI body (and logged)
+        return _error(_engine_error(exc))
+
+    @app.get("/health", response_class=Response, responses=_responses(503))
     async def health() -> Response:
         if state.llm.errored is not None or not state.llm.is_running:
             return _error(RequestError(f"engine loop is down ({state.llm.errored or 'shut down'})", 503))
@@ -259,7 +310,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 

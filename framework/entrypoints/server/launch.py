@@ -3,12 +3,18 @@
 Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections; at the same moment every in-flight
 request is aborted (its stream gets a final ``finish_reason="abort"`` chunk and ``[DONE]``), so
 open connections finish and the process exits with status 0.
+
+Engine death (a fault that leaves engine state unknown, e.g. the model forward raised): every in-flight
+request gets a 503 (``EngineDeadError``), ``/health`` and new requests answer 503, uvicorn shuts down
+(forced after :data:`DEAD_SHUTDOWN_S`) and :func:`serve` raises ``EngineDeadError``, so the process exits
+non-zero for its supervisor to restart it, as ``vllm serve`` does.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +22,14 @@ from omegaconf import DictConfig
 
 from framework import registry
 from framework.config import EngineConfig
+from framework.core.faults import EngineDeadError
 from framework.engine.async_llm import AsyncLLM
 from framework.entrypoints.config_errors import exit_on_config_error
 
 logger = logging.getLogger("servelab.server")
+
+#: seconds a dead engine's server waits for open connections (they already got their 503) before exiting
+DEAD_SHUTDOWN_S = 3.0
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -87,6 +97,7 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
         SystemExit: a configuration mistake, before the port is bound: the ``serve`` extra is not
             installed (the message names the pip command), or ``build_engine`` refuses the config
             (``framework/entrypoints/config_errors.py``).
+        EngineDeadError: the engine died while serving (after the server shut down; exit non-zero).
     """
     with exit_on_config_error():
         engine = _build_engine(cfg, engine_config)
@@ -99,7 +110,14 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
 
     server_cfg = cfg.server
     name = server_cfg.get("served_model_name") or engine_config.model
-    llm = AsyncLLM(engine)
+    server: Any = None
+
+    def on_dead(exc: BaseException) -> None:  # loop thread: stop serving, force it if connections linger
+        logger.error("the engine died (%s: %s); shutting the server down", type(exc).__name__, exc)
+        server.should_exit = True
+        threading.Timer(DEAD_SHUTDOWN_S, lambda: setattr(server, "force_exit", True)).start()
+
+    llm = AsyncLLM(engine, on_dead=on_dead)
     metrics = ServerMetrics(engine, name)
     state = ServerState(llm=llm, model_name=name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                         tokenizer=engine.tokenizer, supports_structured_outputs=engine.structured_output is not None,
@@ -115,4 +133,7 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
             server.run()
         finally:
             llm.shutdown()
+    if llm.errored is not None:
+        raise EngineDeadError(f"the engine died while serving ({type(llm.errored).__name__}: {llm.errored}); "
+                              "exiting non-zero so that a supervisor restarts the server") from llm.errored
     return engine.metrics.summary()

@@ -38,6 +38,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI) -> bias in [-100, 100]
     min_tokens: int = 0  # vLLM extension
     priority: int = 0  # vLLM extension; lower is served first (scheduler=priority)
     stream: bool = False
@@ -83,6 +84,21 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class ErrorInfo(BaseModel):
+    """The ``error`` object of OpenAI's error body (documents the schema in ``/openapi.json``)."""
+
+    message: str  # what went wrong and how to fix it
+    type: str  # invalid_request_error | authentication_error | service_unavailable_error | server_error
+    param: str | None  # the offending field, when one is
+    code: str | None  # machine-readable reason (e.g. context_length_exceeded, engine_dead), when one is
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -166,6 +166,7 @@ def build_jobs(state: ServerState, req: CompletionRequest | ChatCompletionReques
     if structured is not None and not state.supports_structured_outputs:
         raise RequestError("structured output needs a grammar engine but the server runs with grammar=none; "
                            "restart it with grammar=xgrammar or grammar=llguidance", param="response_format")
+    logit_bias = _logit_bias(req.logit_bias, state.vocab_size)
     base = uuid.uuid4().hex
     jobs = []
     for p, ids in enumerate(prompts):
@@ -179,11 +180,27 @@ def build_jobs(state: ServerState, req: CompletionRequest | ChatCompletionReques
                     stop_token_ids=req.stop_token_ids or [], presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                     ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, max_tokens=cap, logprobs=logprobs,
+                    logit_bias=logit_bias,
                     output_kind=kind, structured_outputs=structured)
             except ValueError as exc:
                 raise RequestError(str(exc).removeprefix("Invalid SamplingParams: ")) from exc
             jobs.append(EngineJob(index, f"{base}-{index}", ids, params, req.priority))
     return jobs
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as strings) with int keys; RequestError(400) for a key that is not a
+    token id in ``[0, vocab_size)`` (a bias outside [-100, 100] is refused by ``SamplingParams``)."""
+    if not bias:
+        return None
+    try:
+        out = {int(k): v for k, v in bias.items()}
+    except ValueError:
+        out = {-1: 0.0}
+    if min(out) < 0 or max(out) >= vocab_size:
+        raise RequestError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {list(bias)[:5]!r}",
+                           param="logit_bias")
+    return out
 
 
 async def generate_final(llm: AsyncLLM, jobs: list[EngineJob]) -> list[RequestOutput]:

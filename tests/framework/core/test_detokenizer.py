@@ -121,3 +121,63 @@ def test_output_kinds_agree(make_llm, stop_len: int) -> None:
         assert want.stop_reason == stop[0] and want.text == plain[:plain.index(stop[0])]
     for s in stop:  # a stop string never leaks into any streamed piece, even across deltas
         assert all(s not in o.outputs[0].text for o in cumulative)
+
+
+# ---- random token streams (issue 34): DecodeStream's "Invalid prefix" must never escape ---------------------
+# stories260K byte tokens <0x58> ('X') then invalid bytes: ByteFallback turns the printed 'X' into U+FFFD, which
+# made DecodeStream raise "Invalid prefix encountered" (sampled at temperature 1.0 by a user of the server)
+INVALID_PREFIX_IDS = [70, 91, 133, 153, 39, 82, 400, 282, 241]
+
+
+@pytest.fixture(scope="module")
+def tokenizers_under_test():
+    """Every tokenizer the project ships or tests: SentencePiece byte fallback (stories260K), byte-level BPE
+    (SmolLM2, tokenizer files only) and the code-point tokenizer of these tests (Python path)."""
+    from transformers import AutoTokenizer
+
+    from framework.worker.model_loader import resolve_model_path
+
+    return {"stories260K": AutoTokenizer.from_pretrained(STORIES),
+            "smollm2": AutoTokenizer.from_pretrained(resolve_model_path("smollm2")),
+            "chars": _CharTokenizer()}
+
+
+def test_invalid_prefix_falls_back_to_python_path(tokenizers_under_test) -> None:
+    from tokenizers.decoders import DecodeStream
+
+    tok = tokenizers_under_test["stories260K"]
+    stream = DecodeStream(skip_special_tokens=True)
+    with pytest.raises(Exception, match="Invalid prefix"):  # the upstream failure this guards against
+        for t in INVALID_PREFIX_IDS:
+            stream.step(tok._tokenizer, t)
+    detok, pieces = _stream(tok, INVALID_PREFIX_IDS)
+    assert detok._stream is None, "the DecodeStream error did not switch the request to the Python path"
+    assert "".join(pieces) == detok.text == "CX\ufffd\ufffd\ufffd\ufffd do p"  # invalid bytes: U+FFFD
+
+
+def _vocab(name: str, tok) -> int:
+    return 0x10FFFF if name == "chars" else len(tok)
+
+
+@pytest.mark.parametrize("name", ["stories260K", "smollm2", "chars"])
+def test_random_token_streams_never_raise(tokenizers_under_test, name: str) -> None:
+    """Any token stream (uniform ids, byte-token-heavy runs, special tokens) detokenizes without an exception;
+    pieces are valid text; on byte-level BPE (a monotonic decoder) the text is a prefix of the full decode."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    tok = tokenizers_under_test[name]
+    vocab = _vocab(name, tok)
+    ids_st = st.lists(st.one_of(st.integers(0, vocab - 1), st.integers(0, min(vocab, 300) - 1)), max_size=48)
+
+    @settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @given(ids=ids_st, skip=st.booleans(), stop=st.lists(st.text(min_size=1, max_size=3), max_size=2))
+    def check(ids, skip, stop):
+        detok, pieces = _stream(tok, ids, skip_special_tokens=skip, stop=stop)
+        for piece in pieces:
+            piece.encode("utf-8")  # no lone surrogates
+        full = tok.decode(ids, skip_special_tokens=skip)
+        if name == "smollm2" and detok.stop_reason is None:
+            assert full.startswith(detok.text)
+
+    check()

@@ -248,3 +248,40 @@ def test_greedy_argmax_two_stage_is_first_index_of_maximum(rows: int, vocab: int
     finally:
         sampler_module.GREEDY_COLUMNS_PER_BLOCK = saved
     assert got == logits.float().argmax(dim=1).tolist()
+
+
+# ---- found by the request fuzzer (issue 34) ------------------------------------------------------------------
+def test_logit_bias_forces_and_forbids_tokens() -> None:
+    """OpenAI's logit_bias: +100 makes a token win even against a strong logit, -100 removes the argmax; on the
+    greedy fast path and the sampling path alike; a row without bias is untouched."""
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]] * 3)
+    reqs = [make_request(temperature=0.0, logit_bias={3: 100.0}), make_request(temperature=0.0, logit_bias={0: -100.0}),
+            make_request(temperature=0.0)]
+    assert Sampler(4)(logits, reqs).token_ids == [3, 1, 0]
+    counts = sample_support(torch.tensor([5.0, 1.0, 0.0, -1.0]), n=300, logit_bias={0: -100.0, 2: 100.0})
+    assert counts[2] == 300
+
+
+def test_extreme_but_valid_parameters_sample_allowed_tokens() -> None:
+    """A repetition penalty at float32's smallest normal overflows positive logits to +inf (inf - inf is NaN in the
+    softmax, and argmax of NaNs always took the first); capped, the two seen tokens tie and both are sampled, masked
+    ones never. A temperature below SAMPLING_EPS is greedy (dividing by it overflows)."""
+    row = torch.tensor([5.0, 4.0, float("-inf"), float("-inf")])
+    counts = sample_support(row, n=400, prompt=[0, 1], temperature=1.0, repetition_penalty=1.2e-38)
+    assert counts[0] > 100 and counts[1] > 100 and counts[2:].sum() == 0
+    assert make_request(temperature=1e-7).sampling_params.greedy
+    assert Sampler(4)(row[None], [make_request(temperature=1e-7)]).token_ids == [0]
+    # a top_p that is 0 in float32 once dropped the top token too: an all -inf row sampled the masked token 0
+    masked = torch.tensor([float("-inf"), 1.0, 3.0, float("-inf")])
+    assert sample_support(masked, n=50, temperature=1.0, top_p=1e-300)[2] == 50
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"temperature": 1e300}, "temperature"), ({"repetition_penalty": 1e-203}, "repetition_penalty"),
+    ({"top_p": float("nan")}, "top_p"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {3: 101.0}}, "logit_bias"), ({"logit_bias": {3: float("inf")}}, "logit_bias"),
+    ({"seed": 2**64}, "seed"),
+])
+def test_float32_overflowing_parameters_are_refused(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

@@ -182,6 +182,18 @@ def test_stop_strings_seed_and_chat_logprobs(setup):
     assert all(c["logprob"] == max(t["logprob"] for t in c["top_logprobs"]) for c in content)  # greedy = argmax
 
 
+def test_logit_bias(setup):
+    """OpenAI's logit_bias (token ids as strings): +100 forces a token; a key that is no token id is a 400."""
+    _, state = setup
+    body = {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0.0, "logit_bias": {"400": 100}}
+    out = _call(state, "POST", "/v1/completions", body)
+    assert out.status_code == 200, out.text
+    assert out.json()["choices"][0]["text"] == state.tokenizer.decode([400, 400, 400])
+    for bad in ({"x": 1.0}, {"9999": 1.0}, {"-3": 1.0}):
+        _assert_error(_call(state, "POST", "/v1/completions", {**body, "logit_bias": bad}), 400, "logit_bias")
+    _assert_error(_call(state, "POST", "/v1/completions", {**body, "logit_bias": {"5": 500.0}}), 400, None, "logit_bias")
+
+
 def test_engine_down_is_503(setup):  # last: shuts the module's engine loop down
     _, state = setup
     state.llm.shutdown()
