@@ -31,7 +31,7 @@ LOGIT_STD = 4.0  # spread of the tiny models' logits (before Gemma's final softc
 FIRST_TEXT_ID = 259  # stories260K: ids below are <unk>, <s>, </s> and the 256 byte-fallback tokens
 QK_GAIN = 4.0  # attention projections' scale over transformers' init
 EMBED_STD = 0.25  # input embeddings: above the biases, below what attention adds
-_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+COMMON_TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                vocab_size=512, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                tie_word_embeddings=False)
 _MOE = dict(num_experts=4, num_experts_per_tok=2)
@@ -41,7 +41,7 @@ def _configs() -> dict[str, Callable[[], Any]]:
     """Family test id -> a function building its tiny transformers config (imports transformers lazily)."""
     import transformers as t
 
-    c = _COMMON
+    c = COMMON_TINY
     return {
         "llama": lambda: t.LlamaConfig(**c),
         "smollm3": lambda: t.SmolLM3Config(**c, use_sliding_window=True, sliding_window=WINDOW,
@@ -63,7 +63,10 @@ def _configs() -> dict[str, Callable[[], Any]]:
         "olmoe": lambda: t.OlmoeConfig(**c, **_MOE, clip_qkv=1.0),
         "gpt_oss": lambda: t.GptOssConfig(**{**c, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
                                           head_dim=16, sliding_window=WINDOW,
-                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                          rope_parameters={"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0,
+                                                           "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                           "original_max_position_embeddings": 128}),
         "gpt2": lambda: t.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=256, vocab_size=512, bos_token_id=1,
                                      eos_token_id=2, scale_attn_by_inverse_layer_idx=True, tie_word_embeddings=False),
         "gpt_neox": lambda: t.GPTNeoXConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -185,3 +188,34 @@ def hf_reference(family: str, prompt_ids: list[list[int]], max_new_tokens: int,
             _REFERENCE[key] = (res.sequences[0, len(ids):].tolist(), logprobs)
         out.append(_REFERENCE[key])
     return out
+
+
+MAX_TOKENS = 24  # new tokens per prompt in the parity runs
+#: Engine of the parity runs: 4-token blocks (prefix hits on the 12 shared tokens; the window of 7 is not a
+#: multiple), a 16-token step budget (prompts of 20-29 tokens are chunked) and 30 blocks for 4 requests of up
+#: to 53 tokens (preemption).
+ENGINE = dict(block_size=4, max_num_batched_tokens=16, num_blocks=30, max_model_len=64, max_num_seqs=4,
+              enable_prefix_caching=True, dtype="float32")
+
+
+def run_family(make_llm: Any, family: str, **overrides: Any) -> tuple[Any, list]:
+    """The family's tiny model under ``ENGINE`` (+ ``overrides``, through conftest's ``make_llm``, which
+    checks every KV block is freed): the LLM and its greedy outputs (with logprobs) for :func:`prompts`."""
+    from framework import SamplingParams
+
+    llm = make_llm(model=str(tiny_model_dir(family)), **{**ENGINE, **overrides})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1))
+    return llm, outs
+
+
+def assert_matches_transformers(family: str, outs: list, what: str) -> None:
+    """Greedy tokens equal transformers' and every returned log-probability is within 1e-4 of its."""
+    for i, (out, (tokens, logprobs)) in enumerate(zip(outs, hf_reference(family, prompts(), MAX_TOKENS))):
+        assert out.outputs[0].token_ids == tokens, f"{family} ({what}): prompt {i} diverged from transformers"
+        for step, top in enumerate(out.outputs[0].logprobs):
+            for token, value in top.items():
+                assert abs(value - logprobs[step][token]) < 1e-4, \
+                    f"{family} ({what}): prompt {i} step {step} logprob of {token} {value} != {logprobs[step][token]}"
+
+
