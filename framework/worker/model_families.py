@@ -63,7 +63,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("Llama", "LlamaForCausalLM", ("llama",), (), (), "Llama-3.2-1B, SmolLM2-135M", "llama"),
     ModelFamily("SmolLM3", "SmolLM3ForCausalLM", ("smollm3",), (_W,), ("NoPE layers",), "SmolLM3-3B", "smollm3"),
     ModelFamily("Qwen2 / Qwen2.5", "Qwen2ForCausalLM", ("qwen2",), (_W,), ("q/k/v bias",), "Qwen2.5-0.5B", "qwen2"),
-    ModelFamily("Qwen3", "Qwen3ForCausalLM", ("qwen3",), (_W,), ("q/k norm", "head_dim != hidden/heads"),
+    ModelFamily("Qwen3", "Qwen3ForCausalLM", ("qwen3",), (), ("q/k norm", "head_dim != hidden/heads"),
                 "Qwen3-0.6B", "qwen3"),
     ModelFamily("Qwen3-MoE", "Qwen3MoeForCausalLM", ("qwen3_moe",), (_W,), ("MoE", "q/k norm"), "Qwen3-30B-A3B",
                 "qwen3_moe"),

@@ -49,6 +49,8 @@ class HybridBackend(AttentionBackend):
     """
 
     name = "hybrid"
+    # what both parts run (validate_model asks them; an instance sets these from its parts)
+    supports_sliding_window = supports_softcap = supports_sinks = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, block_size: int,
                  dtype: torch.dtype, device: torch.device, layers: Sequence[AttentionLayerSpec] | None = None,
@@ -84,7 +86,7 @@ class HybridBackend(AttentionBackend):
     def validate_model(cls, layers: Sequence[AttentionLayerSpec], config: EngineConfig | None = None) -> list[str]:
         """Both parts' model checks (they come from ``config``; without it, only the shape checks)."""
         if config is None:
-            return [p for p in super().validate_model(layers) if "has no" not in p]
+            return super().validate_model(layers)
         return [f"hybrid part: {p}" for part in cls._parts(config) if part is not cls
                 for p in part.validate_model(layers, config)]
 
