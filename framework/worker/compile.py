@@ -1,6 +1,6 @@
 """``engine.compile=true``: the model's decoder stack compiled once by ``torch.compile`` (inductor).
 
-What is compiled is the transformers decoder (``model.model``: embeddings, decoder layers, final
+What is compiled is the transformers decoder (``model.get_decoder()``: embeddings, decoder layers, final
 norm), not the ``*ForCausalLM`` wrapper: the LM head runs eagerly on the sampled rows only, so the
 compiled graph has one dynamic size, ``num_tokens``, and the number of sampled rows (0, 1 or many
 per step) never forces a recompile. Attention inside the graph is the opaque custom op
@@ -81,7 +81,7 @@ def decoder_entry(decoder: torch.nn.Module) -> Callable[..., Any]:
     ~450 of them, 0.95 -> 0.21 ms of dynamo cache lookup per SmolLM2 decode step here.
 
     Args:
-        decoder: the module to call (``model.model``).
+        decoder: the module to call (``model.get_decoder()``).
 
     Returns:
         A function ``entry(**kwargs) -> decoder(**kwargs)`` whose ``__code__`` no other entry shares.

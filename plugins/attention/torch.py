@@ -5,7 +5,9 @@ each request attends over its blocks through ``block_table``. The flattened batc
 a decode segment (query length 1) and prefill segments (chunks, possibly with cached context, cut
 into causal query tiles, :func:`query_tiles`, and bucketed by visible keys, :func:`length_buckets`),
 each gathered per request into a padded batch and run through
-``torch.nn.functional.scaled_dot_product_attention`` with a mask built once per step.
+``torch.nn.functional.scaled_dot_product_attention`` with a mask built once per step (and once per
+sliding window: keys at positions > q - W). Layers with a softcap or sinks, which SDPA lacks, run
+the same gathered batch through explicit float32 math (``_attention_math.explicit_attention``).
 """
 
 from __future__ import annotations
