@@ -140,6 +140,11 @@ class AttentionBackend(Plugin, ABC):
         if params:
             raise TypeError(f"attention backend {self.name!r} got unknown parameters {sorted(params)}")
         self.layers: tuple[AttentionLayerSpec, ...] = tuple(layers or ())
+        #: per layer, what its attention calls carry: (num_heads, num_kv_heads, cache_head_size,
+        #: sliding_window, softcap, has_sinks); the bridge compares each call with it
+        self.call_signatures: tuple[tuple, ...] = tuple(
+            (layer.num_heads, layer.num_kv_heads, layer.cache_head_size, layer.sliding_window, layer.softcap,
+             layer.has_sinks) for layer in self.layers)
         #: every window some layer uses, ascending (per-step metadata is built for each)
         self.sliding_windows: tuple[int, ...] = tuple(sorted({w for layer in self.layers
                                                               if (w := layer.sliding_window)}))

@@ -106,7 +106,8 @@ def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     softcap = kwargs.get("softcap") or None
     sinks = kwargs.get("s_aux")
     value_head_size = value.shape[-1]
-    query, key, value = _pad_head_size(query, key, value)
+    if key.shape[-1] != value_head_size:  # MLA
+        query, key, value = _pad_head_size(query, key, value)
     graph = kwargs.get("servelab_graph")
     layer_idx = module.layer_idx
     if graph is not None:  # traced into the compiled decoder (or run eagerly: same math)
@@ -132,12 +133,16 @@ def _pad_head_size(query: torch.Tensor, key: torch.Tensor,
     return query, key, value
 
 
+#: The fields of ``AttentionBackend.call_signatures`` (one tuple per layer), in order.
+CALL_FIELDS = ("num_heads", "num_kv_heads", "cache_head_size", "sliding_window", "softcap", "has_sinks")
+
+
 def call_features(backend: AttentionBackend, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                   scale: float | None, sliding_window: int | None, softcap: float | None,
                   sinks: torch.Tensor | None) -> dict[str, Any]:
     """The keyword features of ``backend.forward`` for one call, after checking the call against the
-    backend's ``layers[layer_idx]`` and capabilities (plain Python on the call's constants: under
-    ``torch.compile`` it runs while tracing).
+    backend's ``layers[layer_idx]`` (``call_signatures``) and capabilities (plain Python on the call's
+    constants: under ``torch.compile`` it runs while tracing; eagerly ~1 us per layer when all agree).
 
     Args:
         query, key: ``(1, heads, num_tokens, cache_head_size)`` (padded) as passed to the backend.
@@ -150,32 +155,43 @@ def call_features(backend: AttentionBackend, layer_idx: int, query: torch.Tensor
         RuntimeError: the call's heads, head size or features differ from the layer's spec (a model
             whose ``config.json`` the family rules read wrongly), or the backend lacks a feature.
     """
-    call = {"num_heads": query.shape[1], "num_kv_heads": key.shape[1], "cache_head_size": query.shape[-1],
-            "sliding_window": sliding_window, "softcap": softcap, "has_sinks": sinks is not None}
-    if layer_idx < len(backend.layers):
-        expected = {name: getattr(backend.layers[layer_idx], name) for name in call}
-    else:  # a backend built without per-layer specs: plain causal layers of its own shape
+    call = (query.shape[1], key.shape[1], query.shape[-1], sliding_window or None, softcap or None, sinks is not None)
+    signatures = backend.call_signatures
+    if layer_idx >= len(signatures) or call != signatures[layer_idx]:
+        _check_call(backend, layer_idx, call)
+    features: dict[str, Any] = {}
+    if scale is not None and scale != backend.scale:
+        features["scale"] = float(scale)
+    if call[3]:
+        features["sliding_window"] = int(sliding_window)
+    if call[4]:
+        features["softcap"] = float(softcap)
+    if call[5]:
+        features["sinks"] = sinks
+    return features
+
+
+def _check_call(backend: AttentionBackend, layer_idx: int, call: tuple) -> None:
+    """Raise unless ``call`` (a :data:`CALL_FIELDS` tuple) is one the backend can run as described.
+
+    A backend built without per-layer specs (``layers`` empty) accepts its own shape and any feature
+    it declares; otherwise the call must equal the layer's spec.
+    """
+    given = dict(zip(CALL_FIELDS, call))
+    if layer_idx < len(backend.call_signatures):
+        expected = dict(zip(CALL_FIELDS, backend.call_signatures[layer_idx]))
+    else:
         expected = {"num_heads": backend.num_heads, "num_kv_heads": backend.num_kv_heads,
                     "cache_head_size": backend.head_size}
-    wrong = {name: (call[name], value) for name, value in expected.items() if call[name] != value}
+    wrong = {name: (given[name], want) for name, want in expected.items() if given[name] != want}
     if wrong:
         detail = ", ".join(f"{name}={got!r} (config.json says {want!r})" for name, (got, want) in wrong.items())
         raise RuntimeError(f"layer {layer_idx}: transformers called attention with {detail}; servelab's reading of "
                            "this architecture (framework/worker/model_families.py) is out of date: please report it")
     for feature, attribute in LAYER_FEATURES.items():
-        if call[feature] and not getattr(backend, attribute):
+        if given[feature] and not getattr(backend, attribute):
             raise RuntimeError(f"layer {layer_idx}: attention {backend.name!r} has no {FEATURE_NAMES[feature]}; "
                                "use attention=torch_paged or attention=torch")
-    features: dict[str, Any] = {}
-    if scale is not None and scale != backend.scale:
-        features["scale"] = float(scale)
-    if sliding_window:
-        features["sliding_window"] = int(sliding_window)
-    if softcap:
-        features["softcap"] = float(softcap)
-    if sinks is not None:
-        features["sinks"] = sinks
-    return features
 
 
 def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float | None,
