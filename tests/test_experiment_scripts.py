@@ -33,6 +33,21 @@ def test_train_eagle_writes_a_usable_head(tmp_path, capsys):
     assert llm.engine.metrics.summary()["spec_num_draft_tokens"] > 0
 
 
+def test_bench_families_reports_each_family_against_llama_and_transformers(tmp_path):
+    """Tiny Llama- and Gemma-3-shaped random models (saved once in ``--model-dir``): both systems run,
+    every output has its length, ours carries its ratios to the Llama row and to transformers."""
+    from experiments import bench_families
+
+    result = bench_families.main(["--tiny", "--families", "llama,gemma3", "--batch-sizes", "2", "--input-len", "8",
+                                  "--output-len", "3", "--model-dir", str(tmp_path / "models"),
+                                  "--json-out", str(tmp_path / "out.json")])
+    rows = {(r["family"], r["system"]): r for r in result["rows"]}
+    assert set(rows) == {(f, s) for f in ("llama", "gemma3") for s in ("ours", "hf")}
+    assert all(r["short_outputs"] == 0 and r["tok_s"] > 0 for r in rows.values())
+    assert rows[("gemma3", "ours")]["vs_llama"].endswith("x") and rows[("gemma3", "ours")]["vs_hf"].endswith("x")
+    assert (tmp_path / "out.json").is_file()
+
+
 def test_roofline_reports_every_category(capsys):
     from experiments import roofline
 

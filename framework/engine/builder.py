@@ -35,7 +35,7 @@ from framework.core.stop import StopChecker
 from framework.core.structured_output import StructuredOutputManager
 from framework.core.swap import SwapSpace
 from framework.engine.llm_engine import LLMEngine
-from framework.interfaces import AttentionBackend, Drafter
+from framework.interfaces import AttentionBackend, AttentionLayerSpec, Drafter
 from framework.metrics.collector import MetricsCollector
 from framework.worker.cpu_malloc import tune_malloc
 from framework.worker.forward_context import register_attention_implementation
@@ -59,8 +59,9 @@ class ModelSpec:
     num_layers: int  # decoder layers (one KV cache tensor each)
     num_heads: int  # query heads per layer
     num_kv_heads: int  # key/value heads per layer
-    head_size: int  # channels per head
+    head_size: int  # channels per head of the KV cache (max of the key and value head sizes)
     vocab_size: int  # logits columns
+    attention_layers: list[AttentionLayerSpec]  # per layer: heads, head sizes, window, softcap, sinks
 
 
 def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) -> LLMEngine:
@@ -153,12 +154,17 @@ def refuse_prequantized(model_config: Any) -> None:
 
 
 def inspect_model(config: EngineConfig) -> ModelSpec:
-    """Step 2: read ``config.json``, resolve ``max_model_len`` and let the backend refuse the model.
+    """Step 2: read ``config.json``, resolve ``max_model_len``, describe each layer's attention
+    (``framework.worker.model_families.attention_layers``) and let the backend refuse the model.
 
     Raises:
         ValueError: a pre-quantized checkpoint, ``max_model_len`` above the model's
-            ``max_position_embeddings``, or a model shape the attention backend cannot run.
+            ``max_position_embeddings``, an architecture servelab cannot run exactly
+            (``UnsupportedModelError``: encoder-decoder, non-causal, attention outside transformers'
+            interface, unknown layer types), or a model the attention backend cannot run (the error
+            names the backends that can).
     """
+    from framework.worker.model_families import attention_layers, family_of
     from framework.worker.model_loader import load_model_config
 
     mc = load_model_config(config.model)
@@ -167,15 +173,36 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
     max_model_len = config.max_model_len or max_pos
     if max_pos and max_model_len > max_pos:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
-    head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    layers = attention_layers(mc)
+    if family_of(mc.model_type) is None:
+        logger.warning("model_type %r is not among the families servelab tests (servelab models); its attention "
+                       "calls are checked against config.json, the rest of the model is transformers' own",
+                       mc.model_type)
     spec = ModelSpec(hf_config=mc, max_model_len=max_model_len, num_layers=mc.num_hidden_layers,
-                     num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads, head_size=head_size,
-                     vocab_size=mc.vocab_size)
-    problems = registry.get_class("attention", config.attention).validate_model(
-        spec.num_heads, spec.num_kv_heads, spec.head_size)
+                     num_heads=layers[0].num_heads, num_kv_heads=layers[0].num_kv_heads,
+                     head_size=max(layer.cache_head_size for layer in layers), vocab_size=mc.vocab_size,
+                     attention_layers=layers)
+    problems = registry.get_class("attention", config.attention).validate_model(layers, config)
     if problems:
+        capable = backends_that_can_run(layers, config)
+        if capable:
+            problems.append(f"attention backends that can run this model: {', '.join(capable)}")
         raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
     return spec
+
+
+def backends_that_can_run(layers: list[AttentionLayerSpec], config: EngineConfig | None = None) -> list[str]:
+    """Registered attention backends whose ``validate_model`` accepts ``layers`` (``"(CUDA)"`` marks GPU-only
+    ones), for error messages and ``servelab models``."""
+    names = []
+    for name, cls in registry.available("attention").items():
+        try:
+            ok = not cls.validate_model(layers, config)
+        except Exception:  # noqa: BLE001 - a third-party check that cannot judge without its config
+            ok = False
+        if ok:
+            names.append(f"{name} (CUDA)" if cls.requires_cuda else name)
+    return names
 
 
 @dataclass
@@ -208,15 +235,17 @@ def load_weights(config: EngineConfig) -> LoadedWeights:
 
 def make_attention_backend(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec,
                            quant_kv_dtype: torch.dtype | None) -> AttentionBackend:
-    """Step 4: the backend for the model's heads; the softmax scale is the attention modules' own
-    ``scaling`` (``head_size ** -0.5`` when they have none); the cache dtype is
-    ``engine.kv_cache_dtype``, else what the quant method asks, else the model dtype."""
+    """Step 4: the backend for the model's layers (``spec.attention_layers``); its default softmax scale
+    is the first attention module's ``scaling`` (``head_size ** -0.5`` when it has none; a layer that
+    differs passes its own with each call); the cache dtype is ``engine.kv_cache_dtype``, else what the
+    quant method asks, else the model dtype."""
     kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or quant_kv_dtype or getattr(torch, config.dtype)
-    scale = next((m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")),
-                 spec.head_size ** -0.5)
+    scale = next((float(m.scaling) for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")),
+                 spec.attention_layers[0].head_size ** -0.5)
     return registry.create("attention", config.attention, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                            head_size=spec.head_size, scale=scale, block_size=config.block_size, dtype=kv_dtype,
-                           device=torch.device(config.device), **config.plugin_params("attention"))
+                           device=torch.device(config.device), layers=spec.attention_layers,
+                           **config.plugin_params("attention"))
 
 
 def size_kv_cache(config: EngineConfig, backend: AttentionBackend, spec: ModelSpec) -> int:

@@ -3,6 +3,7 @@ plus subcommands.
 
     servelab results SWEEP_DIR [--plot KEY ...]   sweep dir -> CSV/Markdown table, PNGs, HTML
     servelab plugins                               every registered plugin per kind, package, capabilities
+    servelab models [--markdown]                   the model families servelab runs, their needs, backends, tests
     servelab serve [overrides]                     == python run.py mode=serve [overrides]
     servelab rerun RUN_DIR [key=value ...]         == python run.py --config-path RUN_DIR/.hydra --config-name config
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("results", "plugins", "serve", "rerun")
+SUBCOMMANDS = ("results", "plugins", "models", "serve", "rerun")
 
 
 def _run_hydra(argv: list[str]) -> None:
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> int | None:
         from framework.entrypoints.plugin_info import main as plugins_main
 
         return plugins_main(argv[1:])
+    if command == "models":
+        from framework.entrypoints.model_info import main as models_main
+
+        return models_main(argv[1:])
     if command == "serve":
         return _run_hydra(["mode=serve", *argv[1:]])
     if command == "rerun":

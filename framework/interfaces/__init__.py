@@ -1,6 +1,6 @@
 """One abstract base class per plugin kind; implementations live in ``plugins/`` or other packages."""
 
-from framework.interfaces.attention import AttentionBackend, CommonAttentionMetadata
+from framework.interfaces.attention import AttentionBackend, AttentionLayerSpec, CommonAttentionMetadata
 from framework.interfaces.base import Plugin
 from framework.interfaces.drafter import Drafter
 from framework.interfaces.grammar import Grammar, GrammarMatcher
@@ -10,6 +10,6 @@ from framework.interfaces.scheduler_policy import SchedulerPolicy
 from framework.interfaces.tracker import Tracker
 
 __all__ = [
-    "AttentionBackend", "CommonAttentionMetadata", "Drafter", "Grammar", "GrammarMatcher",
+    "AttentionBackend", "AttentionLayerSpec", "CommonAttentionMetadata", "Drafter", "Grammar", "GrammarMatcher",
     "KVAllocator", "KVCacheStats", "Plugin", "QuantMethod", "SchedulerPolicy", "Tracker",
 ]

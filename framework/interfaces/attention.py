@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -45,6 +46,54 @@ class CommonAttentionMetadata:
     block_size: int
 
 
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """What one decoder layer's attention computes, read from the model's ``config.json`` before its
+    weights load (``framework.worker.model_families.attention_layers``).
+
+    The capability check (:meth:`AttentionBackend.validate_model`) and the backend instance share it;
+    the bridge (``framework/worker/forward_context.py``) checks every call transformers makes against it.
+    The softmax scale is not part of it: transformers passes it with every call (``scaling``).
+    """
+
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (== num_heads without GQA, and for MLA's expanded K/V)
+    head_size: int  # query/key channels per head
+    value_head_size: int  # value channels per head (!= head_size for MLA: DeepSeek-V2/V3)
+    sliding_window: int | None = None  # W: a query at position p sees keys at positions > p - W (W keys incl. itself)
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap), after scaling, before the mask
+    has_sinks: bool = False  # a learned per-head logit joins the softmax denominator only (gpt-oss ``s_aux``)
+
+    @property
+    def cache_head_size(self) -> int:
+        """Channels per head of the KV cache: ``max(head_size, value_head_size)`` (the smaller of K and V
+        is zero-padded by the bridge, so both fit one ``(2, ...)`` cache tensor)."""
+        return max(self.head_size, self.value_head_size)
+
+
+#: Optional attention features a layer may need -> the backend capability attribute that runs it.
+LAYER_FEATURES: dict[str, str] = {"sliding_window": "supports_sliding_window", "softcap": "supports_softcap",
+                                  "has_sinks": "supports_sinks"}
+#: How problems name each feature.
+FEATURE_NAMES: dict[str, str] = {"sliding_window": "sliding-window attention", "softcap": "attention-logit softcapping",
+                                 "has_sinks": "attention sinks (s_aux)"}
+
+
+def required_features(layers: Sequence[AttentionLayerSpec]) -> dict[str, str]:
+    """Features of :data:`LAYER_FEATURES` some layer needs -> a description naming the layers.
+
+    Example: ``{"sliding_window": "sliding-window attention (window 7 on layers [0, 1, 3])"}``.
+    """
+    needs = {}
+    for feature, label in FEATURE_NAMES.items():
+        using = [i for i, layer in enumerate(layers) if getattr(layer, feature)]
+        if using:
+            values = sorted({getattr(layers[i], feature) for i in using} - {True})
+            detail = f"{feature.removeprefix('has_').replace('_', ' ')} {', '.join(map(str, values))} " if values else ""
+            needs[feature] = f"{label} ({detail}on layers {using})"
+    return needs
+
+
 class AttentionBackend(Plugin, ABC):
     """Paged attention over a flattened batch mixing prefill chunks and decodes.
 
@@ -57,6 +106,9 @@ class AttentionBackend(Plugin, ABC):
         dtype: KV-cache element dtype: the model dtype, or ``torch.int8``/``torch.float8_e4m3fn`` when
             ``engine.kv_cache_dtype`` quantizes the cache (only if listed in ``supported_kv_cache_dtypes``).
         device: torch device of the cache and inputs.
+        layers: one :class:`AttentionLayerSpec` per decoder layer (window, softcap, sinks), so metadata
+            can be built per step for every window the model uses; empty (the default) means plain
+            causal attention on every layer. ``head_size`` is the layers' ``cache_head_size``.
 
     ``cache_dtype`` is the storage dtype the runner allocates the cache tensors with (``dtype`` unless
     the backend packs quantized K/V and their scales into bytes). Every KV tensor of a backend is
@@ -76,11 +128,26 @@ class AttentionBackend(Plugin, ABC):
     kv_cache_layout: ClassVar[str] = "NHD"  # per layer (2, num_blocks, block_size, kv_heads, head_size)
     supports_cuda_graphs: ClassVar[bool] = False  # forward may be captured in a CUDA graph (static shapes)
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)  # engine.kv_cache_dtype values
+    # Layer features (AttentionLayerSpec), per call in forward's keyword arguments; validate_model refuses
+    # a model needing one its backend lacks:
+    supports_sliding_window: ClassVar[bool] = False  # forward(..., sliding_window=W)
+    supports_softcap: ClassVar[bool] = False  # forward(..., softcap=c)
+    supports_sinks: ClassVar[bool] = False  # forward(..., sinks=(num_heads,) tensor)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 block_size: int, dtype: torch.dtype, device: torch.device, **params: Any) -> None:
+                 block_size: int, dtype: torch.dtype, device: torch.device,
+                 layers: Sequence[AttentionLayerSpec] | None = None, **params: Any) -> None:
         if params:
             raise TypeError(f"attention backend {self.name!r} got unknown parameters {sorted(params)}")
+        self.layers: tuple[AttentionLayerSpec, ...] = tuple(layers or ())
+        #: per layer, what its attention calls carry: (num_heads, num_kv_heads, cache_head_size,
+        #: sliding_window, softcap, has_sinks); the bridge compares each call with it
+        self.call_signatures: tuple[tuple, ...] = tuple(
+            (layer.num_heads, layer.num_kv_heads, layer.cache_head_size, layer.sliding_window, layer.softcap,
+             layer.has_sinks) for layer in self.layers)
+        #: every window some layer uses, ascending (per-step metadata is built for each)
+        self.sliding_windows: tuple[int, ...] = tuple(sorted({w for layer in self.layers
+                                                              if (w := layer.sliding_window)}))
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -113,20 +180,28 @@ class AttentionBackend(Plugin, ABC):
         return problems
 
     @classmethod
-    def validate_model(cls, num_heads: int, num_kv_heads: int, head_size: int) -> list[str]:
-        """Shape capability check against the model's config, before weights load.
+    def validate_model(cls, layers: Sequence[AttentionLayerSpec], config: EngineConfig | None = None) -> list[str]:
+        """Capability check against the model's per-layer attention, before weights load.
 
-        Called by ``framework.build_engine`` with the model config's head counts and head size.
+        Called by ``framework.build_engine`` (``inspect_model``) with the layers read from
+        ``config.json``: head sizes (``supported_head_sizes``), GQA, and each layer feature
+        (:data:`LAYER_FEATURES`) against the ``supports_*`` attributes. ``config`` lets a composite
+        backend (``hybrid``) check its parts.
 
         Returns:
             Problems naming a fix; empty when the backend can run this model.
         """
         problems = []
-        if cls.supported_head_sizes is not None and head_size not in cls.supported_head_sizes:
-            problems.append(f"attention {cls.name!r} supports head sizes {list(cls.supported_head_sizes)}, "
-                            f"the model has head_size={head_size}; use attention=torch")
-        if num_heads % num_kv_heads:
-            problems.append(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        shapes = {(layer.num_heads, layer.num_kv_heads, layer.cache_head_size) for layer in layers}
+        for num_heads, num_kv_heads, head_size in sorted(shapes):
+            if cls.supported_head_sizes is not None and head_size not in cls.supported_head_sizes:
+                problems.append(f"attention {cls.name!r} supports head sizes {list(cls.supported_head_sizes)}, "
+                                f"the model has head_size={head_size}; use attention=torch")
+            if num_heads % num_kv_heads:
+                problems.append(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        for feature, description in required_features(layers).items():
+            if not getattr(cls, LAYER_FEATURES[feature]):
+                problems.append(f"attention {cls.name!r} has no {description}, which this model needs")
         return problems
 
     def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -169,7 +244,7 @@ class AttentionBackend(Plugin, ABC):
 
     @abstractmethod
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: Any, **features: Any) -> torch.Tensor:
         """Write this step's K/V into the cache and attend.
 
         Args:
@@ -179,6 +254,16 @@ class AttentionBackend(Plugin, ABC):
             kv_cache: this layer's cache, shape :meth:`get_kv_cache_shape`; mutated in place at
                 ``slot_mapping``.
             metadata: what :meth:`build_metadata` returned for this step.
+            features: keyword arguments of this call, each passed only when the layer uses it (what
+                transformers 5 passes the attention function, checked by the bridge against
+                ``layers[layer_idx]``): ``scale`` (float, softmax scale, passed when it differs from
+                ``self.scale``, e.g. GPT-2's per-layer scaling), ``sliding_window`` (int W: a query
+                at position p sees keys at positions > p - W), ``softcap`` (float c: scores
+                become ``c * tanh(scores / c)`` after scaling, before the mask; Gemma 2) and
+                ``sinks`` (``(num_heads,)`` tensor: per-head logits that join the softmax
+                denominator only; gpt-oss). A backend receives only features its ``supports_*``
+                attributes declare (:meth:`validate_model` refuses other models). Keys outside a
+                query's window may sit in blocks that no longer hold them: mask by position.
 
         Returns:
             ``(num_tokens, num_heads, head_size)`` attention output (causal within each request,
@@ -225,12 +310,12 @@ class AttentionBackend(Plugin, ABC):
         return None
 
     def traceable_forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          kv_cache: torch.Tensor, inputs: Any) -> torch.Tensor:
-        """:meth:`forward` as code dynamo can trace (same arguments and result; ``inputs`` is what
-        :meth:`traceable_inputs` returned). Cache writes must go through an op that declares the cache
-        mutated (``Tensor(a!)`` in its schema), so inductor keeps them in place.
+                          kv_cache: torch.Tensor, inputs: Any, **features: Any) -> torch.Tensor:
+        """:meth:`forward` as code dynamo can trace (same arguments, features and result; ``inputs`` is
+        what :meth:`traceable_inputs` returned). Cache writes must go through an op that declares the
+        cache mutated (``Tensor(a!)`` in its schema), so inductor keeps them in place.
 
         The default runs :meth:`forward` with ``inputs`` as its metadata: enough for a backend whose
         ``forward`` is already traceable and whose ``traceable_inputs`` returns the step's metadata.
         """
-        return self.forward(layer_idx, query, key, value, kv_cache, inputs)
+        return self.forward(layer_idx, query, key, value, kv_cache, inputs, **features)

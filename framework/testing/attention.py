@@ -1,6 +1,8 @@
 """Attention-backend conformance: a backend equals naive causal attention (the torch reference) on
 seeded random mixed batches — decodes first, then first-chunk prefills and later chunks with cached
-context — with GQA and blocks scattered through the pool; K/V land in the cache at ``slot_mapping``."""
+context — with GQA and blocks scattered through the pool; K/V land in the cache at ``slot_mapping``.
+Layers with the features a backend declares (sliding window, softcap, sinks) are checked on the same
+batches against transformers' semantics of each."""
 
 from __future__ import annotations
 
@@ -9,25 +11,58 @@ from typing import Any
 
 import torch
 
-from framework.interfaces import AttentionBackend, CommonAttentionMetadata
+from framework.interfaces import AttentionBackend, AttentionLayerSpec, CommonAttentionMetadata
+from framework.interfaces.attention import LAYER_FEATURES
+
+#: Window of the conformance suite's sliding-window layer: not a multiple of its block size (4), and
+#: smaller than its longest contexts (30 tokens), so chunks and decodes both lose keys to it.
+WINDOW = 5
+#: Softcap of its softcapped layer, small enough to bend scores of random unit-variance q/k.
+SOFTCAP = 0.5
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
-                        scale: float) -> torch.Tensor:
-    """Naive causal attention of one request, float32.
+                        scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Naive causal attention of one request, float32, with transformers 5's layer features.
 
     Args:
         q: ``(query_len, num_heads, head_size)`` at positions ``context_len ..``.
         k, v: ``(context_len + query_len, num_kv_heads, head_size)``.
+        sliding_window: W: a query at position p sees keys at positions > p - W.
+        softcap: c: scores become ``c * tanh(scores / c)`` after scaling, before the mask.
+        sinks: ``(num_heads,)`` logits that join the softmax denominator only.
     Returns:
         ``(query_len, num_heads, head_size)``.
     """
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(q.shape[0])[:, None] + context_len
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    k_pos = torch.arange(k.shape[0])[None, :]
+    masked = k_pos > q_pos
+    if sliding_window is not None:
+        masked |= k_pos <= q_pos - sliding_window
+    scores = scores.masked_fill(masked, float("-inf"))
+    if sinks is not None:
+        probs = torch.cat([scores, sinks.float()[:, None, None].expand(-1, q.shape[0], 1)], -1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def conformance_layers(backend_cls: type[AttentionBackend], num_heads: int, num_kv_heads: int,
+                       head_size: int) -> list[AttentionLayerSpec]:
+    """The suite's layers: a plain one, then one per feature the backend declares, then all of them."""
+    plain = AttentionLayerSpec(num_heads, num_kv_heads, head_size, head_size)
+    values = {"sliding_window": WINDOW, "softcap": SOFTCAP, "has_sinks": True}
+    declared = [f for f, attribute in LAYER_FEATURES.items() if getattr(backend_cls, attribute)]
+    layers = [plain] + [AttentionLayerSpec(**{**vars(plain), f: values[f]}) for f in declared]
+    if len(declared) > 1:
+        layers.append(AttentionLayerSpec(**{**vars(plain), **{f: values[f] for f in declared}}))
+    return layers
 
 
 def _batch(rng: random.Random) -> list[tuple[int, int]]:
@@ -40,9 +75,10 @@ def check_attention_backend(backend_cls: type[AttentionBackend], num_batches: in
                             num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 8, block_size: int = 4,
                             **params: Any) -> None:
     """Run ``num_batches`` random mixed batches through ``backend_cls(..., **params)`` and compare with
-    :func:`reference_attention` (``atol`` absolute, float32 reference); the cached context is stored
-    with the backend's own ``write_kv``; also checks each new token's K/V reads back at its
-    ``slot_mapping`` slot through ``read_kv``, and that ``copy_blocks``
+    :func:`reference_attention` (``atol`` absolute, float32 reference) on every layer of
+    :func:`conformance_layers` (plain, and each feature the backend declares: window, softcap, sinks);
+    the cached context is stored with the backend's own ``write_kv``; also checks each new token's K/V
+    reads back at its ``slot_mapping`` slot through ``read_kv``, and that ``copy_blocks``
     (swap preemption) round-trips every block through a CPU cache under a block permutation unchanged.
 
     Raises:
@@ -50,7 +86,9 @@ def check_attention_backend(backend_cls: type[AttentionBackend], num_batches: in
     """
     dev = torch.device(device)
     scale = head_size ** -0.5
-    backend = backend_cls(num_heads, num_kv_heads, head_size, scale, block_size, dtype, dev, **params)
+    layers = conformance_layers(backend_cls, num_heads, num_kv_heads, head_size)
+    backend = backend_cls(num_heads, num_kv_heads, head_size, scale, block_size, dtype, dev, layers=layers, **params)
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(dev)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     for _ in range(num_batches):
         spec = _batch(rng)
@@ -84,12 +122,20 @@ def check_attention_backend(backend_cls: type[AttentionBackend], num_batches: in
             max_query_len=max(q_lens), max_seq_len=max(seq_lens), block_size=block_size)
         key = torch.cat([k[c:] for (k, _), (c, _) in zip(kvs, spec)]).to(dev)
         value = torch.cat([v[c:] for (_, v), (c, _) in zip(kvs, spec)]).to(dev)
-        out = backend.forward(0, torch.cat(qs).to(dev), key, value, cache, backend.build_metadata(common))
-        expected = torch.cat([reference_attention(qs[i].float(), kvs[i][0].float(), kvs[i][1].float(), spec[i][0],
-                                                  scale) for i in range(len(spec))])
-        assert out.shape == expected.shape, f"{backend_cls.name}: output shape {tuple(out.shape)} != {expected.shape}"
-        err = (out.float().cpu() - expected).abs().max().item()
-        assert err <= atol, f"{backend_cls.name}: max |out - reference| = {err:.3g} > {atol} on batch {spec}"
+        metadata = backend.build_metadata(common)
+        for layer_idx, layer in enumerate(layers):
+            features = {"sliding_window": layer.sliding_window, "softcap": layer.softcap,
+                        "sinks": sinks if layer.has_sinks else None}
+            out = backend.forward(layer_idx, torch.cat(qs).to(dev), key, value, cache, metadata,
+                                  **{name: x for name, x in features.items() if x is not None})
+            host_sinks = sinks.float().cpu() if layer.has_sinks else None
+            expected = torch.cat([reference_attention(qs[i].float(), kvs[i][0].float(), kvs[i][1].float(), spec[i][0],
+                                                      scale, layer.sliding_window, layer.softcap, host_sinks)
+                                  for i in range(len(spec))])
+            what = f"{backend_cls.name} (layer {layer})"
+            assert out.shape == expected.shape, f"{what}: output shape {tuple(out.shape)} != {expected.shape}"
+            err = (out.float().cpu() - expected).abs().max().item()
+            assert err <= atol, f"{what}: max |out - reference| = {err:.3g} > {atol} on batch {spec}"
         stored_k, stored_v = backend.read_kv(cache, torch.tensor(slots, dtype=torch.long, device=dev))
         assert torch.equal(stored_k.float().cpu(), key.float().cpu()) and torch.equal(stored_v.float().cpu(),
                                                                                      value.float().cpu()), \

@@ -1,7 +1,7 @@
 """The model's decoder stack compiled once by ``torch.compile`` (inductor): ``engine.compile=true``, or
 ``auto`` once the work ahead pays for it (``framework/engine/compile_policy.py``).
 
-What is compiled is the transformers decoder (``model.model``: embeddings, decoder layers, final
+What is compiled is the transformers decoder (``model.get_decoder()``: embeddings, decoder layers, final
 norm), not the ``*ForCausalLM`` wrapper: the LM head runs eagerly on the sampled rows only, so the
 compiled graph has one dynamic size, ``num_tokens``, and the number of sampled rows (0, 1 or many
 per step) never forces a recompile. Attention inside the graph is the opaque custom op
@@ -36,6 +36,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from framework.worker.forward_context import GraphAttention
+from framework.worker.model_families import output_logits
 
 logger = logging.getLogger(__name__)
 #: Dummy steps of the warm-up, ``(num_tokens, num_reqs)``: a 512-token prefill (the dynamic graph), a
@@ -84,7 +85,7 @@ def decoder_entry(decoder: torch.nn.Module) -> Callable[..., Any]:
     ~450 of them, 0.95 -> 0.21 ms of dynamo cache lookup per SmolLM2 decode step here.
 
     Args:
-        decoder: the module to call (``model.model``).
+        decoder: the module to call (``model.get_decoder()``).
 
     Returns:
         A function ``entry(**kwargs) -> decoder(**kwargs)`` whose ``__code__`` no other entry shares.
@@ -156,9 +157,11 @@ class CompiledDecoder:
     Call it inside ``forward_context`` (the model runner does).
 
     Args:
-        model: a transformers ``*ForCausalLM`` loaded with ``attn_implementation="servelab"``,
-            whose decoder is ``model.model`` and head ``model.lm_head`` (Llama, Qwen, Mistral,
-            SmolLM; a model with logit soft-capping is refused: it runs eagerly).
+        model: a transformers ``*ForCausalLM`` loaded with ``attn_implementation="servelab"``: its
+            decoder is ``model.get_decoder()`` (``model.model``; GPT-2's ``transformer``, GPT-NeoX's
+            ``gpt_neox``), its LM head ``model.get_output_embeddings()``, applied eagerly with what the
+            wrapper adds after it (``framework.worker.model_families.output_logits``: Gemma's final
+            softcap...).
         freezing: inductor ``freezing``: weights become graph constants, so inductor can
             constant-fold them and, on CPU, prepack linear weights for oneDNN. Weights must not
             change after the warm-up (quant transforms run before, so they are frozen as quantized).
@@ -178,16 +181,15 @@ class CompiledDecoder:
             # objects, where the dropped module guards are what tells engines apart; a model with a
             # break fails at its first call and runs eagerly (warned, see __call__)
             self._compiled = torch.compile(
-                decoder_entry(model.model), backend=self._backend, dynamic=None, fullgraph=True,
+                decoder_entry(model.get_decoder()), backend=self._backend, dynamic=None, fullgraph=True,
                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     @staticmethod
     def _unsupported(model: torch.nn.Module) -> str | None:
-        if not (isinstance(getattr(model, "model", None), torch.nn.Module)
-                and isinstance(getattr(model, "lm_head", None), torch.nn.Module)):
-            return f"{type(model).__name__} has no .model decoder and .lm_head"
-        if getattr(model.config, "final_logit_softcapping", None):
-            return "final_logit_softcapping is applied by the *ForCausalLM wrapper, which is not compiled"
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if not (isinstance(decoder, torch.nn.Module) and decoder is not model and isinstance(head, torch.nn.Module)):
+            return f"{type(model).__name__} has no separate decoder (get_decoder) and LM head (get_output_embeddings)"
         return None
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -258,7 +260,7 @@ class CompiledDecoder:
         if self._compiled is not None:
             hidden = self.hidden_states(input_ids, position_ids, graph)
             if hidden is not None:
-                return self.model.lm_head(hidden[logits_index])
+                return output_logits(self.model, hidden[logits_index])
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                           logits_to_keep=logits_index).logits[0]
 

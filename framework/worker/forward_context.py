@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from framework.interfaces import AttentionBackend
+from framework.interfaces.attention import FEATURE_NAMES, LAYER_FEATURES
 
 ATTN_IMPLEMENTATION = "servelab"
 
@@ -74,38 +75,135 @@ def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention function: paged attention through the current backend.
 
+    Reads what transformers 5 passes besides q/k/v (``scaling``, ``sliding_window``, ``softcap``,
+    ``s_aux``, ``is_causal``) and hands it to the backend as :meth:`AttentionBackend.forward`'s
+    features; every call is checked against the backend's ``layers[layer_idx]`` (the spec built from
+    ``config.json`` that ``validate_model`` judged), so a call the spec did not foresee raises instead
+    of computing something else. Head counts and sizes come from the tensors. When the value head
+    size differs from the key head size (MLA), the smaller of the two is zero-padded to the cache's
+    head size (zero query/key channels add nothing to the scores; zero value channels are cut from
+    the output).
+
     Args:
-        module: the transformers attention module (provides ``layer_idx``).
-        query: ``(1, num_heads, num_tokens, head_size)``; key/value ``(1, num_kv_heads,
-            num_tokens, head_size)`` — the whole flattened batch is one "sequence".
-        attention_mask: ignored; causality and request boundaries come from the metadata.
+        module: the transformers attention module (provides ``layer_idx``; ``is_causal`` if no kwarg).
+        query: ``(1, num_heads, num_tokens, head_size)``; key ``(1, num_kv_heads, num_tokens, head_size)``,
+            value ``(1, num_kv_heads, num_tokens, value_head_size)`` — the whole flattened batch is one
+            "sequence".
+        attention_mask: ignored; causality, windows and request boundaries come from the metadata.
+        scaling: softmax scale of this layer.
         kwargs: transformers' extras; ``servelab_graph`` (a :class:`GraphAttention`) selects the traced path.
 
     Returns:
-        ``((1, num_tokens, num_heads, head_size), None)``, as transformers expects.
+        ``((1, num_tokens, num_heads, value_head_size), None)``, as transformers expects.
 
     Raises:
-        RuntimeError: when called outside :func:`forward_context`.
+        RuntimeError: called outside :func:`forward_context`, a non-causal call, or a call that
+            disagrees with the layer's spec or needs a feature the backend lacks.
     """
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise RuntimeError(f"layer {module.layer_idx}: non-causal attention (is_causal=False) is not supported")
+    window = kwargs.get("sliding_window") or None
+    softcap = kwargs.get("softcap") or None
+    sinks = kwargs.get("s_aux")
+    value_head_size = value.shape[-1]
+    if key.shape[-1] != value_head_size:  # MLA
+        query, key, value = _pad_head_size(query, key, value)
     graph = kwargs.get("servelab_graph")
+    layer_idx = module.layer_idx
     if graph is not None:  # traced into the compiled decoder (or run eagerly: same math)
-        out = graph.backend.traceable_forward(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                                              value[0].transpose(0, 1), graph.kv_caches[module.layer_idx],
-                                              graph.inputs)
-        return out.unsqueeze(0), None
-    if torch.compiler.is_compiling():  # dynamo is tracing: keep the backend call out of the graph
-        return torch.ops.servelab.attention(query, key, value, module.layer_idx), None
-    return _attention(query, key, value, module.layer_idx), None
+        features = call_features(graph.backend, layer_idx, query, key, scaling, window, softcap, sinks)
+        out = graph.backend.traceable_forward(layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                              value[0].transpose(0, 1), graph.kv_caches[layer_idx], graph.inputs,
+                                              **features).unsqueeze(0)
+    elif torch.compiler.is_compiling():  # dynamo is tracing: keep the backend call out of the graph
+        out = torch.ops.servelab.attention(query, key, value, layer_idx, scaling, window, softcap, sinks)
+    else:
+        out = _attention(query, key, value, layer_idx, scaling, window, softcap, sinks)
+    return (out if out.shape[-1] == value_head_size else out[..., :value_head_size]), None
 
 
-def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> torch.Tensor:
+def _pad_head_size(query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero-pad query/key or value channels so both have ``max(key head size, value head size)``."""
+    qk_size, v_size = key.shape[-1], value.shape[-1]
+    if qk_size < v_size:
+        query, key = (torch.nn.functional.pad(t, (0, v_size - qk_size)) for t in (query, key))
+    elif v_size < qk_size:
+        value = torch.nn.functional.pad(value, (0, qk_size - v_size))
+    return query, key, value
+
+
+#: The fields of ``AttentionBackend.call_signatures`` (one tuple per layer), in order.
+CALL_FIELDS = ("num_heads", "num_kv_heads", "cache_head_size", "sliding_window", "softcap", "has_sinks")
+
+
+def call_features(backend: AttentionBackend, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                  scale: float | None, sliding_window: int | None, softcap: float | None,
+                  sinks: torch.Tensor | None) -> dict[str, Any]:
+    """The keyword features of ``backend.forward`` for one call, after checking the call against the
+    backend's ``layers[layer_idx]`` (``call_signatures``) and capabilities (plain Python on the call's
+    constants: under ``torch.compile`` it runs while tracing; eagerly ~1 us per layer when all agree).
+
+    Args:
+        query, key: ``(1, heads, num_tokens, cache_head_size)`` (padded) as passed to the backend.
+
+    Returns:
+        ``scale`` (only when it differs from ``backend.scale``), ``sliding_window``, ``softcap``,
+        ``sinks`` — each only when set.
+
+    Raises:
+        RuntimeError: the call's heads, head size or features differ from the layer's spec (a model
+            whose ``config.json`` the family rules read wrongly), or the backend lacks a feature.
+    """
+    call = (query.shape[1], key.shape[1], query.shape[-1], sliding_window or None, softcap or None, sinks is not None)
+    signatures = backend.call_signatures
+    if layer_idx >= len(signatures) or call != signatures[layer_idx]:
+        _check_call(backend, layer_idx, call)
+    features: dict[str, Any] = {}
+    if scale is not None and scale != backend.scale:
+        features["scale"] = float(scale)
+    if call[3]:
+        features["sliding_window"] = int(sliding_window)
+    if call[4]:
+        features["softcap"] = float(softcap)
+    if call[5]:
+        features["sinks"] = sinks
+    return features
+
+
+def _check_call(backend: AttentionBackend, layer_idx: int, call: tuple) -> None:
+    """Raise unless ``call`` (a :data:`CALL_FIELDS` tuple) is one the backend can run as described.
+
+    A backend built without per-layer specs (``layers`` empty) accepts its own shape and any feature
+    it declares; otherwise the call must equal the layer's spec.
+    """
+    given = dict(zip(CALL_FIELDS, call))
+    if layer_idx < len(backend.call_signatures):
+        expected = dict(zip(CALL_FIELDS, backend.call_signatures[layer_idx]))
+    else:
+        expected = {"num_heads": backend.num_heads, "num_kv_heads": backend.num_kv_heads,
+                    "cache_head_size": backend.head_size}
+    wrong = {name: (given[name], want) for name, want in expected.items() if given[name] != want}
+    if wrong:
+        detail = ", ".join(f"{name}={got!r} (config.json says {want!r})" for name, (got, want) in wrong.items())
+        raise RuntimeError(f"layer {layer_idx}: transformers called attention with {detail}; servelab's reading of "
+                           "this architecture (framework/worker/model_families.py) is out of date: please report it")
+    for feature, attribute in LAYER_FEATURES.items():
+        if given[feature] and not getattr(backend, attribute):
+            raise RuntimeError(f"layer {layer_idx}: attention {backend.name!r} has no {FEATURE_NAMES[feature]}; "
+                               "use attention=torch_paged or attention=torch")
+
+
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float | None,
+               sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """The backend call of :func:`servelab_attention`: ``(1, num_tokens, num_heads, head_size)``."""
     ctx = _CURRENT.get()
     if ctx is None:
         raise RuntimeError("servelab attention called outside forward_context(); "
                            "load the model through framework.worker.model_runner.ModelRunner")
+    features = call_features(ctx.backend, layer_idx, query, key, scale, sliding_window, softcap, sinks)
     out = ctx.backend.forward(layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                              value[0].transpose(0, 1), ctx.kv_caches[layer_idx], ctx.metadata)
+                              value[0].transpose(0, 1), ctx.kv_caches[layer_idx], ctx.metadata, **features)
     return out.unsqueeze(0)
 
 
@@ -115,32 +213,39 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
 # is ordered after layer i-1's by data dependence, and each layer touches only its own cache), and
 # the op's output is always used, so it is never dead-code eliminated. Passing 2 x num_layers cache
 # tensors plus backend-specific metadata as arguments would tie the op's schema to one backend.
+# The layer's features are arguments (constants of the traced graph; the sinks a weight input).
 @torch.library.custom_op("servelab::attention", mutates_args=())
-def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> torch.Tensor:
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                 scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention of one layer through the current forward context's backend (opaque to dynamo).
 
     Args:
         query: ``(1, num_heads, num_tokens, head_size)``, model dtype.
         key, value: ``(1, num_kv_heads, num_tokens, head_size)``, post-RoPE, model dtype.
         layer_idx: decoder layer index (a constant of the traced graph).
+        scale, sliding_window, softcap, sinks: the layer's call features (see
+            :meth:`AttentionBackend.forward`); ``None`` when unused.
 
     Returns:
         A new ``(1, num_tokens, num_heads, head_size)`` tensor in ``query.dtype``. Side effect: this
         step's K/V are written into ``ctx.kv_caches[layer_idx]``.
 
     Raises:
-        RuntimeError: when called outside :func:`forward_context`.
+        RuntimeError: when called outside :func:`forward_context`, or as :func:`call_features`.
     """
     # contiguous: inductor lays out the consumer with the fake's (contiguous) strides, while e.g.
     # the torch backend's empty_like(query) output keeps the transposed query's strides
-    out = _attention(query, key, value, layer_idx).contiguous()
+    out = _attention(query, key, value, layer_idx, scale, sliding_window, softcap, sinks).contiguous()
     if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (query, key, value)):
         out = out.clone()  # a custom op's output may not alias an input
     return out
 
 
 @attention_op.register_fake
-def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> torch.Tensor:
+def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                    scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Shape-only version for tracing: ``(1, num_tokens, num_heads, head_size)`` like ``query``."""
     return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
 

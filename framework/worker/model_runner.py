@@ -22,6 +22,7 @@ from framework.core.request import Request
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from framework.worker.compile import CompiledDecoder, CompileStats
 from framework.worker.forward_context import ForwardContext, GraphAttention, forward_context
+from framework.worker.model_families import output_logits
 from framework.worker.prepack import unfuse_gated_mlps
 from framework.worker.rejection_sampler import RejectionSampler
 from framework.worker.sampler import Sampler
@@ -168,7 +169,7 @@ class ModelRunner:
             if hidden is None:
                 hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=positions,
                                                   use_cache=False).last_hidden_state[0]
-            return self.model.get_output_embeddings()(hidden[logits_index]), hidden
+            return output_logits(self.model, hidden[logits_index]), hidden
         if self.compiled is not None:
             return self.compiled(input_ids, positions, logits_index, graph), None
         return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,

@@ -56,16 +56,20 @@ class KVPartitions:
     tokens: torch.Tensor  # (V,) int64 the query row of each partition
     partitions: torch.Tensor  # (T, C) int64 each token's partitions (ids into V), padded with its first one
     num_partitions: torch.Tensor  # (T,) int64 valid entries of each ``partitions`` row (>= 1)
+    kv_starts: torch.Tensor | None = None  # (V,) int64 leading keys of the partition outside its token's
+    # sliding window (masked; non-zero only in a token's first partition); None: no window
 
 
 def kv_partitions(block_table: torch.Tensor, kv_lens: Sequence[int] | np.ndarray, block_size: int,
-                  rows: Sequence[int] | np.ndarray | None = None) -> KVPartitions:
+                  rows: Sequence[int] | np.ndarray | None = None, window: int | None = None) -> KVPartitions:
     """Cut each token's visible keys into partitions of ``PARTITION_BLOCKS`` blocks.
 
-    Token ``t`` sees keys ``0 .. kv_lens[t] - 1`` of its request, so it has
-    ``ceil(kv_lens[t] / (PARTITION_BLOCKS * block_size))`` partitions; partition ``i`` covers its
-    request's table columns ``i * PARTITION_BLOCKS ..`` (columns past the table read its last
-    column: masked keys). The work of :func:`paged_attention` is then the keys each token needs,
+    Token ``t`` sees keys ``0 .. kv_lens[t] - 1`` of its request (with a sliding ``window`` W only the
+    last ``W`` of them: positions > its own - W), so it has ``ceil(keys / (PARTITION_BLOCKS *
+    block_size))`` partitions counted from the block of its first visible key; partition ``i`` covers
+    its request's table columns ``first_block + i * PARTITION_BLOCKS ..`` (columns past the table read
+    its last column: masked keys). Blocks wholly before a token's window are never read (the KV-memory
+    manager may reuse them). The work of :func:`paged_attention` is then the keys each token needs,
     rounded up to a partition, instead of every token padded to the longest context of the step
     (vLLM's PagedAttention V2 partitions contexts the same way; flash-decoding, Dao et al. 2023).
     Fewer than :data:`MIN_PARTITIONS` partitions are padded with dummy ones (the first partition's
@@ -74,12 +78,14 @@ def kv_partitions(block_table: torch.Tensor, kv_lens: Sequence[int] | np.ndarray
 
     Args:
         block_table: ``(R, NB)`` int block ids of each request (any ids past its blocks).
-        kv_lens: ``(T,)`` host ints, keys visible to each token, each >= 1.
+        kv_lens: ``(T,)`` host ints, keys up to and including each token (its position + 1), each >= 1.
         block_size: tokens per block.
         rows: ``(T,)`` host ints, each token's row of ``block_table`` (default: token ``t`` is row ``t``).
+        window: sliding window W in tokens, or ``None`` (every key up to the token's own).
 
     Returns:
-        :class:`KVPartitions` on ``block_table``'s device, every tensor contiguous int64.
+        :class:`KVPartitions` on ``block_table``'s device, every tensor contiguous int64
+        (``kv_starts`` only with a ``window``).
 
     Raises:
         ValueError: a token sees more keys than its table's blocks hold.
@@ -90,26 +96,34 @@ def kv_partitions(block_table: torch.Tensor, kv_lens: Sequence[int] | np.ndarray
     if -(-int(lens.max()) // block_size) > block_table.shape[1]:
         raise ValueError(f"a token sees {int(lens.max())} keys, more than the table's "
                          f"{block_table.shape[1]} blocks of {block_size} hold")
+    first_block = np.zeros_like(lens) if window is None else np.maximum(lens - window, 0) // block_size  # (T,)
     span = PARTITION_BLOCKS * block_size
-    counts = -(-lens // span)  # (T,)
+    keys = lens - first_block * block_size  # (T,) counted from the first block read
+    counts = -(-keys // span)  # (T,)
     tokens = np.repeat(np.arange(num_tokens), counts)  # (V,)
     first = np.cumsum(counts) - counts  # (T,) each token's first partition
     index = np.arange(len(tokens)) - first[tokens]  # (V,) partition i of its token
-    part_lens = lens[tokens] - index * span
+    part_lens = keys[tokens] - index * span
+    starts = None
+    if window is not None:  # keys of the first block before the window
+        starts = np.where(index == 0, np.maximum(lens - window, 0)[tokens] - first_block[tokens] * block_size, 0)
     width = max(int(counts.max()), MIN_PARTITIONS)  # C
     partitions = first[:, None] + np.minimum(np.arange(width), counts[:, None] - 1)
     if len(tokens) < MIN_PARTITIONS:
         pad = MIN_PARTITIONS - len(tokens)
         tokens, index = np.pad(tokens, (0, pad)), np.pad(index, (0, pad))
         part_lens = np.pad(part_lens, (0, pad), constant_values=1)
-    columns = np.minimum(index[:, None] * PARTITION_BLOCKS + np.arange(PARTITION_BLOCKS), block_table.shape[1] - 1)
+        starts = None if starts is None else np.pad(starts, (0, pad))
+    columns = np.minimum(first_block[tokens][:, None] + index[:, None] * PARTITION_BLOCKS
+                         + np.arange(PARTITION_BLOCKS), block_table.shape[1] - 1)
     device = block_table.device
 
     def put(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
     block_tables = block_table[put(rows[tokens])[:, None], put(columns)].long()  # (V, P)
-    return KVPartitions(block_tables, put(part_lens), put(tokens), put(partitions), put(counts))
+    return KVPartitions(block_tables, put(part_lens), put(tokens), put(partitions), put(counts),
+                        None if starts is None else put(starts))
 
 
 def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -187,8 +201,10 @@ def read_kv(kv_cache: torch.Tensor, slots: torch.Tensor, head_size: int) -> tupl
     return key_blocks(kv_cache, head_size)[block, :, :, offset], value_blocks(kv_cache, head_size)[block, :, offset]
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, kv: KVPartitions, scale: float) -> torch.Tensor:
-    """Each token attends over the first ``kv_lens[t]`` keys of its request, read in place.
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, kv: KVPartitions, scale: float,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token attends over the first ``kv_lens[t]`` keys of its request (the last W of them with a
+    sliding window: ``kv`` built with ``window``), read in place.
 
     Decode rows and prefill chunks alike (a chunk token's visible keys are its position + 1, which
     makes it causal). Computed in float32, in two phases:
@@ -198,7 +214,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, kv: KVPartition
        padding is at most one partition per token, not every token padded to the step's longest).
     2. Each token combines its partitions: ``out = sum_i e^(m_i - M) o_i / sum_i e^(m_i - M) l_i``
        with ``M = max_i m_i`` (the flash-decoding reduction; Dao et al. 2023; vLLM's PagedAttention
-       V2 reduce kernel).
+       V2 reduce kernel). A sink logit ``s`` (gpt-oss) joins the denominator only:
+       ``M = max(M, s)`` and ``+ e^(s - M)``.
+
+    A softcap ``c`` (Gemma 2) bends each score to ``c * tanh(score / c)`` after scaling, before the
+    mask, as transformers' eager attention does.
 
     The loops inductor generates for phase 1 are shaped by how it is written:
 
@@ -220,6 +240,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, kv: KVPartition
         kv_cache: the layer's cache in this module's layout.
         kv: the tokens' :class:`KVPartitions` (``kv_partitions``).
         scale: softmax scale.
+        softcap: attention-logit softcap, or ``None``.
+        sinks: ``(KVH * G,)`` per-head sink logits, or ``None``.
 
     Returns:
         ``[T, KVH, G, D]`` in ``query.dtype``.
@@ -237,8 +259,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, kv: KVPartition
     values = [value_blocks(kv_cache, head_size)[kv.block_tables[:, b]].float() for b in columns]  # [V, KVH, BS, D]
     tops, totals, sums = [], [], []
     for g in range(group):
-        scores = [(q[:, :, g, :, None] * keys[b]).sum(-2).masked_fill(  # [V, KVH, BS]
-            pos + b * block_size >= kv.kv_lens[:, None, None], float("-inf")) for b in columns]
+        scores = [(q[:, :, g, :, None] * keys[b]).sum(-2) for b in columns]  # [V, KVH, BS]
+        if softcap is not None:
+            scores = [torch.tanh(s / softcap) * softcap for s in scores]
+        scores = [s.masked_fill(_masked(pos + b * block_size, kv), float("-inf")) for b, s in zip(columns, scores)]
         top = functools.reduce(torch.maximum, scores).amax(-1, keepdim=True)  # [V, KVH, 1]
         weights = [(s - top).exp() for s in scores]
         tops.append(top)
@@ -248,6 +272,22 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, kv: KVPartition
     top, total, acc = torch.stack(tops, 2), torch.stack(totals, 2), torch.stack(sums, 2)  # [V, KVH, G, 1 | 1 | D]
     valid = torch.arange(kv.partitions.shape[1], device=query.device) < kv.num_partitions[:, None]  # [T, C]
     part_top = top[kv.partitions].masked_fill(~valid[:, :, None, None, None], float("-inf"))  # [T, C, KVH, G, 1]
-    rescale = (part_top - part_top.amax(1, keepdim=True)).exp()
-    out = (rescale * acc[kv.partitions]).sum(1) / (rescale * total[kv.partitions]).sum(1)  # [T, KVH, G, D]
+    top_all = part_top.amax(1, keepdim=True)  # [T, 1, KVH, G, 1]
+    if sinks is not None:
+        sink = sinks.float().view(1, 1, *query.shape[1:3], 1)
+        top_all = torch.maximum(top_all, sink)
+    rescale = (part_top - top_all).exp()
+    denominator = (rescale * total[kv.partitions]).sum(1)  # [T, KVH, G, 1]
+    if sinks is not None:
+        denominator = denominator + (sink - top_all).exp()[:, 0]
+    out = (rescale * acc[kv.partitions]).sum(1) / denominator  # [T, KVH, G, D]
     return out.to(query.dtype)
+
+
+def _masked(key_pos: torch.Tensor, kv: KVPartitions) -> torch.Tensor:
+    """``[V, 1, BS]`` True for a partition's keys its token does not see (``key_pos``: ``(BS,)`` offsets
+    from the partition's first key): at or past ``kv_lens``, or before ``kv_starts`` (sliding window)."""
+    masked = key_pos >= kv.kv_lens[:, None, None]
+    if kv.kv_starts is not None:
+        masked = masked | (key_pos < kv.kv_starts[:, None, None])
+    return masked

@@ -4,6 +4,10 @@ Prefill and chunks with cached context run ``flash_attn_varlen_func`` over the p
 (``block_table`` argument, ``cu_seqlens_q`` / ``cu_seqlens_k``); decodes run
 ``flash_attn_with_kvcache`` with ``cache_seqlens`` and ``block_table``. GQA is native (no K/V repeat).
 
+Layer features: a sliding window W is flash-attn's ``window_size=(W - 1, 0)`` (a query at position
+p sees keys p - W + 1 .. p, transformers' rule) and a softcap is its ``softcap`` argument, in both
+kernels (flash-attn >= 2.6). Attention sinks are not in flash-attn 2: a model with them is refused.
+
 Block size: upstream flash-attn's paged KV requires the page size (our ``block_size``) to be a
 multiple of 256 (``flash_attn_interface.py``: "page_block_size must be a multiple of 256"); this
 backend declares ``block_size_multiple = 256`` and is refused before the model loads otherwise.
@@ -54,6 +58,13 @@ def build_flash_attn_metadata(common: CommonAttentionMetadata) -> FlashAttnMetad
         prefill_block_table=None if prefill is None else prefill.block_table.to(torch.int32))
 
 
+def flash_attn_feature_args(scale: float, sliding_window: int | None, softcap: float | None) -> dict[str, Any]:
+    """flash-attn keyword arguments of a layer: ``softmax_scale``, ``window_size`` (``(W - 1, 0)``: a query
+    sees itself and the W - 1 keys before it; ``(-1, -1)``: no window) and ``softcap`` (0: none)."""
+    return {"softmax_scale": scale, "window_size": (sliding_window - 1, 0) if sliding_window else (-1, -1),
+            "softcap": softcap or 0.0}
+
+
 class FlashAttnBackend(AttentionBackend):
     """Paged attention with flash-attn 2 kernels; CUDA, fp16/bf16, head sizes up to 256.
 
@@ -71,6 +82,8 @@ class FlashAttnBackend(AttentionBackend):
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = tuple(range(8, 257, 8))
     block_size_multiple: ClassVar[int] = 256
     supports_cuda_graphs: ClassVar[bool] = True
+    supports_sliding_window = True  # window_size=(W - 1, 0)
+    supports_softcap = True  # softcap=c
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -86,21 +99,24 @@ class FlashAttnBackend(AttentionBackend):
         return build_flash_attn_metadata(common)
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: FlashAttnMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: FlashAttnMetadata, scale: float | None = None,
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Write the step's K/V at ``slot_mapping`` (all of it, before any read), then run the
-        decode kernel on the leading decode tokens and the varlen kernel on the rest."""
+        decode kernel on the leading decode tokens and the varlen kernel on the rest (features: see
+        ``AttentionBackend.forward``)."""
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         out = torch.empty_like(query)
         nd = metadata.num_decode_tokens
+        kernel_args = flash_attn_feature_args(self.scale if scale is None else scale, sliding_window, softcap)
         if metadata.decode_seq_lens is not None:
             o = self._with_kvcache(query[:nd].unsqueeze(1), k_cache, v_cache, cache_seqlens=metadata.decode_seq_lens,
-                                   block_table=metadata.decode_block_table, softmax_scale=self.scale, causal=True)
+                                   block_table=metadata.decode_block_table, causal=True, **kernel_args)
             out[:nd] = o.squeeze(1)
         if metadata.cu_seqlens_q is not None:
             out[nd:] = self._varlen(query[nd:], k_cache, v_cache, metadata.cu_seqlens_q, metadata.cu_seqlens_k,
-                                    metadata.max_seqlen_q, metadata.max_seqlen_k, softmax_scale=self.scale,
-                                    causal=True, block_table=metadata.prefill_block_table)
+                                    metadata.max_seqlen_q, metadata.max_seqlen_k, causal=True,
+                                    block_table=metadata.prefill_block_table, **kernel_args)
         return out
 
 

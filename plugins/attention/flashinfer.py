@@ -4,11 +4,17 @@ Per step, ``build_metadata`` plans a ``BatchDecodeWithPagedKVCacheWrapper`` (dec
 ``BatchPrefillWithPagedKVCacheWrapper`` (prefills and chunks with cached context) once from the
 CSR page arrays ``indptr / indices / last_page_len``; every layer then calls ``run``. The
 workspace buffer and both wrappers are created once and reused across steps.
+
+Layer features are plan parameters in FlashInfer (``window_left``, ``logits_soft_cap``, ``sm_scale``),
+so layers are grouped by ``(window, softcap, scale)``: each group has its own pair of wrappers (sharing
+the workspace, as vLLM's), planned at the group's first layer of a step. A window W is
+``window_left = W - 1`` (a query sees itself and the W - 1 keys before it, transformers' rule).
+Attention sinks are not wired (refused).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -31,6 +37,7 @@ class FlashInferPlan:
     decode: PagedKVIndices | None  # pages of the decode requests
     prefill: PagedKVIndices | None  # pages of the prefill/chunk requests
     prefill_qo_indptr: torch.Tensor | None  # (num_prefills + 1,) int32 query offsets
+    planned: set[tuple] = field(default_factory=set)  # layer groups (window, softcap, scale) planned this step
 
 
 def build_flashinfer_plan(common: CommonAttentionMetadata) -> FlashInferPlan:
@@ -60,6 +67,8 @@ class FlashInferBackend(AttentionBackend):
     supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = (64, 128, 256)
     supports_cuda_graphs: ClassVar[bool] = False  # plan() per step; capture needs the CUDA-graph wrappers
+    supports_sliding_window = True  # plan(window_left=W - 1)
+    supports_softcap = True  # plan(logits_soft_cap=c)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -67,35 +76,54 @@ class FlashInferBackend(AttentionBackend):
             import flashinfer
         except ImportError as e:
             raise ImportError(f"attention=flashinfer needs the flashinfer package: {_INSTALL}") from e
+        self._flashinfer = flashinfer
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._wrappers: dict[tuple, tuple[Any, Any]] = {}  # layer group -> (decode, prefill) wrappers
+
+    def _group(self, scale: float | None, sliding_window: int | None, softcap: float | None) -> tuple:
+        return (sliding_window, softcap, self.scale if scale is None else scale)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> FlashInferPlan:
-        """Build the page arrays and plan both wrappers once for this step."""
+        """Build the page arrays and plan both wrappers of the plain layer group for this step."""
         plan = build_flashinfer_plan(common)
-        shape = (self.num_heads, self.num_kv_heads, self.head_size, self.block_size)
-        if plan.decode is not None:
-            p = plan.decode
-            self._decode.plan(p.indptr, p.indices, p.last_page_len, *shape, pos_encoding_mode="NONE",
-                              sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
-        if plan.prefill is not None:
-            p = plan.prefill
-            self._prefill.plan(plan.prefill_qo_indptr, p.indptr, p.indices, p.last_page_len, *shape, causal=True,
-                               sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._plan(plan, self._group(None, None, None))
         return plan
 
+    def _plan(self, plan: FlashInferPlan, group: tuple) -> tuple[Any, Any]:
+        """Plan a layer group's wrappers for this step (once per step); returns ``(decode, prefill)``."""
+        if group not in self._wrappers:
+            self._wrappers[group] = (self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD"),
+                                     self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"))
+        decode, prefill = self._wrappers[group]
+        if group in plan.planned:
+            return decode, prefill
+        window, softcap, scale = group
+        shape = (self.num_heads, self.num_kv_heads, self.head_size, self.block_size)
+        features = {"window_left": window - 1 if window else -1, "logits_soft_cap": softcap, "sm_scale": scale,
+                    "q_data_type": self.dtype, "kv_data_type": self.dtype}
+        if plan.decode is not None:
+            p = plan.decode
+            decode.plan(p.indptr, p.indices, p.last_page_len, *shape, pos_encoding_mode="NONE", **features)
+        if plan.prefill is not None:
+            p = plan.prefill
+            prefill.plan(plan.prefill_qo_indptr, p.indptr, p.indices, p.last_page_len, *shape, causal=True, **features)
+        plan.planned.add(group)
+        return decode, prefill
+
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: FlashInferPlan) -> torch.Tensor:
-        """Write the step's K/V (all of it, before any read), then run the planned wrappers."""
+                kv_cache: torch.Tensor, metadata: FlashInferPlan, scale: float | None = None,
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """Write the step's K/V (all of it, before any read), then run the layer group's planned wrappers
+        (features: see ``AttentionBackend.forward``)."""
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        decode, prefill = self._plan(metadata, self._group(scale, sliding_window, softcap))
         cache = (kv_cache[0], kv_cache[1])
         out = torch.empty_like(query)
         nd = metadata.num_decode_tokens
         if metadata.decode is not None:
-            out[:nd] = self._decode.run(query[:nd], cache)
+            out[:nd] = decode.run(query[:nd], cache)
         if metadata.prefill is not None:
-            out[nd:] = self._prefill.run(query[nd:], cache)
+            out[nd:] = prefill.run(query[nd:], cache)
         return out
 
 

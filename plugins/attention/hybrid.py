@@ -8,6 +8,7 @@ contract "all of a step's K/V is in the cache before any read" holds across the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,8 @@ import torch
 
 from framework import hookimpl, registry
 from framework.hookspecs import Register
-from framework.interfaces import AttentionBackend, CommonAttentionMetadata
+from framework.interfaces import AttentionBackend, AttentionLayerSpec, CommonAttentionMetadata
+from framework.interfaces.attention import LAYER_FEATURES
 from plugins.attention._paged_metadata import split_decode_prefill
 
 if TYPE_CHECKING:
@@ -47,17 +49,21 @@ class HybridBackend(AttentionBackend):
     """
 
     name = "hybrid"
+    # what both parts run (validate_model asks them; an instance sets these from its parts)
+    supports_sliding_window = supports_softcap = supports_sinks = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, block_size: int,
-                 dtype: torch.dtype, device: torch.device, prefill: str = "torch", decode: str = "torch",
-                 prefill_params: dict[str, Any] | None = None, decode_params: dict[str, Any] | None = None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device)
+                 dtype: torch.dtype, device: torch.device, layers: Sequence[AttentionLayerSpec] | None = None,
+                 prefill: str = "torch", decode: str = "torch", prefill_params: dict[str, Any] | None = None,
+                 decode_params: dict[str, Any] | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device, layers)
         args = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, scale=scale,
-                    block_size=block_size, dtype=dtype, device=device)
+                    block_size=block_size, dtype=dtype, device=device, layers=layers)
         if "hybrid" in (prefill, decode):
             raise ValueError("attention=hybrid cannot nest itself; choose real backends for prefill and decode")
+        specs = list(layers or ()) or [AttentionLayerSpec(num_heads, num_kv_heads, head_size, head_size)]
         for part in (prefill, decode):
-            problems = registry.get_class("attention", part).validate_model(num_heads, num_kv_heads, head_size)
+            problems = registry.get_class("attention", part).validate_model(specs)
             if problems:
                 raise ValueError("hybrid attention: " + "; ".join(problems))
         self.prefill_backend = registry.create("attention", prefill, **args, **(prefill_params or {}))
@@ -68,11 +74,21 @@ class HybridBackend(AttentionBackend):
                              f"({self.decode_backend.kv_cache_layout}) use different KV-cache layouts; pair backends "
                              "with the same layout (torch_paged stores keys transposed: pair it with itself)")
         self.kv_cache_layout = self.prefill_backend.kv_cache_layout
+        for attribute in LAYER_FEATURES.values():  # a feature runs when both parts run it
+            setattr(self, attribute, all(getattr(b, attribute) for b in (self.prefill_backend, self.decode_backend)))
 
     @classmethod
     def _parts(cls, config: EngineConfig) -> list[type[AttentionBackend]]:
         params = config.attention_params
         return [registry.get_class("attention", params.get(part, "torch")) for part in ("prefill", "decode")]
+
+    @classmethod
+    def validate_model(cls, layers: Sequence[AttentionLayerSpec], config: EngineConfig | None = None) -> list[str]:
+        """Both parts' model checks (they come from ``config``; without it, only the shape checks)."""
+        if config is None:
+            return super().validate_model(layers)
+        return [f"hybrid part: {p}" for part in cls._parts(config) if part is not cls
+                for p in part.validate_model(layers, config)]
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
@@ -107,7 +123,7 @@ class HybridBackend(AttentionBackend):
             prefill=None if prefill is None else self.prefill_backend.build_metadata(prefill))
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: HybridMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: HybridMetadata, **features: Any) -> torch.Tensor:
         """Write all K/V first, then attend: decode tokens by ``decode``, the rest by ``prefill``.
 
         Each part rewrites its own slice of K/V (the same values), which is harmless. The first write
@@ -119,10 +135,10 @@ class HybridBackend(AttentionBackend):
         out = torch.empty_like(query)
         if metadata.decode is not None:
             out[:nd] = self.decode_backend.forward(layer_idx, query[:nd], key[:nd], value[:nd], kv_cache,
-                                                   metadata.decode)
+                                                   metadata.decode, **features)
         if metadata.prefill is not None:
             out[nd:] = self.prefill_backend.forward(layer_idx, query[nd:], key[nd:], value[nd:], kv_cache,
-                                                    metadata.prefill)
+                                                    metadata.prefill, **features)
         return out
 
 

@@ -5,13 +5,16 @@ each request attends over its blocks through ``block_table``. The flattened batc
 a decode segment (query length 1) and prefill segments (chunks, possibly with cached context, cut
 into causal query tiles, :func:`query_tiles`, and bucketed by visible keys, :func:`length_buckets`),
 each gathered per request into a padded batch and run through
-``torch.nn.functional.scaled_dot_product_attention`` with a mask built once per step.
+``torch.nn.functional.scaled_dot_product_attention`` with a mask built once per step (and once per
+sliding window: keys at positions > q - W). Layers with a softcap or sinks, which SDPA lacks, run
+the same gathered batch through explicit float32 math (``_attention_math.explicit_attention``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,31 +23,58 @@ from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from plugins.attention import _paged_kernel
+from plugins.attention._attention_math import LayerMath, explicit_attention
 from plugins.attention._kv_quant import QMAX, SCALE_BYTES, dequantize_rows, quantize_rows
 
 
 @dataclass
 class _Segment:
-    """Padded view of a group of requests; all tensors built once per step."""
+    """Padded view of a group of requests; all tensors built once per step, masks once per window."""
 
     token_start: int  # first flattened token of the segment
     token_end: int  # one past its last token
     block_table: torch.Tensor  # (num_seg_reqs, num_blocks_needed) int64 block ids
-    mask: torch.Tensor  # (num_seg_reqs, 1, max_q, max_kv) bool, True = attend; packed prefill: (.., G * max_q, ..)
+    num_keys: int  # keys gathered per request: num_blocks_needed * block_size
+    q_pos: torch.Tensor  # (num_seg_reqs, max_q) int64 position of each query row (decodes: max_q = 1)
+    valid_q: torch.Tensor | None  # (num_seg_reqs, max_q) bool real query rows; None for decodes (all real)
+    sdpa_group: int  # query rows per KV head in SDPA's packed prefill layout (G), else 1
     query_index: torch.Tensor | None  # (num_seg_reqs, max_q) int64 into the segment's tokens; None for decodes
     output_index: torch.Tensor | None  # (num_seg_tokens,) int64 into the flattened (reqs * max_q) outputs
     token_index: torch.Tensor | None = None  # (num_seg_tokens,) int64 step token of each output row; None: all of
     # token_start..token_end in order (a length bucket holds only some of the prefill requests)
-    additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # see additive_mask
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # see mask
+    additive_masks: dict[tuple[torch.dtype, int | None], torch.Tensor] = field(default_factory=dict)  # see sdpa_mask
 
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """``mask`` as SDPA's additive float mask in ``dtype`` (0 = attend, -inf = masked), built at the
-        first layer and reused by the others: SDPA converts a boolean mask on every call (a ``where``
-        over the whole ``[R, 1, rows, S]`` mask per layer)."""
-        if dtype not in self.additive_masks:
-            self.additive_masks[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device) \
-                .masked_fill_(~self.mask, float("-inf"))
-        return self.additive_masks[dtype]
+    def mask(self, window: int | None = None) -> torch.Tensor:
+        """``(num_seg_reqs, max_q, num_keys)`` bool, True = attend: keys at positions ``<= q`` (and
+        ``> q - window`` with a sliding window); a padded query row attends to key 0 only (no all-masked,
+        NaN rows). Built at the first layer with this window, reused by the others."""
+        if window not in self.masks:
+            kv_pos = torch.arange(self.num_keys, device=self.q_pos.device)[None, None, :]
+            q_pos = self.q_pos[:, :, None]
+            mask = kv_pos <= q_pos
+            if window is not None:  # transformers: a query at position p sees keys at positions > p - W
+                mask &= kv_pos > q_pos - window
+            if self.valid_q is not None:
+                mask &= self.valid_q[:, :, None]
+                mask[:, :, 0] |= ~self.valid_q
+            self.masks[window] = mask
+        return self.masks[window]
+
+    def sdpa_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+        """:meth:`mask` as SDPA's additive float mask in ``dtype`` (0 = attend, -inf = masked), in SDPA's
+        layout: ``[R, 1, G * max_q, S]`` (packed prefill, rows repeated per query head of a KV head) or
+        ``[R, 1, max_q, S]``. Built at the first layer and reused by the others: SDPA converts a
+        boolean mask on every call (a ``where`` over the whole mask per layer)."""
+        key = (dtype, window)
+        if key not in self.additive_masks:
+            mask = self.mask(window)
+            if self.sdpa_group > 1:
+                num_reqs, max_q, num_keys = mask.shape
+                mask = mask[:, None].expand(-1, self.sdpa_group, -1, -1).reshape(num_reqs, -1, num_keys)
+            self.additive_masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device) \
+                .masked_fill_(~mask, float("-inf"))[:, None]
+        return self.additive_masks[key]
 
 
 @dataclass
@@ -100,6 +130,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     supported_kv_cache_dtypes = ("auto", "int8", "fp8_e4m3")
+    supports_sliding_window = True  # through the mask (keys at positions > q - W)
+    supports_softcap = True  # explicit math (_attention_math), SDPA has no softcap
+    supports_sinks = True  # explicit math, the sink joins the softmax denominator
     DECODE_KERNELS = ("packed", "gqa")
     PREFILL_KERNELS = ("packed", "gqa")
 
@@ -145,13 +178,10 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMetadata(slot_mapping=common.slot_mapping, segments=segments)
 
     def _decode_segment(self, common: CommonAttentionMetadata, nd: int) -> _Segment:
-        seq_lens = common.seq_lens[:nd].long()
-        max_kv = max(common.seq_lens_cpu[:nd])
-        num_blocks = -(-max_kv // self.block_size)
-        kv_pos = torch.arange(num_blocks * self.block_size, device=seq_lens.device)
-        mask = (kv_pos[None, :] < seq_lens[:, None])[:, None, None, :]
-        return _Segment(0, common.num_decode_tokens, common.block_table[:nd, :num_blocks].long(), mask,
-                        None, None)
+        q_pos = common.seq_lens[:nd].long()[:, None] - 1
+        num_blocks = -(-max(common.seq_lens_cpu[:nd]) // self.block_size)
+        return _Segment(0, common.num_decode_tokens, common.block_table[:nd, :num_blocks].long(),
+                        num_blocks * self.block_size, q_pos, None, 1, None, None)
 
     def _prefill_segment(self, common: CommonAttentionMetadata, tiles: list[QueryTile], in_order: bool) -> _Segment:
         """One padded segment of the query tiles ``tiles`` (``in_order``: one tile per prefill request, all
@@ -168,24 +198,19 @@ class TorchAttentionBackend(AttentionBackend):
         q_off = torch.arange(max_q, device=device)
         valid_q = q_off[None, :] < q_lens[:, None]  # (np, max_q)
         q_pos = ctx_lens[:, None] + q_off[None, :]  # absolute position of each query
-        kv_pos = torch.arange(num_blocks * self.block_size, device=device)
-        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]
-        mask[:, :, 0] |= ~valid_q  # padded query rows attend to one key: no all-masked (NaN) rows
-        if self.prefill_kernel == "packed":  # the same rows for each of a KV head's G query heads
-            group = self.num_heads // self.num_kv_heads
-            mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(tiles), group * max_q, -1)
+        group = self.num_heads // self.num_kv_heads if self.prefill_kernel == "packed" else 1
         num_tokens = common.num_tokens - start
         query_index = torch.where(valid_q, q_starts[:, None] + q_off[None, :], 0).clamp_(max=num_tokens - 1)
         output_index = valid_q.flatten().nonzero().squeeze(1)
         token_index = None if in_order else (start + q_starts[:, None] + q_off[None, :])[valid_q]
         return _Segment(start, common.num_tokens, common.block_table[idx, :num_blocks].long(),
-                        mask[:, None], query_index, output_index, token_index)
+                        num_blocks * self.block_size, q_pos, valid_q, group, query_index, output_index, token_index)
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: TorchAttentionMetadata, **features: Any) -> torch.Tensor:
         """Write K/V at ``slot_mapping``, then attend per segment; see ``AttentionBackend.forward``."""
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
-        return self.attend(query, kv_cache, metadata)
+        return self.attend(query, kv_cache, metadata, **features)
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -210,27 +235,37 @@ class TorchAttentionBackend(AttentionBackend):
             value = dequantize_rows(value, self.kv_quant, torch.float32)
         return key, value
 
-    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
-        """Attention only (the step's K/V already in ``kv_cache``): ``query (T, H, D)`` -> ``(T, H, D)``.
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata,
+               scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention only (the step's K/V already in ``kv_cache``): ``query (T, H, D)`` -> ``(T, H, D)``,
+        with the layer's features (``AttentionBackend.forward``).
 
         For backends that write the cache themselves and use this one for part of a step
         (``torch_paged``'s prefill chunks and small decode batches).
         """
         out = torch.empty_like(query)
+        layer = LayerMath(self.scale if scale is None else scale, sliding_window, softcap, sinks)
         for seg in metadata.segments:
-            result = self._attend(query[seg.token_start:seg.token_end], kv_cache, seg)
+            result = self._attend(query[seg.token_start:seg.token_end], kv_cache, seg, layer)
             if seg.token_index is None:
                 out[seg.token_start:seg.token_end] = result
             else:  # a length bucket: its tokens are scattered among the other buckets'
                 out.index_copy_(0, seg.token_index, result)
         return out
 
-    def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, seg: _Segment) -> torch.Tensor:
+    def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, seg: _Segment, layer: LayerMath) -> torch.Tensor:
         k, v = self._gather_kv(kv_cache, seg.block_table, query.dtype)
-        if seg.query_index is None:
-            return self._decode_attend(query, k, v, seg.additive_mask(query.dtype))
-        q = query.index_select(0, seg.query_index.flatten()).view(*seg.query_index.shape, *query.shape[1:])
-        return self._prefill_attend(q, k, v, seg.additive_mask(query.dtype)).index_select(0, seg.output_index)
+        decode = seg.query_index is None
+        q = query if decode else query.index_select(0, seg.query_index.flatten()).view(*seg.query_index.shape,
+                                                                                      *query.shape[1:])
+        if layer.softcap is not None or layer.sinks is not None:  # SDPA has neither
+            out = explicit_attention(q[:, None] if decode else q, k, v, seg.mask(layer.window), layer)
+            return out[:, 0] if decode else out.flatten(0, 1).index_select(0, seg.output_index)
+        mask = seg.sdpa_mask(query.dtype, layer.window)
+        if decode:
+            return self._decode_attend(q, k, v, mask, layer.scale)
+        return self._prefill_attend(q, k, v, mask, layer.scale).index_select(0, seg.output_index)
 
     def _gather_kv(self, kv_cache: torch.Tensor, block_table: torch.Tensor,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,24 +290,25 @@ class TorchAttentionBackend(AttentionBackend):
             k, v = dequantize_rows(k, self.kv_quant, dtype), dequantize_rows(v, self.kv_quant, dtype)
         return k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
 
-    def _prefill_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _prefill_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: float) -> torch.Tensor:
         """Padded prefill chunks: ``q [R, max_q, H, D]``, ``k/v [R, KVH, S, D]``, ``mask`` as built for
         ``prefill_kernel`` (``[R, 1, G * max_q, S]`` packed, ``[R, 1, max_q, S]`` gqa) ->
         ``[R * max_q, H, D]`` (padding rows included)."""
         num_reqs, max_q = q.shape[:2]
         if self.prefill_kernel == "gqa":
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale,
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=True)  # [R, H, max_q, D]
             return o.transpose(1, 2).reshape(-1, self.num_heads, self.head_size)
         group = self.num_heads // self.num_kv_heads
         q = q.view(num_reqs, max_q, self.num_kv_heads, group, self.head_size).permute(0, 2, 3, 1, 4)
         o = F.scaled_dot_product_attention(q.reshape(num_reqs, self.num_kv_heads, group * max_q, self.head_size),
-                                           k, v, attn_mask=mask, scale=self.scale)  # [R, KVH, G * max_q, D]
+                                           k, v, attn_mask=mask, scale=scale)  # [R, KVH, G * max_q, D]
         o = o.view(num_reqs, self.num_kv_heads, group, max_q, self.head_size).permute(0, 3, 1, 2, 4)
         return o.reshape(-1, self.num_heads, self.head_size)
 
-    def _decode_attend(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
+    def _decode_attend(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: float) -> torch.Tensor:
         """One query token per request: ``query [R, H, D]``, ``k/v [R, KVH, S, D]``, ``mask [R, 1, 1, S]``.
 
         ``packed``: the ``G = H / KVH`` query heads of each KV head become ``G`` query rows
@@ -282,12 +318,12 @@ class TorchAttentionBackend(AttentionBackend):
         """
         num_reqs = query.shape[0]
         if self.decode_kernel == "gqa":
-            o = F.scaled_dot_product_attention(query[:, :, None, :], k, v, attn_mask=mask, scale=self.scale,
+            o = F.scaled_dot_product_attention(query[:, :, None, :], k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=True)  # [R, H, 1, D]
             return o[:, :, 0]
         group = self.num_heads // self.num_kv_heads
         q = query.reshape(num_reqs, self.num_kv_heads, group, self.head_size)  # [R, KVH, G, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         return o.reshape(num_reqs, self.num_heads, self.head_size)
 
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ import torch
 
 from framework import hookimpl
 from framework.hookspecs import Register
-from framework.interfaces import AttentionBackend, CommonAttentionMetadata
+from framework.interfaces import AttentionBackend, AttentionLayerSpec, CommonAttentionMetadata
 from framework.worker.compile import inductor_config
 from plugins.attention._kv_quant import QMAX
 from plugins.attention._paged_kernel import KVPartitions, kv_partitions, paged_attention, write_kv_in_graph
@@ -72,8 +73,8 @@ def _compiled_kernel() -> Any:
 def _mark_dynamic(kv: KVPartitions) -> None:
     """Mark the batch dims of ``kv`` dynamic: partitions, tokens and partitions per token."""
     for tensor, dims in ((kv.block_tables, (0,)), (kv.kv_lens, (0,)), (kv.tokens, (0,)), (kv.partitions, (0, 1)),
-                         (kv.num_partitions, (0,))):
-        for dim in dims:
+                         (kv.num_partitions, (0,)), (kv.kv_starts, (0,))):
+        for dim in dims if tensor is not None else ():
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
@@ -87,7 +88,7 @@ def _call_compiled(fn: Any, args: tuple[Any, ...]) -> torch.Tensor:
     """
     from torch.fx.experimental import _config as fx_config
 
-    query, kv_cache, kv, _ = args
+    query, kv_cache, kv = args[:3]
     torch._dynamo.maybe_mark_dynamic(query, 0)
     torch._dynamo.maybe_mark_dynamic(kv_cache, 1)
     _mark_dynamic(kv)
@@ -101,6 +102,20 @@ class PagedAttentionMetadata:
 
     kv: KVPartitions  # the keys each token attends to (its position + 1), cut into partitions
     slot_mapping: torch.Tensor  # (num_tokens,) int64 cache slots of these tokens' new K/V
+    windows: dict[int, KVPartitions] = field(default_factory=dict)  # sliding window W -> the last W of those keys
+
+    def partitions(self, window: int | None) -> KVPartitions:
+        """The partitions of a layer with this sliding window (``None``: full causal).
+
+        Raises:
+            RuntimeError: the backend was built without a layer of this window (``layers``).
+        """
+        if window is None:
+            return self.kv
+        if window not in self.windows:
+            raise RuntimeError(f"torch_paged: no metadata for sliding window {window}; the backend's layers "
+                               f"declare windows {sorted(self.windows)}")
+        return self.windows[window]
 
 
 @dataclass
@@ -153,11 +168,15 @@ class TorchPagedAttentionBackend(AttentionBackend):
 
     name = "torch_paged"
     supported_kv_cache_dtypes = TorchAttentionBackend.supported_kv_cache_dtypes  # quantized: all via the reference
+    supports_sliding_window = True  # partitions from the window's first block; the reference masks
+    supports_softcap = True
+    supports_sinks = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, block_size: int,
-                 dtype: torch.dtype, device: torch.device, compile: bool = True, min_paged_decodes: int = 8,
-                 paged_prefill: bool = False, prefill_kernel: str = "packed", prefill_tile: int = 64) -> None:
-        super().__init__(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device)
+                 dtype: torch.dtype, device: torch.device, layers: Sequence[AttentionLayerSpec] | None = None,
+                 compile: bool = True, min_paged_decodes: int = 8, paged_prefill: bool = False,
+                 prefill_kernel: str = "packed", prefill_tile: int = 64) -> None:
+        super().__init__(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device, layers)
         if int(min_paged_decodes) < 1:
             raise ValueError(f"min_paged_decodes must be >= 1, got {min_paged_decodes}")
         self.compile = bool(compile)
@@ -165,7 +184,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         self.paged_prefill = bool(paged_prefill)
         self.in_place = dtype not in QMAX  # the kernel reads unquantized caches only
         self.reference = TorchAttentionBackend(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device,
-                                               prefill_kernel=prefill_kernel, prefill_tile=prefill_tile,
+                                               layers, prefill_kernel=prefill_kernel, prefill_tile=prefill_tile,
                                                kv_layout="HDN" if self.in_place else "NHD")
         self.cache_dtype = self.reference.cache_dtype
         self.kv_cache_layout = self.reference.kv_cache_layout  # "HDN" ("NHD" when quantized)
@@ -189,18 +208,24 @@ class TorchPagedAttentionBackend(AttentionBackend):
         return self.reference.read_kv(kv_cache, slots)
 
     def _warm_up(self) -> None:
-        """Compile the kernel now (start-up) on a dummy 2-token, 2-block call in this dtype, so that
-        the first large decode step of a run does not stall on inductor (seconds to tens of seconds)."""
+        """Compile the kernel now (start-up) on a dummy 2-token, 2-block call in this dtype, once per
+        distinct layer kind (window or not, softcap, sinks), so that the first large decode step of a
+        run does not stall on inductor (seconds to tens of seconds)."""
         group, d, bs = self.num_heads // self.num_kv_heads, self.head_size, self.block_size
         kw = {"device": self.device}
+        kinds = {(layer.sliding_window, layer.softcap, layer.has_sinks) for layer in self.layers} or {(None, None, False)}
         # as in the engine: the cache is allocated outside inference mode, the step's tensors inside
         # (dynamo guards on their dispatch keys: any difference recompiles at the first real step)
         cache = torch.zeros(self.get_kv_cache_shape(3), dtype=self.dtype, **kw)
         with torch.inference_mode():
-            kv = kv_partitions(torch.tensor([[0, 1], [1, 2]], **kw), [bs + 1, 2 * bs], bs)
-            meta = PagedAttentionMetadata(kv, torch.tensor([bs, 2 * bs + 1], **kw))
+            table, lens = torch.tensor([[0, 1], [1, 2]], **kw), [bs + 1, 2 * bs]
+            windows = {w: kv_partitions(table, lens, bs, window=w) for w, _, _ in kinds if w is not None}
+            meta = PagedAttentionMetadata(kv_partitions(table, lens, bs), torch.tensor([bs, 2 * bs + 1], **kw), windows)
             query = torch.zeros(2, self.num_kv_heads * group, d, dtype=self.dtype, **kw)
-            self._attend_in_place(query, cache, meta)
+            for window, softcap, sinks in sorted(kinds, key=str):
+                features = {"sliding_window": window, "softcap": softcap,
+                            "sinks": torch.zeros(self.num_heads, dtype=self.dtype, **kw) if sinks else None}
+                self._attend_in_place(query, cache, meta, **features)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchPagedStepMetadata:
         """Split the step into its in-place part (decodes first) and its reference part; when every
@@ -219,32 +244,35 @@ class TorchPagedAttentionBackend(AttentionBackend):
                                       None if prefill is None else self.reference.build_metadata(prefill))
 
     def _paged_metadata(self, common: CommonAttentionMetadata) -> PagedAttentionMetadata:
-        """Each token's visible keys (position + 1) cut into partitions, shared by all layers."""
+        """Each token's visible keys (position + 1) cut into partitions, shared by all layers, and the
+        same for each sliding window the layers use."""
         if common.num_tokens == common.num_reqs:  # one token per request (decodes)
-            return PagedAttentionMetadata(kv_partitions(common.block_table, common.seq_lens_cpu, self.block_size),
-                                          common.slot_mapping)
-        q_lens, seq_lens = np.asarray(common.query_lens_cpu), np.asarray(common.seq_lens_cpu)
-        rows = np.repeat(np.arange(common.num_reqs), q_lens)
-        offset = np.arange(common.num_tokens) - (np.cumsum(q_lens) - q_lens)[rows]
-        kv_lens = (seq_lens - q_lens)[rows] + offset + 1
+            kv_lens, rows = common.seq_lens_cpu, None
+        else:
+            q_lens, seq_lens = np.asarray(common.query_lens_cpu), np.asarray(common.seq_lens_cpu)
+            rows = np.repeat(np.arange(common.num_reqs), q_lens)
+            offset = np.arange(common.num_tokens) - (np.cumsum(q_lens) - q_lens)[rows]
+            kv_lens = (seq_lens - q_lens)[rows] + offset + 1
+        windows = {w: kv_partitions(common.block_table, kv_lens, self.block_size, rows, window=w)
+                   for w in self.sliding_windows}
         return PagedAttentionMetadata(kv_partitions(common.block_table, kv_lens, self.block_size, rows),
-                                      common.slot_mapping)
+                                      common.slot_mapping, windows)
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: TorchPagedStepMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: TorchPagedStepMetadata, **features: Any) -> torch.Tensor:
         """Write all of the step's K/V, then attend each part; see ``AttentionBackend.forward``."""
         if metadata.paged is None and not self.in_place:  # quantized: the reference writes and attends
-            return self.reference.forward(layer_idx, query, key, value, kv_cache, metadata.reference)
+            return self.reference.forward(layer_idx, query, key, value, kv_cache, metadata.reference, **features)
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         if metadata.paged is None:
-            return self.reference.attend(query, kv_cache, metadata.reference)
+            return self.reference.attend(query, kv_cache, metadata.reference, **features)
         n = metadata.num_paged_tokens
-        paged = self._attend_in_place(query[:n], kv_cache, metadata.paged)
+        paged = self._attend_in_place(query[:n], kv_cache, metadata.paged, **features)
         if metadata.reference is None:
             return paged
         out = torch.empty_like(query)
         out[:n] = paged
-        out[n:] = self.reference.attend(query[n:], kv_cache, metadata.reference)
+        out[n:] = self.reference.attend(query[n:], kv_cache, metadata.reference, **features)
         return out
 
     def traceable_inputs(self, metadata: TorchPagedStepMetadata) -> PagedAttentionMetadata | None:
@@ -252,27 +280,33 @@ class TorchPagedAttentionBackend(AttentionBackend):
         marked dynamic; see ``AttentionBackend.traceable_inputs``."""
         graph = metadata.graph
         if graph is not None:
-            _mark_dynamic(graph.kv)
+            for kv in (graph.kv, *graph.windows.values()):
+                _mark_dynamic(kv)
             torch._dynamo.maybe_mark_dynamic(graph.slot_mapping, 0)
         return graph
 
     def traceable_forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          kv_cache: torch.Tensor, inputs: PagedAttentionMetadata) -> torch.Tensor:
+                          kv_cache: torch.Tensor, inputs: PagedAttentionMetadata, scale: float | None = None,
+                          sliding_window: int | None = None, softcap: float | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write K/V (``write_kv_in_graph``) and attend in place, as traceable torch code;
         see ``AttentionBackend.traceable_forward``."""
         write_kv_in_graph(kv_cache, key, value, inputs.slot_mapping)
         num_tokens = query.shape[0]
         q = query.reshape(num_tokens, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size)
-        out = paged_attention(q, kv_cache, inputs.kv, self.scale)
+        out = paged_attention(q, kv_cache, inputs.partitions(sliding_window), self.scale if scale is None else scale,
+                              softcap, sinks)
         return out.reshape(num_tokens, self.num_heads, self.head_size)
 
-    def _attend_in_place(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                         metadata: PagedAttentionMetadata) -> torch.Tensor:
+    def _attend_in_place(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: PagedAttentionMetadata,
+                         scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = query.shape[0]
         q = query.reshape(num_tokens, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size)
         # a view of the cache: _call_compiled marks its block dim dynamic, and a marking on the cache
         # tensor itself would fail the guards of a compiled decoder graph that takes it as an input
-        args = (q, kv_cache.view(kv_cache.shape), metadata.kv, self.scale)
+        args = (q, kv_cache.view(kv_cache.shape), metadata.partitions(sliding_window),
+                self.scale if scale is None else scale, softcap, sinks)
         try:
             out = paged_attention(*args) if self._fn is paged_attention else _call_compiled(self._fn, args)
         except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same math, eager

@@ -45,6 +45,9 @@ def build_xformers_metadata(common: CommonAttentionMetadata) -> XFormersMetadata
 class XFormersBackend(AttentionBackend):
     """Gathered-context attention with ``xformers.ops.memory_efficient_attention``; CUDA, fp16/bf16/fp32.
 
+    No sliding window, softcap or sinks (its bias here is block-diagonal causal only): models that need
+    them are refused before loading (``validate_model``), naming a backend that has them.
+
     Raises:
         ImportError: ``xformers`` is not installed (message gives the pip command).
     """
@@ -70,8 +73,9 @@ class XFormersBackend(AttentionBackend):
         return meta
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: XFormersMetadata) -> torch.Tensor:
-        """Write the step's K/V (all of it, before any read), gather contexts, attend in one call."""
+                kv_cache: torch.Tensor, metadata: XFormersMetadata, scale: float | None = None) -> torch.Tensor:
+        """Write the step's K/V (all of it, before any read), gather contexts, attend in one call
+        (``scale``: this layer's softmax scale when it differs from the backend's)."""
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         kvh, d = self.num_kv_heads, self.head_size
         group = self.num_heads // kvh
@@ -80,7 +84,7 @@ class XFormersBackend(AttentionBackend):
         q = query.view(1, -1, kvh, group, d)  # [B=1, M, G=KVH, H=group, D]
         k = k[None, :, :, None, :].expand(1, -1, kvh, group, d)
         v = v[None, :, :, None, :].expand(1, -1, kvh, group, d)
-        out = self._attend(q, k, v, attn_bias=metadata.attn_bias, scale=self.scale)
+        out = self._attend(q, k, v, attn_bias=metadata.attn_bias, scale=self.scale if scale is None else scale)
         return out.reshape(-1, self.num_heads, d)
 
 

@@ -5,6 +5,11 @@ weights load (gpt-fast's transform-the-finished-model approach); the model code 
 ``lm_head`` and ``embed_tokens`` are never quantized: both shipped models tie ``lm_head.weight`` to
 ``embed_tokens.weight``, so the shared tensor stays full precision and the tie stays intact
 (quantizing the tied head would either break the tie or quantize the embedding lookup too).
+
+Per family: MoE experts (Mixtral, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek) are fused 3-D parameters in
+transformers 5, not ``nn.Linear``, so they and the routers stay in the model dtype (logged); their
+attention projections, dense and shared-expert MLPs are quantized. GPT-2's projections are
+transformers ``Conv1D`` layers: nothing to quantize, refused before loading.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+#: Model types whose decoder projections are transformers ``Conv1D`` (not ``nn.Linear``).
+CONV1D_MODEL_TYPES = frozenset({"gpt2", "openai-gpt"})
+
+
 class LinearQuantMethod(QuantMethod):
     """Base of the weight-quant methods: selects the decoder's linears, logs bytes before/after.
 
@@ -55,18 +64,44 @@ class LinearQuantMethod(QuantMethod):
         self.skip = tuple(skip)
         self.backend_note = ""  # what kernel runs, set by quantize_linears; logged
 
+    @classmethod
+    def validate(cls, config: Any) -> list[str]:
+        """The model's decoder has ``nn.Linear`` projections (read from ``config.json``)."""
+        problems = super().validate(config)
+        from framework.worker.model_loader import load_model_config
+
+        try:
+            model_type = load_model_config(config.model).model_type
+        except (OSError, ValueError):  # a missing model is reported by the model checks
+            return problems
+        if model_type in CONV1D_MODEL_TYPES:
+            problems.append(f"quant={cls.name}: {model_type}'s projections are transformers Conv1D layers, which "
+                            "servelab's quant methods do not rewrite; use quant=none")
+        return problems
+
     def selected(self, name: str, module: torch.nn.Module) -> bool:
         """True for the decoder ``nn.Linear`` layers this method quantizes (``name`` relative to ``model.model``)."""
         return isinstance(module, torch.nn.Linear) and not any(name.endswith(s) for s in self.skip)
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Quantize the decoder's linears in place (``lm_head``/embedding untouched); returns ``model``."""
+        """Quantize the decoder's linears in place (``lm_head``/embedding untouched); returns ``model``.
+
+        Raises:
+            ValueError: the decoder has no linear this method selects (nothing would be quantized).
+        """
         before = weight_bytes(model)
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        if not any(self.selected(name, module) for name, module in decoder.named_modules()):
+            raise ValueError(f"quant={self.name}: {type(model).__name__}'s decoder has no nn.Linear to quantize; "
+                             "use quant=none")
+        experts = [t for _, t in decoder.named_parameters() if t.dim() == 3]  # fused MoE experts (E, out, in)
         self.quantize_linears(decoder)
         after = weight_bytes(model)
         logger.info("quant=%s: weights %.2f MiB -> %.2f MiB (%s); lm_head and embed_tokens kept full precision",
                     self.name, before / 2**20, after / 2**20, self.backend_note)
+        if experts:
+            logger.info("quant=%s: %d fused MoE expert tensors (%.2f MiB) and the routers kept in the model dtype",
+                        self.name, len(experts), sum(tensor_bytes(t) for t in experts) / 2**20)
         return model
 
     @abstractmethod

@@ -77,6 +77,8 @@ class Int4WeightOnly(LinearQuantMethod):
         """Group size allowed and dividing the model's hidden/intermediate sizes (from config.json);
         bfloat16 on CUDA."""
         problems = super().validate(config)
+        if any("Conv1D" in p for p in problems):  # no linears: the shape checks below do not apply
+            return problems
         params = config.plugin_params("quant")
         group = params.get("group_size", 128)
         skip = tuple(params.get("skip", ()))
@@ -86,7 +88,8 @@ class Int4WeightOnly(LinearQuantMethod):
 
         mc = load_model_config(config.model)
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        q_out, kv_out = mc.num_attention_heads * head_dim, mc.num_key_value_heads * head_dim
+        q_out = mc.num_attention_heads * head_dim
+        kv_out = (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) * head_dim
         in_features = {"q_proj": mc.hidden_size, "k_proj": mc.hidden_size, "v_proj": mc.hidden_size,
                        "gate_proj": mc.hidden_size, "up_proj": mc.hidden_size, "o_proj": q_out,
                        "down_proj": mc.intermediate_size}

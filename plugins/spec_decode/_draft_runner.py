@@ -20,8 +20,8 @@ def build_draft_runner(model: torch.nn.Module, model_config: Any, config: Engine
 
     Args:
         model: the drafter's module (a ``*ForCausalLM`` or an EAGLE head), on ``config.device``.
-        model_config: its config (``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` or
-            ``hidden_size``, ``num_hidden_layers``).
+        model_config: its transformers config (each layer's attention is read from it by
+            ``framework.worker.model_families.attention_layers``, as for the target).
         config: the engine config (attention backend and its params, block size, dtype, device,
             ``max_num_seqs``, ``kv_cache_memory_bytes``).
         max_len: longest sequence the drafter must hold, tokens.
@@ -31,17 +31,28 @@ def build_draft_runner(model: torch.nn.Module, model_config: Any, config: Engine
 
     Returns:
         ``(kv_allocator, model_runner)``.
+
+    Raises:
+        ValueError: the attention backend cannot run the drafter's layers (or the architecture is
+            refused: ``UnsupportedModelError``).
     """
     from framework import registry
+    from framework.worker.model_families import attention_layers
     from framework.worker.model_runner import ModelRunner
     from framework.worker.sampler import Sampler
 
     dtype, device = getattr(torch, config.dtype), torch.device(config.device)
     mc = model_config
-    head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    backend = registry.create("attention", config.attention, num_heads=mc.num_attention_heads,
-                              num_kv_heads=mc.num_key_value_heads, head_size=head_size, scale=head_size ** -0.5,
-                              block_size=config.block_size, dtype=dtype, device=device,
+    layers = attention_layers(mc)
+    problems = registry.get_class("attention", config.attention).validate_model(layers, config)
+    if problems:
+        raise ValueError("the drafter's model: " + "; ".join(problems))
+    head_size = max(layer.cache_head_size for layer in layers)
+    scale = next((float(m.scaling) for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")),
+                 layers[0].head_size ** -0.5)
+    backend = registry.create("attention", config.attention, num_heads=layers[0].num_heads,
+                              num_kv_heads=layers[0].num_kv_heads, head_size=head_size, scale=scale,
+                              block_size=config.block_size, dtype=dtype, device=device, layers=layers,
                               **config.plugin_params("attention"))
     blocks_per_seq = -(-max_len // config.block_size)
     budget = config.kv_cache_memory_bytes // backend.kv_cache_bytes_per_block(mc.num_hidden_layers)

@@ -57,19 +57,28 @@ class DraftModelDrafter(Drafter):
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
-        """Model path given and present, and its vocabulary equals the target's (configs only)."""
+        """Model path given and present, its architecture runs on the chosen attention backend, and its
+        vocabulary equals the target's (configs only)."""
         problems = super().validate(config)
         path = config.drafter_params.get("model")
         if not path:
             return problems + [MISSING_MODEL]
+        from framework import registry
+        from framework.worker.model_families import UnsupportedModelError, attention_layers
         from framework.worker.model_loader import load_model_config
 
         try:
-            draft_vocab = load_model_config(path).vocab_size
-            target_vocab = load_model_config(config.model).vocab_size
+            draft = load_model_config(path)
+            draft_vocab, target_vocab = draft.vocab_size, load_model_config(config.model).vocab_size
         except (OSError, ValueError) as exc:
             return problems + [f"spec_decode=draft_model: cannot read the draft model {path!r} ({exc}); "
                                "give an existing model folder in spec_decode.params.model"]
+        try:  # the draft runs through the same attention backend: the same refusals apply to it
+            problems += [f"spec_decode=draft_model: {p}" for p in
+                         registry.get_class("attention", config.attention).validate_model(attention_layers(draft),
+                                                                                           config)]
+        except UnsupportedModelError as exc:
+            problems.append(f"spec_decode=draft_model: the draft model {path!r}: {exc}")
         if draft_vocab != target_vocab:
             problems.append(f"spec_decode=draft_model: draft vocabulary {draft_vocab} != target vocabulary "
                             f"{target_vocab}; the draft model must share the target's tokenizer")

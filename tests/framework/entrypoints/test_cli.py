@@ -1,11 +1,15 @@
-"""The servelab command: subcommand dispatch, ``servelab plugins``, ``servelab rerun`` argv."""
+"""The servelab command: subcommand dispatch, ``servelab plugins``, ``servelab models``, ``servelab rerun`` argv."""
 
 from __future__ import annotations
 
 import pytest
 
 from framework.entrypoints import cli
+from framework.entrypoints.model_info import family_rows, markdown_table
 from framework.entrypoints.plugin_info import chosen_plugin_sources, list_plugins
+from framework.worker.model_families import FAMILIES
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[3]
 
 
 def test_plugins_lists_every_builtin_with_package_and_capabilities(capsys):
@@ -18,6 +22,23 @@ def test_plugins_lists_every_builtin_with_package_and_capabilities(capsys):
     assert cli.main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "fcfs" in out and "servelab" in out and "float32" in out
+
+
+def test_models_lists_each_family_with_needs_backends_and_test(capsys):
+    rows = {r.family: r for r in family_rows()}
+    assert len(rows) == len(FAMILIES)
+    assert "attention sinks" in rows["gpt-oss"].needs and "MoE" in rows["gpt-oss"].needs
+    assert rows["gpt-oss"].backends.split(", ") == ["hybrid", "torch", "torch_paged"]  # sinks: CPU backends only
+    assert "flash_attn (CUDA)" in rows["Gemma 2"].backends and "xformers" not in rows["Gemma 2"].backends
+    assert "xformers (CUDA)" in rows["Llama"].backends
+    assert rows["GPT-2"].test.endswith("test_family_parity[gpt2]")
+    assert cli.main(["models"]) == 0
+    assert "Gemma 2" in capsys.readouterr().out
+
+
+def test_readme_table_is_servelab_models():
+    """The README's family table is ``servelab models --markdown`` (regenerate it when a family changes)."""
+    assert markdown_table() in (REPO / "README.md").read_text()
 
 
 def test_chosen_plugin_sources_names_package_and_version():

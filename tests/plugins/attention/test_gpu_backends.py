@@ -16,6 +16,7 @@ from helpers import STORIES
 
 from framework import EngineConfig, registry
 from framework.engine.builder import build_engine, validate_plugins
+from framework.interfaces import AttentionLayerSpec
 from plugins.attention._paged_metadata import (
     cu_seqlens,
     gather_context_index,
@@ -118,7 +119,7 @@ def test_flash_attn_block_size_rule_is_declared():
 
 def test_head_size_checked_before_weights_load():
     # stories260K has head_size 8; FlashInfer's kernels are compiled for 64/128/256
-    problems = registry.get_class("attention", "flashinfer").validate_model(8, 4, 8)
+    problems = registry.get_class("attention", "flashinfer").validate_model([AttentionLayerSpec(8, 4, 8, 8)])
     assert problems and "head_size=8" in problems[0]
 
 

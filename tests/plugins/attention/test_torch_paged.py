@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from framework import SamplingParams
-from framework.interfaces import CommonAttentionMetadata
+from framework.interfaces import AttentionLayerSpec, CommonAttentionMetadata
+from framework.testing.attention import WINDOW, check_attention_backend, conformance_layers, reference_attention
 from plugins.attention import torch_paged
 from plugins.attention._paged_kernel import (
     MIN_PARTITIONS,
@@ -323,7 +324,7 @@ def test_kv_partitions_cut_each_token_into_partitions_of_its_own_blocks():
     assert kv.block_tables.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 10, 10], [11, 12, 13, 14],
                                         [21, 22, 23, 24]]
     assert kv.partitions.tolist() == [[0, 1, 2], [3, 3, 3], [4, 4, 4]]
-    assert all(t.is_contiguous() and t.dtype == torch.long for t in vars(kv).values())
+    assert all(t.is_contiguous() and t.dtype == torch.long for t in vars(kv).values() if t is not None)
 
     by_rows = kv_partitions(table, [3, 9], bs, rows=[2, 0])  # token 0 reads row 2, token 1 row 0
     assert by_rows.block_tables.tolist() == [[21, 22, 23, 24], [1, 2, 3, 4], [5, 6, 7, 8]]
@@ -335,3 +336,69 @@ def test_kv_partitions_cut_each_token_into_partitions_of_its_own_blocks():
     assert single.num_partitions.tolist() == [1]
     with pytest.raises(ValueError, match="table"):
         kv_partitions(torch.tensor([[5, 6]]), [5], bs)
+
+
+@pytest.mark.parametrize("paged_prefill", [True, False])
+def test_conformance_with_window_softcap_sinks(paged_prefill):
+    """The conformance suite's random mixed batches on layers with a sliding window (5, with 4-token
+    blocks), a softcap, sinks and all three: the in-place kernel for every token (``paged_prefill``),
+    or the kernel for decodes and the reference (HDN layout) for chunks."""
+    check_attention_backend(TorchPagedAttentionBackend, compile=False, min_paged_decodes=1, paged_prefill=paged_prefill)
+
+
+def test_window_never_reads_blocks_before_it():
+    """Blocks whose every key is outside the query's window may hold another request's K/V (the
+    KV-memory manager may reuse them): filled with large garbage, the output still equals attention
+    over the window — the kernel starts each token's partitions at its window's first block, the
+    reference masks by position. (Garbage must be finite: masked keys still meet a zero weight, e.g.
+    in padding columns of the block table.)"""
+    window, bs, kvh, heads = 5, 4, 2, 4
+    layers = [AttentionLayerSpec(heads, kvh, D, D, sliding_window=window)]
+    spec, tables = [(29, 1), (20, 6)], [list(range(8)), list(range(8, 15))]
+    slots = [tables[i][p // bs] * bs + p % bs for i, (c, q) in enumerate(spec) for p in range(c, c + q)]
+    gen = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(c + q, kvh, D, generator=gen), torch.randn(c + q, kvh, D, generator=gen)) for c, q in spec]
+    qs = torch.randn(sum(q for _, q in spec), heads, D, generator=gen)
+    expected = torch.cat([reference_attention(qs[:1], *kv[0], 29, D ** -0.5, window),
+                          reference_attention(qs[1:], *kv[1], 20, D ** -0.5, window)])
+    for backend in (TorchPagedAttentionBackend(heads, kvh, D, D ** -0.5, bs, torch.float32, torch.device("cpu"),
+                                               layers, compile=False, min_paged_decodes=1, paged_prefill=True),
+                    TorchAttentionBackend(heads, kvh, D, D ** -0.5, bs, torch.float32, torch.device("cpu"), layers)):
+        cache = torch.zeros(backend.get_kv_cache_shape(16))
+        for (c, _), table, (k, v) in zip(spec, tables, kv):
+            ctx = torch.tensor([table[p // bs] * bs + p % bs for p in range(c)], dtype=torch.long)
+            backend.write_kv(cache, k[:c], v[:c], ctx)
+            for b in table[:(c - window + 1) // bs]:  # blocks wholly before the window of every query
+                stale = torch.full((bs, kvh, D), 1e4)
+                backend.write_kv(cache, stale, -stale, torch.arange(b * bs, (b + 1) * bs))
+        new_k = torch.cat([k[c:] for (k, _), (c, _) in zip(kv, spec)])
+        new_v = torch.cat([v[c:] for (_, v), (c, _) in zip(kv, spec)])
+        meta = backend.build_metadata(_common(spec, tables, slots, bs))
+        out = backend.forward(0, qs, new_k, new_v, cache, meta, sliding_window=window)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_traceable_forward_with_features_equals_forward():
+    """The traced decode path (``engine.compile``) gets the window's own partitions, the softcap and
+    the sinks: same output as ``forward`` on every kind of layer."""
+    layers = conformance_layers(TorchPagedAttentionBackend, 6, 2, D)
+    backend = TorchPagedAttentionBackend(6, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"), layers,
+                                         compile=False, min_paged_decodes=1)
+    gen = torch.Generator().manual_seed(4)
+    spec, tables = [(5, 1), (0, 1), (13, 1)], [[4, 7], [2], [0, 9, 3, 5]]
+    slots = [tables[i][c // 4] * 4 + c % 4 for i, (c, _) in enumerate(spec)]
+    cache = torch.zeros(backend.get_kv_cache_shape(10))
+    for (c, _), table in zip(spec, tables):
+        ctx = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(c)], dtype=torch.long)
+        backend.write_kv(cache, torch.randn(c, 2, D, generator=gen), torch.randn(c, 2, D, generator=gen), ctx)
+    q, k, v = torch.randn(3, 6, D, generator=gen), torch.randn(3, 2, D, generator=gen), torch.randn(3, 2, D, generator=gen)
+    step = backend.build_metadata(_common(spec, tables, slots, 4))
+    inputs = backend.traceable_inputs(step)
+    assert sorted(inputs.windows) == [WINDOW]
+    sinks = torch.randn(6, generator=gen)
+    for layer in layers:
+        features = {k: v for k, v in (("sliding_window", layer.sliding_window), ("softcap", layer.softcap),
+                                      ("sinks", sinks if layer.has_sinks else None)) if v is not None}
+        expected = backend.forward(0, q, k, v, cache.clone(), step, **features)
+        out = backend.traceable_forward(0, q, k, v, cache.clone(), inputs, **features)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,70 @@
+"""``servelab models``: the decoder families servelab runs, what each needs and which backends run it.
+
+The rows are :data:`framework.worker.model_families.FAMILIES`; the backends column asks every
+registered attention backend whether it has the features the family's checkpoints use (sliding
+window, softcap, sinks: ``supports_*``). Head sizes are checked per checkpoint when an engine is
+built (``validate_model``); MLA families need the value head size padded to the key head size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from framework import registry
+from framework.interfaces.attention import FEATURE_NAMES, LAYER_FEATURES
+from framework.worker.model_families import FAMILIES, ModelFamily
+
+
+@dataclass(frozen=True)
+class FamilyRow:
+    """One printed row of ``servelab models``."""
+
+    family: str  # family name
+    architecture: str  # transformers class
+    model_types: str  # config.model_type values, comma-separated
+    needs: str  # attention features, then model traits
+    backends: str  # registered attention backends with every feature it needs ("(CUDA)": GPU-only)
+    test: str  # pytest node id of its tiny random-weight parity test
+
+
+def backends_for(family: ModelFamily) -> list[str]:
+    """Registered attention backends declaring every feature ``family`` uses (``"(CUDA)"`` marks GPU-only)."""
+    names = []
+    for name, cls in sorted(registry.available("attention").items(), key=lambda item: (item[1].requires_cuda, item[0])):
+        if all(getattr(cls, LAYER_FEATURES[feature]) for feature in family.features):
+            names.append(f"{name} (CUDA)" if cls.requires_cuda else name)
+    return names
+
+
+def family_rows() -> list[FamilyRow]:
+    """One :class:`FamilyRow` per family of :data:`FAMILIES`, in table order."""
+    return [FamilyRow(f.name, f.architecture, ", ".join(f.model_types),
+                      ", ".join([FEATURE_NAMES[x] for x in f.features] + list(f.traits)) or "-",
+                      ", ".join(backends_for(f)), f.test) for f in FAMILIES]
+
+
+def markdown_table() -> str:
+    """The README's table of :func:`family_rows` (GitHub Markdown)."""
+    lines = ["| family | architecture | needs | attention backends | test |", "|---|---|---|---|---|"]
+    lines += [f"| {r.family} | `{r.architecture}` | {r.needs} | {r.backends} | `{r.test.split('::')[1]}` |"
+              for r in family_rows()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``servelab models [--markdown]``: print the table (rich, or Markdown for the README)."""
+    if argv and "--markdown" in argv:
+        print(markdown_table())
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="servelab models (tests in tests/framework/worker/test_families.py; refused before loading: "
+                        "encoder-decoder, non-causal, attention outside transformers' interface such as Falcon, "
+                        "chunked/linear/state-space layers)", header_style="bold")
+    for column in ("family", "architecture", "model_type", "needs", "attention backends", "test"):
+        table.add_column(column)
+    for r in family_rows():
+        table.add_row(r.family, r.architecture, r.model_types, r.needs, r.backends, r.test.split("::")[1])
+    Console(width=240).print(table)
+    return 0

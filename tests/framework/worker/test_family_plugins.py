@@ -1,0 +1,96 @@
+"""Every plugin that touches the model keeps working per family, or refuses clearly: ``engine.compile``,
+speculative decoding (draft models and EAGLE heads for non-Llama targets, verify rows through windows
+and sinks), structured output, and quant methods (MoE experts left alone and said; GPT-2's Conv1D
+refused). Prepacked linears run in every family's ``torch_paged`` parity run (``test_families.py``).
+Tiny models and the transformers oracle come from ``tests/families.py``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from families import ENGINE, MAX_TOKENS, assert_matches_transformers, hf_reference, prompts, run_family, tiny_model_dir
+from grammar_helpers import SPECS, check_output
+from helpers import STORIES_EAGLE
+
+from framework import EngineConfig, SamplingParams, StructuredOutputsParams
+from framework.engine.builder import validate_plugins
+
+KERNEL = {"attention": "torch_paged",
+          "attention_params": {"compile": False, "min_paged_decodes": 1, "paged_prefill": True}}
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "deepseek_v3"])
+def test_compiled_engine_traces_every_feature(family, make_llm, monkeypatch):
+    """``engine.compile=true`` (default ``torch_paged``: decode steps attend inside the decoder graph,
+    others through the ``servelab::attention`` op with the layer's features as arguments; the LM head
+    and Gemma's final softcap after the graph): dynamo traces each decoder whole (fullgraph) with
+    windows, softcaps, sinks, MoE and MLA's padded value heads, and the engine still equals
+    transformers. Inductor's code generation is replaced by running the traced FX graphs (tens of
+    seconds less per family here); ``test_compile.py`` covers inductor itself."""
+    import torch._inductor.compile_fx as inductor
+
+    monkeypatch.setattr(inductor, "compile_fx", lambda graph, example_inputs, **kwargs: graph)
+    llm, outs = run_family(make_llm, family, compile=True, attention_params={"min_paged_decodes": 1})
+    assert_matches_transformers(family, outs, "compiled")
+    summary = llm.engine.metrics.summary()
+    assert summary["compile_active"] and summary["compile_num_recompiles"] == 0, summary
+
+
+@pytest.mark.parametrize(("family", "drafter"), [("gpt_oss", "draft_model"), ("gemma2", "eagle")])
+def test_spec_decode_on_non_llama_targets(family, drafter, make_llm):
+    """A draft model of the family itself (every draft accepted: verify rows of k + 1 queries through
+    the windows, sinks and MoE of gpt-oss in ``torch_paged``'s kernel) and the stories260K EAGLE head
+    on a Gemma 2 target (its hidden size and vocabulary match; Gemma's final softcap applied to the
+    target logits the head path computes): greedy output unchanged."""
+    model = str(tiny_model_dir(family)) if drafter == "draft_model" else STORIES_EAGLE
+    llm, outs = run_family(make_llm, family, **KERNEL, num_blocks=40, drafter=drafter,
+                           drafter_params={"model": model, "num_speculative_tokens": 3})
+    assert_matches_transformers(family, outs, drafter)
+    assert llm.engine.metrics.summary()["spec_num_draft_tokens"] > 0
+
+
+def test_draft_model_of_a_refused_architecture_is_refused(tmp_path):
+    import transformers
+
+    transformers.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              vocab_size=512).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="draft model .*is_backend_compatible"):
+        validate_plugins(EngineConfig(model=str(tiny_model_dir("llama")), drafter="draft_model",
+                                      drafter_params={"model": str(tmp_path)}))
+
+
+def test_structured_output_on_a_family(make_llm):
+    """Grammar masks apply to any family's logits (gpt-oss: windows, sinks, MoE): every constrained
+    greedy output satisfies its constraint."""
+    llm = make_llm(model=str(tiny_model_dir("gpt_oss")), grammar="xgrammar", **{**ENGINE, "max_model_len": 128,
+                                                                                "num_blocks": 200})
+    kinds = ["choice", "regex"]
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(**{k: SPECS[k]}))
+              for k in kinds]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(len(kinds))], params)
+    for kind, out in zip(kinds, outs):
+        assert out.error is None
+        if out.outputs[0].finish_reason == "stop":
+            check_output(kind, out.outputs[0].text)
+    assert outs[0].outputs[0].finish_reason == "stop"  # a choice always closes
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3"])
+def test_weight_quant_leaves_moe_experts_and_says_so(family, make_llm, caplog):
+    """int8 weight-only on an MoE family (DeepSeek: MLA projections, a dense first layer, shared experts):
+    those linears quantized, the fused 3-D expert tensors and routers kept (logged); greedy output
+    still starts like the float model's."""
+    with caplog.at_level(logging.INFO, logger="plugins.quant._common"):
+        llm = make_llm(model=str(tiny_model_dir(family)), quant="int8_wo", **ENGINE)
+    assert any("fused MoE expert tensors" in r.message for r in caplog.records)
+    decoder = llm.engine.runner.model.get_decoder()
+    assert type(decoder.layers[0].self_attn.o_proj).__name__ == "Int8PackedLinear"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], SamplingParams(temperature=0.0, max_tokens=4))
+    expected = hf_reference(family, prompts(), MAX_TOKENS)
+    assert sum(o.outputs[0].token_ids == tokens[:4] for o, (tokens, _) in zip(outs, expected)) >= 3
+
+
+def test_weight_quant_refuses_gpt2_before_loading():
+    with pytest.raises(ValueError, match="Conv1D"):
+        validate_plugins(EngineConfig(model=str(tiny_model_dir("gpt2")), quant="int8_wo"))
