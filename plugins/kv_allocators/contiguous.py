@@ -104,6 +104,10 @@ class ContiguousKVAllocator(KVAllocator):
         """The used prefix of the request's slab (live list; ``[]`` for unknown ids)."""
         return self._tables.get(request_id, [])
 
+    def num_held_blocks(self, request_id: str) -> tuple[int, ...]:
+        """The whole slab (reserved whatever the request's length), or 0 for unknown ids."""
+        return (self.slab_blocks if request_id in self._slab else 0,)
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks not reserved by any request (free slabs plus the never-usable remainder)."""
