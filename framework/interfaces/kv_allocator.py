@@ -193,6 +193,11 @@ class KVAllocator(Plugin, ABC):
         """The request's block table of every KV cache group (live lists: do not mutate), in
         :attr:`kv_cache_groups` order; released entries hold :attr:`null_block`.
 
+        A table grows at its end; in a sliding group its leading entries are also replaced by
+        :attr:`null_block` as they leave the window (never other ids). A copy that keeps the old ids
+        there (a worker mirroring only appended blocks) stays correct: no step reads or writes a
+        position before the window of its first query (attention masks by position).
+
         Called by the scheduler for every scheduled request (``SchedulerOutput.block_ids``). The
         default is ``(get_block_ids(request_id),)`` (one group)."""
         return (self.get_block_ids(request_id),)
