@@ -1,8 +1,9 @@
 """Sliding-window KV memory end to end (``kv_cache=paged`` with KV cache groups): a request's out-of-window
 blocks are released while greedy output stays equal to transformers', the engine's metrics report what
 each request held, an allocator without the capability runs correctly without the saving (and says so),
-and releasing one block too many is caught (negative controls: wrong tokens in the engine, an assertion
-in the shadow cache).
+releasing one block too many is caught (negative controls: wrong tokens in the engine, an assertion in
+the shadow cache), and a worker-style mirror that keeps released ids (append-only block deltas) changes
+nothing.
 
 Tiny models and the transformers oracle come from ``tests/families.py``: window 7, blocks of 4, contexts
 of 20 to 53 tokens (three to seven windows), chunked prefill, prefix hits and preemption forced. The
@@ -97,3 +98,33 @@ def test_negative_control_shadow_cache_catches_one_block_too_many(monkeypatch):
     _one_block_too_many(monkeypatch)
     with pytest.raises(AssertionError, match="null block|holds nothing"):
         check_against_shadow_cache(PagedKVAllocator, policies=("fcfs",), num_workloads=10)
+
+
+def test_a_mirror_keeping_released_ids_gives_the_same_output(make_llm):
+    """What a worker mirroring only appended block ids sees (the executor's per-step deltas): a sliding
+    group's released entries keep their old ids, whose blocks other requests and groups have since
+    rewritten. ``attention=torch`` gathers every listed block and masks by position, so Gemma 3's output
+    still equals transformers'."""
+    llm = make_llm(model=str(tiny_model_dir("gemma3")), attention="torch", **engine_for("gemma3"))
+    runner, null = llm.engine.runner, llm.engine.kv_allocator.null_block
+    mirrors: dict[str, list[list[int]]] = {}
+    stale = []
+    execute = runner.execute_model
+
+    def execute_with_mirrors(so):
+        for rid, tables in so.block_ids.items():
+            mirror = mirrors.get(rid)
+            if mirror is None or any(b != null and b != m for t, old in zip(tables, mirror) for b, m in zip(t, old)):
+                mirror = mirrors[rid] = [list(t) for t in tables]  # new or re-admitted: the whole table
+            for t, old in zip(tables, mirror):
+                old += t[len(old):]
+            stale.append(sum(b == null and m != null for t, old in zip(tables, mirror) for b, m in zip(t, old)))
+            so.block_ids[rid] = tuple(mirror)
+        return execute(so)
+
+    runner.execute_model = execute_with_mirrors
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], SamplingParams(temperature=0.0,
+                                                                                     max_tokens=MAX_TOKENS))
+    assert max(stale) > 0, "no released entry was ever read through a stale id"
+    expected = [tokens for tokens, _ in hf_reference("gemma3", prompts(), MAX_TOKENS)]
+    assert [out.outputs[0].token_ids for out in outs] == expected
