@@ -198,12 +198,30 @@ ENGINE = dict(block_size=4, max_num_batched_tokens=16, num_blocks=30, max_model_
               enable_prefix_caching=True, dtype="float32")
 
 
+def engine_for(family: str) -> dict[str, Any]:
+    """``ENGINE`` for the family's tiny model under ``kv_cache=paged``. A model with sliding-window layers
+    keeps them in KV cache groups of their own whose out-of-window blocks are released, and a block then
+    holds the layers of one group (``framework/core/kv_cache_groups.py``): its requests hold far fewer
+    KV bytes, so 30 blocks would not force preemption (Mistral) or would not hold one request (SmolLM3's
+    two full groups). It gets 1.25x the blocks one ``max_model_len`` request holds at most instead."""
+    from framework.core.kv_cache_groups import KVCacheLayout, make_kv_cache_groups
+    from framework.worker.model_families import attention_layers
+
+    layers = attention_layers(tiny_config(family))
+    layout = KVCacheLayout(make_kv_cache_groups(layers, release_sliding_blocks=True), len(layers))
+    if not layout.has_null_block:
+        return dict(ENGINE)
+    need = layout.max_blocks_per_request(ENGINE["max_model_len"], ENGINE["block_size"],
+                                         ENGINE["max_num_batched_tokens"])
+    return {**ENGINE, "num_blocks": -(-5 * need // 4)}
+
+
 def run_family(make_llm: Any, family: str, **overrides: Any) -> tuple[Any, list]:
-    """The family's tiny model under ``ENGINE`` (+ ``overrides``, through conftest's ``make_llm``, which
+    """The family's tiny model under :func:`engine_for` (+ ``overrides``, through conftest's ``make_llm``, which
     checks every KV block is freed): the LLM and its greedy outputs (with logprobs) for :func:`prompts`."""
     from framework import SamplingParams
 
-    llm = make_llm(model=str(tiny_model_dir(family)), **{**ENGINE, **overrides})
+    llm = make_llm(model=str(tiny_model_dir(family)), **{**engine_for(family), **overrides})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5))
     return llm, outs

@@ -48,6 +48,20 @@ def test_bench_families_reports_each_family_against_llama_and_transformers(tmp_p
     assert (tmp_path / "out.json").is_file()
 
 
+def test_kv_memory_sliding_reports_both_shapes_from_the_engine_metrics(capsys):
+    """A 12-layer Gemma-3 pattern (two global layers: two layers per block), window 8, one 96-token request: the sliding model's
+    sliding groups hold only their window's blocks, so it holds less KV than its full-attention twin."""
+    from experiments import kv_memory_sliding
+
+    results = kv_memory_sliding.main(["--context-len", "96", "--output-len", "4", "--window", "8", "--layers", "12",
+                                      "--head-dim", "8", "--block-size", "4", "--chunk", "32",
+                                      "--kv-cache-memory-bytes", str(1 << 22)])
+    sliding, full = results.values()
+    assert full["kv_blocks"] == [24] and sliding["kv_blocks"][0] == 24  # ceil(95 / 4): the whole context
+    assert all(n <= 3 for n in sliding["kv_blocks"][1:]), sliding  # ceil((8 - 1) / 4) + the last token's
+    assert 0 < sliding["kv_bytes"] < full["kv_bytes"] and "ratio gemma3 / full attention" in capsys.readouterr().out
+
+
 def test_roofline_reports_every_category(capsys):
     from experiments import roofline
 

@@ -23,7 +23,9 @@ class SchedulerOutput:
     scheduled_requests: list[Request]  # requests with >= 1 token to compute this step
     num_scheduled_tokens: dict[str, int]  # request_id -> tokens computed this step (>= 1)
     total_num_scheduled_tokens: int  # sum of num_scheduled_tokens; <= max_num_batched_tokens
-    block_ids: dict[str, list[int]]  # request_id -> its block table (allocator's list, read-only)
+    # request_id -> its block table of each KV cache group (allocator's lists, read-only); one table for
+    # models without sliding windows; released entries of a sliding group hold the allocator's null block
+    block_ids: dict[str, tuple[list[int], ...]]
     preempted_req_ids: set[str] = field(default_factory=set)  # preempted (recompute) in this step
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
     # swap preemption: block copies the runner makes before the forward, all outs before all ins
@@ -86,6 +88,11 @@ class RequestMetrics:
     num_output_tokens: int  # generated tokens
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     num_preemptions: int  # times the request was preempted
+    # KV blocks the request held per KV cache group at its last step (its whole context in cache; with
+    # sliding windows only the windows' blocks); shared prefix blocks count for each owner
+    kv_blocks: list[int] = field(default_factory=list)
+    kv_bytes: int = 0  # bytes of those blocks (blocks * bytes per block: every layer of a block, K and V)
+    peak_kv_bytes: int = 0  # bytes of the most blocks it held at once (a prefill chunk's window + chunk)
 
     def as_dict(self) -> dict[str, object]:
         """Plain-dict form for JSON writers."""

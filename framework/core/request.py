@@ -68,6 +68,10 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are written to the paged cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0  # times this request was preempted (recompute)
+    # KV blocks held per KV cache group after its latest allocation, and when their total was largest
+    # (a prefill chunk's, with sliding windows); set by the scheduler after each allocation
+    kv_blocks: tuple[int, ...] = ()
+    peak_kv_blocks: tuple[int, ...] = ()
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     output_text: str = ""  # detokenized output, filled at finish (and for stop-string checks)
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, top-N + sampled

@@ -59,6 +59,7 @@ class Scheduler:
         self._swap_out: list[tuple[list[int], list[int]]] = []  # this step's (device blocks, swap slots)
         self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's (swap slots, device blocks)
         self.faults = RequestFaults()
+        self._swapped: dict[str, list[tuple[int, int]]] = {}  # swapped-out request -> (group, table index) per slot
         policy.attach(self._num_cached_prefix_tokens)
 
     # ---- queue management -------------------------------------------------------------
@@ -90,6 +91,7 @@ class Scheduler:
                 self.waiting.remove(request)
                 if self.swap_space is not None:
                     self.swap_space.drop(rid)
+                    self._swapped.pop(rid, None)
             request.status = RequestStatus.FINISHED_ABORTED
             self._finish(request)
             aborted.append(request)
@@ -147,6 +149,7 @@ class Scheduler:
                     break
                 idx = self.running.index(request)
             else:
+                self._track_kv(request)
                 scheduled_running.append(request)
                 num_scheduled[request.request_id] = num_new
                 budget -= num_new
@@ -163,7 +166,7 @@ class Scheduler:
             scheduled_requests=scheduled,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            block_ids={r.request_id: self.kv.get_block_ids(r.request_id) for r in scheduled},
+            block_ids={r.request_id: self.kv.get_block_tables(r.request_id) for r in scheduled},
             preempted_req_ids=preempted,
             finished_req_ids=self._finished_ids,
             swap_out=self._swap_out,
@@ -210,8 +213,8 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break  # head-of-line: no skipping ahead of the policy's order (as vLLM)
             if self.swap_space is not None and request.request_id in self.swap_space:
-                slots = self.swap_space.swap_in(request.request_id)
-                self._swap_in.append((slots, self.kv.get_block_ids(request.request_id)[:len(slots)]))
+                self._swap_in.append(self._swap_in_copies(request))
+            self._track_kv(request)
             num_admitted += 1
             self.policy.on_admitted(request)
             if request.num_preemptions == 0:
@@ -246,16 +249,35 @@ class Scheduler:
             return [], 0
         return self.kv.get_computed_blocks(request)
 
+    def _track_kv(self, request: Request) -> None:
+        """Record the KV blocks the request holds after an allocation (and its peak so far)."""
+        request.kv_blocks = held = self.kv.num_held_blocks(request.request_id)
+        if sum(held) > sum(request.peak_kv_blocks):
+            request.peak_kv_blocks = held
+
+    def _swap_in_copies(self, request: Request) -> tuple[list[int], list[int]]:
+        """``(swap slots, device blocks)`` to copy back for a swapped-out request just re-admitted: each slot
+        goes to the block now at its (group, table index), unless that entry is released (its K/V fell out
+        of the window while the request waited with the same ``num_computed_tokens``: nothing reads it)."""
+        slots = self.swap_space.swap_in(request.request_id)
+        tables = self.kv.get_block_tables(request.request_id)
+        pairs = [(slot, tables[g][i]) for slot, (g, i) in zip(slots, self._swapped.pop(request.request_id), strict=True)
+                 if tables[g][i] != self.kv.null_block]
+        return [slot for slot, _ in pairs], [block for _, block in pairs]
+
     def _preempt(self, request: Request, preempted: set[str]) -> None:
-        """Evict a running request: swap its written blocks out when swap space has room (it resumes
-        with its ``num_computed_tokens``), else recompute (it restarts from token 0)."""
+        """Evict a running request: swap the written blocks it still holds out when swap space has room
+        (it resumes with its ``num_computed_tokens``), else recompute (it restarts from token 0)."""
         self.running.remove(request)
         slots = None
         if self.swap_space is not None and request.num_computed_tokens:
             num_written = -(-request.num_computed_tokens // self.kv.block_size)
-            slots = self.swap_space.swap_out(request.request_id, num_written)
+            held = [(g, i, block) for g, table in enumerate(self.kv.get_block_tables(request.request_id))
+                    for i, block in enumerate(table[:num_written]) if block != self.kv.null_block]
+            slots = self.swap_space.swap_out(request.request_id, len(held))
             if slots is not None:  # copied before this step's forward can reuse the freed blocks
-                self._swap_out.append((list(self.kv.get_block_ids(request.request_id)[:num_written]), slots))
+                self._swap_out.append(([block for _, _, block in held], slots))
+                self._swapped[request.request_id] = [(g, i) for g, i, _ in held]
         self.kv.free(request)  # frees while num_computed_tokens still counts the written tokens
         request.status = RequestStatus.PREEMPTED
         if slots is None:

@@ -11,7 +11,9 @@ The steps, in the order they run (each a function below, so a reader can follow 
 3. :func:`load_weights` — load the transformers model and tokenizer, apply the quant method and
    prepack CPU linears.
 4. :func:`make_attention_backend` — the backend instance for the model's heads and the cache dtype.
-5. :func:`size_kv_cache` — how many KV blocks the budget holds (at least one ``max_model_len`` request).
+5. :func:`plan_kv_cache` — which layers share a block table (KV cache groups: sliding-window layers
+   get their own when the allocator can release their out-of-window blocks), then
+   :func:`size_kv_cache` — how many KV blocks the budget holds (at least one ``max_model_len`` request).
 6. :func:`make_scheduler` — KV allocator, scheduler policy, swap space, stop checker.
 7. :func:`make_runner` — the model runner (KV tensors, sampler; ``engine.compile=true``: the
    ``torch.compile`` warm-up; ``auto`` compiles later, in ``LLMEngine.maybe_compile``).
@@ -30,6 +32,7 @@ import torch
 
 from framework import registry
 from framework.config import PLUGIN_FIELDS, EngineConfig
+from framework.core.kv_cache_groups import KVCacheLayout, make_kv_cache_groups
 from framework.core.scheduler import Scheduler
 from framework.core.stop import StopChecker
 from framework.core.structured_output import StructuredOutputManager
@@ -85,9 +88,10 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
     spec = inspect_model(config)
     loaded = load_weights(config)
     backend = make_attention_backend(config, loaded.model, spec, loaded.kv_cache_dtype)
-    num_blocks = size_kv_cache(config, backend, spec)
-    scheduler = make_scheduler(config, spec, backend, num_blocks, loaded.tokenizer)
-    runner = make_runner(config, loaded.model, spec, backend, num_blocks)
+    layout = plan_kv_cache(config, spec)
+    num_blocks = size_kv_cache(config, backend, spec, layout)
+    scheduler = make_scheduler(config, spec, backend, num_blocks, loaded.tokenizer, layout)
+    runner = make_runner(config, loaded.model, spec, backend, num_blocks, layout)
     structured = attach_structured_output(config, runner, loaded, spec)
     drafter = attach_drafter(config, runner, loaded)
     return assemble(config, scheduler, runner, loaded, spec, structured, drafter, metrics)
@@ -248,50 +252,79 @@ def make_attention_backend(config: EngineConfig, model: torch.nn.Module, spec: M
                            **config.plugin_params("attention"))
 
 
-def size_kv_cache(config: EngineConfig, backend: AttentionBackend, spec: ModelSpec) -> int:
-    """Step 5: KV blocks: ``num_blocks`` if set, else ``kv_cache_memory_bytes`` over one block's bytes.
+def plan_kv_cache(config: EngineConfig, spec: ModelSpec) -> KVCacheLayout:
+    """Step 5a: the KV cache groups (``framework/core/kv_cache_groups.py``). With an allocator that declares
+    ``supports_kv_cache_groups`` (``paged``), each sliding window gets groups of its own whose
+    out-of-window blocks are released; otherwise one group of every layer, logged when the model has
+    sliding-window layers (correct, but no saving)."""
+    windows = sorted({w for layer in spec.attention_layers if (w := layer.sliding_window)})
+    release = registry.get_class("kv_allocator", config.kv_allocator).supports_kv_cache_groups
+    layout = KVCacheLayout(make_kv_cache_groups(spec.attention_layers, release), spec.num_layers)
+    if windows and not release:
+        logger.warning("kv_cache=%s keeps every KV block of the sliding-window layers (window %s) for the whole "
+                       "request (it does not declare supports_kv_cache_groups): correct, but without the "
+                       "sliding-window memory saving; kv_cache=paged releases out-of-window blocks",
+                       config.kv_allocator, ", ".join(map(str, windows)))
+    elif windows:
+        logger.info("KV cache groups: %s (%d layers per block); out-of-window blocks are released",
+                    ", ".join(f"{len(g.layer_ids)} layers {'full' if g.sliding_window is None else g.sliding_window}"
+                              for g in layout.groups), layout.layers_per_block)
+    return layout
+
+
+def size_kv_cache(config: EngineConfig, backend: AttentionBackend, spec: ModelSpec, layout: KVCacheLayout) -> int:
+    """Step 5b: KV blocks of the pool: ``num_blocks`` if set, else ``kv_cache_memory_bytes`` over one block's
+    bytes (``layout.layers_per_block`` layers; the null block of a layout with sliding groups comes out of
+    the budget).
 
     Raises:
         ValueError: the cache cannot hold one ``max_model_len`` request (names the knobs to raise).
     """
-    num_blocks = config.num_blocks or config.kv_cache_memory_bytes // backend.kv_cache_bytes_per_block(
-        spec.num_layers)
-    if num_blocks * config.block_size < spec.max_model_len:
+    bytes_per_block = backend.kv_cache_bytes_per_block(layout.layers_per_block)
+    num_blocks = config.num_blocks or config.kv_cache_memory_bytes // bytes_per_block - layout.has_null_block
+    chunk = min(config.max_num_batched_tokens, config.long_prefill_token_threshold or config.max_num_batched_tokens)
+    needed = layout.max_blocks_per_request(spec.max_model_len, config.block_size, chunk)
+    if num_blocks < needed:
         raise ValueError(
-            f"KV cache holds {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
-            f"tokens, fewer than one max_model_len={spec.max_model_len} request; raise kv_cache_memory_bytes/"
+            f"KV cache holds {num_blocks} blocks x {config.block_size} tokens, fewer than one "
+            f"max_model_len={spec.max_model_len} request needs ({needed} blocks); raise kv_cache_memory_bytes/"
             "num_blocks or lower max_model_len")
     return num_blocks
 
 
-def num_swap_blocks(config: EngineConfig, backend: AttentionBackend, spec: ModelSpec) -> int:
+def num_swap_blocks(config: EngineConfig, backend: AttentionBackend, layout: KVCacheLayout) -> int:
     """CPU swap-space blocks for ``preemption_mode=swap`` (``swap_space_bytes`` / block bytes), else 0."""
     if config.preemption_mode != "swap":
         return 0
-    return config.swap_space_bytes // backend.kv_cache_bytes_per_block(spec.num_layers)
+    return config.swap_space_bytes // backend.kv_cache_bytes_per_block(layout.layers_per_block)
 
 
 def make_scheduler(config: EngineConfig, spec: ModelSpec, backend: AttentionBackend, num_blocks: int,
-                   tokenizer: Any) -> Scheduler:
-    """Step 6: KV allocator + scheduler policy + (swap preemption) swap space + stop checker."""
+                   tokenizer: Any, layout: KVCacheLayout) -> Scheduler:
+    """Step 6: KV allocator (given the KV cache groups when it supports them) + scheduler policy +
+    (swap preemption) swap space + stop checker."""
+    params = config.plugin_params("kv_allocator")
+    if registry.get_class("kv_allocator", config.kv_allocator).supports_kv_cache_groups:
+        params["kv_cache_groups"] = layout.groups
     allocator = registry.create("kv_allocator", config.kv_allocator, num_blocks=num_blocks,
                                 block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                                max_model_len=spec.max_model_len, **config.plugin_params("kv_allocator"))
+                                max_model_len=spec.max_model_len, **params)
     policy = registry.create("scheduler", config.scheduler, **config.plugin_params("scheduler"))
-    swap_space = SwapSpace(num_swap_blocks(config, backend, spec)) if config.preemption_mode == "swap" else None
+    swap_space = SwapSpace(num_swap_blocks(config, backend, layout)) if config.preemption_mode == "swap" else None
     return Scheduler(policy, allocator, StopChecker(tokenizer), max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=spec.max_model_len,
                      long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space)
 
 
 def make_runner(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, backend: AttentionBackend,
-                num_blocks: int) -> ModelRunner:
-    """Step 7: the model runner: KV tensors, swap tensors, sampler and (``engine.compile=true``) the
-    warmed-up graphs."""
+                num_blocks: int, layout: KVCacheLayout) -> ModelRunner:
+    """Step 7: the model runner: KV tensors (shared by the KV cache groups), swap tensors, sampler and
+    (``engine.compile=true``) the warmed-up graphs."""
     return ModelRunner(model, backend, num_blocks, spec.num_layers, backend.cache_dtype, torch.device(config.device),
                        Sampler(spec.vocab_size, seed=config.seed),
-                       num_swap_blocks=num_swap_blocks(config, backend, spec),
-                       compile=config.compile == "true", compile_freezing=config.compile_freezing)
+                       num_swap_blocks=num_swap_blocks(config, backend, layout),
+                       compile=config.compile == "true", compile_freezing=config.compile_freezing,
+                       kv_cache_layout=layout)
 
 
 def attach_structured_output(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel,
@@ -321,10 +354,15 @@ def assemble(config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, lo
     """Step 9: the engine; records the KV cache's shape in its metrics and fires ``on_engine_start``."""
     engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, spec.vocab_size, metrics,
                        structured, drafter)
-    bytes_per_block = runner.backend.kv_cache_bytes_per_block(spec.num_layers)
+    bytes_per_block = runner.block_bytes
     num_blocks = scheduler.kv.num_blocks
-    engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
-                                    "kv_cache_bytes_per_block": bytes_per_block}
+    groups = runner.kv_cache_layout.groups
+    engine.metrics.kv_cache_info = {
+        "kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
+        "kv_cache_bytes_per_block": bytes_per_block, "kv_cache_num_groups": len(groups),
+        "kv_cache_layers_per_block": runner.kv_cache_layout.layers_per_block,
+        "kv_cache_group_windows": " ".join("full" if g.sliding_window is None else str(g.sliding_window)
+                                           for g in groups)}
     logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",
                 num_blocks, runner.kv_cache_bytes / 2**20, config.kv_cache_dtype, bytes_per_block,
                 spec.max_model_len)

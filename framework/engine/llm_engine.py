@@ -396,8 +396,8 @@ class LLMEngine:
             stop_reason=request.stop_reason, logprobs=list(logprobs) if params.logprobs is not None else None)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
-                             metrics=compute_request_metrics(request) if finished else None, error=request.error,
-                             internal_error=request.internal_error)
+                             metrics=compute_request_metrics(request, self.runner.block_bytes) if finished else None,
+                             error=request.error, internal_error=request.internal_error)
 
     @property
     def kv_allocator(self) -> Any:

@@ -3,7 +3,9 @@
 The rows are :data:`framework.worker.model_families.FAMILIES`; the backends column asks every
 registered attention backend whether it has the features the family's checkpoints use (sliding
 window, softcap, sinks: ``supports_*``). Head sizes are checked per checkpoint when an engine is
-built (``validate_model``); MLA families need the value head size padded to the key head size.
+built (``validate_model``); MLA families need the value head size padded to the key head size. For
+families with sliding windows, the KV-saving column lists the registered KV allocators that release
+out-of-window blocks (``KVAllocator.supports_kv_cache_groups``); the others keep every block.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class FamilyRow:
     model_types: str  # config.model_type values, comma-separated
     needs: str  # attention features, then model traits
     backends: str  # registered attention backends with every feature it needs ("(CUDA)": GPU-only)
+    kv_saving: str  # KV allocators releasing its out-of-window blocks ("-": no sliding window)
     test: str  # pytest node id of its tiny random-weight parity test
 
 
@@ -36,18 +39,28 @@ def backends_for(family: ModelFamily) -> list[str]:
     return names
 
 
+def kv_saving_allocators(family: ModelFamily) -> str:
+    """Registered KV allocators that release the family's out-of-window KV blocks (sliding-window KV memory),
+    comma-separated; ``"-"`` for a family without sliding windows (nothing to release)."""
+    if "sliding_window" not in family.features:
+        return "-"
+    return ", ".join(sorted(name for name, cls in registry.available("kv_allocator").items()
+                            if cls.supports_kv_cache_groups))
+
+
 def family_rows() -> list[FamilyRow]:
     """One :class:`FamilyRow` per family of :data:`FAMILIES`, in table order."""
     return [FamilyRow(f.name, f.architecture, ", ".join(f.model_types),
                       ", ".join([FEATURE_NAMES[x] for x in f.features] + list(f.traits)) or "-",
-                      ", ".join(backends_for(f)), f.test) for f in FAMILIES]
+                      ", ".join(backends_for(f)), kv_saving_allocators(f), f.test) for f in FAMILIES]
 
 
 def markdown_table() -> str:
     """The README's table of :func:`family_rows` (GitHub Markdown)."""
-    lines = ["| family | architecture | needs | attention backends | test |", "|---|---|---|---|---|"]
-    lines += [f"| {r.family} | `{r.architecture}` | {r.needs} | {r.backends} | `{r.test.split('::')[1]}` |"
-              for r in family_rows()]
+    lines = ["| family | architecture | needs | attention backends | sliding-window KV released by | test |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r.family} | `{r.architecture}` | {r.needs} | {r.backends} | {r.kv_saving} | "
+              f"`{r.test.split('::')[1]}` |" for r in family_rows()]
     return "\n".join(lines)
 
 
@@ -62,9 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title="servelab models (tests in tests/framework/worker/test_families.py; refused before loading: "
                         "encoder-decoder, non-causal, attention outside transformers' interface such as Falcon, "
                         "chunked/linear/state-space layers)", header_style="bold")
-    for column in ("family", "architecture", "model_type", "needs", "attention backends", "test"):
+    for column in ("family", "architecture", "model_type", "needs", "attention backends",
+                   "sliding-window KV released by", "test"):
         table.add_column(column)
     for r in family_rows():
-        table.add_row(r.family, r.architecture, r.model_types, r.needs, r.backends, r.test.split("::")[1])
+        table.add_row(r.family, r.architecture, r.model_types, r.needs, r.backends, r.kv_saving, r.test.split("::")[1])
     Console(width=240).print(table)
     return 0

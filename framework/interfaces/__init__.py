@@ -4,12 +4,12 @@ from framework.interfaces.attention import AttentionBackend, AttentionLayerSpec,
 from framework.interfaces.base import Plugin
 from framework.interfaces.drafter import Drafter
 from framework.interfaces.grammar import Grammar, GrammarMatcher
-from framework.interfaces.kv_allocator import KVAllocator, KVCacheStats
+from framework.interfaces.kv_allocator import KVAllocator, KVCacheGroup, KVCacheStats
 from framework.interfaces.quant import QuantMethod
 from framework.interfaces.scheduler_policy import SchedulerPolicy
 from framework.interfaces.tracker import Tracker
 
 __all__ = [
     "AttentionBackend", "AttentionLayerSpec", "CommonAttentionMetadata", "Drafter", "Grammar", "GrammarMatcher",
-    "KVAllocator", "KVCacheStats", "Plugin", "QuantMethod", "SchedulerPolicy", "Tracker",
+    "KVAllocator", "KVCacheGroup", "KVCacheStats", "Plugin", "QuantMethod", "SchedulerPolicy", "Tracker",
 ]

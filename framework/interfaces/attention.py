@@ -263,7 +263,9 @@ class AttentionBackend(Plugin, ABC):
                 ``sinks`` (``(num_heads,)`` tensor: per-head logits that join the softmax
                 denominator only; gpt-oss). A backend receives only features its ``supports_*``
                 attributes declare (:meth:`validate_model` refuses other models). Keys outside a
-                query's window may sit in blocks that no longer hold them: mask by position.
+                query's window may sit in blocks that no longer hold them (a sliding KV cache group's
+                released entries point at the null block, id ``num_blocks``: zeros, never written, so
+                gathers stay in bounds and finite): mask by position.
 
         Returns:
             ``(num_tokens, num_heads, head_size)`` attention output (causal within each request,

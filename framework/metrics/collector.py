@@ -30,8 +30,10 @@ STATS = ("mean", "median", "std", "p90", "p99")
 _SWAP_COUNTERS = ("num_preemptions_swap", "num_swap_out_blocks", "num_swap_in_blocks", "swapped_bytes")
 
 
-def compute_request_metrics(request: Request) -> RequestMetrics:
-    """Latency metrics of one (normally finished) request from its ``request.times``, seconds.
+def compute_request_metrics(request: Request, kv_block_bytes: int = 0) -> RequestMetrics:
+    """Latency metrics of one (normally finished) request from its ``request.times``, seconds, and the KV it
+    held at its last step and at its peak (``request.kv_blocks``, ``request.peak_kv_blocks`` per KV cache
+    group; ``kv_block_bytes``: bytes per block).
 
     A missing timestamp gives ``None`` for the metrics that need it (e.g. an aborted request that
     was never scheduled has no TTFT or queue time).
@@ -52,6 +54,9 @@ def compute_request_metrics(request: Request) -> RequestMetrics:
         num_output_tokens=n_out,
         num_cached_tokens=request.num_cached_tokens,
         num_preemptions=request.num_preemptions,
+        kv_blocks=list(request.kv_blocks),
+        kv_bytes=sum(request.kv_blocks) * kv_block_bytes,
+        peak_kv_bytes=sum(request.peak_kv_blocks) * kv_block_bytes,
     )
 
 
@@ -107,7 +112,7 @@ class MetricsCollector:
         self.timeline: list[dict[str, float]] = []  # per step: time_s, running, waiting, kv usage, fragmentation
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
         self.num_preemptions = 0
-        self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block}
+        self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block,...}
         self.compile_stats: Any = None  # framework.worker.compile.CompileStats, set by build_engine; live (recompiles grow)
         self.compile_info: dict[str, Any] = {}  # compile_mode (auto|true|false), compile_reason: set by the engine
         self.num_generated_tokens = 0  # output tokens over all steps
@@ -176,10 +181,13 @@ class MetricsCollector:
             Flat dict: counts, ``duration_s``, ``request_throughput`` (req/s), ``request_goodput``
             (req/s; ``None`` without SLOs), ``output_throughput`` and ``total_token_throughput``
             (tok/s), ``{mean,median,std,p90,p99}_{ttft,tpot,itl,e2el,queue}_ms``,
+            ``{mean,max}_kv_bytes_per_request`` (KV each completed request held at its last step, bytes),
+            ``max_peak_kv_bytes_per_request`` (the most it held at once, e.g. during a prefill chunk),
             ``peak_kv_cache_usage``, ``mean_kv_cache_usage``, ``mean_kv_cache_fragmentation``,
             ``peak_num_running_reqs`` / ``mean_num_running_reqs`` (concurrency),
             ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
-            ``kv_cache_dtype``, ``kv_cache_num_blocks``, ``kv_cache_bytes_per_block`` (bytes, all layers),
+            ``kv_cache_dtype``, ``kv_cache_num_blocks``, ``kv_cache_bytes_per_block`` (bytes, the
+            ``kv_cache_layers_per_block`` layers of a block), ``kv_cache_num_groups``, ``kv_cache_group_windows``,
             ``compile_mode`` (auto|true|false) and ``compile_reason`` (the decision, see
             ``framework.engine.compile_policy``), and once the decoder was compiled ``compile``,
             ``compile_active``, ``compile_s`` (warm-up seconds), ``compile_num_graphs_warmup``,
@@ -208,6 +216,9 @@ class MetricsCollector:
             "request_throughput": per_s(len(done)),
             "request_goodput": per_s(sum(map(self._meets_slo, done))) if has_slo else None,
             "output_throughput": per_s(n_out), "total_token_throughput": per_s(n_in + n_out),
+            "mean_kv_bytes_per_request": sum(m.kv_bytes for m in done) / len(done) if done else 0.0,
+            "max_kv_bytes_per_request": max((m.kv_bytes for m in done), default=0),
+            "max_peak_kv_bytes_per_request": max((m.peak_kv_bytes for m in done), default=0),
         }
         series = {"ttft": [m.ttft_s for m in done], "tpot": [m.tpot_s for m in done],
                   "itl": [x for m in done for x in m.itl_s], "e2el": [m.e2e_s for m in done],

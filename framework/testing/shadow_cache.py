@@ -14,6 +14,12 @@ prefix; rejected ones must never be read before they are overwritten) all reduce
 rules, so the simulator catches a stale prefix-cache entry, a block handed to two writers, or a
 rejected draft's K/V leaking into a later read or into the prefix cache.
 
+KV cache groups (sliding-window KV memory): each group has its own block table, and a slot holds one
+group's K/V (the fingerprint records which). A sliding group (window W) reads only the keys its
+queries see (from ``start - W + 1``, ``start`` the first query), so released blocks are never read;
+the simulator also asserts that nothing is written into the null block and that a sliding group no
+longer holds any block wholly before the window of the step's first query (the saving is real).
+
 Use :func:`simulate` with any scheduler built from registered plugins (it drives the real
 ``Scheduler`` with a fake runner that samples deterministic tokens).
 """
@@ -27,6 +33,8 @@ from dataclasses import dataclass, field
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput
 from framework.core.request import Request
 from framework.core.scheduler import Scheduler
+from framework.interfaces import KVCacheGroup
+from framework.interfaces.kv_allocator import FULL_ATTENTION
 
 
 @dataclass
@@ -39,11 +47,13 @@ class Arrival:
 
 @dataclass
 class ShadowCache:
-    """Slot -> fingerprint of the token prefix whose K/V the slot holds (absent: never written)."""
+    """Slot -> (KV cache group, fingerprint of the token prefix) whose K/V the slot holds (absent: never written)."""
 
     block_size: int
-    slots: dict[int, int] = field(default_factory=dict)
-    swap: dict[int, int] = field(default_factory=dict)  # swap-space slot -> fingerprint
+    groups: tuple[KVCacheGroup, ...] = (FULL_ATTENTION,)  # the allocator's KV cache groups
+    null_block: int = -1  # the allocator's null block id (released entries)
+    slots: dict[int, tuple[int, int]] = field(default_factory=dict)
+    swap: dict[int, tuple[int, int]] = field(default_factory=dict)  # swap-space slot -> (group, fingerprint)
 
     def slot(self, table: Sequence[int], pos: int) -> int:
         """Cache slot of token position ``pos`` under block table ``table``."""
@@ -61,8 +71,14 @@ def _fingerprints(tokens: Sequence[int], end: int) -> list[int]:
 
 def apply_swaps(shadow: ShadowCache, out: SchedulerOutput) -> None:
     """Mirror the step's swap copies (all swap-outs, then all swap-ins) in the shadow cache, as the
-    runner performs them before the forward."""
+    runner performs them before the forward.
+
+    Raises:
+        AssertionError: a swap copies the null block (a swapped request swaps only what it still holds).
+    """
     bs = shadow.block_size
+    for blocks, _ in out.swap_out + [(b, s) for s, b in out.swap_in]:
+        assert shadow.null_block not in blocks, f"a swap copies the null block: {blocks}"
     for blocks, swap_slots in out.swap_out:
         for block, slot in zip(blocks, swap_slots, strict=True):
             for off in range(bs):
@@ -86,27 +102,38 @@ def check_step(shadow: ShadowCache, out: SchedulerOutput) -> None:
     ``num_computed_tokens`` is still the pre-step value).
 
     Raises:
-        AssertionError: a scheduled request would read a slot that does not hold its prefix.
+        AssertionError: a scheduled request would read a slot that does not hold its prefix (in its
+            group), writes into the null block, or a sliding group still holds a block no query reads.
     """
-    reads: list[tuple[Request, list[int], list[int]]] = []
+    bs, null = shadow.block_size, shadow.null_block
+    reads: list[tuple[Request, tuple[list[int], ...], list[int]]] = []
     for request in out.scheduled_requests:
-        start = request.num_computed_tokens
-        end = start + out.num_scheduled_tokens[request.request_id]
-        table = out.block_ids[request.request_id]
-        assert len(table) * shadow.block_size >= end, (
-            f"{request.request_id}: block table covers {len(table) * shadow.block_size} tokens, needs {end}")
-        drafts = out.scheduled_spec_decode_tokens.get(request.request_id, [])
+        rid, start = request.request_id, request.num_computed_tokens
+        end = start + out.num_scheduled_tokens[rid]
+        tables = out.block_ids[rid]
+        assert len(tables) == len(shadow.groups), f"{rid}: {len(tables)} block tables for {len(shadow.groups)} groups"
+        drafts = out.scheduled_spec_decode_tokens.get(rid, [])
         fps = _fingerprints([*request.all_token_ids, *drafts], end)
-        for pos in range(start, end):  # the forward writes this step's K/V
-            shadow.slots[shadow.slot(table, pos)] = fps[pos]
-        reads.append((request, table, fps))
-    for request, table, fps in reads:  # then every layer attends over the whole context
-        for pos, fp in enumerate(fps):
-            slot = shadow.slot(table, pos)
-            held = shadow.slots.get(slot)
-            assert held == fp, (
-                f"request {request.request_id!r} reads position {pos} from slot {slot} (block {table[pos // shadow.block_size]}) "
-                f"which holds {'nothing' if held is None else 'another prefix'}: stale or foreign KV")
+        for g, (group, table) in enumerate(zip(shadow.groups, tables)):
+            assert len(table) * bs >= end, f"{rid}: group {g}'s block table covers {len(table) * bs} tokens, needs {end}"
+            kept = [i for i in range(min(group.num_skipped_blocks(start, bs), len(table))) if table[i] != null]
+            assert not kept, (f"{rid}: group {g} (window {group.sliding_window}) still holds blocks {kept} that no "
+                              f"query from position {start} reads: they should be released")
+            for pos in range(start, end):  # the forward writes this step's K/V
+                assert table[pos // bs] != null, f"{rid}: group {g} writes position {pos} into the null block"
+                shadow.slots[shadow.slot(table, pos)] = (g, fps[pos])
+        reads.append((request, tables, fps))
+    for request, tables, fps in reads:  # then every layer attends over the keys its window shows
+        start = request.num_computed_tokens
+        for g, (group, table) in enumerate(zip(shadow.groups, tables)):
+            first = 0 if group.sliding_window is None else max(0, start - group.sliding_window + 1)
+            for pos in range(first, len(fps)):
+                slot = shadow.slot(table, pos)
+                held = shadow.slots.get(slot)
+                assert held == (g, fps[pos]), (
+                    f"request {request.request_id!r} group {g} reads position {pos} from slot {slot} (block "
+                    f"{table[pos // bs]}) which holds {'nothing' if held is None else 'another prefix or group'}: "
+                    "stale or foreign KV")
 
 
 def fake_runner(out: SchedulerOutput, token_of: Callable[[Request], int],
@@ -160,7 +187,7 @@ def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callab
         AssertionError: a KV read of stale/foreign content, or no progress within ``max_steps``.
     """
     token_of = token_of or (lambda r: 3 + (r.num_tokens * 7 + r.all_token_ids[0]) % 11)
-    shadow = ShadowCache(scheduler.kv.block_size)
+    shadow = ShadowCache(scheduler.kv.block_size, scheduler.kv.kv_cache_groups, scheduler.kv.null_block)
     pending = sorted(arrivals, key=lambda a: a.step)
     rng = random.Random(seed) if num_speculative_tokens else None
     step = 0
@@ -181,6 +208,15 @@ def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callab
 
 
 
+def kv_cache_group_layouts(windows: Sequence[int]) -> list[tuple[KVCacheGroup, ...]]:
+    """Model shapes for the simulation from two windows ``(w1, w2)``: full attention, every layer windowed
+    (Mistral), mixed full and sliding (Gemma 2, gpt-oss), one full and two sliding groups (Gemma 3's
+    grouping), two windows."""
+    w1, w2 = windows
+    full, slide, slide2 = KVCacheGroup((0,)), KVCacheGroup((1,), w1), KVCacheGroup((2,), w1)
+    return [(FULL_ATTENTION,), (slide,), (full, slide), (full, slide, slide2), (slide, KVCacheGroup((2,), w2))]
+
+
 def check_against_shadow_cache(allocator_cls: type, policies: Sequence[str] = ("fcfs", "priority"),
                                num_workloads: int = 30, seed: int = 0, **allocator_params: object) -> None:
     """Conformance check for a KV allocator plugin: seeded random workloads (shared prefixes, chunked
@@ -191,7 +227,8 @@ def check_against_shadow_cache(allocator_cls: type, policies: Sequence[str] = ("
         allocator_cls: a ``KVAllocator`` subclass, constructed with ``num_blocks``, ``block_size``,
             ``enable_prefix_caching``, ``max_model_len`` and ``allocator_params``.
         policies: registered scheduler policy names to drive it with.
-        num_workloads: random workloads per (policy, preemption mode).
+        num_workloads: random workloads per (policy, preemption mode); with ``supports_kv_cache_groups``
+            each draws a model shape of :func:`kv_cache_group_layouts` (windows of 1 .. 3 blocks + 2).
 
     Raises:
         AssertionError: a stale/foreign KV read, a leaked block, or no progress.
@@ -207,6 +244,10 @@ def check_against_shadow_cache(allocator_cls: type, policies: Sequence[str] = ("
             for _ in range(num_workloads):
                 bs, num_blocks = rng.choice([1, 2, 4]), rng.randint(6, 16)
                 max_len = num_blocks * bs
+                if getattr(allocator_cls, "supports_kv_cache_groups", False):
+                    windows = [rng.randint(1, 3 * bs + 2) for _ in range(2)]
+                    allocator_params["kv_cache_groups"] = rng.choice(kv_cache_group_layouts(windows))
+                    num_blocks *= len(allocator_params["kv_cache_groups"])
                 kv = allocator_cls(num_blocks=num_blocks, block_size=bs, enable_prefix_caching=rng.random() < 0.8,
                                    max_model_len=max_len, **allocator_params)
                 sched = Scheduler(registry.create("scheduler", policy), kv, StopChecker(tokenizer=None),

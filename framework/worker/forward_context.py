@@ -41,7 +41,14 @@ class ForwardContext:
 
     backend: AttentionBackend  # the selected backend instance
     metadata: Any  # backend.build_metadata(common) for this step
-    kv_caches: list[torch.Tensor]  # one per decoder layer, backend.get_kv_cache_shape(num_blocks)
+    kv_caches: list[torch.Tensor]  # one per decoder layer, backend.get_kv_cache_shape(num_blocks) (may be shared)
+    # per decoder layer: the metadata of its KV cache group (several groups: each has its own block
+    # table, framework/core/kv_cache_groups.py); None: ``metadata`` serves every layer
+    layer_metadata: list[Any] | None = None
+
+    def metadata_of(self, layer_idx: int) -> Any:
+        """The metadata layer ``layer_idx`` attends with."""
+        return self.metadata if self.layer_metadata is None else self.layer_metadata[layer_idx]
 
 
 @dataclass
@@ -53,8 +60,13 @@ class GraphAttention:
     """
 
     backend: AttentionBackend  # the selected backend instance
-    kv_caches: list[torch.Tensor]  # one per decoder layer, backend.get_kv_cache_shape(num_blocks)
+    kv_caches: list[torch.Tensor]  # one per decoder layer, backend.get_kv_cache_shape(num_blocks) (may be shared)
     inputs: Any  # backend.traceable_inputs(metadata) for this step
+    layer_inputs: list[Any] | None = None  # per decoder layer: its KV cache group's inputs; None: ``inputs``
+
+    def inputs_of(self, layer_idx: int) -> Any:
+        """The traced inputs layer ``layer_idx`` attends with."""
+        return self.inputs if self.layer_inputs is None else self.layer_inputs[layer_idx]
 
 
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("servelab_forward_context", default=None)
@@ -113,8 +125,8 @@ def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if graph is not None:  # traced into the compiled decoder (or run eagerly: same math)
         features = call_features(graph.backend, layer_idx, query, key, scaling, window, softcap, sinks)
         out = graph.backend.traceable_forward(layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                                              value[0].transpose(0, 1), graph.kv_caches[layer_idx], graph.inputs,
-                                              **features).unsqueeze(0)
+                                              value[0].transpose(0, 1), graph.kv_caches[layer_idx],
+                                              graph.inputs_of(layer_idx), **features).unsqueeze(0)
     elif torch.compiler.is_compiling():  # dynamo is tracing: keep the backend call out of the graph
         out = torch.ops.servelab.attention(query, key, value, layer_idx, scaling, window, softcap, sinks)
     else:
@@ -203,7 +215,8 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
                            "load the model through framework.worker.model_runner.ModelRunner")
     features = call_features(ctx.backend, layer_idx, query, key, scale, sliding_window, softcap, sinks)
     out = ctx.backend.forward(layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                              value[0].transpose(0, 1), ctx.kv_caches[layer_idx], ctx.metadata, **features)
+                              value[0].transpose(0, 1), ctx.kv_caches[layer_idx], ctx.metadata_of(layer_idx),
+                              **features)
     return out.unsqueeze(0)
 
 

@@ -11,12 +11,13 @@ computed (``logits_to_keep``). Once compiled (``compile=True`` in ``__init__``, 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from framework.core.kv_cache_groups import KVCacheLayout
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput, TargetHiddenStates
 from framework.core.request import Request
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
@@ -35,7 +36,8 @@ class BatchInputs:
     requests: list[Request]  # batch order
     input_ids: torch.Tensor  # (1, num_tokens) int64
     positions: torch.Tensor  # (1, num_tokens) int64
-    common: CommonAttentionMetadata
+    common: CommonAttentionMetadata  # the first KV cache group's (the only one without sliding-window groups)
+    group_commons: list[CommonAttentionMetadata]  # per KV cache group: the same batch with its block table and slots
     sample_requests: list[Request]  # requests whose last scheduled token reaches num_tokens (+ drafts)
     logits_index: torch.Tensor  # (num_sample_rows,) int64 flattened token index of each sampled row
     num_spec: list[int]  # per sample request: drafts verified this step (rows = num_spec + 1)
@@ -49,7 +51,8 @@ class ModelRunner:
     Args:
         model: a transformers ``*ForCausalLM`` loaded with ``attn_implementation="servelab"``.
         backend: the attention backend instance.
-        num_blocks: KV blocks to allocate per layer.
+        num_blocks: KV blocks of the pool (the allocator's; the tensors get one more, the null block,
+            when a KV cache group has a sliding window).
         num_layers: decoder layers.
         kv_cache_dtype: cache dtype (model dtype unless a quant method says otherwise).
         device: torch device of model and cache.
@@ -58,6 +61,10 @@ class ModelRunner:
         compile: compile the decoder here (:meth:`compile_decoder`); otherwise it runs eagerly until
             :meth:`compile_decoder` is called (``engine.compile=auto``).
         compile_freezing: inductor weight freezing/prepacking, whenever the decoder is compiled.
+        kv_cache_layout: which layers share a block table and which KV tensor holds each layer
+            (``framework/core/kv_cache_groups.py``); default one group of every layer, one tensor each.
+            ``layers_per_block`` tensors are allocated and shared by the groups: ``kv_caches[layer]`` is
+            its group slot's tensor.
 
     Attributes:
         keep_hidden_states: set by ``build_engine`` when the drafter reads the target's last hidden
@@ -67,23 +74,30 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, num_blocks: int, num_layers: int,
                  kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler, num_swap_blocks: int = 0,
-                 compile: bool = False, compile_freezing: bool = False) -> None:
+                 compile: bool = False, compile_freezing: bool = False,
+                 kv_cache_layout: KVCacheLayout | None = None) -> None:
         self.model = model
         self.backend = backend
         self.device = device
         self.block_size = backend.block_size
         self.sampler = sampler
-        self.block_bytes = backend.kv_cache_bytes_per_block(num_layers)  # one block, all layers, K and V
+        self.num_blocks = num_blocks  # the pool's (the null block, if any, is block num_blocks)
+        self.kv_cache_layout = layout = kv_cache_layout or KVCacheLayout.single(num_layers)
+        # one block of every KV tensor, K and V: layers_per_block layers (all layers with one group)
+        self.block_bytes = backend.kv_cache_bytes_per_block(layout.layers_per_block)
         self.structured_output: Any = None  # StructuredOutputManager; set by build_engine when grammar != none
         self.rejection_sampler = RejectionSampler(sampler)
         self.keep_hidden_states = False
-        shape = backend.get_kv_cache_shape(num_blocks)
-        self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(num_layers)]
+        shape = backend.get_kv_cache_shape(num_blocks + layout.has_null_block)  # the null block: zeros, never written
+        self.kv_tensors = [torch.zeros(shape, dtype=kv_cache_dtype, device=device)
+                           for _ in range(layout.layers_per_block)]
+        self.kv_caches = [self.kv_tensors[slot] for slot in layout.tensor_of_layer()]  # per layer (shared by groups)
+        self.layer_group = layout.group_of_layer()  # per layer: its KV cache group
         # CPU swap space for preemption_mode=swap (pinned so GPU copies can be asynchronous)
         swap_shape = backend.get_kv_cache_shape(num_swap_blocks)
         pin = device.type == "cuda"
         self.swap_caches = [torch.zeros(swap_shape, dtype=kv_cache_dtype, pin_memory=pin)
-                            for _ in range(num_layers if num_swap_blocks else 0)]
+                            for _ in range(layout.layers_per_block if num_swap_blocks else 0)]
         self.compile_freezing = compile_freezing
         self.compiled: CompiledDecoder | None = None
         if compile:
@@ -127,12 +141,12 @@ class ModelRunner:
         dev = self.device
         i32 = {"dtype": torch.int32, "device": dev}
         if num_reqs == 1:
-            num_tokens = min(num_tokens, self.kv_caches[0].shape[1] * self.block_size)
+            num_tokens = min(num_tokens, self.num_blocks * self.block_size)
             num_blocks, ctx, q_lens = -(-num_tokens // self.block_size), [0], [num_tokens]
             positions = torch.arange(num_tokens, device=dev)
             slots = positions
         else:
-            num_blocks = min(3, self.kv_caches[0].shape[1])
+            num_blocks = min(3, self.num_blocks)
             ctx, q_lens = [(num_blocks - 1) * self.block_size] * num_reqs, [1] * num_reqs
             positions = torch.tensor(ctx, device=dev)
             slots = positions  # blocks 0..num_blocks-1 in order: slot == position
@@ -146,23 +160,39 @@ class ModelRunner:
             num_decodes=num_decodes, num_decode_tokens=num_decodes, max_query_len=max(q_lens),
             max_seq_len=max(seq_lens), block_size=self.block_size)
         ids = torch.zeros((1, num_tokens), dtype=torch.long, device=dev)
-        metadata = self.backend.build_metadata(common)
-        with forward_context(ForwardContext(self.backend, metadata, self.kv_caches)):
+        # one metadata object per group with tensors of its own, as in a real step (the compiled graphs'
+        # guards see the same structure and no aliasing between groups)
+        metadata = [self.backend.build_metadata(replace(common, block_table=common.block_table.clone(),
+                                                        slot_mapping=common.slot_mapping.clone()))
+                    for _ in self.kv_cache_layout.groups]
+        with forward_context(self._forward_context(metadata)):
             self._forward(ids, positions[None], torch.tensor([num_tokens - 1], device=dev), metadata)
 
-    def _graph_attention(self, metadata: Any) -> GraphAttention | None:
+    def _forward_context(self, metadata: list[Any]) -> ForwardContext:
+        """The step's forward context from each KV cache group's metadata (every layer gets its group's)."""
+        if len(metadata) == 1:
+            return ForwardContext(self.backend, metadata[0], self.kv_caches)
+        return ForwardContext(self.backend, metadata[0], self.kv_caches,
+                              layer_metadata=[metadata[g] for g in self.layer_group])
+
+    def _graph_attention(self, metadata: list[Any]) -> GraphAttention | None:
         """The traced-attention inputs of this step when the decoder is compiled and the backend
-        offers them (``AttentionBackend.traceable_inputs``), else ``None``."""
+        offers them for every KV cache group (``AttentionBackend.traceable_inputs``), else ``None``."""
         if self.compiled is None or not self.compiled.stats.active:
             return None
-        inputs = self.backend.traceable_inputs(metadata)
-        return None if inputs is None else GraphAttention(self.backend, self.kv_caches, inputs)
+        inputs = [self.backend.traceable_inputs(m) for m in metadata]
+        if any(i is None for i in inputs):
+            return None
+        if len(inputs) == 1:
+            return GraphAttention(self.backend, self.kv_caches, inputs[0])
+        return GraphAttention(self.backend, self.kv_caches, inputs[0],
+                              layer_inputs=[inputs[g] for g in self.layer_group])
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
-                 metadata: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 metadata: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(num_sample_rows, vocab)`` logits at ``logits_index`` and, when ``keep_hidden_states``,
         the last hidden states ``(num_tokens, hidden)`` of the same forward (else ``None``); call
-        inside ``forward_context`` (``metadata``: the backend's for this step)."""
+        inside ``forward_context`` (``metadata``: the backend's for this step, one per KV cache group)."""
         graph = self._graph_attention(metadata)
         if self.keep_hidden_states:  # decoder, then the LM head on the sampled rows only
             hidden = self.compiled.hidden_states(input_ids, positions, graph) if self.compiled is not None else None
@@ -177,8 +207,8 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes held by the KV cache tensors."""
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+        """Bytes held by the KV cache tensors (the null block included)."""
+        return sum(t.numel() * t.element_size() for t in self.kv_tensors)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -192,10 +222,10 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={}, prepare_s=time.perf_counter() - t0)
         batch = self.prepare_inputs(scheduler_output)
-        metadata = self.backend.build_metadata(batch.common)
+        metadata = [self.backend.build_metadata(common) for common in batch.group_commons]
         t1 = time.perf_counter()
         hidden_states = None
-        with forward_context(ForwardContext(self.backend, metadata, self.kv_caches)):
+        with forward_context(self._forward_context(metadata)):
             logits, hidden = self._forward(batch.input_ids, batch.positions, batch.logits_index, metadata)
         if hidden is not None:  # (num_tokens, hidden) for an EAGLE-style drafter
             hidden_states = TargetHiddenStates(
@@ -245,9 +275,18 @@ class ModelRunner:
         """The step's swap copies through the backend: every swap-out, then every swap-in, before
         the forward (a block freed by a swap-out may be rewritten by this very step)."""
         for blocks, slots in so.swap_out:
-            self.backend.copy_blocks(self.kv_caches, blocks, self.swap_caches, slots)
+            self.backend.copy_blocks(self.kv_tensors, blocks, self.swap_caches, slots)
         for slots, blocks in so.swap_in:
-            self.backend.copy_blocks(self.swap_caches, slots, self.kv_caches, blocks)
+            self.backend.copy_blocks(self.swap_caches, slots, self.kv_tensors, blocks)
+
+    @staticmethod
+    def _block_table(so: SchedulerOutput, requests: list[Request], group: int) -> np.ndarray:
+        """``(num_reqs, max_blocks)`` int64 block ids of one KV cache group, batch order, padded with 0."""
+        tables = [so.block_ids[r.request_id][group] for r in requests]
+        block_table = np.zeros((len(requests), max(len(t) for t in tables)), dtype=np.int64)
+        for i, table in enumerate(tables):
+            block_table[i, :len(table)] = table
+        return block_table
 
     def prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
         """Flatten the scheduled tokens; one Python pass over requests, vectorized over tokens."""
@@ -273,12 +312,10 @@ class ModelRunner:
         req_of_token = np.repeat(np.arange(len(requests)), query_lens)
         positions = context_lens[req_of_token] + np.arange(num_tokens) - query_start_loc[req_of_token]
 
-        tables = [so.block_ids[r.request_id] for r in requests]
-        block_table = np.zeros((len(requests), max(len(t) for t in tables)), dtype=np.int64)
-        for i, table in enumerate(tables):
-            block_table[i, :len(table)] = table
-        slot_mapping = (block_table[req_of_token, positions // self.block_size] * self.block_size
-                        + positions % self.block_size)
+        group_tables = [self._block_table(so, requests, g) for g in range(len(self.kv_cache_layout.groups))]
+        block_table = group_tables[0]
+        token_block, token_offset = positions // self.block_size, positions % self.block_size
+        slot_mapping = block_table[req_of_token, token_block] * self.block_size + token_offset
 
         is_last = seq_lens == np.array([r.num_tokens for r in requests], dtype=np.int64) + num_spec
         sample_idx = np.nonzero(is_last)[0]
@@ -300,11 +337,17 @@ class ModelRunner:
             num_decode_tokens=num_decodes, max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()), block_size=self.block_size,
         )
+        group_commons = [common] + [  # the other groups: same batch, their own tables and slots
+            replace(common, block_table=torch.from_numpy(table).to(dev, torch.int32),
+                    slot_mapping=torch.from_numpy(table[req_of_token, token_block] * self.block_size
+                                                  + token_offset).to(dev))
+            for table in group_tables[1:]]
         return BatchInputs(
             requests=requests,
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev)[None],
             positions=torch.from_numpy(positions).to(dev)[None],
             common=common,
+            group_commons=group_commons,
             sample_requests=[requests[i] for i in sample_idx.tolist()],
             logits_index=torch.from_numpy(logits_index).to(dev),
             num_spec=sample_k.tolist(),

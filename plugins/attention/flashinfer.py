@@ -7,14 +7,15 @@ workspace buffer and both wrappers are created once and reused across steps.
 
 Layer features are plan parameters in FlashInfer (``window_left``, ``logits_soft_cap``, ``sm_scale``),
 so layers are grouped by ``(window, softcap, scale)``: each group has its own pair of wrappers (sharing
-the workspace, as vLLM's), planned at the group's first layer of a step. A window W is
+the workspace, as vLLM's), planned at the group's first layer of a step (and again when a layer of
+another KV cache group, whose plan has its own pages, used them in between). A window W is
 ``window_left = W - 1`` (a query sees itself and the W - 1 keys before it, transformers' rule).
 Attention sinks are not wired (refused).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -37,7 +38,6 @@ class FlashInferPlan:
     decode: PagedKVIndices | None  # pages of the decode requests
     prefill: PagedKVIndices | None  # pages of the prefill/chunk requests
     prefill_qo_indptr: torch.Tensor | None  # (num_prefills + 1,) int32 query offsets
-    planned: set[tuple] = field(default_factory=set)  # layer groups (window, softcap, scale) planned this step
 
 
 def build_flashinfer_plan(common: CommonAttentionMetadata) -> FlashInferPlan:
@@ -79,6 +79,9 @@ class FlashInferBackend(AttentionBackend):
         self._flashinfer = flashinfer
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._wrappers: dict[tuple, tuple[Any, Any]] = {}  # layer group -> (decode, prefill) wrappers
+        # layer group -> the plan its wrappers are planned with now: with KV cache groups a step has one plan
+        # per group (its own pages), and layers of two KV cache groups may share a layer group's wrappers
+        self._planned_with: dict[tuple, FlashInferPlan] = {}
 
     def _group(self, scale: float | None, sliding_window: int | None, softcap: float | None) -> tuple:
         return (sliding_window, softcap, self.scale if scale is None else scale)
@@ -90,12 +93,14 @@ class FlashInferBackend(AttentionBackend):
         return plan
 
     def _plan(self, plan: FlashInferPlan, group: tuple) -> tuple[Any, Any]:
-        """Plan a layer group's wrappers for this step (once per step); returns ``(decode, prefill)``."""
+        """Plan a layer group's wrappers with ``plan`` unless they are planned with it already (once per step
+        and KV cache group, and again when another group's plan took them in between); returns
+        ``(decode, prefill)``."""
         if group not in self._wrappers:
             self._wrappers[group] = (self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD"),
                                      self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"))
         decode, prefill = self._wrappers[group]
-        if group in plan.planned:
+        if self._planned_with.get(group) is plan:
             return decode, prefill
         window, softcap, scale = group
         shape = (self.num_heads, self.num_kv_heads, self.head_size, self.block_size)
@@ -107,7 +112,7 @@ class FlashInferBackend(AttentionBackend):
         if plan.prefill is not None:
             p = plan.prefill
             prefill.plan(plan.prefill_qo_indptr, p.indptr, p.indices, p.last_page_len, *shape, causal=True, **features)
-        plan.planned.add(group)
+        self._planned_with[group] = plan
         return decode, prefill
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

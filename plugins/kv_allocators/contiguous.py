@@ -108,6 +108,10 @@ class ContiguousKVAllocator(KVAllocator):
         """Nothing is cached here: succeeds whenever no request holds a slab."""
         return not self._tables
 
+    def num_held_blocks(self, request_id: str) -> tuple[int, ...]:
+        """The whole slab (reserved whatever the request's length), or 0 for unknown ids."""
+        return (self.slab_blocks if request_id in self._slab else 0,)
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks not reserved by any request (free slabs plus the never-usable remainder)."""

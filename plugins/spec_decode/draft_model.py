@@ -137,7 +137,7 @@ class DraftModelDrafter(Drafter):
             n = {s.request_id: s.num_tokens - s.num_computed_tokens for s in active}
             so = SchedulerOutput(scheduled_requests=active, num_scheduled_tokens=n,
                                  total_num_scheduled_tokens=sum(n.values()),
-                                 block_ids={s.request_id: self.kv.get_block_ids(s.request_id) for s in active})
+                                 block_ids={s.request_id: self.kv.get_block_tables(s.request_id) for s in active})
             out = self.runner.execute_model(so)
             for s in active:
                 s.num_computed_tokens += n[s.request_id]

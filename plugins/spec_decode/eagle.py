@@ -186,7 +186,7 @@ class EagleDrafter(Drafter):
 
         n = {s.request_id: s.num_tokens - s.num_computed_tokens for s in shadows}
         so = SchedulerOutput(scheduled_requests=shadows, num_scheduled_tokens=n, total_num_scheduled_tokens=sum(n.values()),
-                             block_ids={s.request_id: self.kv.get_block_ids(s.request_id) for s in shadows})
+                             block_ids={s.request_id: self.kv.get_block_tables(s.request_id) for s in shadows})
         batch = self.runner.prepare_inputs(so)
         features = torch.cat([feats[r.request_id] for r in batch.requests])[None]  # (1, num_tokens, hidden)
         metadata = self.runner.backend.build_metadata(batch.common)

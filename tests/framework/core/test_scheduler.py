@@ -65,7 +65,7 @@ def check_schedule(sched: Scheduler, out: SchedulerOutput, running_before: list[
         assert 1 <= k <= r.num_tokens - r.num_computed_tokens, (r.request_id, k)
         if sched.long_prefill_token_threshold:
             assert k <= sched.long_prefill_token_threshold
-        assert len(out.block_ids[r.request_id]) == -(-(r.num_computed_tokens + k) // bs)
+        assert len(out.block_ids[r.request_id][0]) == -(-(r.num_computed_tokens + k) // bs)
     admitted = [rid for rid in ids if rid not in {r.request_id for r in running_before}]
     starved = [r.request_id for r in running_before if r.request_id not in n and r.request_id not in
                out.preempted_req_ids]

@@ -2,8 +2,11 @@
 
 Drives the real ``Scheduler`` with every registered allocator x policy (x preemption mode) through
 random arrivals, priorities, overlapping prompts, budgets and pool sizes, checking each step with
-``framework.testing.shadow_cache``. Includes the regression scenario of a same-step preemption
-that used to leave never-written blocks in the prefix cache.
+``framework.testing.shadow_cache``. Allocators with KV cache groups also get a random model shape
+(full attention, all sliding, mixed full/sliding, Gemma-3-like one full + two sliding groups, two
+windows) with windows of 1 to 3 blocks + 2 tokens, so out-of-window blocks are released all the time.
+Includes the regression scenario of a same-step preemption that used to leave never-written blocks
+in the prefix cache.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from framework.core.sampling_params import SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.stop import StopChecker
 from framework.core.swap import SwapSpace
-from framework.testing.shadow_cache import Arrival, simulate
+from framework.testing.shadow_cache import Arrival, kv_cache_group_layouts, simulate
 from plugins.kv_allocators._eviction import EVICTION_POLICIES
 
 POLICIES = sorted(registry.available("scheduler"))
@@ -31,10 +34,14 @@ def make_scheduler(allocator: tuple[str, dict], policy: str, *, num_blocks: int,
                    max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int | None = None,
                    long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
-                   swap_slots: int = 0) -> Scheduler:
-    """A scheduler over a fresh pool of ``allocator = (name, params)`` with ``policy`` (registry names)."""
+                   swap_slots: int = 0, kv_cache_groups: tuple | None = None) -> Scheduler:
+    """A scheduler over a fresh pool of ``allocator = (name, params)`` with ``policy`` (registry names);
+    ``kv_cache_groups`` go to allocators that support them (the pool then grows by their number)."""
     name, params = allocator
     max_model_len = max_model_len or num_blocks * block_size
+    if kv_cache_groups and registry.get_class("kv_allocator", name).supports_kv_cache_groups:
+        params = {**params, "kv_cache_groups": kv_cache_groups}
+        num_blocks *= len(kv_cache_groups)
     kv = registry.create("kv_allocator", name, num_blocks=num_blocks, block_size=block_size,
                          enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len, **params)
     return Scheduler(registry.create("scheduler", policy), kv, StopChecker(tokenizer=None),
@@ -67,6 +74,13 @@ def test_same_step_preemption_leaves_no_unwritten_block_in_the_prefix_cache():
 
 
 @st.composite
+def layouts(draw: st.DrawFn, block_size: int) -> tuple:
+    """A model shape (KV cache groups) with windows of 1 .. 3 blocks + 2 tokens."""
+    windows = draw(st.lists(st.integers(1, 3 * block_size + 2), min_size=2, max_size=2))
+    return draw(st.sampled_from(kv_cache_group_layouts(windows)))
+
+
+@st.composite
 def workloads(draw: st.DrawFn) -> dict:
     """Random pool/budget knobs and requests that share prefixes, with arrival steps and priorities."""
     block_size = draw(st.sampled_from([1, 2, 4]))
@@ -84,7 +98,7 @@ def workloads(draw: st.DrawFn) -> dict:
     return dict(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
                 max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=draw(st.integers(max(4, block_size), 48)),
                 long_prefill_token_threshold=draw(st.sampled_from([0, 2, 3, 8])), reqs=reqs,
-                caching=draw(st.booleans()))
+                caching=draw(st.booleans()), groups=draw(layouts(block_size)))
 
 
 @st.composite
@@ -110,7 +124,7 @@ def pressure_workloads(draw: st.DrawFn) -> dict:
     reqs = [(rid, t, min(m, max(1, max_model_len - len(t))), p, s) for rid, t, m, p, s in reqs]
     return dict(block_size=bs, num_blocks=num_blocks, max_model_len=max_model_len,
                 max_num_seqs=draw(st.integers(2, 6)), max_num_batched_tokens=64, long_prefill_token_threshold=thr,
-                reqs=reqs, caching=True)
+                reqs=reqs, caching=True, groups=draw(layouts(bs)))
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -124,7 +138,8 @@ def test_shadow_cache_random_workloads(allocator: str, policy: str, mode: str, w
                            max_model_len=w["max_model_len"],
                            long_prefill_token_threshold=w["long_prefill_token_threshold"],
                            enable_prefix_caching=w["caching"],
-                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0)  # small: swap and fallback
+                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0,  # small: swap and fallback
+                           kv_cache_groups=w["groups"])
     arrivals = [Arrival(step, request(rid, tokens, max_tokens, priority, arrival=float(step)))
                 for rid, tokens, max_tokens, priority, step in w["reqs"]]
     simulate(sched, arrivals, after_step=_invariants)
@@ -145,7 +160,7 @@ def test_shadow_cache_with_speculative_steps(allocator: str, policy: str, mode: 
                            max_model_len=w["max_model_len"],
                            long_prefill_token_threshold=w["long_prefill_token_threshold"],
                            enable_prefix_caching=w["caching"],
-                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0)
+                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0, kv_cache_groups=w["groups"])
     arrivals = [Arrival(step, request(rid, tokens, max_tokens, priority, arrival=float(step)))
                 for rid, tokens, max_tokens, priority, step in w["reqs"]]
     simulate(sched, arrivals, after_step=_invariants, num_speculative_tokens=k, seed=seed)

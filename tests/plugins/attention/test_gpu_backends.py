@@ -91,6 +91,34 @@ def test_flashinfer_plan():
     assert plan.prefill_qo_indptr.tolist() == [0, 6, 9]
 
 
+def test_flashinfer_replans_wrappers_shared_by_kv_cache_groups(monkeypatch):
+    """With KV cache groups each group has its own plan (its own pages): a layer group's wrappers planned
+    by one KV cache group's plan are planned again when a layer of another group uses them, and not again
+    while the same plan's layers follow. FlashInfer is faked (CPU): only the planning logic runs."""
+    import sys
+    import types
+
+    plans = []
+
+    class Wrapper:
+        def __init__(self, *args):
+            pass
+
+        def plan(self, *args, **kwargs):
+            plans.append(args[1] if len(args) > 1 else None)
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=Wrapper, BatchPrefillWithPagedKVCacheWrapper=Wrapper))
+    from plugins.attention.flashinfer import FlashInferBackend
+
+    backend = FlashInferBackend(4, 2, 64, 0.125, BS, torch.bfloat16, torch.device("cpu"))
+    first, second = build_flashinfer_plan(_common()), build_flashinfer_plan(_common())
+    group = backend._group(None, 7, None)
+    for plan in (first, first, second, second, first):
+        backend._plan(plan, group)
+    assert len(plans) == 3 * 2  # first, second, first again: decode + prefill wrappers each time
+
+
 def test_xformers_metadata():
     m = build_xformers_metadata(_common())
     assert m.q_seqlen == [1, 1, 6, 3] and m.kv_seqlen == [6, 10, 6, 10]
