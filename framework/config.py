@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "grammar")
+PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "grammar", "executor")
+#: fields set from the ``parallel:`` section of the Hydra config (not ``engine.*``)
+PARALLEL_FIELDS = ("tensor_parallel_size", "num_threads_per_rank")
 
 
 @dataclass
@@ -32,6 +34,10 @@ class EngineConfig:
     quant_params: dict[str, Any] = field(default_factory=dict)
     grammar: str = "xgrammar"
     grammar_params: dict[str, Any] = field(default_factory=dict)
+    executor: str = "auto"  # auto (uniproc for one rank, mp for more) | uniproc | mp | ray
+    executor_params: dict[str, Any] = field(default_factory=dict)
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (torch.distributed: gloo on CPU, NCCL on CUDA)
+    num_threads_per_rank: int = 0  # torch threads of each rank; 0 = the process's cores / tensor_parallel_size
     max_num_seqs: int = 256  # max requests in one step's batch
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output cap, tokens; None -> model's max positions
@@ -50,6 +56,8 @@ class EngineConfig:
     tune_malloc: bool = True  # CPU: glibc mallopt so large activations reuse heap memory instead of fresh page-faulted mmaps
 
     def __post_init__(self) -> None:
+        if self.executor == "auto":  # as vLLM's ParallelConfig: one rank in-process, several in processes
+            self.executor = "uniproc" if self.tensor_parallel_size == 1 else "mp"
         self.validate()
 
     def validate(self) -> None:
@@ -78,6 +86,9 @@ class EngineConfig:
             (self.preemption_mode != "swap" or self.swap_space_bytes > 0,
              "preemption_mode=swap needs engine.swap_space_bytes > 0 (e.g. 1073741824 for 1 GiB of CPU swap)"),
             (self.swap_space_bytes >= 0, f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}"),
+            (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.num_threads_per_rank >= 0,
+             f"num_threads_per_rank must be >= 0 (0: cores / tensor_parallel_size), got {self.num_threads_per_rank}"),
             (self.prepack_linears in ("auto", "on", "off"),
              f"prepack_linears must be auto, on or off, got {self.prepack_linears!r}"),
         ]

@@ -3,18 +3,20 @@
 The steps, in the order they run (each a function below, so a reader can follow one at a time):
 
 1. :func:`validate_plugins` — every plugin name resolves and each class's ``validate(config)``
-   passes (device, dtype, block size...), before anything is read from disk.
+   passes (device, dtype, block size, executor and rank count...), before anything is read from disk.
 2. :func:`inspect_model` — ``config.json`` only: refuse pre-quantized checkpoints, resolve
-   ``max_model_len``, read the attention shape (:class:`ModelSpec`) and let the attention backend
-   refuse a model it cannot run — still before any weights load.
-3. :func:`load_weights` — load the transformers model and tokenizer, apply the quant method and
-   prepack CPU linears.
-4. :func:`make_attention_backend` — the backend instance for the model's heads and the cache dtype.
-5. :func:`size_kv_cache` — how many KV blocks the budget holds (at least one ``max_model_len`` request).
-6. :func:`make_scheduler` — KV allocator, scheduler policy, swap space, stop checker.
-7. :func:`make_runner` — the model runner (KV tensors, sampler, optional ``torch.compile`` warm-up).
-8. :func:`attach_structured_output`, :func:`attach_drafter` — grammar engine and drafter, if chosen.
-9. :func:`assemble` — the engine, its metrics' KV info, the ``on_engine_start`` hook.
+   ``max_model_len``, read the attention shape (:class:`ModelSpec`), let the attention backend
+   refuse a model it cannot run and refuse a tensor-parallel size the model's heads do not
+   divide — still before any weights load.
+3. :func:`make_executor` — the executor starts its worker ranks; each loads its model (its shard),
+   applies the quant method, prepacks CPU linears and builds its attention backend
+   (``framework.worker.worker``). The driver loads only the tokenizer.
+4. :func:`size_kv_cache` — how many KV blocks fit every rank (at least one ``max_model_len``
+   request), then ``executor.initialize_cache`` allocates them and builds each rank's runner.
+5. :func:`make_scheduler` — KV allocator, scheduler policy, swap space, stop checker (driver).
+6. :func:`attach_structured_output`, :func:`attach_drafter` — grammar engine and drafter, if
+   chosen, both on the driver.
+7. :func:`assemble` — the engine, its metrics' KV info, the ``on_engine_start`` hook.
 """
 
 from __future__ import annotations
@@ -32,20 +34,13 @@ from framework.core.stop import StopChecker
 from framework.core.structured_output import StructuredOutputManager
 from framework.core.swap import SwapSpace
 from framework.engine.llm_engine import LLMEngine
-from framework.interfaces import AttentionBackend, Drafter
+from framework.interfaces import Drafter, Executor
 from framework.metrics.collector import MetricsCollector
-from framework.worker.cpu_malloc import tune_malloc
-from framework.worker.forward_context import register_attention_implementation
-from framework.worker.model_loader import LoadedModel
-from framework.worker.model_runner import ModelRunner
-from framework.worker.prepack import prepack_linears, should_prepack
-from framework.worker.sampler import Sampler
+from framework.worker.embeddings import load_embeddings
+from framework.worker.model_loader import load_tokenizer
+from framework.worker.worker import tensor_parallel_module
 
 logger = logging.getLogger(__name__)
-
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
-                                                   "fp8_e4m3": torch.float8_e4m3fn}
-
 
 @dataclass
 class ModelSpec:
@@ -61,7 +56,7 @@ class ModelSpec:
 
 
 def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) -> LLMEngine:
-    """Validate plugins, inspect and load the model, size the KV cache and assemble the engine.
+    """Validate plugins, inspect the model, start the workers, size the KV cache and assemble the engine.
 
     Args:
         metrics: collector of step/request metrics (e.g. with goodput SLOs); default a plain one.
@@ -70,17 +65,22 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
         registry.UnknownPluginError, ValueError: from :func:`validate_plugins` or
             :func:`inspect_model` (before any weights load), or a KV budget smaller than one
             ``max_model_len`` request (:func:`size_kv_cache`).
+        WorkerError: a worker rank failed to start (its traceback in the message).
     """
     validate_plugins(config)
     spec = inspect_model(config)
-    loaded = load_weights(config)
-    backend = make_attention_backend(config, loaded.model, spec, loaded.kv_cache_dtype)
-    num_blocks = size_kv_cache(config, backend, spec)
-    scheduler = make_scheduler(config, spec, backend, num_blocks, loaded.tokenizer)
-    runner = make_runner(config, loaded.model, spec, backend, num_blocks)
-    structured = attach_structured_output(config, runner, loaded, spec)
-    drafter = attach_drafter(config, runner, loaded)
-    return assemble(config, scheduler, runner, loaded, spec, structured, drafter, metrics)
+    tokenizer, eos_token_ids = load_tokenizer(config.model, config.tokenizer)
+    executor = make_executor(config)
+    try:
+        num_blocks, num_swap_blocks = size_kv_cache(config, executor, spec)
+        executor.initialize_cache(num_blocks, num_swap_blocks)
+        scheduler = make_scheduler(config, spec, num_blocks, num_swap_blocks, tokenizer)
+        structured = attach_structured_output(config, tokenizer, eos_token_ids, spec)
+        drafter = attach_drafter(config, executor, spec)
+        return assemble(config, scheduler, executor, tokenizer, eos_token_ids, spec, structured, drafter, metrics)
+    except BaseException:
+        executor.shutdown()
+        raise
 
 
 def validate_plugins(config: EngineConfig) -> list[type | None]:
@@ -130,7 +130,8 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
 
     Raises:
         ValueError: a pre-quantized checkpoint, ``max_model_len`` above the model's
-            ``max_position_embeddings``, or a model shape the attention backend cannot run.
+            ``max_position_embeddings``, a model shape the attention backend cannot run, or a
+            ``tensor_parallel_size`` the model cannot be sharded over.
     """
     from framework.worker.model_loader import load_model_config
 
@@ -146,130 +147,96 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
                      vocab_size=mc.vocab_size)
     problems = registry.get_class("attention", config.attention).validate_model(
         spec.num_heads, spec.num_kv_heads, spec.head_size)
+    tp = tensor_parallel_module() if config.tensor_parallel_size > 1 else None
+    if tp is not None:  # no tp plan, or heads the size does not divide: names the valid sizes
+        problems += tp.tp_problems(mc, config.tensor_parallel_size)
     if problems:
         raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
     return spec
 
 
-@dataclass
-class LoadedWeights(LoadedModel):
-    """A :class:`LoadedModel` after the quant method and prepacking ran."""
+def make_executor(config: EngineConfig) -> Executor:
+    """Step 3: the executor; constructing it starts every worker rank, which loads its model.
 
-    kv_cache_dtype: torch.dtype | None = None  # what the quant method asks of the KV cache (None: model dtype)
-
-
-def load_weights(config: EngineConfig) -> LoadedWeights:
-    """Step 3: load model and tokenizer (attention routed to servelab), quantize, prepack CPU linears."""
-    from framework.worker.model_loader import load_model
-
-    device = torch.device(config.device)
-    if config.tune_malloc and device.type == "cpu":
-        tune_malloc()
-    loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                        attn_implementation=register_attention_implementation())
-    model, dtype = loaded.model, getattr(torch, config.dtype)
-    quant = registry.create("quant", config.quant, **config.plugin_params("quant"))
-    if quant is not None:
-        model = quant.apply(model)
-    if should_prepack(config.prepack_linears, device, dtype, config.compile_freezing):
-        logger.info("prepack_linears: %d GEMMs prepacked for oneDNN", prepack_linears(model, compiled=config.compile))
-    return LoadedWeights(model=model, tokenizer=loaded.tokenizer, config=loaded.config,
-                         eos_token_ids=loaded.eos_token_ids, max_model_len=loaded.max_model_len, path=loaded.path,
-                         kv_cache_dtype=quant.kv_cache_dtype(dtype) if quant is not None else None)
+    Raises:
+        WorkerError: a rank failed to start (bad weights, out of memory): its error and traceback.
+    """
+    return registry.create("executor", config.executor, config=config, **config.plugin_params("executor"))
 
 
-def make_attention_backend(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec,
-                           quant_kv_dtype: torch.dtype | None) -> AttentionBackend:
-    """Step 4: the backend for the model's heads; the softmax scale is the attention modules' own
-    ``scaling`` (``head_size ** -0.5`` when they have none); the cache dtype is
-    ``engine.kv_cache_dtype``, else what the quant method asks, else the model dtype."""
-    kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or quant_kv_dtype or getattr(torch, config.dtype)
-    scale = next((m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")),
-                 spec.head_size ** -0.5)
-    return registry.create("attention", config.attention, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                           head_size=spec.head_size, scale=scale, block_size=config.block_size, dtype=kv_dtype,
-                           device=torch.device(config.device), **config.plugin_params("attention"))
-
-
-def size_kv_cache(config: EngineConfig, backend: AttentionBackend, spec: ModelSpec) -> int:
-    """Step 5: KV blocks: ``num_blocks`` if set, else ``kv_cache_memory_bytes`` over one block's bytes.
+def size_kv_cache(config: EngineConfig, executor: Executor, spec: ModelSpec) -> tuple[int, int]:
+    """Step 4: ``(num_blocks, num_swap_blocks)``: ``num_blocks`` if set, else the KV budget that fits
+    every rank (``executor.determine_available_memory``) over one block's bytes on a rank; swap
+    blocks for ``preemption_mode=swap`` likewise from ``swap_space_bytes`` (0 otherwise).
 
     Raises:
         ValueError: the cache cannot hold one ``max_model_len`` request (names the knobs to raise).
     """
-    num_blocks = config.num_blocks or config.kv_cache_memory_bytes // backend.kv_cache_bytes_per_block(
-        spec.num_layers)
+    bytes_per_block = executor.kv_cache_bytes_per_block()
+    num_blocks = config.num_blocks or executor.determine_available_memory() // bytes_per_block
     if num_blocks * config.block_size < spec.max_model_len:
         raise ValueError(
             f"KV cache holds {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
             f"tokens, fewer than one max_model_len={spec.max_model_len} request; raise kv_cache_memory_bytes/"
             "num_blocks or lower max_model_len")
-    return num_blocks
+    num_swap_blocks = config.swap_space_bytes // bytes_per_block if config.preemption_mode == "swap" else 0
+    return num_blocks, num_swap_blocks
 
 
-def num_swap_blocks(config: EngineConfig, backend: AttentionBackend, spec: ModelSpec) -> int:
-    """CPU swap-space blocks for ``preemption_mode=swap`` (``swap_space_bytes`` / block bytes), else 0."""
-    if config.preemption_mode != "swap":
-        return 0
-    return config.swap_space_bytes // backend.kv_cache_bytes_per_block(spec.num_layers)
-
-
-def make_scheduler(config: EngineConfig, spec: ModelSpec, backend: AttentionBackend, num_blocks: int,
+def make_scheduler(config: EngineConfig, spec: ModelSpec, num_blocks: int, num_swap_blocks: int,
                    tokenizer: Any) -> Scheduler:
-    """Step 6: KV allocator + scheduler policy + (swap preemption) swap space + stop checker."""
+    """Step 5: KV allocator + scheduler policy + (swap preemption) swap space + stop checker."""
     allocator = registry.create("kv_allocator", config.kv_allocator, num_blocks=num_blocks,
                                 block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                 max_model_len=spec.max_model_len, **config.plugin_params("kv_allocator"))
     policy = registry.create("scheduler", config.scheduler, **config.plugin_params("scheduler"))
-    swap_space = SwapSpace(num_swap_blocks(config, backend, spec)) if config.preemption_mode == "swap" else None
+    swap_space = SwapSpace(num_swap_blocks) if config.preemption_mode == "swap" else None
     return Scheduler(policy, allocator, StopChecker(tokenizer), max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=spec.max_model_len,
                      long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space)
 
 
-def make_runner(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, backend: AttentionBackend,
-                num_blocks: int) -> ModelRunner:
-    """Step 7: the model runner: KV tensors, swap tensors, sampler and (``compile``) the warmed-up graphs."""
-    return ModelRunner(model, backend, num_blocks, spec.num_layers, backend.cache_dtype, torch.device(config.device),
-                       Sampler(spec.vocab_size, seed=config.seed),
-                       num_swap_blocks=num_swap_blocks(config, backend, spec),
-                       compile=config.compile, compile_freezing=config.compile_freezing)
-
-
-def attach_structured_output(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel,
+def attach_structured_output(config: EngineConfig, tokenizer: Any, eos_token_ids: frozenset[int],
                              spec: ModelSpec) -> StructuredOutputManager | None:
-    """Step 8a: the grammar engine (``grammar != none``), shared by the engine and the runner's bitmasks."""
+    """Step 6a: the grammar engine (``grammar != none``) on the driver: it fills each step's bitmask."""
     if config.grammar == "none":
         return None
-    grammar = registry.create("grammar", config.grammar, tokenizer=loaded.tokenizer, vocab_size=spec.vocab_size,
-                              eos_token_ids=loaded.eos_token_ids, **config.plugin_params("grammar"))
-    runner.structured_output = StructuredOutputManager(grammar, spec.vocab_size)
-    return runner.structured_output
+    grammar = registry.create("grammar", config.grammar, tokenizer=tokenizer, vocab_size=spec.vocab_size,
+                              eos_token_ids=eos_token_ids, **config.plugin_params("grammar"))
+    return StructuredOutputManager(grammar, spec.vocab_size)
 
 
-def attach_drafter(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel) -> Drafter | None:
-    """Step 8b: the drafter (``spec_decode != none``), loaded after the target; EAGLE-style drafters
-    make the runner keep the target's hidden states."""
+def attach_drafter(config: EngineConfig, executor: Executor, spec: ModelSpec) -> Drafter | None:
+    """Step 6b: the drafter (``spec_decode != none``), on the driver, loaded after the target.
+
+    It gets the target model when it lives in this process (``uniproc``), else only the target's
+    embedding and LM head loaded here (what EAGLE shares); an EAGLE-style drafter makes the driver
+    rank return the target's hidden states with each output.
+    """
     drafter = registry.create("drafter", config.drafter, **config.plugin_params("drafter"))
     if drafter is not None:
-        drafter.load(model=runner.model, model_config=loaded.config, config=config)
-        runner.keep_hidden_states = drafter.needs_hidden_states
+        target = executor.driver_model()
+        if target is None:
+            target = load_embeddings(config.model, config.dtype, config.device)
+        drafter.load(model=target, model_config=spec.hf_config, config=config)
+        if drafter.needs_hidden_states:
+            executor.collective_rpc("set_keep_hidden_states", args=(True,))
     return drafter
 
 
-def assemble(config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, loaded: LoadedModel, spec: ModelSpec,
-             structured: StructuredOutputManager | None, drafter: Drafter | None,
-             metrics: MetricsCollector | None) -> LLMEngine:
-    """Step 9: the engine; records the KV cache's shape in its metrics and fires ``on_engine_start``."""
-    engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, spec.vocab_size, metrics,
+def assemble(config: EngineConfig, scheduler: Scheduler, executor: Executor, tokenizer: Any,
+             eos_token_ids: frozenset[int], spec: ModelSpec, structured: StructuredOutputManager | None,
+             drafter: Drafter | None, metrics: MetricsCollector | None) -> LLMEngine:
+    """Step 7: the engine; records the KV cache's shape in its metrics and fires ``on_engine_start``."""
+    engine = LLMEngine(config, scheduler, executor, tokenizer, eos_token_ids, spec.vocab_size, metrics,
                        structured, drafter)
-    bytes_per_block = runner.backend.kv_cache_bytes_per_block(spec.num_layers)
+    bytes_per_block = executor.kv_cache_bytes_per_block()
     num_blocks = scheduler.kv.num_blocks
     engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
                                     "kv_cache_bytes_per_block": bytes_per_block}
-    engine.metrics.compile_stats = runner.compile_stats
-    logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",
-                num_blocks, runner.kv_cache_bytes / 2**20, config.kv_cache_dtype, bytes_per_block,
-                spec.max_model_len)
+    engine.metrics.compile_stats = executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
+    logger.info("engine ready: executor=%s x %d ranks, %d KV blocks per rank (%.1f MiB, kv_cache_dtype=%s, "
+                "%d bytes/block), max_model_len=%d", config.executor, config.tensor_parallel_size, num_blocks,
+                num_blocks * bytes_per_block / 2**20, config.kv_cache_dtype, bytes_per_block, spec.max_model_len)
     registry.plugin_manager().hook.on_engine_start(config=config.to_dict())
     return engine

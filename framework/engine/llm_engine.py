@@ -13,9 +13,8 @@ from framework.core.request import Request
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.structured_output import StructuredOutputManager
-from framework.interfaces import Drafter
+from framework.interfaces import Drafter, EngineDeadError, Executor
 from framework.metrics.collector import MetricsCollector, compute_request_metrics
-from framework.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -23,18 +22,26 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """The engine loop. Build it with :func:`framework.engine.builder.build_engine`.
 
-    The engine talks to the scheduler and the model runner only; the scheduler owns the KV
-    allocator and the policy, the runner owns the model, the KV tensors and the sampler.
+    The engine (the driver) talks to the scheduler and the executor only; the scheduler owns the
+    KV allocator and the policy, the executor runs the worker ranks, which own the model, the KV
+    tensors and the sampler.
+
+    When the executor loses a worker, :meth:`step` finishes every in-flight request with the error
+    (``finish_reason="abort"``, ``error`` set; ``on_request_finished`` fires for each) and raises
+    :class:`~framework.interfaces.EngineDeadError`, whose ``outputs`` holds those final outputs;
+    the engine then refuses new requests.
     """
 
-    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any,
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, executor: Executor, tokenizer: Any,
                  eos_token_ids: frozenset[int], vocab_size: int, metrics: MetricsCollector | None = None,
                  structured_output: StructuredOutputManager | None = None,
                  drafter: Drafter | None = None) -> None:
         self.config = config
         self.drafter = drafter
         self.scheduler = scheduler
-        self.runner = runner
+        self.executor = executor
+        # bytes one swapped block moves, over all ranks (each rank moves its own copy or shard)
+        self.swap_block_bytes = executor.kv_cache_bytes_per_block() * config.tensor_parallel_size
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -61,7 +68,10 @@ class LLMEngine:
             ValueError: empty prompt, token id outside the vocabulary, prompt longer than
                 ``max_model_len``, duplicate ``request_id`` or invalid sampling params. Nothing is
                 queued and engine state is unchanged.
+            EngineDeadError: the executor lost a worker earlier.
         """
+        if self.executor.dead is not None:
+            raise EngineDeadError(f"the engine is dead ({self.executor.dead}); build a new one")
         sampling_params = sampling_params or SamplingParams()
         sampling_params.validate()
         if sampling_params.structured_outputs is not None and self.structured_output is None:
@@ -134,15 +144,28 @@ class LLMEngine:
         Returns:
             A ``RequestOutput`` for each request that produced tokens this step (finished
             ones with ``finished=True``, final ``text`` and ``metrics``).
+
+        Raises:
+            EngineDeadError: the executor lost a worker; every in-flight request was finished with
+                the error first (their final outputs are ``error.outputs``).
         """
         t0 = time.perf_counter()
         failed = self._admit_compiled()
         sched_out = self.scheduler.schedule()
+        if self.structured_output is not None and sched_out.total_num_scheduled_tokens:
+            sched_out.grammar_bitmask, sched_out.structured_output_request_ids = (
+                self.structured_output.grammar_bitmask(sched_out))
         t1 = time.perf_counter()
-        if sched_out.is_empty:
-            runner_out = ModelRunnerOutput(sampled_token_ids={})
-        else:
-            runner_out = self.runner.execute_model(sched_out)
+        try:
+            if self.executor.dead is not None:
+                raise self.executor.dead
+            if sched_out.is_empty:
+                runner_out = ModelRunnerOutput(sampled_token_ids={})
+            else:
+                runner_out = self.executor.execute_model(sched_out)
+        except EngineDeadError as error:
+            error.outputs = failed + self._fail_all(str(error))
+            raise
         t2 = time.perf_counter()
         updated, _ = self.scheduler.update_from_output(sched_out, runner_out)
         self._advance_grammars(updated)
@@ -155,6 +178,41 @@ class LLMEngine:
             if request.is_finished:
                 self._observe_finished(output)
         return [o for o in outputs if o is not None]
+
+    def check_health(self) -> None:
+        """Raise :class:`~framework.interfaces.EngineDeadError` when the executor lost a worker."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the workers and the grammar compile threads; idempotent. Requests still in flight
+        are not finished (abort them first)."""
+        self.executor.shutdown()
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
+
+    def _fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every unfinished request as aborted with ``error`` (the executor is dead)."""
+        ids = list(self.scheduler.requests)
+        outputs = [self._fail(self._compiling.pop(rid), error) for rid in list(self._compiling)]
+        for request in self.scheduler.abort_requests(ids):
+            request.error = error
+            if self.structured_output is not None:
+                self.structured_output.discard(request.request_id)
+            outputs.append(self._report_finished(request))
+        return outputs
+
+    @property
+    def runner(self) -> Any:
+        """The model runner of an in-process executor (``uniproc``), for inspection and experiments.
+
+        Raises:
+            AttributeError: the executor runs its ranks in other processes.
+        """
+        runner = getattr(self.executor, "runner", None)
+        if runner is None:
+            raise AttributeError(f"executor={self.config.executor} runs its model runners in worker processes; "
+                                 "use engine.executor.collective_rpc(...) (or executor=uniproc to inspect one)")
+        return runner
 
     # ---- structured output ------------------------------------------------------------
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -242,7 +300,7 @@ class LLMEngine:
             num_preemptions_swap=len(sched_out.swap_out),
             num_swap_out_blocks=sum(len(b) for b, _ in sched_out.swap_out),
             num_swap_in_blocks=sum(len(b) for _, b in sched_out.swap_in),
-            swapped_bytes=self.runner.block_bytes * sum(len(b) for b, _ in sched_out.swap_out + sched_out.swap_in),
+            swapped_bytes=self.swap_block_bytes * sum(len(b) for b, _ in sched_out.swap_out + sched_out.swap_in),
             prefix_cache_hit_rate=kv_stats.hit_rate,
             num_preemptions=len(sched_out.preempted_req_ids), schedule_s=t1 - t0,
             prepare_s=runner_out.prepare_s, forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
