@@ -160,7 +160,9 @@ class MultiprocExecutor(Executor):
         try:
             self._res.ring.write((method, args, kwargs or {}, unique_reply_rank),
                                  timeout_s=timeout_s or self.execute_timeout_s, alive=self._all_alive)
-        except (TimeoutError, RuntimeError) as exc:
+        except RuntimeError:
+            raise self._lost(f"{self._dead_rank()} before {method!r}") from None
+        except TimeoutError as exc:
             raise self._lost(f"cannot send {method!r} to the workers: {exc}") from exc
         self.busy_s += time.perf_counter() - t0
         ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
@@ -194,21 +196,25 @@ class MultiprocExecutor(Executor):
         ready = wait(conns + [p.sentinel for p in procs], timeout_s)
         if not ready:
             raise self._lost(f"no reply to {method!r} from ranks {sorted(ranks)} within {timeout_s} s")
-        out = []
+        out, closed = [], False
         for rank, conn in enumerate(conns):
             if conn in ready:
                 try:
                     out.append((rank, *receive(conn)))
                 except (EOFError, OSError):
-                    pass  # its process died: reported below
-        if not out:  # a pipe closed or a process exited: name the rank and its exit code
-            wait([p.sentinel for p in procs], 5.0)  # a closed pipe may precede the exit by a moment
-            rank, proc = next(((r, p) for r, p in enumerate(procs) if not p.is_alive()), (0, procs[0]))
+                    closed = True  # its process died: reported below
+        if closed or any(p.sentinel in ready for p in procs):  # name the dead rank and its exit code
             hint = (" (a script that starts an engine with executor=mp needs an `if __name__ == '__main__':` guard: "
                     "spawned workers re-import it)" if method == "start-up" else "")
-            raise self._lost(f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode} during "
-                             f"{method!r}; see its output above{hint}")
+            raise self._lost(f"{self._dead_rank()} during {method!r}; see its output above{hint}")
         return out
+
+    def _dead_rank(self) -> str:
+        """``worker rank R (pid P) exited with code C`` for the first rank that exited."""
+        procs = self._res.procs
+        wait([p.sentinel for p in procs], 5.0)  # a closed pipe may precede the exit by a moment
+        rank, proc = next(((r, p) for r, p in enumerate(procs) if not p.is_alive()), (0, procs[0]))
+        return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
 
     def _all_alive(self) -> bool:
         return all(p.is_alive() for p in self._res.procs)
@@ -226,9 +232,8 @@ class MultiprocExecutor(Executor):
             raise self.dead
         if self._res.closed:
             raise EngineDeadError("executor=mp is shut down")
-        for rank, proc in enumerate(self._res.procs):
-            if not proc.is_alive():
-                raise self._lost(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+        if not self._all_alive():
+            raise self._lost(self._dead_rank())
 
     def shutdown(self) -> None:
         """Ask every rank to exit, kill those that do not within 5 s, unlink the segment."""
