@@ -16,6 +16,7 @@ import datetime
 import importlib.util
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,6 +196,36 @@ class Worker:
         """Run one step on this rank; the driver rank returns the sampled tokens, the others ``None``."""
         out = self.runner.execute_model(step)
         return out if self.is_driver_rank else None
+
+    def enable_collective_timing(self) -> None:
+        """Time every ``torch.distributed`` collective this rank calls from now on (benchmarks:
+        ``experiments/bench_parallel.py``); read with :meth:`collective_times`. Wall time of the call:
+        exact for gloo (synchronous), a lower bound for NCCL (asynchronous)."""
+        import functools
+
+        import torch.distributed as dist
+
+        self._collective = {"collective_s": 0.0, "num_collectives": 0}
+        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "gather", "reduce_scatter", "broadcast"):
+            original = getattr(dist, name, None)
+            if original is None or getattr(original, "_servelab_timed", False):
+                continue
+
+            @functools.wraps(original)
+            def timed(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return __original(*args, **kwargs)
+                finally:
+                    self._collective["collective_s"] += time.perf_counter() - t0
+                    self._collective["num_collectives"] += 1
+
+            timed._servelab_timed = True  # type: ignore[attr-defined]
+            setattr(dist, name, timed)
+
+    def collective_times(self) -> dict[str, float]:
+        """Seconds spent in, and number of, collectives since :meth:`enable_collective_timing`."""
+        return dict(getattr(self, "_collective", {"collective_s": 0.0, "num_collectives": 0}))
 
     def compile_stats(self) -> CompileStats:
         """This rank's compile statistics (``enabled=False`` when eager)."""

@@ -109,7 +109,7 @@ def test_collective_rpc_reaches_every_rank(mp_llm):
         executor.collective_rpc("no_such_method")
     executor.check_health()  # a failing call other than execute_model leaves the executor usable
     with pytest.raises(AttributeError, match="worker processes"):
-        mp_llm.engine.runner
+        _ = mp_llm.engine.runner
 
 
 def test_unloadable_weights_show_the_workers_error(tmp_path):
