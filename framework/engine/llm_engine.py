@@ -159,12 +159,13 @@ class LLMEngine:
         try:
             if self.executor.dead is not None:
                 raise self.executor.dead
-            if sched_out.is_empty:
+            if sched_out.is_empty and not sched_out.finished_req_ids:
                 runner_out = ModelRunnerOutput(sampled_token_ids={})
-            else:
+            else:  # finished ids alone still go out: the workers drop those requests' state
                 runner_out = self.executor.execute_model(sched_out)
         except EngineDeadError as error:
             error.outputs = failed + self._fail_all(str(error))
+            self.executor.shutdown()
             raise
         t2 = time.perf_counter()
         updated, _ = self.scheduler.update_from_output(sched_out, runner_out)

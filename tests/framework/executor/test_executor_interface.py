@@ -128,3 +128,24 @@ def test_embeddings_alone_match_the_model():
     assert emb.get_output_embeddings().weight is emb.get_input_embeddings().weight  # stories260K ties them
     assert torch.equal(emb.get_input_embeddings().weight, full.get_input_embeddings().weight)
     assert torch.equal(emb.get_output_embeddings().weight, full.get_output_embeddings().weight)
+
+
+def test_workers_drop_aborted_requests_and_a_reused_id_starts_fresh():
+    """Finished ids reach the workers even on a step that schedules nothing, so a request id used
+    again later is a new request to them (its mirror is not the old one's)."""
+    from helpers import hf_greedy
+
+    llm = LLM(model=STORIES, attention="torch", grammar="none")
+    engine, tok = llm.engine, llm.get_tokenizer()
+    engine.add_request("a", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=50))
+    engine.step()
+    engine.step()
+    engine.abort_request("a")
+    engine.step()  # nothing to schedule: the message only carries "a" as finished
+    assert "a" not in engine.runner.input_batch.requests
+    ids = tok("The dog ran to the park and").input_ids
+    engine.add_request("a", ids, SamplingParams(temperature=0.0, max_tokens=12))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert outs[0].outputs[0].token_ids == hf_greedy(STORIES, [ids], 12)[0]

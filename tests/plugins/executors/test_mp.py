@@ -136,6 +136,21 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+def test_eagle_runs_on_the_driver_with_rank_0_hidden_states():
+    """EAGLE's head runs in the driver on the target's embedding and LM head loaded there; rank 0 ships
+    the target's hidden states back with each output."""
+    from helpers import STORIES_EAGLE
+
+    llm = LLM(model=STORIES, executor="mp", attention="torch", max_model_len=192, drafter="eagle",
+              drafter_params={"model": STORIES_EAGLE, "num_speculative_tokens": 3})
+    tok = llm.get_tokenizer()
+    ids = [tok(p).input_ids for p in STORY_PROMPTS[:4]]
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, MAX_TOKENS)
+    assert llm.engine.metrics.summary()["spec_num_accepted_tokens"] > 0
+    llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_leave_no_worker_and_no_segment(tmp_path, sig):
     script = tmp_path / "serve_forever.py"
