@@ -149,3 +149,21 @@ def test_workers_drop_aborted_requests_and_a_reused_id_starts_fresh():
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
     assert outs[0].outputs[0].token_ids == hf_greedy(STORIES, [ids], 12)[0]
+
+
+def test_parallel_section_and_executor_group_compose():
+    from helpers import REPO
+    from hydra import compose, initialize_config_dir
+
+    from framework.entrypoints.hydra_config import engine_config_from_cfg, register_config_nodes
+
+    register_config_nodes()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["parallel.tensor_parallel_size=2", "parallel.num_threads_per_rank=1"])
+        config = engine_config_from_cfg(cfg)
+        assert (config.executor, config.tensor_parallel_size, config.num_threads_per_rank) == ("mp", 2, 1)
+        assert engine_config_from_cfg(compose(config_name="config")).executor == "uniproc"
+        ray_cfg = engine_config_from_cfg(compose(config_name="config", overrides=["executor=ray"]))
+        assert ray_cfg.executor == "ray" and ray_cfg.executor_params["placement_strategy"] == "PACK"
+        with pytest.raises(ValueError, match="unknown parallel keys"):
+            engine_config_from_cfg(compose(config_name="config", overrides=["+parallel.pipeline_parallel_size=2"]))
