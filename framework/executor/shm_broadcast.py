@@ -69,7 +69,6 @@ class ShmBroadcast:
         self.reader_rank: int | None = None
         self._seq = 0  # chunks written (writer) or read (reader)
         self._owner = True
-        self.busy_s = 0.0  # seconds spent pickling + copying (writer) or copying + unpickling (reader), waits excluded
 
     @classmethod
     def attach(cls, handle: RingHandle, reader_rank: int) -> ShmBroadcast:
@@ -80,7 +79,6 @@ class ShmBroadcast:
         self.reader_rank = reader_rank
         self._seq = 0
         self._owner = False
-        self.busy_s = 0.0
         return self
 
     # ---- layout ----------------------------------------------------------------------
@@ -103,14 +101,10 @@ class ShmBroadcast:
             TimeoutError: the ring stayed full for ``timeout_s`` seconds.
             RuntimeError: ``alive()`` turned False while waiting (a reader died).
         """
-        t0 = time.perf_counter()
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         h, buf = self.handle, self.shm.buf
         for start in range(0, max(len(data), 1), h.chunk_bytes):
-            if self._seq - min(self._consumed()) >= h.num_chunks:
-                t_wait = time.perf_counter()
-                self._wait_for_room(timeout_s, alive)
-                t0 += time.perf_counter() - t_wait
+            self._wait_for_room(timeout_s, alive)
             off = self._chunk(self._seq)
             part = data[start:start + h.chunk_bytes]
             buf[off:off + _I64].cast("q")[0] = len(data)
@@ -119,7 +113,6 @@ class ShmBroadcast:
             for semaphore in h.semaphores:
                 semaphore.release()
             self._seq += 1
-        self.busy_s += time.perf_counter() - t0
         return len(data)
 
     def _wait_for_room(self, timeout_s: float | None, alive: Callable[[], bool] | None) -> None:
@@ -142,13 +135,11 @@ class ShmBroadcast:
         semaphore = h.semaphores[self.reader_rank]
         if not semaphore.acquire(timeout=timeout_s):
             raise TimeoutError("no message")
-        t0 = time.perf_counter()
         off = self._chunk(self._seq)
         total = buf[off:off + _I64].cast("q")[0]
         if total <= h.chunk_bytes:  # one chunk: unpickle in place, no copy
             obj = pickle.loads(buf[off + _I64:off + _I64 + total])
             self._consumed_one()
-            self.busy_s += time.perf_counter() - t0
             return obj
         data = bytearray()
         while True:
@@ -156,9 +147,7 @@ class ShmBroadcast:
             data += buf[off + _I64:off + _I64 + take]
             self._consumed_one()
             if len(data) == total:
-                obj = pickle.loads(data)
-                self.busy_s += time.perf_counter() - t0
-                return obj
+                return pickle.loads(data)
             if not semaphore.acquire(timeout=60.0):  # the writer publishes the parts back to back
                 raise TimeoutError("the writer stopped in the middle of a message")
             off = self._chunk(self._seq)

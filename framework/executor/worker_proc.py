@@ -11,11 +11,9 @@ is gone (checked every second), so a killed driver leaves no worker behind.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import signal
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -24,15 +22,6 @@ from framework.executor.shm_broadcast import RingHandle, ShmBroadcast
 
 SHUTDOWN = "shutdown"  # the method name that ends the loop
 _POLL_S = 1.0  # seconds between checks that the driver still lives
-
-
-@dataclasses.dataclass
-class RpcTimes:
-    """Where a rank's time went across calls (the step broadcast's share, for benchmarks), seconds."""
-
-    read_s: float = 0.0  # copying and unpickling calls out of the ring (waiting excluded)
-    reply_s: float = 0.0  # pickling and sending replies
-    num_calls: int = 0
 
 
 def send(conn: Connection, kind: str, payload: Any) -> None:
@@ -70,33 +59,28 @@ def worker_main(config: dict[str, Any], rank: int, world_size: int, init_method:
         send(conn, "error", traceback.format_exc())
         return
     send(conn, "ready", os.getpid())
-    times = RpcTimes()
     try:
-        _loop(worker, reader, conn, parent_pid, times)
+        _loop(worker, reader, conn, parent_pid)
     finally:
         worker.shutdown()
         reader.close()
 
 
-def _loop(worker: Any, reader: ShmBroadcast, conn: Connection, parent_pid: int, times: RpcTimes) -> None:
+def _loop(worker: Any, reader: ShmBroadcast, conn: Connection, parent_pid: int) -> None:
     """Serve calls until ``shutdown`` or the driver's death."""
     while True:
         try:
             method, args, kwargs, reply_rank = reader.read(timeout_s=_POLL_S)
-            times.read_s = reader.busy_s
         except TimeoutError:
             if os.getppid() != parent_pid:
                 return  # the driver died without shutting us down
             continue
         if method == SHUTDOWN:
             return
-        times.num_calls += 1
         try:
-            result = times if method == "rpc_times" else getattr(worker, method)(*args, **kwargs)
+            result = getattr(worker, method)(*args, **kwargs)
         except BaseException:  # noqa: BLE001 - reported; the driver decides whether the executor survives
             send(conn, "error", traceback.format_exc())
             continue
         if reply_rank is None or reply_rank == worker.rank:
-            t0 = time.perf_counter()
             send(conn, "ok", result)
-            times.reply_s += time.perf_counter() - t0

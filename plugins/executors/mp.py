@@ -105,7 +105,6 @@ class MultiprocExecutor(Executor):
                  execute_timeout_s: float = 300.0, **params: Any) -> None:
         super().__init__(config, **params)
         self.execute_timeout_s = execute_timeout_s
-        self.busy_s = 0.0  # driver time building, pickling and writing messages (benchmarks), seconds
         ctx = mp.get_context("spawn")
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -156,7 +155,6 @@ class MultiprocExecutor(Executor):
                        timeout_s: float | None = None, unique_reply_rank: int | None = None) -> list[Any]:
         """Broadcast the call through the ring and gather the replies (see :class:`Executor`)."""
         self.check_health()
-        t0 = time.perf_counter()
         try:
             self._res.ring.write((method, args, kwargs or {}, unique_reply_rank),
                                  timeout_s=timeout_s or self.execute_timeout_s, alive=self._all_alive)
@@ -164,7 +162,6 @@ class MultiprocExecutor(Executor):
             raise self._lost(f"{self._dead_rank()} before {method!r}") from None
         except TimeoutError as exc:
             raise self._lost(f"cannot send {method!r} to the workers: {exc}") from exc
-        self.busy_s += time.perf_counter() - t0
         ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
         results: dict[int, Any] = {}
         while len(results) < len(ranks):
@@ -178,9 +175,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: Any) -> Any:
         """As :meth:`Executor.execute_model`, under ``execute_timeout_s``."""
-        t0 = time.perf_counter()
         message = self._messages.build(scheduler_output)
-        self.busy_s += time.perf_counter() - t0
         return self.collective_rpc("execute_model", args=(message,), timeout_s=self.execute_timeout_s,
                                    unique_reply_rank=0)[0]
 
