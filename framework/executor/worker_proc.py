@@ -51,7 +51,7 @@ def worker_main(config: dict[str, Any], rank: int, world_size: int, init_method:
     from framework.worker.worker import Worker
 
     try:
-        worker = Worker(EngineConfig(**config), rank, world_size, init_method)
+        worker = Worker(EngineConfig(**config), rank, world_size, init_method, own_process=True)
         worker.init_device()
         worker.load_model()
         reader = ShmBroadcast.attach(ring, rank)

@@ -109,11 +109,15 @@ class Worker:
             samples and returns outputs).
         world_size: ``parallel.tensor_parallel_size``.
         distributed_init_method: ``tcp://host:port`` of rank 0's rendezvous (``world_size > 1``).
+        own_process: the rank has a process of its own (``mp``, ``ray``): it then sets its torch
+            threads to cores / ranks by default; an in-process rank (``uniproc``) leaves the
+            caller's thread setting alone unless ``num_threads_per_rank`` is set.
     """
 
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
-                 distributed_init_method: str | None = None) -> None:
+                 distributed_init_method: str | None = None, own_process: bool = False) -> None:
         self.config = config
+        self.own_process = own_process
         self.rank = rank
         self.world_size = world_size
         self.distributed_init_method = distributed_init_method
@@ -128,10 +132,10 @@ class Worker:
         return self.rank == 0
 
     def init_device(self) -> None:
-        """Threads (``parallel.num_threads_per_rank``, default cores / ranks) and, for more than one
-        rank, ``torch.distributed`` (gloo on CPU, NCCL on CUDA)."""
-        threads = self.config.num_threads_per_rank or default_num_threads(self.world_size)
-        if threads != torch.get_num_threads():
+        """Threads (``parallel.num_threads_per_rank``; default cores / ranks in a process of its own)
+        and, for more than one rank, ``torch.distributed`` (gloo on CPU, NCCL on CUDA)."""
+        threads = self.config.num_threads_per_rank or (default_num_threads(self.world_size) if self.own_process else 0)
+        if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         device = torch.device(self.config.device)
         if device.type == "cuda":

@@ -48,7 +48,7 @@ class _RankActor:
         from framework.worker.worker import Worker
 
         try:
-            self.worker = Worker(EngineConfig(**self.config), self.rank, self.world_size, init_method)
+            self.worker = Worker(EngineConfig(**self.config), self.rank, self.world_size, init_method, own_process=True)
             self.worker.init_device()
             self.worker.load_model()
         except BaseException as exc:  # noqa: BLE001 - the driver shows the rank's traceback
