@@ -37,7 +37,7 @@ class EngineConfig:
     executor: str = "auto"  # auto (uniproc for one rank, mp for more) | uniproc | mp | ray
     executor_params: dict[str, Any] = field(default_factory=dict)
     tensor_parallel_size: int = 1  # ranks the model is sharded over (torch.distributed: gloo on CPU, NCCL on CUDA)
-    num_threads_per_rank: int = 0  # torch threads of each rank; 0 = the process's cores / tensor_parallel_size
+    num_threads_per_rank: int = 0  # torch threads per rank; 0 = cores / tensor_parallel_size in worker processes (uniproc: unchanged)
     max_num_seqs: int = 256  # max requests in one step's batch
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output cap, tokens; None -> model's max positions
