@@ -234,9 +234,30 @@ def assemble(config: EngineConfig, scheduler: Scheduler, executor: Executor, tok
     num_blocks = scheduler.kv.num_blocks
     engine.metrics.kv_cache_info = {"kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
                                     "kv_cache_bytes_per_block": bytes_per_block}
-    engine.metrics.compile_stats = executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
+    engine.metrics.compile_stats = RankZeroCompileStats(executor)
     logger.info("engine ready: executor=%s x %d ranks, %d KV blocks per rank (%.1f MiB, kv_cache_dtype=%s, "
                 "%d bytes/block), max_model_len=%d", config.executor, config.tensor_parallel_size, num_blocks,
                 num_blocks * bytes_per_block / 2**20, config.kv_cache_dtype, bytes_per_block, spec.max_model_len)
     registry.plugin_manager().hook.on_engine_start(config=config.to_dict())
     return engine
+
+
+class RankZeroCompileStats:
+    """Rank 0's :class:`~framework.worker.compile.CompileStats`, fetched afresh whenever the metrics
+    read it (recompiles grow inside the worker; a worker process would otherwise leave the driver a
+    stale copy). After the executor died, the last copy fetched."""
+
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+        self._last = executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
+        self.enabled = self._last.enabled  # engine.compile was requested
+
+    def as_dict(self) -> dict[str, Any]:
+        """``CompileStats.as_dict`` of rank 0 now (``metrics.json`` keys)."""
+        if self._executor.dead is None:
+            try:
+                self._last = self._executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
+            except RuntimeError:  # shut down or lost meanwhile: keep the last copy
+                pass
+        return self._last.as_dict()
+
