@@ -14,27 +14,21 @@ import torch
 from framework import hookimpl
 from framework.config import EngineConfig
 from framework.hookspecs import Register
-from framework.interfaces import Executor, WorkerError
+from framework.interfaces import Executor
 from framework.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    """One :class:`framework.worker.worker.Worker` (rank 0 of 1) in this process.
-
-    Raises:
-        WorkerError: the worker failed to load (the original exception is chained).
-    """
+    """One :class:`framework.worker.worker.Worker` (rank 0 of 1) in this process; errors while it
+    loads (missing weights, a quant method that refuses the model) propagate unchanged."""
 
     name = "uniproc"
 
     def __init__(self, config: EngineConfig, **params: Any) -> None:
         super().__init__(config, **params)
         self.worker = Worker(config, rank=0, world_size=1)
-        try:
-            self.worker.init_device()
-            self.worker.load_model()
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise WorkerError(f"worker rank 0 failed to start: {type(exc).__name__}: {exc}") from exc
+        self.worker.init_device()
+        self.worker.load_model()
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
