@@ -31,7 +31,8 @@ def send(conn: Connection, kind: str, payload: Any) -> None:
 
 
 def receive(conn: Connection) -> tuple[str, Any]:
-    """The next ``(kind, payload)`` from a worker's pipe (``kind``: ``ready``, ``ok`` or ``error``)."""
+    """The next ``(kind, payload)`` from a worker's pipe: ``("ready", pid)``, ``("ok", result)`` or
+    ``("error", (method, traceback))``."""
     return pickle.loads(conn.recv_bytes())
 
 
@@ -56,7 +57,7 @@ def worker_main(config: dict[str, Any], rank: int, world_size: int, init_method:
         worker.load_model()
         reader = ShmBroadcast.attach(ring, rank)
     except BaseException:  # noqa: BLE001 - bad weights, out of memory, device...: reported to the driver
-        send(conn, "error", traceback.format_exc())
+        send(conn, "error", ("start-up", traceback.format_exc()))
         return
     send(conn, "ready", os.getpid())
     try:
@@ -80,7 +81,7 @@ def _loop(worker: Any, reader: ShmBroadcast, conn: Connection, parent_pid: int) 
         try:
             result = getattr(worker, method)(*args, **kwargs)
         except BaseException:  # noqa: BLE001 - reported; the driver decides whether the executor survives
-            send(conn, "error", traceback.format_exc())
+            send(conn, "error", (method, traceback.format_exc()))
             continue
         if reply_rank is None or reply_rank == worker.rank:
             send(conn, "ok", result)

@@ -147,7 +147,7 @@ class MultiprocExecutor(Executor):
             for rank, kind, payload in replies:
                 if kind == "error":
                     self._res.close(graceful=False)
-                    raise WorkerError(f"worker rank {rank} failed to start:\n{payload}")
+                    raise WorkerError(f"worker rank {rank} failed to start:\n{payload[1]}")
                 pending.discard(rank)
 
     # ---- calls -----------------------------------------------------------------------
@@ -166,10 +166,11 @@ class MultiprocExecutor(Executor):
         results: dict[int, Any] = {}
         while len(results) < len(ranks):
             for rank, kind, payload in self._wait(set(ranks) - set(results), timeout_s, method):
-                if kind == "error":
-                    if method == "execute_model":  # ranks may be out of step now: nothing can run
-                        raise self._lost(f"worker rank {rank} failed in execute_model:\n{payload}")
-                    raise WorkerError(f"worker rank {rank} failed in {method}:\n{payload}")
+                if kind == "error":  # possibly a non-replying rank's failure in an earlier call
+                    failed_method, trace = payload
+                    if failed_method == "execute_model":  # ranks may be out of step now: nothing can run
+                        raise self._lost(f"worker rank {rank} failed in execute_model:\n{trace}")
+                    raise WorkerError(f"worker rank {rank} failed in {failed_method}:\n{trace}")
                 results[rank] = payload
         return [results[r] for r in ranks]
 
