@@ -208,9 +208,12 @@ class MultiprocExecutor(Executor):
     def _dead_rank(self) -> str:
         """``worker rank R (pid P) exited with code C`` for the first rank that exited."""
         procs = self._res.procs
-        wait([p.sentinel for p in procs], 5.0)  # a closed pipe may precede the exit by a moment
-        rank, proc = next(((r, p) for r, p in enumerate(procs) if not p.is_alive()), (0, procs[0]))
-        return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        ready = wait([p.sentinel for p in procs], 5.0)  # a closed pipe may precede the exit by a moment
+        for rank, proc in enumerate(procs):
+            if proc.sentinel in ready:
+                proc.join(5.0)  # its fds close before it is reaped: wait for the exit code
+                return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return "a worker closed its pipe without exiting"
 
     def _all_alive(self) -> bool:
         return all(p.is_alive() for p in self._res.procs)
