@@ -120,13 +120,24 @@ def _serve(cfg: DictConfig, engine_config: Any, run_dir: Path) -> dict[str, Any]
 def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run_dir: Path) -> dict[str, Any]:
     """Build the engine, run the workload, write the run files, report the summary."""
     from framework.engine.builder import build_engine
-    from framework.entrypoints.offline_runner import run_workload
-    from framework.metrics.collector import MetricsCollector, render_summary_table
-    from framework.workloads.workload import build_workload
+    from framework.metrics.collector import MetricsCollector
 
-    with exit_on_config_error():  # the model or the workload file may still be missing or refused
+    with exit_on_config_error():  # the model may still be missing or refused
         engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms,
                                                                       slo_tpot_ms=cfg.slo.tpot_ms))
+    try:
+        return _run_engine(cfg, engine, default_sampling, run_dir)
+    finally:
+        engine.shutdown()  # worker processes of executor=mp/ray end with the job (a sweep runs many)
+
+
+def _run_engine(cfg: DictConfig, engine: Any, default_sampling: Any, run_dir: Path) -> dict[str, Any]:
+    """Run the workload on a built engine, write the run files, report the summary."""
+    from framework.entrypoints.offline_runner import run_workload
+    from framework.metrics.collector import render_summary_table
+    from framework.workloads.workload import build_workload
+
+    with exit_on_config_error():  # the workload file may still be missing or refused
         items = build_workload(cfg.workload, engine.tokenizer, vocab_size=getattr(engine, "vocab_size", None),
                                max_model_len=engine.max_model_len)
     logger.info("running %d requests; outputs in %s", len(items), run_dir)

@@ -2,8 +2,9 @@
 and end-to-end output tok/s constrained vs unconstrained on the same prompts.
 
 Compile: each constraint compiled once cold (fresh plugin, empty cache) and once through the engine's
-cache (``StructuredOutputManager``). Mask time: wall time of ``apply_bitmask`` (fill every row's
-bitmask + apply to the logits) per engine step, measured by wrapping it. End to end: the same
+cache (``StructuredOutputManager``). Mask time: wall time of ``grammar_bitmask`` (fill every row's
+bitmask on the driver; applying it to the logits is now part of the worker's sampling time) per
+engine step, measured by wrapping it. End to end: the same
 prompts with ``json`` schema constraints vs none, greedy, ``ignore_eos`` off.
 
 Example (the real measurement, quiet machine):
@@ -59,14 +60,15 @@ def bench_e2e(llm: LLM, prompts: list[str], max_tokens: int, constrained: bool) 
     """Output tok/s over the whole batch, plus mean/p50 per-step mask time (ms) when constrained."""
     manager = llm.engine.structured_output
     mask_times: list[float] = []
-    original = manager.apply_bitmask
+    original = manager.grammar_bitmask
 
-    def timed(logits, requests):
+    def timed(scheduler_output):
         t0 = time.perf_counter()
-        original(logits, requests)
+        out = original(scheduler_output)
         mask_times.append(time.perf_counter() - t0)
+        return out
 
-    manager.apply_bitmask = timed
+    manager.grammar_bitmask = timed
     so = StructuredOutputsParams(json=SCHEMA) if constrained else None
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)
     try:
@@ -74,7 +76,7 @@ def bench_e2e(llm: LLM, prompts: list[str], max_tokens: int, constrained: bool) 
         outs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - t0
     finally:
-        manager.apply_bitmask = original
+        manager.grammar_bitmask = original
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {"output_tokens": num_tokens, "elapsed_s": elapsed, "tok_per_s": num_tokens / elapsed,
               "num_errors": sum(o.error is not None for o in outs)}

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "grammar")
+PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "grammar", "executor")
 COMPILE_MODES = ("auto", "true", "false")
+#: fields set from the ``parallel:`` section of the Hydra config (not ``engine.*``)
+PARALLEL_FIELDS = ("tensor_parallel_size", "num_threads_per_rank")
 
 
 @dataclass
@@ -33,6 +35,10 @@ class EngineConfig:
     quant_params: dict[str, Any] = field(default_factory=dict)
     grammar: str = "xgrammar"
     grammar_params: dict[str, Any] = field(default_factory=dict)
+    executor: str = "auto"  # auto (uniproc for one rank, mp for more) | uniproc | mp | ray
+    executor_params: dict[str, Any] = field(default_factory=dict)
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (torch.distributed: gloo on CPU, NCCL on CUDA)
+    num_threads_per_rank: int = 0  # torch threads per rank; 0 = cores / tensor_parallel_size in worker processes (uniproc: unchanged)
     max_num_seqs: int = 256  # max requests in one step's batch
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output cap, tokens; None -> model's max positions
@@ -56,6 +62,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool):
             self.compile = "true" if self.compile else "false"
+        if self.executor == "auto":  # as vLLM's ParallelConfig: one rank in-process, several in processes
+            self.executor = "uniproc" if self.tensor_parallel_size == 1 else "mp"
         self.validate()
 
     def validate(self) -> None:
@@ -85,6 +93,9 @@ class EngineConfig:
              "preemption_mode=swap needs engine.swap_space_bytes > 0 (e.g. 1073741824 for 1 GiB of CPU swap)"),
             (self.swap_space_bytes >= 0, f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}"),
             (str(self.compile) in COMPILE_MODES, f"compile must be auto, true or false, got {self.compile!r}"),
+            (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.num_threads_per_rank >= 0,
+             f"num_threads_per_rank must be >= 0 (0: cores / tensor_parallel_size), got {self.num_threads_per_rank}"),
             (self.prepack_linears in ("auto", "on", "off"),
              f"prepack_linears must be auto, on or off, got {self.prepack_linears!r}"),
         ]

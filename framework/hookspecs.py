@@ -85,6 +85,15 @@ def register_trackers(register: Register) -> None:
 
 
 @hookspec
+def register_executors(register: Register) -> None:
+    """Register executors (``framework.interfaces.Executor`` subclasses): how the engine runs its
+    worker ranks (in-process, one process per rank, Ray actors).
+
+    :param register: ``register(name, cls)``; ``name`` becomes ``executor=<name>``.
+    """
+
+
+@hookspec
 def on_engine_start(config: dict[str, Any]) -> None:
     """Called once when a run starts, before the first step.
 

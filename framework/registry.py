@@ -16,6 +16,7 @@ from framework import hookspecs
 from framework.interfaces import (
     AttentionBackend,
     Drafter,
+    Executor,
     Grammar,
     KVAllocator,
     QuantMethod,
@@ -35,6 +36,7 @@ KINDS: dict[str, tuple[str, type, str]] = {
     "quant": ("register_quant_methods", QuantMethod, "quant"),
     "grammar": ("register_grammars", Grammar, "grammar"),
     "tracker": ("register_trackers", Tracker, "tracker"),
+    "executor": ("register_executors", Executor, "executor"),
 }
 # kinds whose "none" choice means "feature off" (no implementation object)
 OPTIONAL_KINDS = ("drafter", "quant", "grammar", "tracker")

@@ -201,3 +201,18 @@ def test_soak_serving_smoke(tmp_path, capsys):
     assert result["num_requests"] > 0 and result["outcomes"]["unexpected"] == 0 and out.is_file()
     assert "rss_growth_mib_per_1k_requests" in json.loads(out.read_text())
     assert "check no_kv_leak" in capsys.readouterr().out
+
+
+def test_bench_parallel_reports_throughput_itl_and_the_overhead_split(tmp_path):
+    """``bench_parallel`` on the tiny random model, two ``mp`` ranks: every column is there."""
+    from experiments import bench_parallel
+
+    report = bench_parallel.main(["--tiny", "--model-dir", str(tmp_path), "--systems", "mp2", "--batches", "1", "2",
+                                  "--prompt-len", "8", "--output-len", "4", "--window", "2",
+                                  "--attention", "torch", "--num-blocks", "64", "--json-out", str(tmp_path / "out.json")])
+    (row,) = report["results"]
+    assert row["tensor_parallel_size"] == 2 and row["threads_per_rank"] >= 1
+    for batch in ("b1", "b2"):
+        assert row[batch]["output_tok_s"] > 0 and row[batch]["itl_p50_ms"] > 0
+        assert 0 < row[batch]["broadcast_share"] < 1 and row[batch]["collective_ms"] >= 0
+    assert (tmp_path / "out.json").is_file()

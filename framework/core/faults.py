@@ -33,7 +33,13 @@ class EngineDeadError(RuntimeError):
     """The engine hit a fault that leaves its state unknown (model forward, KV-cache write, scheduler):
     every in-flight request is failed and the engine must be rebuilt (a server exits non-zero so that
     its supervisor restarts it). Named after vLLM V1's ``EngineDeadError``; ``__cause__`` holds the fault.
+
+    Executors raise it too, when they lose a worker (killed, crashed, hung past its timeout), from
+    ``execute_model``, ``collective_rpc`` and ``check_health``; ``LLMEngine.step`` then sets
+    ``outputs`` to the final (aborted) outputs of every in-flight request before re-raising.
     """
+
+    outputs: list = []  # RequestOutput of every request the death finished (set by LLMEngine.step)
 
 
 @dataclass(frozen=True)

@@ -108,3 +108,18 @@ class KVCacheLayout:
             window = group.sliding_window
             total += full if window is None else min(full, -(-(window - 1 + max_chunk_tokens) // block_size) + 1)
         return total
+
+
+def plan_kv_cache_layout(kv_allocator: str, layers: Sequence[AttentionLayerSpec]) -> KVCacheLayout:
+    """The KV cache layout of a model under the registered allocator ``kv_allocator``: sliding-window
+    groups of their own when the allocator declares ``supports_kv_cache_groups``, else one group of
+    every layer. A pure function of its arguments, so the driver (``build_engine``) and every worker
+    rank compute the same layout.
+
+    Raises:
+        registry.UnknownPluginError: ``kv_allocator`` is not registered.
+    """
+    from framework import registry
+
+    release = registry.get_class("kv_allocator", kv_allocator).supports_kv_cache_groups
+    return KVCacheLayout(make_kv_cache_groups(layers, release), len(layers))

@@ -34,6 +34,11 @@ class SchedulerOutput:
     # request_id -> the draft tokens among its scheduled tokens (the last len(...) of them); only
     # requests that verify drafts this step have an entry (speculative decoding)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # structured output, filled by the engine after schedule() (vLLM's grammar_bitmask): one
+    # (num_rows, ceil(vocab / 32)) int32 row per sampled position (k + 1 for a request verifying k
+    # drafts) of each constrained request that samples this step; None when there is none
+    grammar_bitmask: np.ndarray | None = None
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)  # request_id -> first bitmask row
 
     @property
     def is_empty(self) -> bool:
@@ -43,7 +48,8 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """What one forward produced, built by ``ModelRunner.execute_model``.
+    """What one forward produced, built by ``ModelRunner.execute_model`` on the driver rank (the
+    only rank that samples) and returned to the engine by the executor.
 
     A request that only advanced a prefill chunk (did not reach the end of its tokens) has no
     entry in ``sampled_token_ids``.

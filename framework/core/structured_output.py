@@ -2,7 +2,8 @@
 
 Follows vLLM V1's ``StructuredOutputManager`` (``vllm/v1/structured_output/__init__.py``): grammars
 compile on a thread pool, a request waits outside the scheduler until its grammar is ready, the
-runner applies one ``(num_rows, ceil(vocab / 32))`` int32 bitmask to the logits before sampling, and
+driver fills one ``(num_rows, ceil(vocab / 32))`` int32 bitmask per step before the forward and the
+driver rank's runner applies it to the logits before sampling, and
 the engine advances each matcher on the tokens the scheduler actually appended.
 
 Every per-request method runs its matcher under ``faults`` (``framework.core.faults``): a matcher that
@@ -16,28 +17,33 @@ import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from framework.core.faults import RequestFaults
+from framework.core.outputs import SchedulerOutput
 from framework.core.request import Request
 from framework.interfaces import Grammar, GrammarMatcher
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                        mask_rows: list[int] | None = None) -> None:
     """Set disallowed tokens of ``logits[rows]`` to ``-inf``, in place.
 
     Args:
         logits: (num_rows, num_cols) any float dtype, any device; ``num_cols`` may exceed the
             bitmask's ``32 * words`` (padded vocabulary): those columns are disallowed.
-        bitmask: (num_rows, words) int32 CPU, bit ``t % 32`` of word ``t // 32`` set = token allowed.
+        bitmask: (num_mask_rows, words) int32 CPU, bit ``t % 32`` of word ``t // 32`` set = token allowed.
         rows: the rows to mask (others are untouched).
+        mask_rows: the bitmask row of each of ``rows`` (default: ``rows``).
     """
     if not rows:
         return
     idx = torch.tensor(rows, dtype=torch.long)
-    bits = (bitmask[idx].unsqueeze(-1) >> _BIT_SHIFTS) & 1  # (len(rows), words, 32)
+    mask_idx = idx if mask_rows is None else torch.tensor(mask_rows, dtype=torch.long)
+    bits = (bitmask[mask_idx].unsqueeze(-1) >> _BIT_SHIFTS) & 1  # (len(rows), words, 32)
     allowed = bits.reshape(len(rows), -1).bool()
     num_cols = logits.shape[1]
     if allowed.shape[1] >= num_cols:
@@ -113,18 +119,57 @@ class StructuredOutputManager:
         self.matchers.pop(request_id, None)
         self._num_advanced.pop(request_id, None)
 
-    def apply_bitmask(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        """Fill one ``(num_rows, ceil(vocab / 32))`` int32 bitmask for the rows with a matcher and
-        mask ``logits`` (num_rows, >= vocab) in place; rows without a matcher are untouched."""
-        rows = [i for i, r in enumerate(requests) if r.request_id in self.matchers]
-        if not rows:
-            return
-        bitmask = torch.full((len(requests), self.num_words), -1, dtype=torch.int32)
-        for i in rows:
-            with self.faults.guard(requests[i].request_id, self._what):
-                self.matchers[requests[i].request_id].fill_bitmask(bitmask, i)
-        self._reject_dead_ends(bitmask, {i: (requests[i], requests[i].num_output_tokens) for i in rows})
-        apply_token_bitmask(logits, bitmask, [i for i in rows if not self.faults.failed(requests[i].request_id)])
+    def grammar_bitmask(self, so: SchedulerOutput) -> tuple[np.ndarray | None, dict[str, int]]:
+        """The step's grammar bitmask, computed on the driver before the forward (vLLM V1's
+        ``get_grammar_bitmask``) and shipped to the driver rank with the step's message.
+
+        Every constrained request that samples this step (its scheduled tokens reach its end) gets
+        one row, or ``k + 1`` rows when it verifies ``k`` drafts: row ``j`` is the mask after its
+        output plus ``drafts[:j]`` (:meth:`fill_draft_bitmask`; rows past the longest valid draft
+        prefix stay all-allowed, drafts having been cut to that prefix when proposed).
+
+        A matcher that raises fails its request (``faults``; its rows stay all-allowed and the engine
+        drops its sampled token with the abort); a row that allows no token rejects its request
+        (:meth:`_reject_dead_ends`).
+
+        Returns:
+            ``(bitmask, first_row)``: ``(num_rows, ceil(vocab / 32))`` int32 (``None`` when no
+            constrained request samples) and request_id -> its first row.
+        """
+        blocks: list[tuple[Request, list[int]]] = []
+        first_row: dict[str, int] = {}
+        num_rows = 0
+        for request in so.scheduled_requests:
+            rid = request.request_id
+            if rid not in self.matchers or self.faults.failed(rid):
+                continue
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            if request.num_computed_tokens + so.num_scheduled_tokens[rid] != request.num_tokens + len(drafts):
+                continue  # a prefill chunk that does not reach the end samples nothing
+            first_row[rid] = num_rows
+            blocks.append((request, drafts))
+            num_rows += len(drafts) + 1
+        if not blocks:
+            return None, {}
+        bitmask = torch.full((num_rows, self.num_words), -1, dtype=torch.int32)
+        rows: dict[int, tuple[Request, int]] = {}  # filled row -> (its request, output tokens before it)
+        for request, drafts in blocks:
+            rid, start = request.request_id, first_row[request.request_id]
+            if drafts:
+                n = self.faults.call(rid, self._what, self.fill_draft_bitmask, bitmask, start, rid, drafts,
+                                     default=None)
+                filled = (n or 0) + 1
+            else:
+                with self.faults.guard(rid, self._what):
+                    self.matchers[rid].fill_bitmask(bitmask, start)
+                filled = 1
+            rows.update({start + j: (request, request.num_output_tokens + j) for j in range(filled)})
+        self._reject_dead_ends(bitmask, rows)
+        for request, drafts in blocks:  # a failed request's rows mask nothing: its token is dropped anyway
+            if self.faults.failed(request.request_id):
+                start = first_row[request.request_id]
+                bitmask[start:start + len(drafts) + 1] = -1
+        return bitmask.numpy(), first_row
 
     def _reject_dead_ends(self, bitmask: torch.Tensor, rows: dict[int, tuple[Request, int]]) -> None:
         """Reject (not fault) the request of a row that allows no token: an unsatisfiable constraint (e.g.
@@ -178,29 +223,6 @@ class StructuredOutputManager:
                 matcher.accept_token(draft_token_ids[j])
         matcher.rollback(n)
         return n
-
-    def apply_verify_bitmask(self, logits: torch.Tensor, requests: list[Request],
-                             drafts: list[list[int]]) -> None:
-        """Speculative decoding: mask the verify rows of constrained requests in place.
-
-        ``logits`` is ``(sum(len(d) + 1 for d in drafts), >= vocab)``: request ``i`` owns
-        ``len(drafts[i]) + 1`` consecutive rows; row ``j`` of it gets the grammar's mask after the
-        request's output plus ``drafts[i][:j]`` (the matcher is advanced over the drafts and rolled
-        back, :meth:`fill_draft_bitmask`). Drafts were truncated to their grammar-valid prefix when
-        proposed, so every row has a non-empty mask. Rows of unconstrained requests are untouched.
-        """
-        if not any(r.request_id in self.matchers for r in requests):
-            return
-        bitmask = torch.full((logits.shape[0], self.num_words), -1, dtype=torch.int32)
-        rows, start = {}, 0
-        for request, draft in zip(requests, drafts, strict=True):
-            if request.request_id in self.matchers:
-                n = self.faults.call(request.request_id, self._what, self.fill_draft_bitmask, bitmask, start,
-                                     request.request_id, draft, default=None)
-                rows.update({start + j: (request, request.num_output_tokens + j) for j in range((n or 0) + 1)})
-            start += len(draft) + 1
-        self._reject_dead_ends(bitmask, rows)
-        apply_token_bitmask(logits, bitmask, [i for i, (r, _) in rows.items() if not self.faults.failed(r.request_id)])
 
     def valid_draft_prefix(self, request_id: str, draft_token_ids: list[int]) -> list[int]:
         """The longest prefix of ``draft_token_ids`` the request's grammar accepts from its current

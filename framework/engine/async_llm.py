@@ -144,6 +144,8 @@ class AsyncLLM:
             while not self._stopping.is_set():
                 busy = self.engine.has_unfinished_requests()
                 self._drain(block=not busy)
+                if not busy:  # a worker lost while idle kills the loop too (so /health turns 503)
+                    self.engine.check_health()
                 if self.engine.has_unfinished_requests() and not self._stopping.is_set():
                     self._dispatch(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting stream

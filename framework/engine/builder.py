@@ -4,21 +4,24 @@ The steps, in the order they run (each a function below, so a reader can follow 
 
 1. :func:`validate_plugins` — every plugin name resolves (before anything is read from disk), then
    :func:`resolve_dtype` turns ``dtype="auto"`` into the checkpoint's dtype (``config.json`` only) and
-   each class's ``validate(config)`` passes (device, dtype, block size...).
+   each class's ``validate(config)`` passes (device, dtype, block size, executor and rank count...).
 2. :func:`inspect_model` — ``config.json`` only: refuse pre-quantized checkpoints, resolve
-   ``max_model_len``, read the attention shape (:class:`ModelSpec`) and let the attention backend
-   refuse a model it cannot run — still before any weights load.
-3. :func:`load_weights` — load the transformers model and tokenizer, apply the quant method and
-   prepack CPU linears.
-4. :func:`make_attention_backend` — the backend instance for the model's heads and the cache dtype.
-5. :func:`plan_kv_cache` — which layers share a block table (KV cache groups: sliding-window layers
-   get their own when the allocator can release their out-of-window blocks), then
-   :func:`size_kv_cache` — how many KV blocks the budget holds (at least one ``max_model_len`` request).
-6. :func:`make_scheduler` — KV allocator, scheduler policy, swap space, stop checker.
-7. :func:`make_runner` — the model runner (KV tensors, sampler; ``engine.compile=true``: the
-   ``torch.compile`` warm-up; ``auto`` compiles later, in ``LLMEngine.maybe_compile``).
-8. :func:`attach_structured_output`, :func:`attach_drafter` — grammar engine and drafter, if chosen.
-9. :func:`assemble` — the engine, its metrics' KV info, the ``on_engine_start`` hook.
+   ``max_model_len``, read each layer's attention (:class:`ModelSpec`), let the attention backend
+   refuse a model it cannot run and refuse a tensor-parallel size the model's heads do not
+   divide — still before any weights load.
+3. :func:`plan_kv_cache` — which layers share a block table (KV cache groups: sliding-window layers
+   get their own when the allocator can release their out-of-window blocks).
+4. :func:`make_executor` — the executor starts its worker ranks; each loads its model (its shard),
+   applies the quant method, prepacks CPU linears and builds its attention backend and the same KV
+   cache layout (``framework.worker.worker``). The driver loads only the tokenizer.
+5. :func:`size_kv_cache` — how many KV blocks fit every rank (at least one ``max_model_len``
+   request), then ``executor.initialize_cache`` allocates them and builds each rank's runner
+   (``engine.compile=true``: the ``torch.compile`` warm-up; ``auto`` compiles later, in
+   ``LLMEngine.maybe_compile``).
+6. :func:`make_scheduler` — KV allocator, scheduler policy, swap space, stop checker (driver).
+7. :func:`attach_structured_output`, :func:`attach_drafter` — grammar engine and drafter, if
+   chosen, both on the driver.
+8. :func:`assemble` — the engine, its metrics' KV info, the ``on_engine_start`` hook.
 """
 
 from __future__ import annotations
@@ -32,25 +35,19 @@ import torch
 
 from framework import registry
 from framework.config import PLUGIN_FIELDS, EngineConfig
-from framework.core.kv_cache_groups import KVCacheLayout, make_kv_cache_groups
+from framework.core.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout
 from framework.core.scheduler import Scheduler
 from framework.core.stop import StopChecker
 from framework.core.structured_output import StructuredOutputManager
 from framework.core.swap import SwapSpace
 from framework.engine.llm_engine import LLMEngine
-from framework.interfaces import AttentionBackend, AttentionLayerSpec, Drafter
+from framework.interfaces import AttentionLayerSpec, Drafter, Executor
 from framework.metrics.collector import MetricsCollector
-from framework.worker.cpu_malloc import tune_malloc
-from framework.worker.forward_context import register_attention_implementation
-from framework.worker.model_loader import LoadedModel
-from framework.worker.model_runner import ModelRunner
-from framework.worker.prepack import prepack_linears, should_prepack
-from framework.worker.sampler import Sampler
+from framework.worker.embeddings import load_embeddings
+from framework.worker.model_loader import load_tokenizer
+from framework.worker.worker import tensor_parallel_module
 
 logger = logging.getLogger(__name__)
-
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
-                                                   "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -67,8 +64,9 @@ class ModelSpec:
     attention_layers: list[AttentionLayerSpec]  # per layer: heads, head sizes, window, softcap, sinks
 
 
+
 def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) -> LLMEngine:
-    """Validate plugins, inspect and load the model, size the KV cache and assemble the engine.
+    """Validate plugins, inspect the model, start the workers, size the KV cache and assemble the engine.
 
     Args:
         config: the engine's configuration; ``dtype="auto"`` is resolved first, and the engine keeps
@@ -80,21 +78,27 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
             :func:`inspect_model` (before any weights load), or a KV budget smaller than one
             ``max_model_len`` request (:func:`size_kv_cache`).
         FileNotFoundError, ModuleNotFoundError: the model cannot be found (:func:`resolve_dtype`).
+        WorkerError: a worker rank failed to start (its traceback in the message).
     """
     validate_plugins(config)
     if config.dtype == "auto":
         config = resolve_dtype(config)
         logger.info("dtype=auto: %s (the checkpoint's config.json)", config.dtype)
     spec = inspect_model(config)
-    loaded = load_weights(config)
-    backend = make_attention_backend(config, loaded.model, spec, loaded.kv_cache_dtype)
     layout = plan_kv_cache(config, spec)
-    num_blocks = size_kv_cache(config, backend, spec, layout)
-    scheduler = make_scheduler(config, spec, backend, num_blocks, loaded.tokenizer, layout)
-    runner = make_runner(config, loaded.model, spec, backend, num_blocks, layout)
-    structured = attach_structured_output(config, runner, loaded, spec)
-    drafter = attach_drafter(config, runner, loaded)
-    return assemble(config, scheduler, runner, loaded, spec, structured, drafter, metrics)
+    tokenizer, eos_token_ids = load_tokenizer(config.model, config.tokenizer)
+    executor = make_executor(config)
+    try:
+        num_blocks, num_swap_blocks = size_kv_cache(config, executor, spec, layout)
+        executor.initialize_cache(num_blocks, num_swap_blocks)
+        scheduler = make_scheduler(config, spec, num_blocks, num_swap_blocks, tokenizer, layout)
+        structured = attach_structured_output(config, tokenizer, eos_token_ids, spec)
+        drafter = attach_drafter(config, executor, spec)
+        return assemble(config, scheduler, executor, tokenizer, eos_token_ids, spec, layout, structured, drafter,
+                        metrics)
+    except BaseException:
+        executor.shutdown()
+        raise
 
 
 def resolve_dtype(config: EngineConfig) -> EngineConfig:
@@ -165,8 +169,8 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
         ValueError: a pre-quantized checkpoint, ``max_model_len`` above the model's
             ``max_position_embeddings``, an architecture servelab cannot run exactly
             (``UnsupportedModelError``: encoder-decoder, non-causal, attention outside transformers'
-            interface, unknown layer types), or a model the attention backend cannot run (the error
-            names the backends that can).
+            interface, unknown layer types), a model the attention backend cannot run (the error
+            names the backends that can), or a ``tensor_parallel_size`` the model cannot be sharded over.
     """
     from framework.worker.model_families import attention_layers, family_of
     from framework.worker.model_loader import load_model_config
@@ -187,6 +191,9 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
                      head_size=max(layer.cache_head_size for layer in layers), vocab_size=mc.vocab_size,
                      attention_layers=layers)
     problems = registry.get_class("attention", config.attention).validate_model(layers, config)
+    tp = tensor_parallel_module() if config.tensor_parallel_size > 1 else None
+    if tp is not None:  # no tp plan, or heads the size does not divide: names the valid sizes
+        problems += tp.tp_problems(mc, config.tensor_parallel_size)
     if problems:
         capable = backends_that_can_run(layers, config)
         if capable:
@@ -209,57 +216,26 @@ def backends_that_can_run(layers: list[AttentionLayerSpec], config: EngineConfig
     return names
 
 
-@dataclass
-class LoadedWeights(LoadedModel):
-    """A :class:`LoadedModel` after the quant method and prepacking ran."""
 
-    kv_cache_dtype: torch.dtype | None = None  # what the quant method asks of the KV cache (None: model dtype)
+def make_executor(config: EngineConfig) -> Executor:
+    """Step 3: the executor; constructing it starts every worker rank, which loads its model.
 
+    Raises:
+        WorkerError: a rank failed to start (bad weights, out of memory): its error and traceback.
+    """
+    return registry.create("executor", config.executor, config=config, **config.plugin_params("executor"))
 
-def load_weights(config: EngineConfig) -> LoadedWeights:
-    """Step 3: load model and tokenizer (attention routed to servelab), quantize, prepack CPU linears."""
-    from framework.worker.model_loader import load_model
-
-    device = torch.device(config.device)
-    if config.tune_malloc and device.type == "cpu":
-        tune_malloc()
-    loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                        attn_implementation=register_attention_implementation())
-    model, dtype = loaded.model, getattr(torch, config.dtype)
-    quant = registry.create("quant", config.quant, **config.plugin_params("quant"))
-    if quant is not None:
-        model = quant.apply(model)
-    if should_prepack(config.prepack_linears, device, dtype, config.compile_freezing):
-        num_gemms = prepack_linears(model, compiled=config.compile == "true")  # auto: unfused if compiled later
-        logger.info("prepack_linears: %d GEMMs prepacked for oneDNN", num_gemms)
-    return LoadedWeights(model=model, tokenizer=loaded.tokenizer, config=loaded.config,
-                         eos_token_ids=loaded.eos_token_ids, max_model_len=loaded.max_model_len, path=loaded.path,
-                         kv_cache_dtype=quant.kv_cache_dtype(dtype) if quant is not None else None)
-
-
-def make_attention_backend(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec,
-                           quant_kv_dtype: torch.dtype | None) -> AttentionBackend:
-    """Step 4: the backend for the model's layers (``spec.attention_layers``); its default softmax scale
-    is the first attention module's ``scaling`` (``head_size ** -0.5`` when it has none; a layer that
-    differs passes its own with each call); the cache dtype is ``engine.kv_cache_dtype``, else what the
-    quant method asks, else the model dtype."""
-    kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or quant_kv_dtype or getattr(torch, config.dtype)
-    scale = next((float(m.scaling) for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")),
-                 spec.attention_layers[0].head_size ** -0.5)
-    return registry.create("attention", config.attention, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                           head_size=spec.head_size, scale=scale, block_size=config.block_size, dtype=kv_dtype,
-                           device=torch.device(config.device), layers=spec.attention_layers,
-                           **config.plugin_params("attention"))
 
 
 def plan_kv_cache(config: EngineConfig, spec: ModelSpec) -> KVCacheLayout:
-    """Step 5a: the KV cache groups (``framework/core/kv_cache_groups.py``). With an allocator that declares
-    ``supports_kv_cache_groups`` (``paged``), each sliding window gets groups of its own whose
-    out-of-window blocks are released; otherwise one group of every layer, logged when the model has
-    sliding-window layers (correct, but no saving)."""
+    """Step 3: the KV cache groups (``framework/core/kv_cache_groups.py``; every worker rank computes the
+    same layout from the same config). With an allocator that declares ``supports_kv_cache_groups``
+    (``paged``), each sliding window gets groups of its own whose out-of-window blocks are released;
+    otherwise one group of every layer, logged when the model has sliding-window layers (correct, but no
+    saving)."""
     windows = sorted({w for layer in spec.attention_layers if (w := layer.sliding_window)})
     release = registry.get_class("kv_allocator", config.kv_allocator).supports_kv_cache_groups
-    layout = KVCacheLayout(make_kv_cache_groups(spec.attention_layers, release), spec.num_layers)
+    layout = plan_kv_cache_layout(config.kv_allocator, spec.attention_layers)
     if windows and not release:
         logger.warning("kv_cache=%s keeps every KV block of the sliding-window layers (window %s) for the whole "
                        "request (it does not declare supports_kv_cache_groups): correct, but without the "
@@ -272,16 +248,19 @@ def plan_kv_cache(config: EngineConfig, spec: ModelSpec) -> KVCacheLayout:
     return layout
 
 
-def size_kv_cache(config: EngineConfig, backend: AttentionBackend, spec: ModelSpec, layout: KVCacheLayout) -> int:
-    """Step 5b: KV blocks of the pool: ``num_blocks`` if set, else ``kv_cache_memory_bytes`` over one block's
-    bytes (``layout.layers_per_block`` layers; the null block of a layout with sliding groups comes out of
-    the budget).
+def size_kv_cache(config: EngineConfig, executor: Executor, spec: ModelSpec,
+                  layout: KVCacheLayout) -> tuple[int, int]:
+    """Step 5: ``(num_blocks, num_swap_blocks)``: ``num_blocks`` if set, else the KV budget that fits
+    every rank (``executor.determine_available_memory``) over one block's bytes on a rank
+    (``layout.layers_per_block`` layers; the null block of a layout with sliding groups comes out of
+    the budget); swap blocks for ``preemption_mode=swap`` likewise from ``swap_space_bytes`` (0 otherwise).
 
     Raises:
         ValueError: the cache cannot hold one ``max_model_len`` request (names the knobs to raise).
     """
-    bytes_per_block = backend.kv_cache_bytes_per_block(layout.layers_per_block)
-    num_blocks = config.num_blocks or config.kv_cache_memory_bytes // bytes_per_block - layout.has_null_block
+    bytes_per_block = executor.kv_cache_bytes_per_block()
+    num_blocks = (config.num_blocks
+                  or executor.determine_available_memory() // bytes_per_block - layout.has_null_block)
     chunk = min(config.max_num_batched_tokens, config.long_prefill_token_threshold or config.max_num_batched_tokens)
     needed = layout.max_blocks_per_request(spec.max_model_len, config.block_size, chunk)
     if num_blocks < needed:
@@ -289,20 +268,14 @@ def size_kv_cache(config: EngineConfig, backend: AttentionBackend, spec: ModelSp
             f"KV cache holds {num_blocks} blocks x {config.block_size} tokens, fewer than one "
             f"max_model_len={spec.max_model_len} request needs ({needed} blocks); raise kv_cache_memory_bytes/"
             "num_blocks or lower max_model_len")
-    return num_blocks
+    num_swap_blocks = config.swap_space_bytes // bytes_per_block if config.preemption_mode == "swap" else 0
+    return num_blocks, num_swap_blocks
 
 
-def num_swap_blocks(config: EngineConfig, backend: AttentionBackend, layout: KVCacheLayout) -> int:
-    """CPU swap-space blocks for ``preemption_mode=swap`` (``swap_space_bytes`` / block bytes), else 0."""
-    if config.preemption_mode != "swap":
-        return 0
-    return config.swap_space_bytes // backend.kv_cache_bytes_per_block(layout.layers_per_block)
-
-
-def make_scheduler(config: EngineConfig, spec: ModelSpec, backend: AttentionBackend, num_blocks: int,
+def make_scheduler(config: EngineConfig, spec: ModelSpec, num_blocks: int, num_swap_blocks: int,
                    tokenizer: Any, layout: KVCacheLayout) -> Scheduler:
     """Step 6: KV allocator (given the KV cache groups when it supports them) + scheduler policy +
-    (swap preemption) swap space + stop checker."""
+    (swap preemption) swap space + stop checker, all on the driver."""
     params = config.plugin_params("kv_allocator")
     if registry.get_class("kv_allocator", config.kv_allocator).supports_kv_cache_groups:
         params["kv_cache_groups"] = layout.groups
@@ -310,61 +283,90 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, backend: AttentionBack
                                 block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                 max_model_len=spec.max_model_len, **params)
     policy = registry.create("scheduler", config.scheduler, **config.plugin_params("scheduler"))
-    swap_space = SwapSpace(num_swap_blocks(config, backend, layout)) if config.preemption_mode == "swap" else None
+    swap_space = SwapSpace(num_swap_blocks) if config.preemption_mode == "swap" else None
     return Scheduler(policy, allocator, StopChecker(tokenizer), max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=spec.max_model_len,
                      long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space)
 
 
-def make_runner(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, backend: AttentionBackend,
-                num_blocks: int, layout: KVCacheLayout) -> ModelRunner:
-    """Step 7: the model runner: KV tensors (shared by the KV cache groups), swap tensors, sampler and
-    (``engine.compile=true``) the warmed-up graphs."""
-    return ModelRunner(model, backend, num_blocks, spec.num_layers, backend.cache_dtype, torch.device(config.device),
-                       Sampler(spec.vocab_size, seed=config.seed),
-                       num_swap_blocks=num_swap_blocks(config, backend, layout),
-                       compile=config.compile == "true", compile_freezing=config.compile_freezing,
-                       kv_cache_layout=layout)
-
-
-def attach_structured_output(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel,
+def attach_structured_output(config: EngineConfig, tokenizer: Any, eos_token_ids: frozenset[int],
                              spec: ModelSpec) -> StructuredOutputManager | None:
-    """Step 8a: the grammar engine (``grammar != none``), shared by the engine and the runner's bitmasks."""
+    """Step 7a: the grammar engine (``grammar != none``) on the driver: it fills each step's bitmask."""
     if config.grammar == "none":
         return None
-    grammar = registry.create("grammar", config.grammar, tokenizer=loaded.tokenizer, vocab_size=spec.vocab_size,
-                              eos_token_ids=loaded.eos_token_ids, **config.plugin_params("grammar"))
-    runner.structured_output = StructuredOutputManager(grammar, spec.vocab_size)
-    return runner.structured_output
+    grammar = registry.create("grammar", config.grammar, tokenizer=tokenizer, vocab_size=spec.vocab_size,
+                              eos_token_ids=eos_token_ids, **config.plugin_params("grammar"))
+    return StructuredOutputManager(grammar, spec.vocab_size)
 
 
-def attach_drafter(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel) -> Drafter | None:
-    """Step 8b: the drafter (``spec_decode != none``), loaded after the target; EAGLE-style drafters
-    make the runner keep the target's hidden states."""
+def attach_drafter(config: EngineConfig, executor: Executor, spec: ModelSpec) -> Drafter | None:
+    """Step 7b: the drafter (``spec_decode != none``), on the driver, loaded after the target.
+
+    It gets the target model when it lives in this process (``uniproc``), else only the target's
+    embedding and LM head loaded here (what EAGLE shares); an EAGLE-style drafter makes the driver
+    rank return the target's hidden states with each output.
+    """
     drafter = registry.create("drafter", config.drafter, **config.plugin_params("drafter"))
     if drafter is not None:
-        drafter.load(model=runner.model, model_config=loaded.config, config=config)
-        runner.keep_hidden_states = drafter.needs_hidden_states
+        target = executor.driver_model()
+        if target is None:
+            target = load_embeddings(config.model, config.dtype, config.device)
+        drafter.load(model=target, model_config=spec.hf_config, config=config)
+        if drafter.needs_hidden_states:
+            executor.collective_rpc("set_keep_hidden_states", args=(True,))
     return drafter
 
 
-def assemble(config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, loaded: LoadedModel, spec: ModelSpec,
+
+def assemble(config: EngineConfig, scheduler: Scheduler, executor: Executor, tokenizer: Any,
+             eos_token_ids: frozenset[int], spec: ModelSpec, layout: KVCacheLayout,
              structured: StructuredOutputManager | None, drafter: Drafter | None,
              metrics: MetricsCollector | None) -> LLMEngine:
-    """Step 9: the engine; records the KV cache's shape in its metrics and fires ``on_engine_start``."""
-    engine = LLMEngine(config, scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, spec.vocab_size, metrics,
+    """Step 8: the engine; records the KV cache's shape in its metrics and fires ``on_engine_start``."""
+    engine = LLMEngine(config, scheduler, executor, tokenizer, eos_token_ids, spec.vocab_size, metrics,
                        structured, drafter)
-    bytes_per_block = runner.block_bytes
+    bytes_per_block = executor.kv_cache_bytes_per_block()
     num_blocks = scheduler.kv.num_blocks
-    groups = runner.kv_cache_layout.groups
     engine.metrics.kv_cache_info = {
         "kv_cache_dtype": config.kv_cache_dtype, "kv_cache_num_blocks": num_blocks,
-        "kv_cache_bytes_per_block": bytes_per_block, "kv_cache_num_groups": len(groups),
-        "kv_cache_layers_per_block": runner.kv_cache_layout.layers_per_block,
+        "kv_cache_bytes_per_block": bytes_per_block, "kv_cache_num_groups": len(layout.groups),
+        "kv_cache_layers_per_block": layout.layers_per_block,
         "kv_cache_group_windows": " ".join("full" if g.sliding_window is None else str(g.sliding_window)
-                                           for g in groups)}
-    logger.info("engine ready: %d KV blocks (%.1f MiB, kv_cache_dtype=%s, %d bytes/block), max_model_len=%d",
-                num_blocks, runner.kv_cache_bytes / 2**20, config.kv_cache_dtype, bytes_per_block,
-                spec.max_model_len)
+                                           for g in layout.groups)}
+    engine.metrics.compile_stats = RankZeroCompileStats(executor)
+    logger.info("engine ready: executor=%s x %d ranks, %d KV blocks per rank (%.1f MiB, kv_cache_dtype=%s, "
+                "%d bytes/block), max_model_len=%d", config.executor, config.tensor_parallel_size, num_blocks,
+                (num_blocks + layout.has_null_block) * bytes_per_block / 2**20, config.kv_cache_dtype,
+                bytes_per_block, spec.max_model_len)
     registry.call_hook("on_engine_start", config=config.to_dict())
     return engine
+
+
+class RankZeroCompileStats:
+    """Rank 0's :class:`~framework.worker.compile.CompileStats`, fetched afresh whenever the metrics
+    read it (recompiles grow inside the worker; a worker process would otherwise leave the driver a
+    stale copy). After the executor died, the last copy fetched."""
+
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+        self._last = executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
+
+    @property
+    def enabled(self) -> bool:
+        """The decoder was compiled (at start-up, or later by ``engine.compile=auto``)."""
+        return self.current().enabled
+
+    def current(self) -> Any:
+        """Rank 0's ``CompileStats`` now (the last copy once the executor is shut down or lost)."""
+        if self._executor.dead is None:
+            try:
+                self._last = self._executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
+            except RuntimeError:  # shut down or lost meanwhile: keep the last copy
+                pass
+        return self._last
+
+    def as_dict(self) -> dict[str, Any]:
+        """``CompileStats.as_dict`` of rank 0 now (``metrics.json`` keys)."""
+        return self.current().as_dict()
+
+

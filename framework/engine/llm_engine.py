@@ -16,9 +16,8 @@ from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.structured_output import StructuredOutputManager
 from framework.engine.compile_policy import CompileDecision, decide_compile, startup_reason
-from framework.interfaces import Drafter
+from framework.interfaces import Drafter, EngineDeadError, Executor
 from framework.metrics.collector import MetricsCollector, compute_request_metrics
-from framework.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +25,14 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """The engine loop. Build it with :func:`framework.engine.builder.build_engine`.
 
-    The engine talks to the scheduler and the model runner only; the scheduler owns the KV
-    allocator and the policy, the runner owns the model, the KV tensors and the sampler.
+    The engine (the driver) talks to the scheduler and the executor only; the scheduler owns the
+    KV allocator and the policy, the executor runs the worker ranks, which own the model, the KV
+    tensors and the sampler.
+
+    When the executor loses a worker, :meth:`step` finishes every in-flight request with the error
+    (``finish_reason="abort"``, ``error`` set; ``on_request_finished`` fires for each) and raises
+    :class:`~framework.interfaces.EngineDeadError`, whose ``outputs`` holds those final outputs;
+    the engine then refuses new requests.
 
     Per-request faults (``framework.core.faults``): the scheduler's ``RequestFaults`` is shared with the
     structured-output manager and the engine's drafter calls; the requests it holds are aborted with
@@ -35,14 +40,18 @@ class LLMEngine:
     engine's state unknown: callers treat it as fatal (``EngineDeadError``).
     """
 
-    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any,
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, executor: Executor, tokenizer: Any,
                  eos_token_ids: frozenset[int], vocab_size: int, metrics: MetricsCollector | None = None,
                  structured_output: StructuredOutputManager | None = None,
                  drafter: Drafter | None = None) -> None:
         self.config = config
         self.drafter = drafter
         self.scheduler = scheduler
-        self.runner = runner
+        self.executor = executor
+        # bytes of one KV block over all ranks (each rank holds its own copy or shard): swap traffic and
+        # the per-request KV metrics
+        self.block_bytes = executor.kv_cache_bytes_per_block() * config.tensor_parallel_size
+        self.swap_block_bytes = self.block_bytes
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -54,7 +63,8 @@ class LLMEngine:
         self.structured_output = structured_output
         self._compiling: dict[str, Request] = {}
         self._compile_checked = False  # maybe_compile ran once (its first eager verdict is logged at INFO)
-        self.compile_decision = CompileDecision(runner.compiled is not None, startup_reason(str(config.compile)))
+        self._decoder_compiled = str(config.compile) == "true"  # the ranks compiled at start-up (or later: maybe_compile)
+        self.compile_decision = CompileDecision(self._decoder_compiled, startup_reason(str(config.compile)))
         logger.info("%s", self.compile_decision.reason)
         self._record_compile()
         self.faults = scheduler.faults  # one record of per-request failures for every per-request call site
@@ -75,7 +85,10 @@ class LLMEngine:
             ValueError: empty prompt, token id (prompt or ``logit_bias``) outside the vocabulary, prompt
                 longer than ``max_model_len``, duplicate ``request_id`` or invalid sampling params. Nothing
                 is queued and engine state is unchanged.
+            EngineDeadError: the executor lost a worker earlier.
         """
+        if self.executor.dead is not None:
+            raise EngineDeadError(f"the engine is dead ({self.executor.dead}); build a new one")
         sampling_params = sampling_params or SamplingParams()
         sampling_params.validate()
         if sampling_params.structured_outputs is not None and self.structured_output is None:
@@ -172,7 +185,7 @@ class LLMEngine:
         Returns:
             The decision in force (also in ``metrics.json`` as ``compile_reason``).
         """
-        if self.config.compile != "auto" or self.runner.compiled is not None:
+        if self.config.compile != "auto" or self._decoder_compiled:
             return self.compile_decision
         decision = decide_compile("auto", planned_output_tokens, self.metrics.num_generated_tokens)
         if decision.compile and not self.scheduler.reset_prefix_cache():
@@ -183,13 +196,14 @@ class LLMEngine:
         self._compile_checked = True
         self.compile_decision = decision
         if decision.compile:
-            self.runner.compile_decoder()
+            self.executor.collective_rpc("compile_decoder")  # every rank: collectives stay in step under TP
+            self._decoder_compiled = True
         self._record_compile()
         return decision
 
     def _record_compile(self) -> None:
-        """Mirror the compile decision and the runner's compile stats into the metrics."""
-        self.metrics.compile_stats = self.runner.compile_stats
+        """Mirror the compile decision into the metrics (rank 0's compile stats are read live through
+        ``metrics.compile_stats``, set by ``build_engine``)."""
         self.metrics.compile_info = {"compile_mode": str(self.config.compile),
                                      "compile_reason": self.compile_decision.reason}
 
@@ -200,15 +214,29 @@ class LLMEngine:
         Returns:
             A ``RequestOutput`` for each request that produced tokens this step (finished
             ones with ``finished=True``, final ``text`` and ``metrics``).
+
+        Raises:
+            EngineDeadError: the executor lost a worker; every in-flight request was finished with
+                the error first (their final outputs are ``error.outputs``).
         """
         t0 = time.perf_counter()
         failed = self._admit_compiled()
         sched_out = self.scheduler.schedule()
+        if self.structured_output is not None and sched_out.total_num_scheduled_tokens:
+            sched_out.grammar_bitmask, sched_out.structured_output_request_ids = (
+                self.structured_output.grammar_bitmask(sched_out))
         t1 = time.perf_counter()
-        if sched_out.is_empty:
-            runner_out = ModelRunnerOutput(sampled_token_ids={})
-        else:
-            runner_out = self.runner.execute_model(sched_out)
+        try:
+            if self.executor.dead is not None:
+                raise self.executor.dead
+            if sched_out.is_empty and not sched_out.finished_req_ids:
+                runner_out = ModelRunnerOutput(sampled_token_ids={})
+            else:  # finished ids alone still go out: the workers drop those requests' state
+                runner_out = self.executor.execute_model(sched_out)
+        except EngineDeadError as error:
+            error.outputs = failed + self._fail_all(str(error))
+            self.executor.shutdown()
+            raise
         t2 = time.perf_counter()
         failed += self._abort_failed()  # a grammar matcher failed in the bitmask: its sampled token is dropped
         updated, _ = self.scheduler.update_from_output(sched_out, runner_out)
@@ -226,6 +254,41 @@ class LLMEngine:
             if request.is_finished:
                 self._observe_finished(output)
         return [o for o in outputs if o is not None]
+
+    def check_health(self) -> None:
+        """Raise :class:`~framework.interfaces.EngineDeadError` when the executor lost a worker."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the workers and the grammar compile threads; idempotent. Requests still in flight
+        are not finished (abort them first)."""
+        self.executor.shutdown()
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
+
+    def _fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every unfinished request as aborted with ``error`` (the executor is dead)."""
+        ids = list(self.scheduler.requests)
+        outputs = [self._fail(self._compiling.pop(rid), error) for rid in list(self._compiling)]
+        for request in self.scheduler.abort_requests(ids):
+            request.error = error
+            if self.structured_output is not None:
+                self.structured_output.discard(request.request_id)
+            outputs.append(self._report_finished(request))
+        return outputs
+
+    @property
+    def runner(self) -> Any:
+        """The model runner of an in-process executor (``uniproc``), for inspection and experiments.
+
+        Raises:
+            AttributeError: the executor runs its ranks in other processes.
+        """
+        runner = getattr(self.executor, "runner", None)
+        if runner is None:
+            raise AttributeError(f"executor={self.config.executor} runs its model runners in worker processes; "
+                                 "use engine.executor.collective_rpc(...) (or executor=uniproc to inspect one)")
+        return runner
 
     # ---- structured output ------------------------------------------------------------
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -346,7 +409,7 @@ class LLMEngine:
             num_preemptions_swap=len(sched_out.swap_out),
             num_swap_out_blocks=sum(len(b) for b, _ in sched_out.swap_out),
             num_swap_in_blocks=sum(len(b) for _, b in sched_out.swap_in),
-            swapped_bytes=self.runner.block_bytes * sum(len(b) for b, _ in sched_out.swap_out + sched_out.swap_in),
+            swapped_bytes=self.swap_block_bytes * sum(len(b) for b, _ in sched_out.swap_out + sched_out.swap_in),
             prefix_cache_hit_rate=kv_stats.hit_rate,
             num_preemptions=len(sched_out.preempted_req_ids), schedule_s=t1 - t0,
             prepare_s=runner_out.prepare_s, forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
@@ -396,7 +459,7 @@ class LLMEngine:
             stop_reason=request.stop_reason, logprobs=list(logprobs) if params.logprobs is not None else None)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
-                             metrics=compute_request_metrics(request, self.runner.block_bytes) if finished else None,
+                             metrics=compute_request_metrics(request, self.block_bytes) if finished else None,
                              error=request.error, internal_error=request.internal_error)
 
     @property

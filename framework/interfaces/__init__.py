@@ -3,6 +3,7 @@
 from framework.interfaces.attention import AttentionBackend, AttentionLayerSpec, CommonAttentionMetadata
 from framework.interfaces.base import Plugin
 from framework.interfaces.drafter import Drafter
+from framework.interfaces.executor import EngineDeadError, Executor, WorkerError
 from framework.interfaces.grammar import Grammar, GrammarMatcher
 from framework.interfaces.kv_allocator import KVAllocator, KVCacheGroup, KVCacheStats
 from framework.interfaces.quant import QuantMethod
@@ -10,6 +11,7 @@ from framework.interfaces.scheduler_policy import SchedulerPolicy
 from framework.interfaces.tracker import Tracker
 
 __all__ = [
-    "AttentionBackend", "AttentionLayerSpec", "CommonAttentionMetadata", "Drafter", "Grammar", "GrammarMatcher",
-    "KVAllocator", "KVCacheGroup", "KVCacheStats", "Plugin", "QuantMethod", "SchedulerPolicy", "Tracker",
+    "AttentionBackend", "AttentionLayerSpec", "CommonAttentionMetadata", "Drafter", "EngineDeadError", "Executor",
+    "Grammar", "GrammarMatcher", "KVAllocator", "KVCacheGroup", "KVCacheStats", "Plugin", "QuantMethod",
+    "SchedulerPolicy", "Tracker", "WorkerError",
 ]

@@ -21,7 +21,10 @@ the simulator also asserts that nothing is written into the null block and that 
 longer holds any block wholly before the window of the step's first query (the saving is real).
 
 Use :func:`simulate` with any scheduler built from registered plugins (it drives the real
-``Scheduler`` with a fake runner that samples deterministic tokens).
+``Scheduler`` with a fake runner that samples deterministic tokens). The reads and writes are
+checked on what a worker rank sees: each step's ``SchedulerOutput`` goes through the executors'
+message path (``StepMessageBuilder`` on the driver, ``InputBatch`` on the worker), and the worker's
+mirrored tokens, block tables and computed counts must equal the driver's.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from dataclasses import dataclass, field
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput
 from framework.core.request import Request
 from framework.core.scheduler import Scheduler
+from framework.core.step_message import StepMessageBuilder
 from framework.interfaces import KVCacheGroup
 from framework.interfaces.kv_allocator import FULL_ATTENTION
+from framework.worker.input_batch import InputBatch
 
 
 @dataclass
@@ -136,6 +141,23 @@ def check_step(shadow: ShadowCache, out: SchedulerOutput) -> None:
                     "stale or foreign KV")
 
 
+def check_worker_view(out: SchedulerOutput, view: SchedulerOutput) -> None:
+    """The worker's view of a step (its ``InputBatch`` after the step's message) equals the driver's.
+
+    Raises:
+        AssertionError: a scheduled request whose mirrored tokens, block table or computed count
+            differs, or a different order or swap list.
+    """
+    assert [r.request_id for r in view.scheduled_requests] == [r.request_id for r in out.scheduled_requests]
+    for mine, theirs in zip(view.scheduled_requests, out.scheduled_requests):
+        rid = theirs.request_id
+        assert mine.all_token_ids == theirs.all_token_ids, f"{rid}: worker tokens differ from the driver's"
+        assert mine.num_computed_tokens == theirs.num_computed_tokens, f"{rid}: worker num_computed_tokens differs"
+        assert list(view.block_ids[rid]) == list(out.block_ids[rid]), f"{rid}: worker block table differs"
+    assert view.num_scheduled_tokens == out.num_scheduled_tokens and view.swap_out == out.swap_out
+    assert view.swap_in == out.swap_in and view.scheduled_spec_decode_tokens == out.scheduled_spec_decode_tokens
+
+
 def fake_runner(out: SchedulerOutput, token_of: Callable[[Request], int],
                 rng: random.Random | None = None) -> ModelRunnerOutput:
     """Sample ``token_of(request)`` for each request whose scheduled real tokens reach its end; a
@@ -190,6 +212,7 @@ def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callab
     shadow = ShadowCache(scheduler.kv.block_size, scheduler.kv.kv_cache_groups, scheduler.kv.null_block)
     pending = sorted(arrivals, key=lambda a: a.step)
     rng = random.Random(seed) if num_speculative_tokens else None
+    messages, worker = StepMessageBuilder(scheduler.kv.null_block), InputBatch(scheduler.kv.null_block)
     step = 0
     while pending or scheduler.has_unfinished_requests():
         while pending and pending[0].step <= step:
@@ -197,15 +220,16 @@ def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callab
         if rng is not None:
             propose_drafts(scheduler, num_speculative_tokens, rng)
         out = scheduler.schedule()
-        apply_swaps(shadow, out)
-        check_step(shadow, out)
+        worker_view = worker.apply(messages.build(out))
+        check_worker_view(out, worker_view)
+        apply_swaps(shadow, worker_view)
+        check_step(shadow, worker_view)
         scheduler.update_from_output(out, fake_runner(out, token_of, rng))
         if after_step is not None:
             after_step(scheduler, out)
         step += 1
         assert step < max_steps, f"scheduler made no progress in {max_steps} steps"
     return step
-
 
 
 def kv_cache_group_layouts(windows: Sequence[int]) -> list[tuple[KVCacheGroup, ...]]:

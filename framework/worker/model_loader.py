@@ -288,3 +288,27 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu",
     return LoadedModel(model=net, tokenizer=tokenizer, config=config,
                        eos_token_ids=eos_token_ids(net.generation_config, config, tokenizer),
                        max_model_len=int(config.max_position_embeddings), path=path)
+
+
+def load_tokenizer(model: str, tokenizer: str | None = None) -> tuple[PreTrainedTokenizerBase, frozenset[int]]:
+    """The tokenizer and the EOS ids of ``model`` without its weights (the driver's needs when the
+    model itself loads in worker processes); the same ids :func:`load_model` reports.
+
+    Args:
+        tokenizer: another folder/alias to take the tokenizer from (default: the model's).
+
+    Raises:
+        FileNotFoundError, ModuleNotFoundError: from :func:`resolve_model_path`.
+    """
+    _offline()
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    path = resolve_model_path(model)
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer) if tokenizer else path, local_files_only=True)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        generation = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:  # no generation_config.json: transformers derives it from the config
+        generation = GenerationConfig.from_model_config(config)
+    return tok, eos_token_ids(generation, config, tok)
+

@@ -20,9 +20,12 @@ import torch
 from framework.core.kv_cache_groups import KVCacheLayout
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput, TargetHiddenStates
 from framework.core.request import Request
+from framework.core.step_message import StepMessage
+from framework.core.structured_output import apply_token_bitmask
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from framework.worker.compile import CompiledDecoder, CompileStats
 from framework.worker.forward_context import ForwardContext, GraphAttention, forward_context
+from framework.worker.input_batch import InputBatch
 from framework.worker.model_families import output_logits
 from framework.worker.prepack import unfuse_gated_mlps
 from framework.worker.rejection_sampler import RejectionSampler
@@ -65,6 +68,8 @@ class ModelRunner:
             (``framework/core/kv_cache_groups.py``); default one group of every layer, one tensor each.
             ``layers_per_block`` tensors are allocated and shared by the groups: ``kv_caches[layer]`` is
             its group slot's tensor.
+        is_driver_rank: False on tensor-parallel ranks other than 0: they run the same forward
+            (its collectives need every rank) but neither sample nor return hidden states.
 
     Attributes:
         keep_hidden_states: set by ``build_engine`` when the drafter reads the target's last hidden
@@ -75,8 +80,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, num_blocks: int, num_layers: int,
                  kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler, num_swap_blocks: int = 0,
                  compile: bool = False, compile_freezing: bool = False,
-                 kv_cache_layout: KVCacheLayout | None = None) -> None:
+                 kv_cache_layout: KVCacheLayout | None = None, is_driver_rank: bool = True) -> None:
         self.model = model
+        self.is_driver_rank = is_driver_rank
         self.backend = backend
         self.device = device
         self.block_size = backend.block_size
@@ -85,7 +91,7 @@ class ModelRunner:
         self.kv_cache_layout = layout = kv_cache_layout or KVCacheLayout.single(num_layers)
         # one block of every KV tensor, K and V: layers_per_block layers (all layers with one group)
         self.block_bytes = backend.kv_cache_bytes_per_block(layout.layers_per_block)
-        self.structured_output: Any = None  # StructuredOutputManager; set by build_engine when grammar != none
+        self.input_batch = InputBatch(null_block=num_blocks)  # this worker's request states (execute_model's messages)
         self.rejection_sampler = RejectionSampler(sampler)
         self.keep_hidden_states = False
         shape = backend.get_kv_cache_shape(num_blocks + layout.has_null_block)  # the null block: zeros, never written
@@ -210,9 +216,26 @@ class ModelRunner:
         """Bytes held by the KV cache tensors (the null block included)."""
         return sum(t.numel() * t.element_size() for t in self.kv_tensors)
 
+    def execute_model(self, step: StepMessage) -> ModelRunnerOutput:
+        """Apply one step's message to this worker's request states, then run the step
+        (:meth:`execute_scheduled`). Every rank of an executor calls this with the same message.
+
+        Returns:
+            Sampled token ids (and logprobs when asked) by request id, plus the time split.
+        """
+        t0 = time.perf_counter()
+        scheduler_output = self.input_batch.apply(step)
+        out = self.execute_scheduled(scheduler_output)
+        out.prepare_s += time.perf_counter() - t0 - (out.prepare_s + out.forward_s + out.sample_s)
+        return out
+
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_scheduled(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one forward over every scheduled token and sample where a request reaches its end.
+
+        ``scheduler_output`` holds request-like objects (``Request`` or
+        :class:`framework.worker.input_batch.CachedRequestState`): the workers' states through
+        :meth:`execute_model`, or the requests of a drafter that runs its own model on the driver.
 
         Returns:
             Sampled token ids (and logprobs when asked) by request id, plus the time split.
@@ -227,6 +250,8 @@ class ModelRunner:
         hidden_states = None
         with forward_context(self._forward_context(metadata)):
             logits, hidden = self._forward(batch.input_ids, batch.positions, batch.logits_index, metadata)
+        if not self.is_driver_rank:
+            return ModelRunnerOutput(sampled_token_ids={}, prepare_s=t1 - t0, forward_s=time.perf_counter() - t1)
         if hidden is not None:  # (num_tokens, hidden) for an EAGLE-style drafter
             hidden_states = TargetHiddenStates(
                 request_ids=[r.request_id for r in batch.requests],
@@ -240,8 +265,8 @@ class ModelRunner:
                 reqs = [batch.sample_requests[i] for i in plain]
                 rows = (logits[torch.from_numpy(row_start[plain]).to(logits.device)]
                         if len(plain) < len(batch.num_spec) else logits)
-                if self.structured_output is not None:  # grammar bitmask before sampling (never drafted)
-                    self.structured_output.apply_bitmask(rows, reqs)
+                if scheduler_output.grammar_bitmask is not None:  # the driver's bitmask, before sampling
+                    apply_grammar_bitmask(rows, reqs, scheduler_output, num_rows_each=1)
                 out = self.sampler(rows, reqs)
                 for j, request in enumerate(reqs):
                     sampled[request.request_id] = [out.token_ids[j]]
@@ -262,8 +287,8 @@ class ModelRunner:
         reqs = [batch.sample_requests[i] for i in spec]
         drafts = [so.scheduled_spec_decode_tokens[r.request_id] for r in reqs]
         verify_logits = logits[torch.from_numpy(rows).to(logits.device)]
-        if self.structured_output is not None:  # grammar masks per verify row (output + drafts so far)
-            self.structured_output.apply_verify_bitmask(verify_logits, reqs, drafts)
+        if so.grammar_bitmask is not None:  # the driver's masks per verify row (output + drafts so far)
+            apply_grammar_bitmask(verify_logits, reqs, so, num_rows_each=[len(d) + 1 for d in drafts])
         res = self.rejection_sampler(verify_logits, reqs, drafts)
         for j, request in enumerate(reqs):
             sampled[request.request_id] = res.token_ids[j]
@@ -354,3 +379,26 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc,
             context_lens_cpu=context_lens,
         )
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Any], so: SchedulerOutput,
+                          num_rows_each: int | list[int]) -> None:
+    """Mask ``logits`` in place with the driver's grammar bitmask (``so.grammar_bitmask``).
+
+    Args:
+        logits: (sum of rows, >= vocab) float; request ``i`` owns ``num_rows_each[i]`` consecutive
+            rows (1 when sampling plainly, k + 1 when verifying k drafts), as does its bitmask block
+            starting at ``so.structured_output_request_ids[request_id]``.
+        requests: the rows' requests; those without a bitmask block are untouched.
+        num_rows_each: rows per request (an int for all).
+    """
+    counts = [num_rows_each] * len(requests) if isinstance(num_rows_each, int) else num_rows_each
+    first = so.structured_output_request_ids
+    rows, mask_rows, start = [], [], 0
+    for request, n in zip(requests, counts, strict=True):
+        if request.request_id in first:
+            rows += range(start, start + n)
+            mask_rows += range(first[request.request_id], first[request.request_id] + n)
+        start += n
+    if rows:
+        apply_token_bitmask(logits, torch.from_numpy(so.grammar_bitmask), rows, mask_rows)

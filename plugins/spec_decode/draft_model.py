@@ -138,7 +138,7 @@ class DraftModelDrafter(Drafter):
             so = SchedulerOutput(scheduled_requests=active, num_scheduled_tokens=n,
                                  total_num_scheduled_tokens=sum(n.values()),
                                  block_ids={s.request_id: self.kv.get_block_tables(s.request_id) for s in active})
-            out = self.runner.execute_model(so)
+            out = self.runner.execute_scheduled(so)
             for s in active:
                 s.num_computed_tokens += n[s.request_id]
                 token = out.sampled_token_ids[s.request_id][0]

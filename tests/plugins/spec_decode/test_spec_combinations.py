@@ -62,16 +62,15 @@ def test_spec_decode_with_structured_outputs(make_llm, drafter):
     plain = make_llm(grammar="xgrammar")
     manager = spec.engine.structured_output
     masked = {"verify_rows": 0}
-    apply_verify_bitmask = manager.apply_verify_bitmask
+    fill_draft_bitmask = manager.fill_draft_bitmask  # the driver's bitmask rows of a verifying request
 
-    def recording(logits, requests, drafts):
-        masked["verify_rows"] += sum(len(d) + 1 for r, d in zip(requests, drafts) if r.request_id in manager.matchers)
-        for r, d in zip(requests, drafts):  # drafts were cut to their grammar-valid prefix when proposed
-            if r.request_id in manager.matchers:
-                assert manager.matchers[r.request_id].validate_tokens(d) == len(d), (r.request_id, d)
-        apply_verify_bitmask(logits, requests, drafts)
+    def recording(bitmask, first_row, request_id, drafts):
+        masked["verify_rows"] += len(drafts) + 1
+        # drafts were cut to their grammar-valid prefix when proposed
+        assert manager.matchers[request_id].validate_tokens(drafts) == len(drafts), (request_id, drafts)
+        return fill_draft_bitmask(bitmask, first_row, request_id, drafts)
 
-    manager.apply_verify_bitmask = recording
+    manager.fill_draft_bitmask = recording
     outs = spec.generate(prompts, params)
     ref = plain.generate(prompts, params)
     for kind, out in zip(kinds, outs):

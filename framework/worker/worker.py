@@ -1,0 +1,263 @@
+"""One rank of an executor (vLLM V1's ``Worker``): its device, its shard of the model, its KV cache
+and its model runner.
+
+The executor creates one ``Worker`` per rank (in-process for ``uniproc``, in a spawned process for
+``mp``, in a Ray actor for ``ray``) and calls its methods by name (``collective_rpc``), in this
+order: :meth:`Worker.init_device`, :meth:`Worker.load_model`, :meth:`Worker.determine_available_memory`
+and :meth:`Worker.kv_cache_bytes_per_block` (the driver takes the minimum over ranks),
+:meth:`Worker.initialize_cache`, then :meth:`Worker.execute_model` once per step. Everything here
+is per rank: weights (this rank's shard under tensor parallelism), quant method, prepacked linears,
+attention backend (this rank's heads), KV and swap tensors, ``torch.compile`` graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from framework import registry
+from framework.config import EngineConfig
+from framework.core.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout
+from framework.core.outputs import ModelRunnerOutput
+from framework.core.step_message import StepMessage
+from framework.interfaces import AttentionBackend, AttentionLayerSpec
+from framework.worker.compile import CompileStats
+from framework.worker.cpu_malloc import tune_malloc
+from framework.worker.forward_context import register_attention_implementation
+from framework.worker.model_loader import LoadedModel, load_model
+from framework.worker.model_runner import ModelRunner
+from framework.worker.prepack import prepack_linears, should_prepack
+from framework.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
+                                                   "fp8_e4m3": torch.float8_e4m3fn}
+#: torch.distributed timeout, seconds: a rank stuck in a collective fails instead of hanging forever
+DISTRIBUTED_TIMEOUT_S = 120
+TP_MODULE = "framework.worker.tensor_parallel"  # the model transform (tp_problems, rank_layout, load_tp_model)
+
+
+def tensor_parallel_module() -> Any | None:
+    """``framework.worker.tensor_parallel`` when present, else ``None`` (ranks then hold full replicas)."""
+    if importlib.util.find_spec(TP_MODULE) is None:
+        return None
+    return importlib.import_module(TP_MODULE)
+
+
+def default_num_threads(tensor_parallel_size: int) -> int:
+    """Threads per rank: the cores this process may use, split evenly over the ranks (at least 1)."""
+    return max(1, len(os.sched_getaffinity(0)) // tensor_parallel_size)
+
+
+@dataclass
+class LoadedWeights(LoadedModel):
+    """A :class:`LoadedModel` after the quant method and prepacking ran."""
+
+    kv_cache_dtype: torch.dtype | None = None  # what the quant method asks of the KV cache (None: model dtype)
+
+
+def load_weights(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> LoadedWeights:
+    """Load this rank's model (its shard when ``tp_size > 1``) and tokenizer with attention routed to
+    servelab, apply the quant method, prepack CPU linears."""
+    device = torch.device(config.device)
+    if config.tune_malloc and device.type == "cpu":
+        tune_malloc()
+    tp = tensor_parallel_module() if tp_size > 1 else None
+    if tp is not None:
+        loaded = tp.load_tp_model(config.model, config.dtype, config.device, tp_rank, tp_size,
+                                  register_attention_implementation())
+    else:
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                            attn_implementation=register_attention_implementation())
+    model, dtype = loaded.model, getattr(torch, config.dtype)
+    quant = registry.create("quant", config.quant, **config.plugin_params("quant"))
+    if quant is not None:
+        model = quant.apply(model)
+    if should_prepack(config.prepack_linears, device, dtype, config.compile_freezing):
+        num_gemms = prepack_linears(model, compiled=config.compile == "true")  # auto: unfused if compiled later
+        logger.info("prepack_linears: %d GEMMs prepacked for oneDNN", num_gemms)
+    return LoadedWeights(model=model, tokenizer=loaded.tokenizer, config=loaded.config,
+                         eos_token_ids=loaded.eos_token_ids, max_model_len=loaded.max_model_len, path=loaded.path,
+                         kv_cache_dtype=quant.kv_cache_dtype(dtype) if quant is not None else None)
+
+
+def make_attention_backend(config: EngineConfig, model: torch.nn.Module, layers: list[AttentionLayerSpec],
+                           quant_kv_dtype: torch.dtype | None) -> AttentionBackend:
+    """The backend for this rank's layers (``layers``: per layer, this rank's heads); its default
+    softmax scale is the first attention module's ``scaling`` (``head_size ** -0.5`` when it has none;
+    a layer that differs passes its own with each call); the cache dtype is ``engine.kv_cache_dtype``,
+    else what the quant method asks, else the model dtype."""
+    kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or quant_kv_dtype or getattr(torch, config.dtype)
+    scale = next((float(m.scaling) for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")),
+                 layers[0].head_size ** -0.5)
+    return registry.create("attention", config.attention, num_heads=layers[0].num_heads,
+                           num_kv_heads=layers[0].num_kv_heads,
+                           head_size=max(layer.cache_head_size for layer in layers), scale=scale,
+                           block_size=config.block_size, dtype=kv_dtype, device=torch.device(config.device),
+                           layers=layers, **config.plugin_params("attention"))
+
+
+class Worker:
+    """One rank: device set-up, model shard, attention backend, KV cache and model runner.
+
+    Args:
+        config: the engine config (a plain copy in worker processes).
+        rank: tensor-parallel rank, ``0 <= rank < world_size``; rank 0 is the driver rank (it alone
+            samples and returns outputs).
+        world_size: ``parallel.tensor_parallel_size``.
+        distributed_init_method: ``tcp://host:port`` of rank 0's rendezvous (``world_size > 1``).
+        own_process: the rank has a process of its own (``mp``, ``ray``): it then sets its torch
+            threads to cores / ranks by default; an in-process rank (``uniproc``) leaves the
+            caller's thread setting alone unless ``num_threads_per_rank`` is set.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
+                 distributed_init_method: str | None = None, own_process: bool = False) -> None:
+        self.config = config
+        self.own_process = own_process
+        self.rank = rank
+        self.world_size = world_size
+        self.distributed_init_method = distributed_init_method
+        self.loaded: LoadedWeights | None = None
+        self.backend: AttentionBackend | None = None
+        self.runner: ModelRunner | None = None
+        self.kv_cache_layout: KVCacheLayout | None = None
+        self.keep_hidden_states = False
+
+    @property
+    def is_driver_rank(self) -> bool:
+        """True on rank 0, the rank that samples and replies."""
+        return self.rank == 0
+
+    def init_device(self) -> None:
+        """Threads (``parallel.num_threads_per_rank``; default cores / ranks in a process of its own)
+        and, for more than one rank, ``torch.distributed`` (gloo on CPU, NCCL on CUDA)."""
+        threads = self.config.num_threads_per_rank or (default_num_threads(self.world_size) if self.own_process else 0)
+        if threads and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        device = torch.device(self.config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index if device.index is not None else self.rank)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                    init_method=self.distributed_init_method, rank=self.rank,
+                                    world_size=self.world_size,
+                                    timeout=datetime.timedelta(seconds=DISTRIBUTED_TIMEOUT_S))
+
+    def load_model(self) -> None:
+        """Load this rank's weights (quantized, prepacked), build its attention backend for its
+        heads and plan its KV cache layout (the driver's: ``plan_kv_cache_layout``)."""
+        from framework.worker.model_families import attention_layers
+
+        self.loaded = load_weights(self.config, self.rank, self.world_size)
+        mc = self.loaded.config
+        layers = attention_layers(mc)
+        tp = tensor_parallel_module() if self.world_size > 1 else None
+        if tp is not None:  # this rank's share of the heads (KV heads replicated when tp > their count)
+            shard = tp.rank_layout(mc, self.rank, self.world_size)
+            layers = [dataclasses.replace(layer, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads)
+                      for layer in layers]
+        self.backend = make_attention_backend(self.config, self.loaded.model, layers, self.loaded.kv_cache_dtype)
+        self.kv_cache_layout = plan_kv_cache_layout(self.config.kv_allocator, layers)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of one KV block on this rank, K and V of the ``layers_per_block`` layers that share a
+        block id (all layers without sliding-window groups)."""
+        return self.backend.kv_cache_bytes_per_block(self.kv_cache_layout.layers_per_block)
+
+    def determine_available_memory(self) -> int:
+        """Bytes this rank may give its KV cache: ``kv_cache_memory_bytes``, capped at 90% of the
+        device's free memory (CUDA: ``mem_get_info``; CPU: available RAM)."""
+        budget = self.config.kv_cache_memory_bytes
+        if torch.device(self.config.device).type == "cuda":
+            free = torch.cuda.mem_get_info()[0]
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        if budget > 0.9 * free:
+            logger.warning("rank %d: kv_cache_memory_bytes=%d exceeds 90%% of free memory (%d bytes); capped",
+                           self.rank, budget, free)
+        return int(min(budget, 0.9 * free))
+
+    def initialize_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
+        """Allocate this rank's KV (and swap) tensors and its model runner (``compile``: warm-up here)."""
+        spec = self.loaded.config
+        self.runner = ModelRunner(self.loaded.model, self.backend, num_blocks, spec.num_hidden_layers,
+                                  self.backend.cache_dtype, torch.device(self.config.device),
+                                  Sampler(spec.vocab_size, seed=self.config.seed), num_swap_blocks=num_swap_blocks,
+                                  compile=self.config.compile == "true",
+                                  compile_freezing=self.config.compile_freezing,
+                                  kv_cache_layout=self.kv_cache_layout, is_driver_rank=self.is_driver_rank)
+        self.runner.keep_hidden_states = self.keep_hidden_states
+
+    def set_keep_hidden_states(self, keep: bool) -> None:
+        """Return the target's last hidden states with each output (an EAGLE-style drafter asked)."""
+        self.keep_hidden_states = keep
+        if self.runner is not None:
+            self.runner.keep_hidden_states = keep
+
+    def execute_model(self, step: StepMessage) -> ModelRunnerOutput | None:
+        """Run one step on this rank; the driver rank returns the sampled tokens, the others ``None``."""
+        out = self.runner.execute_model(step)
+        return out if self.is_driver_rank else None
+
+    def enable_collective_timing(self) -> None:
+        """Time every ``torch.distributed`` collective this rank calls from now on (benchmarks:
+        ``experiments/bench_parallel.py``); read with :meth:`collective_times`. Wall time of the call:
+        exact for gloo (synchronous), a lower bound for NCCL (asynchronous)."""
+        import functools
+
+        import torch.distributed as dist
+
+        self._collective = {"collective_s": 0.0, "num_collectives": 0}
+        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "gather", "reduce_scatter", "broadcast"):
+            original = getattr(dist, name, None)
+            if original is None or getattr(original, "_servelab_timed", False):
+                continue
+
+            @functools.wraps(original)
+            def timed(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return __original(*args, **kwargs)
+                finally:
+                    self._collective["collective_s"] += time.perf_counter() - t0
+                    self._collective["num_collectives"] += 1
+
+            timed._servelab_timed = True  # type: ignore[attr-defined]
+            setattr(dist, name, timed)
+
+    def collective_times(self) -> dict[str, float]:
+        """Seconds spent in, and number of, collectives since :meth:`enable_collective_timing`."""
+        return dict(getattr(self, "_collective", {"collective_s": 0.0, "num_collectives": 0}))
+
+    def compile_decoder(self) -> None:
+        """``torch.compile`` this rank's decoder now (``engine.compile=auto``; ``ModelRunner.compile_decoder``)."""
+        self.runner.compile_decoder()
+
+    def compile_stats(self) -> CompileStats:
+        """This rank's compile statistics (``enabled=False`` when eager)."""
+        return self.runner.compile_stats
+
+    def check_health(self) -> None:
+        """Nothing to check in-process: a rank that answers is alive."""
+
+    def shutdown(self) -> None:
+        """Leave the process group (more than one rank)."""
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()

@@ -1,0 +1,267 @@
+"""``executor=mp``: one spawned worker process per rank on this machine (vLLM's ``MultiprocExecutor``).
+
+Calls go to every rank at once through one shared-memory ring
+(:class:`framework.executor.shm_broadcast.ShmBroadcast`: the step's message is pickled once, never
+whole requests: see ``framework.core.step_message``); replies come back over one pipe per rank,
+from rank 0 only for ``execute_model``. The driver waits on those pipes and on the processes'
+sentinels together, so a rank that dies is noticed at once: the executor kills the other ranks,
+unlinks its segment and raises :class:`~framework.interfaces.EngineDeadError`. Worker processes,
+the segment and its semaphores are released by :meth:`MultiprocExecutor.shutdown`, at interpreter
+exit (Ctrl-C included), and on SIGTERM (a handler is installed when none is).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+import weakref
+from multiprocessing.connection import wait
+from typing import Any
+
+from framework import hookimpl, registry
+from framework.config import EngineConfig
+from framework.executor.shm_broadcast import ShmBroadcast
+from framework.executor.worker_proc import SHUTDOWN, receive, worker_main
+from framework.hookspecs import Register
+from framework.interfaces import EngineDeadError, Executor, WorkerError
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # resources of every live executor (for the SIGTERM handler)
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (torch.distributed's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Resources:
+    """The processes, pipes and ring of one executor; :meth:`close` releases them all (idempotent)."""
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.ring: ShmBroadcast | None = None
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def close(self, graceful: bool = True) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        if graceful and self.ring is not None and all(p.is_alive() for p in self.procs):
+            try:
+                self.ring.write((SHUTDOWN, (), {}, None), timeout_s=1.0)
+            except (TimeoutError, RuntimeError, ValueError):
+                pass
+        deadline = time.monotonic() + (5.0 if graceful else 0.0)
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        for conn in self.conns:
+            conn.close()
+        if self.ring is not None:
+            self.ring.close()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Release every executor's workers and segment, then die of SIGTERM as if unhandled."""
+    for resources in list(_LIVE):
+        resources.close(graceful=False)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm_handler() -> None:
+    """Clean up on SIGTERM when nobody else handles it (a server installs its own and shuts down)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+class MultiprocExecutor(Executor):
+    """``parallel.tensor_parallel_size`` ranks, each in a spawned process.
+
+    Args:
+        chunk_bytes: bytes per chunk of the broadcast ring (messages may span chunks).
+        num_chunks: chunks in the ring.
+        execute_timeout_s: seconds an ``execute_model`` may take before the executor is declared dead.
+
+    Raises:
+        WorkerError: a rank failed to start; the message holds its traceback (bad weights, out of
+            memory...). Every started process is stopped first.
+    """
+
+    name = "mp"
+
+    def __init__(self, config: EngineConfig, chunk_bytes: int = 1 << 20, num_chunks: int = 8,
+                 execute_timeout_s: float = 300.0, **params: Any) -> None:
+        super().__init__(config, **params)
+        self.execute_timeout_s = execute_timeout_s
+        ctx = mp.get_context("spawn")
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, self._res.close)
+        _LIVE.add(self._res)
+        _install_sigterm_handler()
+        self._res.ring = ShmBroadcast(self.world_size, chunk_bytes, num_chunks, ctx)
+        init_method = f"tcp://127.0.0.1:{free_port()}" if self.world_size > 1 else None
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, name=f"servelab-worker-{rank}", daemon=True,
+                               args=(config.to_dict(), rank, self.world_size, init_method, self._res.ring.handle,
+                                     child, os.getpid()))
+            proc.start()
+            child.close()
+            self._res.procs.append(proc)
+            self._res.conns.append(parent)
+        self._wait_ready()
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> list[str]:
+        """Worker processes load plugins from entry points: a plugin registered only at run time
+        in this process (a test's throwaway plugin) cannot run there."""
+        problems = super().validate(config)
+        for kind in ("attention", "quant"):
+            name = getattr(config, kind)
+            cls_ = registry.get_class(kind, name)
+            if cls_ is not None and not _from_entry_point(kind, cls_):
+                problems.append(f"executor={cls.name}: {kind} {name!r} is registered only in this process; worker "
+                                "processes load plugins from installed entry points (pip install its package)")
+        return problems
+
+    # ---- start-up --------------------------------------------------------------------
+    def _wait_ready(self) -> None:
+        pending = set(range(self.world_size))
+        while pending:
+            try:
+                replies = self._wait(pending, timeout_s=None)
+            except EngineDeadError as exc:  # killed without a word (e.g. by the kernel's OOM killer)
+                raise WorkerError(str(exc)) from None
+            for rank, kind, payload in replies:
+                if kind == "error":
+                    self._res.close(graceful=False)
+                    raise WorkerError(f"worker rank {rank} failed to start:\n{payload[1]}")
+                pending.discard(rank)
+
+    # ---- calls -----------------------------------------------------------------------
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
+                       timeout_s: float | None = None, unique_reply_rank: int | None = None) -> list[Any]:
+        """Broadcast the call through the ring and gather the replies (see :class:`Executor`)."""
+        self.check_health()
+        try:
+            self._res.ring.write((method, args, kwargs or {}, unique_reply_rank),
+                                 timeout_s=timeout_s or self.execute_timeout_s, alive=self._all_alive)
+        except RuntimeError:
+            raise self._lost(f"{self._dead_rank()} before {method!r}") from None
+        except TimeoutError as exc:
+            raise self._lost(f"cannot send {method!r} to the workers: {exc}") from exc
+        ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
+        results: dict[int, Any] = {}
+        while len(results) < len(ranks):
+            for rank, kind, payload in self._wait(set(ranks) - set(results), timeout_s, method):
+                if kind == "error":  # possibly a non-replying rank's failure in an earlier call
+                    failed_method, trace = payload
+                    if failed_method == "execute_model":  # ranks may be out of step now: nothing can run
+                        raise self._lost(f"worker rank {rank} failed in execute_model:\n{trace}")
+                    raise WorkerError(f"worker rank {rank} failed in {failed_method}:\n{trace}")
+                results[rank] = payload
+        return [results[r] for r in ranks]
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        """As :meth:`Executor.execute_model`, under ``execute_timeout_s``."""
+        message = self._messages.build(scheduler_output)
+        return self.collective_rpc("execute_model", args=(message,), timeout_s=self.execute_timeout_s,
+                                   unique_reply_rank=0)[0]
+
+    def _wait(self, ranks: set[int], timeout_s: float | None, method: str = "start-up"
+              ) -> list[tuple[int, str, Any]]:
+        """Block until a pipe has a message or a process exits; ``(rank, kind, payload)`` of each
+        message read. Any rank's error counts, not only the awaited ranks'.
+
+        Raises:
+            EngineDeadError: a process exited, or ``timeout_s`` passed.
+        """
+        conns, procs = self._res.conns, self._res.procs
+        ready = wait(conns + [p.sentinel for p in procs], timeout_s)
+        if not ready:
+            raise self._lost(f"no reply to {method!r} from ranks {sorted(ranks)} within {timeout_s} s")
+        out, closed = [], False
+        for rank, conn in enumerate(conns):
+            if conn in ready:
+                try:
+                    out.append((rank, *receive(conn)))
+                except (EOFError, OSError):
+                    closed = True  # its process died: reported below
+        if closed or any(p.sentinel in ready for p in procs):  # name the dead rank and its exit code
+            hint = (" (a script that starts an engine with executor=mp needs an `if __name__ == '__main__':` guard: "
+                    "spawned workers re-import it)" if method == "start-up" else "")
+            raise self._lost(f"{self._dead_rank()} during {method!r}; see its output above{hint}")
+        return out
+
+    def _dead_rank(self) -> str:
+        """``worker rank R (pid P) exited with code C`` for the first rank that exited."""
+        procs = self._res.procs
+        ready = wait([p.sentinel for p in procs], 5.0)  # a closed pipe may precede the exit by a moment
+        for rank, proc in enumerate(procs):
+            if proc.sentinel in ready:
+                proc.join(5.0)  # its fds close before it is reaped: wait for the exit code
+                return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return "a worker closed its pipe without exiting"
+
+    def _all_alive(self) -> bool:
+        return all(p.is_alive() for p in self._res.procs)
+
+    def _lost(self, reason: str) -> EngineDeadError:
+        """Declare the executor dead: stop every rank at once, release the segment."""
+        error = self._fail(EngineDeadError(f"executor=mp lost a worker: {reason}"))
+        self._res.close(graceful=False)
+        return error
+
+    # ---- health and shutdown -----------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise :class:`EngineDeadError` if the executor is dead or a worker process exited."""
+        if self.dead is not None:
+            raise self.dead
+        if self._res.closed:
+            raise EngineDeadError("executor=mp is shut down")
+        if not self._all_alive():
+            raise self._lost(self._dead_rank())
+
+    def shutdown(self) -> None:
+        """Ask every rank to exit, kill those that do not within 5 s, unlink the segment."""
+        self._finalizer()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the ranks (tests, monitoring)."""
+        return [p.pid for p in self._res.procs]
+
+    @property
+    def shm_name(self) -> str:
+        """Name of the broadcast segment (``/dev/shm/<name>`` on Linux)."""
+        return self._res.ring.handle.name
+
+
+def _from_entry_point(kind: str, cls: type) -> bool:
+    """True when ``cls`` reaches the registry through an installed entry point (so a fresh process sees it)."""
+    pm = registry.plugin_manager()
+    hook = getattr(pm.hook, registry.KINDS[kind][0])
+    for impl in hook.get_hookimpls():
+        found: list[type] = []
+        impl.function(register=lambda name, c, found=found: found.append(c))
+        if cls in found:
+            return registry.plugin_source(impl.plugin)[0] != "(runtime)"
+    return False
+
+
+@hookimpl
+def register_executors(register: Register) -> None:
+    """Register ``mp``."""
+    register("mp", MultiprocExecutor)

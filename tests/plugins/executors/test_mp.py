@@ -1,0 +1,193 @@
+"""``executor=mp``: worker processes fed through the shared-memory broadcast.
+
+One module-scoped engine with two full-replica ranks (until the tensor-parallel transform lands,
+``parallel.tensor_parallel_size=2`` runs the whole model on each rank) serves a run that mixes
+chunked prefill, prefix caching, swap preemption, n-gram speculative decoding and a JSON-schema
+request: greedy tokens equal transformers'. Failures: a killed worker fails every request within
+seconds and leaves no process or ``/dev/shm`` segment; a worker that cannot load its weights shows
+its own error; SIGTERM and Ctrl-C leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from grammar_helpers import SCHEMA, MaskProcessor
+from helpers import PREFIX_PROMPTS, REPO, STORIES, STORY_PROMPTS, hf_greedy
+
+from framework import LLM, SamplingParams, StructuredOutputsParams
+from framework.interfaces import EngineDeadError, WorkerError
+
+MAX_TOKENS = 24
+
+
+def _gone(pids: list[int], shm_name: str, within_s: float = 10.0) -> bool:
+    """Every pid has exited and the segment is unlinked within ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if Path(f"/proc/{p}").exists() and "zombie" not in _status(p)]
+        if not alive and not (Path("/dev/shm") / shm_name).exists():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
+
+
+# chunked prefill, prefix caching, swap preemption (28 blocks of 8 tokens), n-gram drafts
+ENGINE = dict(model=STORIES, attention="torch", max_model_len=192, block_size=8, num_blocks=28,
+              max_num_batched_tokens=48, long_prefill_token_threshold=16, preemption_mode="swap",
+              swap_space_bytes=1 << 22, drafter="ngram", drafter_params={"num_speculative_tokens": 3})
+
+
+@pytest.fixture(scope="module")
+def mp_llm():
+    llm = LLM(executor="mp", tensor_parallel_size=2, **ENGINE)
+    yield llm
+    llm.engine.shutdown()
+
+
+def test_greedy_parity_with_every_feature_at_once(mp_llm):
+    tok = mp_llm.get_tokenizer()
+    prompts = PREFIX_PROMPTS[:4] + STORY_PROMPTS[:5]
+    ids = [tok(p).input_ids for p in prompts]
+    json_ids = tok("Tom wrote his name and age:").input_ids
+    so = StructuredOutputsParams(json=SCHEMA)
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)] * len(ids)
+    outs = mp_llm.generate([{"prompt_token_ids": i} for i in ids + [json_ids]],
+                           params + [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so)])
+    for i, (out, exp) in enumerate(zip(outs, hf_greedy(STORIES, ids, MAX_TOKENS))):
+        assert out.outputs[0].token_ids == exp, f"prompt {i} diverged from transformers under executor=mp"
+    summary = mp_llm.engine.metrics.summary()
+    assert summary["num_preemptions_swap"] > 0 and summary["prefix_cache_hit_rate"] > 0
+    assert summary["spec_num_accepted_tokens"] > 0
+    assert summary["num_steps"] > MAX_TOKENS
+    # the JSON request: transformers' greedy under the same grammar masks, token for token
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    manager = mp_llm.engine.structured_output
+    proc = MaskProcessor(manager.grammar, manager.grammar.compile(*so.kind_and_spec()), len(json_ids),
+                         manager.vocab_size)
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        seq = model.generate(torch.tensor([json_ids]), max_new_tokens=40, do_sample=False,
+                             attention_mask=torch.ones(1, len(json_ids), dtype=torch.long),
+                             logits_processor=LogitsProcessorList([proc]))
+    assert outs[-1].outputs[0].token_ids == seq[0, len(json_ids):].tolist()
+
+
+def test_seeded_sampling_equals_uniproc(mp_llm):
+    """Per-request generators, penalties and rejection sampling live on the driver rank's worker:
+    the same draws as the same engine in-process."""
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=12, repetition_penalty=1.3)
+              for i in range(3)]
+    prompts = STORY_PROMPTS[:3]
+    ours = [o.outputs[0].token_ids for o in mp_llm.generate(prompts, params)]
+    ref = LLM(executor="uniproc", **ENGINE)
+    assert ours == [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
+
+
+def test_collective_rpc_reaches_every_rank(mp_llm):
+    executor = mp_llm.engine.executor
+    assert executor.collective_rpc("kv_cache_bytes_per_block") == [executor.kv_cache_bytes_per_block()] * 2
+    assert executor.determine_available_memory() > 0
+    executor.check_health()
+    with pytest.raises(WorkerError, match="rank 0 failed in no_such_method"):
+        executor.collective_rpc("no_such_method")
+    executor.check_health()  # a failing call other than execute_model leaves the executor usable
+    with pytest.raises(AttributeError, match="worker processes"):
+        _ = mp_llm.engine.runner
+
+
+def test_unloadable_weights_show_the_workers_error(tmp_path):
+    bad = tmp_path / "stories-bad"
+    shutil.copytree(STORIES, bad)
+    (bad / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    shm_before = set(os.listdir("/dev/shm"))
+    with pytest.raises(WorkerError, match=r"(?s)worker rank 0 failed to start:.*Traceback.*safetensors"):
+        LLM(model=str(bad), executor="mp", attention="torch")
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path[:0] = [{repo!r}]
+    from framework import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        llm = LLM(model={model!r}, executor="mp", attention="torch", max_model_len=192)
+        ex = llm.engine.executor
+        print("READY", ex.shm_name, *ex.worker_pids, flush=True)
+        while True:
+            llm.generate(["Once upon a time"], SamplingParams(max_tokens=50, ignore_eos=True))
+""")
+
+
+def test_eagle_runs_on_the_driver_with_rank_0_hidden_states():
+    """EAGLE's head runs in the driver on the target's embedding and LM head loaded there; rank 0 ships
+    the target's hidden states back with each output."""
+    from helpers import STORIES_EAGLE
+
+    llm = LLM(model=STORIES, executor="mp", attention="torch", max_model_len=192, drafter="eagle",
+              drafter_params={"model": STORIES_EAGLE, "num_speculative_tokens": 3})
+    tok = llm.get_tokenizer()
+    ids = [tok(p).input_ids for p in STORY_PROMPTS[:4]]
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, MAX_TOKENS)
+    assert llm.engine.metrics.summary()["spec_num_accepted_tokens"] > 0
+    llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_leave_no_worker_and_no_segment(tmp_path, sig):
+    script = tmp_path / "serve_forever.py"
+    script.write_text(SCRIPT.format(repo=str(REPO), model=STORIES))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, cwd=tmp_path)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line
+        _, shm, *pids = line.split()
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        assert _gone([int(p) for p in pids], shm)
+    finally:
+        proc.kill()
+
+
+def test_killed_worker_fails_every_request_within_seconds(mp_llm):
+    """Kills the module's engine: keep this test last in the module."""
+    llm = mp_llm
+    executor = llm.engine.executor
+    pids, shm = executor.worker_pids, executor.shm_name
+    for i in range(4):
+        llm.engine.add_request(str(i), STORY_PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=150,
+                                                                        ignore_eos=True))
+    for _ in range(3):
+        llm.engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 1") as info:
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    assert time.monotonic() - t0 < 10
+    assert sorted(o.request_id for o in info.value.outputs) == ["0", "1", "2", "3"]
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" and "rank 1" in o.error
+               for o in info.value.outputs)
+    assert _gone(pids, shm), "a worker process or the shared-memory segment outlived the failure"
+    with pytest.raises(EngineDeadError):
+        llm.generate(["Lily"])

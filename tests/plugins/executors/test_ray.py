@@ -1,0 +1,45 @@
+"""``executor=ray`` on a local Ray cluster (skipped when the ``ray`` extra is not installed): two
+full-replica ranks as actors in a placement group give transformers' greedy tokens; a killed actor
+fails every request with the engine-dead error."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import STORIES, STORY_PROMPTS, hf_greedy
+
+from framework import LLM, SamplingParams
+from framework.interfaces import EngineDeadError
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_llm():
+    llm = LLM(model=STORIES, executor="ray", tensor_parallel_size=2, attention="torch", max_model_len=192,
+              block_size=8, max_num_batched_tokens=32, executor_params={"num_cpus_per_worker": 0.5})
+    yield llm
+    llm.engine.shutdown()
+    assert not ray.is_initialized()  # the executor started the local cluster, so it stopped it
+
+
+def test_greedy_parity_on_two_ray_ranks(ray_llm):
+    tok = ray_llm.get_tokenizer()
+    ids = [tok(p).input_ids for p in STORY_PROMPTS[:4]]
+    outs = ray_llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=16))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 16)
+    assert len(ray_llm.engine.executor.collective_rpc("kv_cache_bytes_per_block")) == 2
+    ray_llm.engine.check_health()
+
+
+def test_killed_actor_fails_every_request(ray_llm):
+    """Kills the module's engine: keep this test last."""
+    engine = ray_llm.engine
+    for i in range(3):
+        engine.add_request(str(i), STORY_PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    engine.step()
+    ray.kill(engine.executor.actors[1])
+    with pytest.raises(EngineDeadError, match="executor=ray lost a worker") as info:
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert sorted(o.request_id for o in info.value.outputs) == ["0", "1", "2"]
+    assert all(o.error for o in info.value.outputs)
