@@ -6,7 +6,7 @@ whenever a poisoned request is in the batch) and an observer whose lifecycle hoo
 ``--duration-s`` seconds of mixed traffic from ``--concurrency`` clients plus a burst of ``--burst-size`` requests every
 ``--burst-every-s`` (above ``max_num_seqs``): streaming and not, random sampling parameters, a share of structured
 requests, of poisoned requests (``stop: [FAULT_STOP]``), of invalid ones, and clients that abort before the first
-token or disconnect mid-stream (``soak_traffic.py``). Afterwards it checks:
+token or disconnect mid-stream (``_soak_traffic.py``). Afterwards it checks:
 
 * every request was answered exactly once: finished (one finish reason per stream, one ``[DONE]``), aborted by its
   client, failed (exactly the poisoned ones: 500 / an error event naming the drafter) or refused (4xx, exactly the
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, overrides = parse_args(argv)
     if args.serve_child:
         sys.exit(serve_child(overrides))
-    from experiments.soak_traffic import check_run, render_table, run_traffic
+    from experiments._soak_traffic import check_run, render_table, run_traffic
 
     out = Path(args.json_out or REPO / "experiments" / "results" / f"soak_{Path(args.model).name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,7 @@ class LLM:
         if self._dead is not None:
             raise EngineDeadError(f"this LLM's engine died earlier ({type(self._dead).__name__}: {self._dead}); "
                                   "build a new LLM") from self._dead
+        self.engine.check_health()  # EngineDeadError at once when the executor lost a worker
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]

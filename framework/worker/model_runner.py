@@ -337,7 +337,8 @@ class ModelRunner:
         req_of_token = np.repeat(np.arange(len(requests)), query_lens)
         positions = context_lens[req_of_token] + np.arange(num_tokens) - query_start_loc[req_of_token]
 
-        group_tables = [self._block_table(so, requests, g) for g in range(len(self.kv_cache_layout.groups))]
+        num_groups = len(so.block_ids[requests[0].request_id])  # KV cache groups (one table each)
+        group_tables = [ModelRunner._block_table(so, requests, g) for g in range(num_groups)]
         block_table = group_tables[0]
         token_block, token_offset = positions // self.block_size, positions % self.block_size
         slot_mapping = block_table[req_of_token, token_block] * self.block_size + token_offset

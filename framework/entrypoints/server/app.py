@@ -42,8 +42,12 @@ from framework.entrypoints.server.serving import (
     tokenize_prompts,
 )
 
+#: one Server-Sent Event as OpenAPI tools parse it (schemathesis validates each event of a stream against it)
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                             "retry": {"type": "integer"}}}
 _OK_STREAM = {"description": "the completion (JSON), or Server-Sent Events when stream is true",
-              "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}
+              "content": {"application/json": {}, "text/event-stream": {"schema": _SSE_EVENT}}}
 
 
 def _responses(*statuses: int, ok: dict[str, Any] | None = None) -> dict[int | str, dict[str, Any]]:
