@@ -6,8 +6,9 @@ The steps, in the order they run (each a function below, so a reader can follow 
    passes (device, dtype, block size, executor and rank count...), before anything is read from disk.
 2. :func:`inspect_model` — ``config.json`` only: refuse pre-quantized checkpoints, resolve
    ``max_model_len``, read the attention shape (:class:`ModelSpec`), let the attention backend
-   refuse a model it cannot run and refuse a tensor-parallel size the model's heads do not
-   divide — still before any weights load.
+   refuse a model it cannot run and refuse a tensor-parallel size the model cannot be split over
+   (its plan, its heads, a rank's heads for the backend, the quant method's shards) — still
+   before any weights load.
 3. :func:`make_executor` — the executor starts its worker ranks; each loads its model (its shard),
    applies the quant method, prepacks CPU linears and builds its attention backend
    (``framework.worker.worker``). The driver loads only the tokenizer.
@@ -38,7 +39,7 @@ from framework.interfaces import Drafter, Executor
 from framework.metrics.collector import MetricsCollector
 from framework.worker.embeddings import load_embeddings
 from framework.worker.model_loader import load_tokenizer
-from framework.worker.worker import tensor_parallel_module
+from framework.worker.tensor_parallel import rank_layout, tp_problems
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,8 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
     Raises:
         ValueError: a pre-quantized checkpoint, ``max_model_len`` above the model's
             ``max_position_embeddings``, a model shape the attention backend cannot run, or a
-            ``tensor_parallel_size`` the model cannot be sharded over.
+            ``tensor_parallel_size`` the model cannot be sharded over
+            (:func:`tensor_parallel_problems`).
     """
     from framework.worker.model_loader import load_model_config
 
@@ -147,12 +149,30 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
                      vocab_size=mc.vocab_size)
     problems = registry.get_class("attention", config.attention).validate_model(
         spec.num_heads, spec.num_kv_heads, spec.head_size)
-    tp = tensor_parallel_module() if config.tensor_parallel_size > 1 else None
-    if tp is not None:  # no tp plan, or heads the size does not divide: names the valid sizes
-        problems += tp.tp_problems(mc, config.tensor_parallel_size)
+    if config.tensor_parallel_size > 1 and not problems:
+        problems = tensor_parallel_problems(config, mc, spec)
     if problems:
         raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
     return spec
+
+
+def tensor_parallel_problems(config: EngineConfig, model_config: Any, spec: ModelSpec) -> list[str]:
+    """Why the model cannot run over ``tensor_parallel_size`` ranks (empty: it can), from its config
+    alone: no tp plan or heads the size does not split (names the valid sizes), the attention
+    backend refusing a rank's heads, the quant method refusing the shards
+    (``QuantMethod.validate_tp``)."""
+    tp = config.tensor_parallel_size
+    problems = tp_problems(model_config, tp)
+    if problems:
+        return problems
+    layout = rank_layout(model_config, 0, tp)  # every rank holds as many heads as rank 0
+    problems = [f"tensor_parallel_size={tp} (each rank: {layout.num_heads} query / {layout.num_kv_heads} KV heads): "
+                f"{p}" for p in registry.get_class("attention", config.attention).validate_model(
+                    layout.num_heads, layout.num_kv_heads, spec.head_size)]
+    quant = registry.get_class("quant", config.quant)
+    if quant is not None:
+        problems += quant.validate_tp(config, tp)
+    return problems
 
 
 def make_executor(config: EngineConfig) -> Executor:

@@ -60,6 +60,8 @@ class ModelRunner:
         compile_freezing: inductor weight freezing/prepacking (``compile=True`` only).
         is_driver_rank: False on tensor-parallel ranks other than 0: they run the same forward
             (its collectives need every rank) but neither sample nor return hidden states.
+        tensor_parallel: the model is one rank's shard (``tensor_parallel_size > 1``): with
+            ``compile``, the ranks decide compiled vs eager together after the warm-up.
 
     Attributes:
         keep_hidden_states: set by ``build_engine`` when the drafter reads the target's last hidden
@@ -69,7 +71,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, num_blocks: int, num_layers: int,
                  kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler, num_swap_blocks: int = 0,
-                 compile: bool = False, compile_freezing: bool = False, is_driver_rank: bool = True) -> None:
+                 compile: bool = False, compile_freezing: bool = False, is_driver_rank: bool = True,
+                 tensor_parallel: bool = False) -> None:
         self.model = model
         self.is_driver_rank = is_driver_rank
         self.backend = backend
@@ -87,9 +90,12 @@ class ModelRunner:
         pin = device.type == "cuda"
         self.swap_caches = [torch.zeros(swap_shape, dtype=kv_cache_dtype, pin_memory=pin)
                             for _ in range(num_layers if num_swap_blocks else 0)]
-        self.compiled = CompiledDecoder(model, freezing=compile_freezing) if compile else None
+        self.compiled = (CompiledDecoder(model, freezing=compile_freezing, tensor_parallel=tensor_parallel)
+                         if compile else None)
         if self.compiled is not None:
             self.compiled.warm_up(self._dummy_forward, device)
+            if tensor_parallel:
+                self.compiled.agree_across_ranks()
 
     @property
     def compile_stats(self) -> CompileStats:

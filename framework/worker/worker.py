@@ -13,9 +13,9 @@ attention backend (this rank's heads), KV and swap tensors, ``torch.compile`` gr
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +34,7 @@ from framework.worker.model_loader import LoadedModel, load_model
 from framework.worker.model_runner import ModelRunner
 from framework.worker.prepack import prepack_linears, should_prepack
 from framework.worker.sampler import Sampler
+from framework.worker.tensor_parallel import load_tp_model, rank_layout
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +42,6 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.in
                                                    "fp8_e4m3": torch.float8_e4m3fn}
 #: torch.distributed timeout, seconds: a rank stuck in a collective fails instead of hanging forever
 DISTRIBUTED_TIMEOUT_S = 120
-TP_MODULE = "framework.worker.tensor_parallel"  # the model transform (tp_problems, rank_layout, load_tp_model)
-
-
-def tensor_parallel_module() -> Any | None:
-    """``framework.worker.tensor_parallel`` when present, else ``None`` (ranks then hold full replicas)."""
-    if importlib.util.find_spec(TP_MODULE) is None:
-        return None
-    return importlib.import_module(TP_MODULE)
 
 
 def default_num_threads(tensor_parallel_size: int) -> int:
@@ -64,15 +57,15 @@ class LoadedWeights(LoadedModel):
 
 
 def load_weights(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> LoadedWeights:
-    """Load this rank's model (its shard when ``tp_size > 1``) and tokenizer with attention routed to
-    servelab, apply the quant method, prepack CPU linears."""
+    """Load this rank's model (its shard when ``tp_size > 1``: :func:`load_tp_model`, which needs
+    ``torch.distributed`` initialised) and tokenizer with attention routed to servelab, apply the
+    quant method (to the shard), prepack CPU linears (the shard's)."""
     device = torch.device(config.device)
     if config.tune_malloc and device.type == "cpu":
         tune_malloc()
-    tp = tensor_parallel_module() if tp_size > 1 else None
-    if tp is not None:
-        loaded = tp.load_tp_model(config.model, config.dtype, config.device, tp_rank, tp_size,
-                                  register_attention_implementation())
+    if tp_size > 1:
+        loaded = load_tp_model(config.model, config.dtype, config.device, tp_rank, tp_size,
+                               register_attention_implementation())
     else:
         loaded = load_model(config.model, dtype=config.dtype, device=config.device,
                             attn_implementation=register_attention_implementation())
@@ -125,6 +118,7 @@ class Worker:
         self.backend: AttentionBackend | None = None
         self.runner: ModelRunner | None = None
         self.keep_hidden_states = False
+        self.num_local_ranks = 1  # ranks of this group on this host (they share its RAM); set by init_device
 
     @property
     def is_driver_rank(self) -> bool:
@@ -147,16 +141,17 @@ class Worker:
                                     init_method=self.distributed_init_method, rank=self.rank,
                                     world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=DISTRIBUTED_TIMEOUT_S))
+            hosts: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(hosts, socket.gethostname())
+            self.num_local_ranks = hosts.count(socket.gethostname())
 
     def load_model(self) -> None:
         """Load this rank's weights (quantized, prepacked) and build its attention backend."""
         self.loaded = load_weights(self.config, self.rank, self.world_size)
         mc = self.loaded.config
-        num_heads, num_kv_heads = mc.num_attention_heads, mc.num_key_value_heads
-        tp = tensor_parallel_module() if self.world_size > 1 else None
-        if tp is not None:  # this rank's share of the heads (KV heads replicated when tp > their count)
-            layout = tp.rank_layout(mc, self.rank, self.world_size)
-            num_heads, num_kv_heads = layout.num_heads, layout.num_kv_heads
+        # this rank's share of the heads (KV heads replicated when tp > their count)
+        layout = rank_layout(mc, self.rank, self.world_size)
+        num_heads, num_kv_heads = layout.num_heads, layout.num_kv_heads
         head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         self.backend = make_attention_backend(self.config, self.loaded.model, num_heads, num_kv_heads, head_size,
                                               self.loaded.kv_cache_dtype)
@@ -167,16 +162,17 @@ class Worker:
 
     def determine_available_memory(self) -> int:
         """Bytes this rank may give its KV cache: ``kv_cache_memory_bytes``, capped at 90% of the
-        device's free memory (CUDA: ``mem_get_info``; CPU: available RAM)."""
+        device's free memory (CUDA: ``mem_get_info``; CPU: available RAM divided by the group's
+        ranks on this host, which share it). The executor takes the minimum over ranks."""
         budget = self.config.kv_cache_memory_bytes
         if torch.device(self.config.device).type == "cuda":
             free = torch.cuda.mem_get_info()[0]
         else:
             import psutil
 
-            free = psutil.virtual_memory().available
+            free = psutil.virtual_memory().available // self.num_local_ranks
         if budget > 0.9 * free:
-            logger.warning("rank %d: kv_cache_memory_bytes=%d exceeds 90%% of free memory (%d bytes); capped",
+            logger.warning("rank %d: kv_cache_memory_bytes=%d exceeds 90%% of its free memory (%d bytes); capped",
                            self.rank, budget, free)
         return int(min(budget, 0.9 * free))
 
@@ -187,7 +183,7 @@ class Worker:
                                   self.backend.cache_dtype, torch.device(self.config.device),
                                   Sampler(spec.vocab_size, seed=self.config.seed), num_swap_blocks=num_swap_blocks,
                                   compile=self.config.compile, compile_freezing=self.config.compile_freezing,
-                                  is_driver_rank=self.is_driver_rank)
+                                  is_driver_rank=self.is_driver_rank, tensor_parallel=self.world_size > 1)
         self.runner.keep_hidden_states = self.keep_hidden_states
 
     def set_keep_hidden_states(self, keep: bool) -> None:
