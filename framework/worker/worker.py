@@ -198,16 +198,24 @@ class Worker:
         return out if self.is_driver_rank else None
 
     def enable_collective_timing(self) -> None:
-        """Time every ``torch.distributed`` collective this rank calls from now on (benchmarks:
-        ``experiments/bench_parallel.py``); read with :meth:`collective_times`. Wall time of the call:
-        exact for gloo (synchronous), a lower bound for NCCL (asynchronous)."""
+        """Time every collective this rank calls from now on (benchmarks:
+        ``experiments/bench_parallel.py``): the tensor-parallel layers' all-reduces and all-gathers
+        (``framework.worker.parallel_layers``, wait included) and any ``torch.distributed`` call (the
+        LM head's gather to the driver). Read with :meth:`collective_times`. Wall time of the call:
+        exact for gloo (synchronous), a lower bound for NCCL (asynchronous). Eager forwards only:
+        inside a compiled decoder the collectives are graph nodes and go uncounted."""
         import functools
 
         import torch.distributed as dist
 
+        from framework.worker import parallel_layers
+
         self._collective = {"collective_s": 0.0, "num_collectives": 0}
-        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "gather", "reduce_scatter", "broadcast"):
-            original = getattr(dist, name, None)
+        targets = [(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "gather",
+                                             "reduce_scatter", "broadcast")]
+        targets += [(parallel_layers, "all_reduce"), (parallel_layers, "all_gather_last_dim")]
+        for owner, name in targets:
+            original = getattr(owner, name, None)
             if original is None or getattr(original, "_servelab_timed", False):
                 continue
 
@@ -221,7 +229,7 @@ class Worker:
                     self._collective["num_collectives"] += 1
 
             timed._servelab_timed = True  # type: ignore[attr-defined]
-            setattr(dist, name, timed)
+            setattr(owner, name, timed)
 
     def collective_times(self) -> dict[str, float]:
         """Seconds spent in, and number of, collectives since :meth:`enable_collective_timing`."""
