@@ -15,7 +15,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from framework.core.outputs import RequestOutput
@@ -43,12 +43,16 @@ class AsyncLLM:
 
     Args:
         engine: a built engine; from now on only this object's loop thread may touch it.
+        on_error: called once, from the loop thread, with the exception that killed the loop (e.g.
+            ``EngineDeadError`` after a worker was lost), after every waiting stream got its error;
+            a server uses it to shut down and exit non-zero.
 
     Use :meth:`shutdown` (or ``async with``) to abort everything in flight and stop the loop.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_error: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self._on_error = on_error
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self._ids = itertools.count()
@@ -129,6 +133,8 @@ class AsyncLLM:
             for stream in self._streams.values():
                 stream.put(RuntimeError(f"engine loop died: {exc!r}"))
             self._streams.clear()
+            if self._on_error is not None:
+                self._on_error(exc)
             return
         self._drain(block=False)
         self._dispatch(self.engine.abort_request(list(self._streams)))

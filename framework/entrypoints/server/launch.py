@@ -2,7 +2,10 @@
 
 Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections; at the same moment every in-flight
 request is aborted (its stream gets a final ``finish_reason="abort"`` chunk and ``[DONE]``), so
-open connections finish and the process exits with status 0.
+open connections finish and the process exits with status 0. When the engine loop dies instead (a
+worker rank lost: ``EngineDeadError``), every in-flight request gets a 503, ``/health`` answers 503,
+uvicorn shuts down and :func:`serve` raises, so the process exits non-zero (vLLM's API server
+does the same on engine death).
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     Raises:
         ImportError: the ``serve`` extra is not installed (names the pip command).
         ValueError, registry.UnknownPluginError: from ``build_engine``, before the port is bound.
+        RuntimeError: the engine loop died while serving (its error chained), after the server
+            shut down.
     """
     try:
         import uvicorn  # noqa: F401
@@ -82,7 +87,8 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms,
                                                                   slo_tpot_ms=cfg.slo.tpot_ms))
     name = server_cfg.get("served_model_name") or engine_config.model
-    llm = AsyncLLM(engine)
+    servers: list[Any] = []  # the uvicorn server, once made; the engine loop's death stops it
+    llm = AsyncLLM(engine, on_error=lambda exc: [setattr(srv, "should_exit", True) for srv in servers])
     metrics = ServerMetrics(engine, name)
     state = ServerState(llm=llm, model_name=name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                         tokenizer=engine.tokenizer, supports_structured_outputs=engine.structured_output is not None,
@@ -91,6 +97,9 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     config = uvicorn.Config(build_app(state), host=server_cfg.host, port=int(server_cfg.port),
                             log_level=server_cfg.get("log_level", "info"), timeout_graceful_shutdown=30)
     server = _uvicorn_server(config, on_exit=lambda: llm.shutdown(timeout_s=0))
+    servers.append(server)
+    if llm.errored is not None:  # died before the server existed
+        server.should_exit = True
     logger.info("serving %s at http://%s:%s/v1 (auth %s)", name, server_cfg.host, server_cfg.port,
                 "on" if state.api_key else "off")
     with registry.registered(metrics, name="servelab-server-metrics"):
@@ -98,4 +107,6 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
             server.run()
         finally:
             llm.shutdown()
+    if llm.errored is not None:
+        raise RuntimeError(f"the engine died while serving: {llm.errored}") from llm.errored
     return engine.metrics.summary()
