@@ -142,8 +142,8 @@ def runner_logits(path: str, tp_rank: int, tp_size: int, attention: str = "torch
 
 def run_cases(tp_rank: int, tp_size: int, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per case (``name``, ``path``, ``prompt``, ``new_tokens``, ``checks`` among ``compile_<backend>``
-    (``eager``: dynamo only, ``aot_eager``, ``inductor``), ``prepack``, ``int8_wo``, ``transformers_tp``,
-    ``runner``): load this rank's shard (float32, eager attention), then record logits and
+    (``eager``: dynamo only, ``aot_eager``, ``inductor``), ``compile_agreement``, ``prepack``, ``int8_wo``,
+    ``transformers_tp``, ``runner``): load this rank's shard (float32, eager attention), then record logits and
     per-layer hidden states of one forward, a greedy continuation, the non-norm parameter bytes and
     each extra check's logits."""
     from framework.worker.prepack import prepack_linears
@@ -162,6 +162,8 @@ def run_cases(tp_rank: int, tp_size: int, cases: list[dict[str, Any]]) -> dict[s
         for backend_name in ("eager", "aot_eager", "inductor"):
             if f"compile_{backend_name}" in checks:
                 res.update(_compile_check(lm.model, ids, backend_name))
+        if "compile_agreement" in checks:
+            res["compile_agreement"] = compile_agreement(tp_rank, tp_size)
         if "prepack" in checks:
             res["num_prepacked"] = prepack_linears(lm.model)
             res["module_classes"] = {type(m).__name__ for m in lm.model.modules()}
@@ -179,3 +181,28 @@ def run_cases(tp_rank: int, tp_size: int, cases: list[dict[str, Any]]) -> dict[s
                 res["int8_logits"] = lm.model(input_ids=ids, use_cache=False).logits
         results[case["name"]] = res
     return results
+
+
+def compile_agreement(tp_rank: int, tp_size: int) -> dict[str, Any]:
+    """``CompiledDecoder.agree_across_ranks`` when only the last rank fell back (nothing compiles:
+    the decoder is a stand-in), then a failing compiled call on a warmed-up TP rank."""
+    from framework.worker.compile import CompiledDecoder
+
+    model = torch.nn.Module()
+    model.model, model.lm_head, model.config = torch.nn.Identity(), torch.nn.Identity(), object()
+    decoder = CompiledDecoder(model, tensor_parallel=True)
+    decoder.stats.active = True
+    if tp_rank == tp_size - 1:
+        decoder._fall_back("torch.compile failed (BackendCompilerFailed: stand-in)")
+    decoder.agree_across_ranks()
+    out: dict[str, Any] = {"active": decoder.stats.active, "reason": decoder.stats.fallback_reason}
+
+    def fails(**kwargs: Any) -> Any:
+        raise RuntimeError("stand-in compile error")
+
+    decoder._compiled, decoder._warmed_up = fails, True
+    try:
+        decoder.hidden_states(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))
+    except RuntimeError as err:
+        out["late_failure"] = str(err)
+    return out

@@ -61,7 +61,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def cases(tiny_models: dict[str, str]) -> list[dict]:
-    checks = {"stories260K": ("int8_wo", "transformers_tp", "runner"), "llama_bias": ("compile_eager", "prepack"),
+    checks = {"stories260K": ("int8_wo", "transformers_tp", "runner"), "llama_bias": ("compile_eager", "compile_agreement", "prepack"),
               "qwen2_kv_replicated": ("runner",)}
     paths = {"stories260K": STORIES, **tiny_models}
     return [{"name": n, "path": p, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "checks": checks.get(n, ())}
@@ -272,3 +272,13 @@ def test_smollm2_tp3_matches_tp1() -> None:
         for got, want_hidden in zip(rank["smollm2"]["hidden"], ref.hidden_states):
             _assert_close(got, want_hidden)
         assert rank["smollm2"]["tokens"] == want
+
+
+def test_compile_falls_back_on_every_rank_or_none(tp2: list[dict]) -> None:
+    """One rank's fallback makes every rank eager (naming that rank); after the warm-up a rank's
+    compiled call that fails raises instead of rerunning eagerly alone (its collectives would desync)."""
+    ranks = [rank["llama_bias"]["compile_agreement"] for rank in tp2]
+    assert [r["active"] for r in ranks] == [False, False]
+    assert "tensor-parallel rank 1 fell back (torch.compile failed (BackendCompilerFailed" in ranks[0]["reason"]
+    assert ranks[1]["reason"].startswith("torch.compile failed")
+    assert all("cannot fall back to eager alone" in r["late_failure"] for r in ranks)
