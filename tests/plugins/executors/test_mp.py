@@ -154,7 +154,7 @@ def test_eagle_on_the_driver_over_two_ranks_with_recompute_preemption():
     of 8 tokens cannot hold the four requests at once: recompute preemption."""
     from helpers import STORIES_EAGLE
 
-    llm = LLM(model=STORIES, executor="mp", tensor_parallel_size=2, attention="torch", max_model_len=96,
+    llm = LLM(model=STORIES, executor="mp", tensor_parallel_size=2, max_model_len=96,  # default torch_paged
               block_size=8, num_blocks=12, drafter="eagle",
               drafter_params={"model": STORIES_EAGLE, "num_speculative_tokens": 3})
     tok = llm.get_tokenizer()
