@@ -12,6 +12,7 @@ exit (Ctrl-C included), and on SIGTERM (a handler is installed when none is).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -19,6 +20,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -72,6 +74,23 @@ class _Resources:
             self.ring.close()
 
 
+@contextlib.contextmanager
+def _standard_start_method() -> Iterator[None]:
+    """Make the process-wide start method ``spawn`` while a worker starts, when it is one the child
+    cannot set up (a spawned child re-applies its parent's start method before anything else runs:
+    inside a joblib/loky worker, e.g. a sweep under ``hydra/launcher=joblib``, that is ``loky``, and
+    the child fails with ``cannot find context for 'loky'``). Restored afterwards."""
+    current = mp.get_start_method(allow_none=True)
+    if current in (None, "spawn", "fork", "forkserver"):
+        yield
+        return
+    mp.set_start_method("spawn", force=True)
+    try:
+        yield
+    finally:
+        mp.set_start_method(current, force=True)
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     """Release every executor's workers and segment, then die of SIGTERM as if unhandled."""
     for resources in list(_LIVE):
@@ -117,7 +136,8 @@ class MultiprocExecutor(Executor):
             proc = ctx.Process(target=worker_main, name=f"servelab-worker-{rank}", daemon=True,
                                args=(config.to_dict(), rank, self.world_size, init_method, self._res.ring.handle,
                                      child, os.getpid()))
-            proc.start()
+            with _standard_start_method():
+                proc.start()
             child.close()
             self._res.procs.append(proc)
             self._res.conns.append(parent)
