@@ -235,6 +235,16 @@ class Worker:
         """Seconds spent in, and number of, collectives since :meth:`enable_collective_timing`."""
         return dict(getattr(self, "_collective", {"collective_s": 0.0, "num_collectives": 0}))
 
+    def rank_info(self) -> dict[str, int]:
+        """What this rank holds and runs with (tests, logs): ``rank``, ``world_size``,
+        ``num_local_ranks`` (ranks of the group on this host), ``num_threads`` (torch intra-op
+        threads), ``num_heads`` / ``num_kv_heads`` (its attention backend's), ``parameter_bytes``
+        (its model shard, a tied embedding counted once)."""
+        params = {id(p): p.numel() * p.element_size() for p in self.loaded.model.parameters()}
+        return {"rank": self.rank, "world_size": self.world_size, "num_local_ranks": self.num_local_ranks,
+                "num_threads": torch.get_num_threads(), "num_heads": self.backend.num_heads,
+                "num_kv_heads": self.backend.num_kv_heads, "parameter_bytes": sum(params.values())}
+
     def compile_stats(self) -> CompileStats:
         """This rank's compile statistics (``enabled=False`` when eager)."""
         return self.runner.compile_stats

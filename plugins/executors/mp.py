@@ -184,14 +184,21 @@ class MultiprocExecutor(Executor):
             raise self._lost(f"cannot send {method!r} to the workers: {exc}") from exc
         ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
         results: dict[int, Any] = {}
-        while len(results) < len(ranks):
-            for rank, kind, payload in self._wait(set(ranks) - set(results), timeout_s, method):
-                if kind == "error":  # possibly a non-replying rank's failure in an earlier call
+        errors: dict[int, str] = {}  # an awaited rank's error is its answer to this call
+        while len(results) + len(errors) < len(ranks):
+            for rank, kind, payload in self._wait(set(ranks) - set(results) - set(errors), timeout_s, method):
+                if kind == "error":
                     failed_method, trace = payload
                     if failed_method == "execute_model":  # ranks may be out of step now: nothing can run
                         raise self._lost(f"worker rank {rank} failed in execute_model:\n{trace}")
-                    raise WorkerError(f"worker rank {rank} failed in {failed_method}:\n{trace}")
-                results[rank] = payload
+                    message = f"worker rank {rank} failed in {failed_method}:\n{trace}"
+                    if rank not in ranks or rank in results or rank in errors:
+                        raise WorkerError(message)  # a non-replying rank's failure in an earlier call
+                    errors[rank] = message
+                else:
+                    results[rank] = payload
+        if errors:  # raised once every awaited rank answered, so no reply is left to confuse the next call
+            raise WorkerError(errors[min(errors)])
         return [results[r] for r in ranks]
 
     def execute_model(self, scheduler_output: Any) -> Any:

@@ -56,7 +56,8 @@ def _status(pid: int) -> str:
 # chunked prefill, prefix caching, swap preemption (28 blocks of 8 tokens), n-gram drafts
 ENGINE = dict(model=STORIES, attention="torch", max_model_len=192, block_size=8, num_blocks=28,
               max_num_batched_tokens=48, long_prefill_token_threshold=16, preemption_mode="swap",
-              swap_space_bytes=1 << 22, drafter="ngram", drafter_params={"num_speculative_tokens": 3})
+              swap_space_bytes=1 << 22, drafter="ngram", drafter_params={"num_speculative_tokens": 3},
+              kv_cache_memory_bytes=1 << 50)  # unused (num_blocks is set): lets each rank report its RAM cap
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +116,22 @@ def test_collective_rpc_reaches_every_rank(mp_llm):
     executor = mp_llm.engine.executor
     # each rank's paged cache holds its 2 of the 4 KV heads: K and V, 5 layers, 8 slots, head 8, float32
     assert executor.collective_rpc("kv_cache_bytes_per_block") == [2 * 5 * 8 * 2 * 8 * 4] * 2
-    assert executor.determine_available_memory() > 0
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)  # cores / tp by default
+    info = executor.collective_rpc("rank_info")
+    assert [(i["rank"], i["num_heads"], i["num_kv_heads"], i["num_local_ranks"], i["num_threads"]) for i in info] == [
+        (rank, 4, 2, 2, threads) for rank in range(2)]
+    full = sum(p.numel() * 4 for p in LLM(model=STORIES, attention="torch").engine.runner.model.parameters())
+    assert all(0.45 * full < i["parameter_bytes"] < 0.55 * full for i in info)  # a shard each (norms replicated)
+    # the two ranks share this host's RAM: each may take 90% of half of it
+    import psutil
+
+    assert 0.3 < executor.determine_available_memory() / psutil.virtual_memory().available < 0.5
     executor.check_health()
-    with pytest.raises(WorkerError, match="rank 0 failed in no_such_method"):
+    with pytest.raises(WorkerError, match="rank 0 failed in no_such_method"):  # every rank failed: rank 0's
         executor.collective_rpc("no_such_method")
     executor.check_health()  # a failing call other than execute_model leaves the executor usable
+    # and drains every rank's answer: the next call gets its own replies, not a stale error
+    assert executor.collective_rpc("kv_cache_bytes_per_block") == [2 * 5 * 8 * 2 * 8 * 4] * 2
     with pytest.raises(AttributeError, match="worker processes"):
         _ = mp_llm.engine.runner
 
