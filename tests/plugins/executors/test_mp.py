@@ -152,7 +152,7 @@ SCRIPT = textwrap.dedent("""
     from framework import LLM, SamplingParams
 
     if __name__ == "__main__":
-        llm = LLM(model={model!r}, executor="mp", attention="torch", max_model_len=192)
+        llm = LLM(model={model!r}, executor="mp", tensor_parallel_size={tp}, attention="torch", max_model_len=192)
         ex = llm.engine.executor
         print("READY", ex.shm_name, *ex.worker_pids, flush=True)
         while True:
@@ -215,10 +215,10 @@ def test_smollm2_tp3_greedy_parity_with_every_feature_at_once():
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signals_leave_no_worker_and_no_segment(tmp_path, sig):
+@pytest.mark.parametrize(("sig", "tp"), [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
+def test_signals_leave_no_worker_and_no_segment(tmp_path, sig, tp):
     script = tmp_path / "serve_forever.py"
-    script.write_text(SCRIPT.format(repo=str(REPO), model=STORIES))
+    script.write_text(SCRIPT.format(repo=str(REPO), model=STORIES, tp=tp))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, cwd=tmp_path)
     try:
