@@ -132,8 +132,8 @@ class Worker:
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         device = torch.device(self.config.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device.index if device.index is not None else self.rank)
+        if device.type == "cuda":  # rank r on cuda:r; a Ray actor sees only its own GPU (index 0)
+            torch.cuda.set_device(device.index if device.index is not None else self.rank % torch.cuda.device_count())
         if self.world_size > 1:
             import torch.distributed as dist
 

@@ -146,8 +146,20 @@ class MultiprocExecutor(Executor):
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
         """Worker processes load plugins from entry points: a plugin registered only at run time
-        in this process (a test's throwaway plugin) cannot run there."""
+        in this process (a test's throwaway plugin) cannot run there. On CUDA rank ``r`` runs on
+        ``cuda:r`` (NCCL needs one GPU per rank): ``device=cuda:N`` with more than one rank, or more
+        ranks than visible GPUs, is refused."""
         problems = super().validate(config)
+        tp = config.tensor_parallel_size
+        if config.device.startswith("cuda") and tp > 1:
+            import torch
+
+            if config.device != "cuda":
+                problems.append(f"device={config.device!r} pins every rank to one GPU; with tensor_parallel_size={tp} "
+                                "use device=cuda (rank r runs on cuda:r; choose GPUs with CUDA_VISIBLE_DEVICES)")
+            elif torch.cuda.is_available() and torch.cuda.device_count() < tp:
+                problems.append(f"tensor_parallel_size={tp} needs {tp} GPUs (one per rank), "
+                                f"{torch.cuda.device_count()} visible; lower it or use executor=ray across nodes")
         for kind in ("attention", "quant"):
             name = getattr(config, kind)
             cls_ = registry.get_class(kind, name)

@@ -178,6 +178,20 @@ def test_eagle_on_the_driver_over_two_ranks_with_recompute_preemption():
     llm.engine.shutdown()
 
 
+def test_cuda_needs_one_gpu_per_rank(monkeypatch):
+    from framework.config import EngineConfig
+    from plugins.executors.mp import MultiprocExecutor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    problems = MultiprocExecutor.validate(EngineConfig(model=STORIES, device="cuda", tensor_parallel_size=2))
+    assert problems == ["tensor_parallel_size=2 needs 2 GPUs (one per rank), 1 visible; lower it or use executor=ray "
+                        "across nodes"]
+    (problem,) = MultiprocExecutor.validate(EngineConfig(model=STORIES, device="cuda:1", tensor_parallel_size=2))
+    assert "use device=cuda (rank r runs on cuda:r" in problem
+    assert MultiprocExecutor.validate(EngineConfig(model=STORIES, device="cuda", tensor_parallel_size=1)) == []
+
+
 @NEEDS_SMOLLM2
 def test_smollm2_tp2_is_refused_before_any_worker_starts():
     shm_before, children_before = set(os.listdir("/dev/shm")), set(multiprocessing.active_children())
