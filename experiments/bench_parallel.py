@@ -92,7 +92,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 def decode_window(llm: Any, batch: list[list[int]], output_len: int, window: int) -> dict[str, float]:
     """Step the engine past every prefill, then time ``window`` decode-only steps; returns per-step
-    means (ms) of the step, the broadcast + reply, and rank 0's collectives."""
+    means (ms) of the step, the broadcast + reply, and rank 0's collectives (and their count: one
+    all-reduce for the embedding, two per layer, one gather of the logits under TP=2)."""
     from framework import SamplingParams
 
     engine, executor = llm.engine, llm.engine.executor
@@ -122,6 +123,7 @@ def decode_window(llm: Any, batch: list[list[int]], output_len: int, window: int
     collective_s = (after["collective_s"] - before["collective_s"]) / window
     broadcast_s = statistics.fmean(overhead)
     return {"decode_step_ms": 1e3 * step_s, "broadcast_ms": 1e3 * broadcast_s, "collective_ms": 1e3 * collective_s,
+            "collectives_per_step": (after["num_collectives"] - before["num_collectives"]) / window,
             "broadcast_share": broadcast_s / step_s, "collective_share": collective_s / step_s,
             "overhead_share": (broadcast_s + collective_s) / step_s}
 

@@ -215,5 +215,6 @@ def test_bench_parallel_reports_throughput_itl_and_the_overhead_split(tmp_path):
     assert row["tensor_parallel_size"] == 2 and row["threads_per_rank"] >= 1
     for batch in ("b1", "b2"):
         assert row[batch]["output_tok_s"] > 0 and row[batch]["itl_p50_ms"] > 0
-        assert 0 < row[batch]["broadcast_share"] < 1 and row[batch]["collective_ms"] >= 0
+        assert 0 < row[batch]["broadcast_share"] < 1 and row[batch]["collective_ms"] > 0
+        assert row[batch]["collectives_per_step"] == 1 + 2 * 2 + 1  # embedding, 2 layers x (o_proj, down_proj), logits
     assert (tmp_path / "out.json").is_file()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from wandb_offline import offline_run_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,6 +74,18 @@ def test_joblib_launcher_sweep(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in sweep.iterdir() if (p / "metrics.json").is_file()) == ["0", "1"]
     check_results(sweep, num_jobs=2, swept=("scheduler.name",))
+
+
+@pytest.mark.slow
+def test_joblib_launcher_sweep_with_tensor_parallel_jobs(tmp_path):
+    """Each job's model sharded over two ``mp`` worker processes started from inside its joblib (loky)
+    worker (their spawn must not inherit loky's start method); ~55 s here."""
+    sweep = tmp_path / "sweep"
+    proc = servelab("-m", "model=stories260K", "scheduler=fcfs,priority", "parallel.tensor_parallel_size=2",
+                    "sampling.max_tokens=4", "workload.limit=3", "tracker=none", "hydra/launcher=joblib",
+                    "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in sweep.iterdir() if (p / "metrics.json").is_file()) == ["0", "1"]
 
 
 def test_results_on_a_missing_dir_fails_clearly(tmp_path):

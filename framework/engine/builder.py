@@ -7,8 +7,9 @@ The steps, in the order they run (each a function below, so a reader can follow 
    each class's ``validate(config)`` passes (device, dtype, block size, executor and rank count...).
 2. :func:`inspect_model` — ``config.json`` only: refuse pre-quantized checkpoints, resolve
    ``max_model_len``, read each layer's attention (:class:`ModelSpec`), let the attention backend
-   refuse a model it cannot run and refuse a tensor-parallel size the model's heads do not
-   divide — still before any weights load.
+   refuse a model it cannot run and refuse a tensor-parallel size the model cannot be split over
+   (its plan, its heads, a rank's heads for the backend, the quant method's shards) — still
+   before any weights load.
 3. :func:`plan_kv_cache` — which layers share a block table (KV cache groups: sliding-window layers
    get their own when the allocator can release their out-of-window blocks).
 4. :func:`make_executor` — the executor starts its worker ranks; each loads its model (its shard),
@@ -45,7 +46,7 @@ from framework.interfaces import AttentionLayerSpec, Drafter, Executor
 from framework.metrics.collector import MetricsCollector
 from framework.worker.embeddings import load_embeddings
 from framework.worker.model_loader import load_tokenizer
-from framework.worker.worker import tensor_parallel_module
+from framework.worker.tensor_parallel import rank_layout, tp_problems
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,8 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
             ``max_position_embeddings``, an architecture servelab cannot run exactly
             (``UnsupportedModelError``: encoder-decoder, non-causal, attention outside transformers'
             interface, unknown layer types), a model the attention backend cannot run (the error
-            names the backends that can), or a ``tensor_parallel_size`` the model cannot be sharded over.
+            names the backends that can), or a ``tensor_parallel_size`` the model cannot be sharded over
+            (:func:`tensor_parallel_problems`).
     """
     from framework.worker.model_families import attention_layers, family_of
     from framework.worker.model_loader import load_model_config
@@ -191,9 +193,8 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
                      head_size=max(layer.cache_head_size for layer in layers), vocab_size=mc.vocab_size,
                      attention_layers=layers)
     problems = registry.get_class("attention", config.attention).validate_model(layers, config)
-    tp = tensor_parallel_module() if config.tensor_parallel_size > 1 else None
-    if tp is not None:  # no tp plan, or heads the size does not divide: names the valid sizes
-        problems += tp.tp_problems(mc, config.tensor_parallel_size)
+    if config.tensor_parallel_size > 1 and not problems:
+        problems = tensor_parallel_problems(config, mc, spec)
     if problems:
         capable = backends_that_can_run(layers, config)
         if capable:
@@ -215,6 +216,24 @@ def backends_that_can_run(layers: list[AttentionLayerSpec], config: EngineConfig
             names.append(f"{name} (CUDA)" if cls.requires_cuda else name)
     return names
 
+def tensor_parallel_problems(config: EngineConfig, model_config: Any, spec: ModelSpec) -> list[str]:
+    """Why the model cannot run over ``tensor_parallel_size`` ranks (empty: it can), from its config
+    alone: no tp plan or heads the size does not split (names the valid sizes), the attention
+    backend refusing a rank's heads, the quant method refusing the shards
+    (``QuantMethod.validate_tp``)."""
+    tp = config.tensor_parallel_size
+    problems = tp_problems(model_config, tp)
+    if problems:
+        return problems
+    layout = rank_layout(model_config, 0, tp)  # every rank holds as many heads as rank 0
+    rank_layers = [dataclasses.replace(layer, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
+                   for layer in spec.attention_layers]
+    problems = [f"tensor_parallel_size={tp} (each rank: {layout.num_heads} query / {layout.num_kv_heads} KV heads): "
+                f"{p}" for p in registry.get_class("attention", config.attention).validate_model(rank_layers, config)]
+    quant = registry.get_class("quant", config.quant)
+    if quant is not None:
+        problems += quant.validate_tp(config, tp)
+    return problems
 
 
 def make_executor(config: EngineConfig) -> Executor:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from framework.interfaces.base import Plugin
+
+if TYPE_CHECKING:
+    from framework.config import EngineConfig
 
 
 class QuantMethod(Plugin, ABC):
@@ -24,6 +27,22 @@ class QuantMethod(Plugin, ABC):
 
         Called by the model loader once, after weights load and before the KV cache is sized.
         """
+
+    @classmethod
+    def validate_tp(cls, config: EngineConfig, tp_size: int) -> list[str]:
+        """Explain why this method cannot quantize the model of ``config`` split over ``tp_size``
+        tensor-parallel ranks (empty: it can).
+
+        Called before the weights load when ``tensor_parallel_size > 1``, next to :meth:`validate`.
+        Each rank then quantizes its own shard (``apply`` sees a model whose column-parallel linears
+        hold a slice of the output features and whose row-parallel ones wrap an inner ``nn.Linear``
+        holding a slice of the input features; the all-reduces stay in the activation dtype). The
+        default accepts every ``tp_size``: per-output-channel scales of a column-parallel shard are
+        the TP=1 scales of its rows, and a row-parallel shard's rows get scales of their own (over the
+        input slice the rank holds: as fine or finer than TP=1). A method with shape rules (group-wise int4) checks the
+        per-rank shapes from ``framework.worker.tensor_parallel.linear_shapes``.
+        """
+        return []
 
     def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """Dtype of the KV cache; default the model dtype (no KV-cache quantization)."""

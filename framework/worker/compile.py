@@ -20,6 +20,13 @@ compilation as a recompile. In the 1-token graph the linears are traced GEMVs
 
 If the compiler is unavailable (no C++ compiler for inductor on CPU) or compiling fails, a warning
 names the cause and the runner goes on eagerly (same outputs, uncompiled speed).
+
+Under tensor parallelism every rank compiles its own shard's decoder (the all-reduces are
+functional collectives inside the graph). Ranks decide together: after the warm-up,
+:meth:`CompiledDecoder.agree_across_ranks` makes every rank eager when any one fell back (naming
+that rank's reason), and past the warm-up a rank never falls back alone: a failing compiled call
+raises instead, since a rank that reran the step eagerly could have issued some collectives twice
+and the group's collectives would no longer line up.
 """
 
 from __future__ import annotations
@@ -165,11 +172,15 @@ class CompiledDecoder:
         freezing: inductor ``freezing``: weights become graph constants, so inductor can
             constant-fold them and, on CPU, prepack linear weights for oneDNN. Weights must not
             change after the warm-up (quant transforms run before, so they are frozen as quantized).
+        tensor_parallel: this is one rank of a tensor-parallel group (``torch.distributed``
+            initialised, the default group the TP group): fall back only jointly
+            (:meth:`agree_across_ranks`), never alone after the warm-up.
     """
 
-    def __init__(self, model: torch.nn.Module, freezing: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, freezing: bool = False, tensor_parallel: bool = False) -> None:
         self.model = model
         self.freezing = freezing
+        self.tensor_parallel = tensor_parallel
         self.stats = CompileStats(enabled=True)
         self._compiled: Callable[..., Any] | None = None
         self._warmed_up = False
@@ -282,7 +293,26 @@ class CompiledDecoder:
                 return self._compiled(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                       **extra).last_hidden_state[0]
         except Exception as err:  # noqa: BLE001 - compile errors surface at the call; rerun eagerly
+            if self.tensor_parallel and self._warmed_up:
+                raise RuntimeError(
+                    f"torch.compile failed on a tensor-parallel rank after the warm-up ({type(err).__name__}: "
+                    f"{err}); one rank cannot fall back to eager alone (its collectives would no longer line up "
+                    "with the other ranks'): restart with engine.compile=false") from err
             # rerunning is safe: a partial forward wrote K/V only at this step's own slots, and
-            # the eager forward writes the same values there again
+            # the eager forward writes the same values there again (under TP, during the warm-up, a
+            # trace-time failure ran no collective; agree_across_ranks then makes every rank eager)
             self._fall_back(f"torch.compile failed ({type(err).__name__}: {err})")
             return None
+
+    def agree_across_ranks(self) -> None:
+        """Tensor parallelism, after :meth:`warm_up` on every rank: when any rank of the default
+        ``torch.distributed`` group fell back to eager, every rank does, with that rank's reason
+        (one ``all_gather_object`` of ``(active, reason)``). Called by every rank, or none."""
+        import torch.distributed as dist
+
+        states: list[tuple[bool, str | None] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, (self.stats.active, self.stats.fallback_reason))
+        failed = [(rank, reason) for rank, (active, reason) in enumerate(states) if not active]
+        if failed and self.stats.active:
+            rank, reason = failed[0]
+            self._fall_back(f"tensor-parallel rank {rank} fell back ({reason}), so every rank runs eagerly")

@@ -70,6 +70,8 @@ class ModelRunner:
             its group slot's tensor.
         is_driver_rank: False on tensor-parallel ranks other than 0: they run the same forward
             (its collectives need every rank) but neither sample nor return hidden states.
+        tensor_parallel: the model is one rank's shard (``tensor_parallel_size > 1``): with
+            ``compile``, the ranks decide compiled vs eager together after the warm-up.
 
     Attributes:
         keep_hidden_states: set by ``build_engine`` when the drafter reads the target's last hidden
@@ -80,7 +82,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, num_blocks: int, num_layers: int,
                  kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler, num_swap_blocks: int = 0,
                  compile: bool = False, compile_freezing: bool = False,
-                 kv_cache_layout: KVCacheLayout | None = None, is_driver_rank: bool = True) -> None:
+                 kv_cache_layout: KVCacheLayout | None = None, is_driver_rank: bool = True,
+                 tensor_parallel: bool = False) -> None:
         self.model = model
         self.is_driver_rank = is_driver_rank
         self.backend = backend
@@ -105,6 +108,7 @@ class ModelRunner:
         self.swap_caches = [torch.zeros(swap_shape, dtype=kv_cache_dtype, pin_memory=pin)
                             for _ in range(layout.layers_per_block if num_swap_blocks else 0)]
         self.compile_freezing = compile_freezing
+        self.tensor_parallel = tensor_parallel
         self.compiled: CompiledDecoder | None = None
         if compile:
             self.compile_decoder()
@@ -115,15 +119,20 @@ class ModelRunner:
         and no block is in a prefix cache (at start-up, or after ``Scheduler.reset_prefix_cache``).
         Fused gate/up projections (eager prepacking) are split first: compiled graphs run them as two
         GEMMs (``prepack.unfuse_gated_mlps``). Falls back to eager with a warning; a second call does
-        nothing.
+        nothing. Under tensor parallelism every rank calls it, and the ranks decide compiled vs eager
+        together after the warm-up (``CompiledDecoder.agree_across_ranks``: one rank's fallback makes
+        every rank eager, so their collectives stay in step).
 
         Returns:
             The compile outcome (also :attr:`compile_stats`).
         """
         if self.compiled is None:
             unfuse_gated_mlps(self.model)
-            self.compiled = CompiledDecoder(self.model, freezing=self.compile_freezing)
+            self.compiled = CompiledDecoder(self.model, freezing=self.compile_freezing,
+                                            tensor_parallel=self.tensor_parallel)
             self.compiled.warm_up(self._dummy_forward, self.device)
+            if self.tensor_parallel:
+                self.compiled.agree_across_ranks()
         return self.compiled.stats
 
     @property

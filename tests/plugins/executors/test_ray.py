@@ -1,6 +1,6 @@
-"""``executor=ray`` on a local Ray cluster (skipped when the ``ray`` extra is not installed): two
-full-replica ranks as actors in a placement group give transformers' greedy tokens; a killed actor
-fails every request with the engine-dead error."""
+"""``executor=ray`` on a local Ray cluster (skipped when the ``ray`` extra is not installed): stories260K
+sharded over two tensor-parallel ranks, Ray actors in a placement group, gives transformers' greedy
+tokens; a killed actor fails every request with the engine-dead error."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def test_greedy_parity_on_two_ray_ranks(ray_llm):
     ids = [tok(p).input_ids for p in STORY_PROMPTS[:4]]
     outs = ray_llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=16))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 16)
-    assert len(ray_llm.engine.executor.collective_rpc("kv_cache_bytes_per_block")) == 2
+    # each rank's paged cache holds its 2 of the 4 KV heads: K and V, 5 layers, 8 slots, head 8, float32
+    assert ray_llm.engine.executor.collective_rpc("kv_cache_bytes_per_block") == [2 * 5 * 8 * 2 * 8 * 4] * 2
     ray_llm.engine.check_health()
 
 

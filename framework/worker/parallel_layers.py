@@ -1,0 +1,219 @@
+"""Tensor-parallel layers that replace a transformers model's ``nn.Linear`` / ``nn.Embedding`` leaves.
+
+Megatron-LM's split (Shoeybi et al., 2019, Sec. 3): a column-parallel linear holds a slice of the
+output features and needs no communication (its input is replicated, its output stays sharded); the
+row-parallel linear after it holds the matching slice of the input features and all-reduces its
+partial output. One attention block and one MLP therefore cost one all-reduce each.
+
+* ``colwise`` needs no class: the layer stays a plain ``nn.Linear`` holding its rows (as vLLM's
+  ``ColumnParallelLinear`` with ``gather_output=False`` is a plain local GEMM), so prepacking,
+  projection fusion and the quant methods see an ordinary, smaller linear.
+* :class:`RowParallelLinear` (``rowwise``): an inner ``nn.Linear`` shard without bias, then an
+  all-reduce, then the bias once.
+* :class:`GatheredColumnParallelLinear` (``colwise_rep`` / ``colwise_gather_output`` on a layer
+  that is not the LM head): an inner shard, then an all-gather along the features.
+* :class:`VocabParallelEmbedding`: a slice of the vocabulary; masked lookup, then an all-reduce.
+* :class:`ParallelLMHead`: a slice of the vocabulary (the embedding's slice when tied); logits are
+  gathered to the driver rank only.
+
+The sums and gathers go through ``torch.distributed._functional_collectives``, which dynamo traces,
+so a compiled decoder keeps its all-reduces inside the graph (``fullgraph`` holds). The inner
+``nn.Linear`` of a wrapper is the attribute ``linear``: quant methods and prepacking replace it
+and the communication around it stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+DRIVER_RANK = 0  # the rank that receives the full logits (vLLM's driver worker)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which part of a checkpoint tensor one rank holds (``[start, stop)`` along ``dim``).
+
+    ``size`` is the local length along ``dim``; it exceeds ``stop - start`` on the last rank of a
+    padded vocabulary, where the extra rows are zeros.
+    """
+
+    dim: int  # 0: output features / vocabulary rows; 1: input features
+    start: int  # first index held, in the full tensor
+    stop: int  # one past the last index held
+    size: int  # local length along dim (>= stop - start)
+
+
+def even_range(total: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """``[start, stop)`` of rank ``tp_rank`` when ``total`` (divisible by ``tp_size``) is split evenly."""
+    per = total // tp_size
+    return tp_rank * per, (tp_rank + 1) * per
+
+
+def padded_range(total: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:
+    """``(start, stop, size)`` for a split that need not divide: every rank gets ``ceil(total / tp)``
+    slots, the last ones hold fewer real rows (vLLM pads the vocabulary the same way)."""
+    size = -(-total // tp_size)
+    start = min(tp_rank * size, total)
+    return start, min(start + size, total), size
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    # eager funcol returns an AsyncCollectiveTensor; under dynamo the wait is a graph node inductor places
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum of ``x`` over the group (functional, traceable); a new tensor of ``x``'s shape and dtype."""
+    return _wait(funcol.all_reduce(x, "sum", group_name))
+
+
+def all_gather_last_dim(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``(..., n)`` on each of ``tp`` ranks -> ``(..., tp * n)`` in rank order, on every rank."""
+    return _wait(funcol.all_gather_single(x.contiguous(), gather_dim=x.dim() - 1, group=group_name))
+
+
+def _empty_weight(out_features: int, in_features: int, like: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(torch.empty(out_features, in_features, dtype=like.dtype, device=like.device),
+                        requires_grad=False)
+
+
+class RowParallelLinear(nn.Module):
+    """``rowwise``: ``y = all_reduce(x_shard @ W[:, shard].T) + b``.
+
+    Args:
+        in_features: the FULL input width; this rank holds ``in_features / tp_size`` of it.
+        out_features: output width (replicated).
+        bias: whether the full layer has a bias (replicated, added once after the sum: adding it in
+            every rank's partial product would count it ``tp_size`` times).
+        tp_rank, tp_size: this rank and the group size.
+        group_name: the TP process group's name (``ProcessGroup.group_name``).
+        like: a tensor whose dtype and device (``meta`` while the model is built) the new
+            parameters take.
+
+    ``forward``: ``x (..., in_features / tp_size)`` -> ``(..., out_features)``, same dtype; one
+    all-reduce of ``out_features`` elements per token.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int,
+                 group_name: str, like: torch.Tensor) -> None:
+        super().__init__()
+        start, stop = even_range(in_features, tp_rank, tp_size)
+        self.in_features, self.out_features = in_features, out_features
+        self.shard = Shard(1, start, stop, stop - start)
+        self.group_name = group_name
+        self.linear = nn.Linear(stop - start, out_features, bias=False, device="meta")
+        self.linear.weight = _empty_weight(out_features, stop - start, like)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=like.dtype, device=like.device), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """See the class docstring."""
+        out = all_reduce(self.linear(x), self.group_name)
+        return out if self.bias is None else out + self.bias
+
+
+class GatheredColumnParallelLinear(nn.Module):
+    """``colwise_rep`` / ``colwise_gather_output``: ``y = all_gather(x @ W[shard].T + b[shard])``.
+
+    Args: as :class:`RowParallelLinear`, with ``out_features`` (FULL, divisible by ``tp_size``) split.
+
+    ``forward``: ``x (..., in_features)`` -> ``(..., out_features)`` on every rank; one all-gather
+    of ``out_features`` elements per token.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int,
+                 group_name: str, like: torch.Tensor) -> None:
+        super().__init__()
+        start, stop = even_range(out_features, tp_rank, tp_size)
+        self.in_features, self.out_features = in_features, out_features
+        self.shard = Shard(0, start, stop, stop - start)
+        self.group_name = group_name
+        self.linear = nn.Linear(in_features, stop - start, bias=False, device="meta")
+        self.linear.weight = _empty_weight(stop - start, in_features, like)
+        if bias:
+            self.linear.bias = nn.Parameter(torch.empty(stop - start, dtype=like.dtype, device=like.device),
+                                            requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """See the class docstring."""
+        return all_gather_last_dim(self.linear(x), self.group_name)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Input embedding holding vocabulary rows ``[start, stop)`` (padded to ``ceil(vocab / tp)``).
+
+    Args:
+        num_embeddings: FULL vocabulary size; embedding_dim: hidden size.
+        tp_rank, tp_size, group_name, like: as :class:`RowParallelLinear`.
+
+    ``forward``: ``ids (...,)`` int64 -> ``(..., embedding_dim)``: each rank looks up the ids it
+    holds (zeros for the others), then one all-reduce of ``embedding_dim`` elements per token.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int, tp_size: int, group_name: str,
+                 like: torch.Tensor) -> None:
+        super().__init__()
+        start, stop, size = padded_range(num_embeddings, tp_rank, tp_size)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.shard = Shard(0, start, stop, size)
+        self.group_name = group_name
+        self.weight = _empty_weight(size, embedding_dim, like)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """See the class docstring."""
+        local = input_ids - self.shard.start
+        held = (local >= 0) & (input_ids < self.shard.stop)
+        out = nn.functional.embedding(local.masked_fill(~held, 0), self.weight)
+        return all_reduce(out.masked_fill(~held[..., None], 0), self.group_name)
+
+
+class ParallelLMHead(nn.Module):
+    """LM head over a vocabulary slice; the full logits are gathered to the driver rank only.
+
+    Args:
+        in_features: hidden size; vocab_size: FULL vocabulary size.
+        tp_rank, tp_size, group_name, like: as :class:`RowParallelLinear`.
+        tied: the :class:`VocabParallelEmbedding` whose weight this head shares (tied embeddings:
+            the same vocabulary rows serve both), or ``None`` for a head with its own weight.
+
+    ``forward``: ``hidden (..., in_features)`` -> on the driver rank (``tp_rank == 0``) the full
+    ``(..., vocab_size)`` logits; on every other rank an empty ``(..., 0)`` tensor of the same dtype
+    (no vocabulary columns: those ranks must not sample, and an ``argmax`` over it raises). Eagerly
+    this is one ``gather`` to the driver (``(tp - 1) / tp`` of the logits cross ranks); under
+    ``torch.compile`` (a whole-model graph) it is a traceable all-gather instead.
+    """
+
+    def __init__(self, in_features: int, vocab_size: int, tp_rank: int, tp_size: int, group_name: str,
+                 like: torch.Tensor, tied: VocabParallelEmbedding | None = None) -> None:
+        super().__init__()
+        start, stop, size = padded_range(vocab_size, tp_rank, tp_size)
+        self.in_features, self.vocab_size = in_features, vocab_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.shard = Shard(0, start, stop, size)
+        self.group_name = group_name
+        self.linear = nn.Linear(in_features, size, bias=False, device="meta")
+        self.linear.weight = tied.weight if tied is not None else _empty_weight(size, in_features, like)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """This rank's ``(ceil(vocab / tp), hidden)`` rows (what transformers' ``tie_weights`` reads)."""
+        return self.linear.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """See the class docstring."""
+        local = self.linear(hidden).contiguous()
+        if torch.compiler.is_compiling():
+            full = all_gather_last_dim(local, self.group_name)
+        else:
+            parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.tp_rank == DRIVER_RANK else None
+            group = dist.distributed_c10d._resolve_process_group(self.group_name)
+            dist.gather(local, parts, group=group, group_dst=DRIVER_RANK)
+            if parts is None:
+                return local[..., :0]
+            full = torch.cat(parts, dim=-1)
+        return full[..., :self.vocab_size] if self.tp_rank == DRIVER_RANK else local[..., :0]

@@ -1,0 +1,137 @@
+"""One tensor-parallel rank's weights: only its slices of the safetensors checkpoint are read.
+
+The sharded model (``framework/worker/tensor_parallel.py``) is still on the ``meta`` device; each
+parameter is filled from ``safe_open(...).get_slice(name)[rows]`` (or ``[:, cols]``), which copies
+just that slice out of the memory-mapped file, so no rank ever holds a sharded layer's full weight.
+Non-persistent buffers (RoPE's ``inv_freq``) are computed by the model's own ``_init_weights``, as
+transformers does when it loads from ``meta``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from framework.worker.model_loader import LoadedModel, eos_token_ids, resolve_model_path
+from framework.worker.parallel_layers import Shard
+from framework.worker.tensor_parallel import WeightSources, meta_model, shard_model, tp_problems
+
+
+def safetensors_index(path: str | Path) -> dict[str, Path]:
+    """Tensor name -> the ``*.safetensors`` file holding it (``model.safetensors.index.json`` if present).
+
+    Raises:
+        FileNotFoundError: no safetensors file in ``path`` (e.g. only ``pytorch_model.bin``).
+    """
+    from safetensors import safe_open
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no *.safetensors file: tensor-parallel loading reads slices of "
+                                "safetensors weights (re-save the model with save_pretrained(safe_serialization=True))")
+    names: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            names.update(dict.fromkeys(handle.keys(), file))
+    return names
+
+
+def read_slice(handle: Any, name: str, shard: Shard | None) -> torch.Tensor:
+    """The ``shard`` of tensor ``name`` from an open ``safe_open`` handle (whole when ``shard`` is None),
+    zero-padded to ``shard.size`` along ``shard.dim``; on CPU in the checkpoint's dtype."""
+    if shard is None:
+        return handle.get_tensor(name)
+    part = handle.get_slice(name)
+    values = part[shard.start:shard.stop] if shard.dim == 0 else part[:, shard.start:shard.stop]
+    missing = shard.size - (shard.stop - shard.start)
+    if missing:
+        pad_shape = list(values.shape)
+        pad_shape[shard.dim] = missing
+        values = torch.cat([values, values.new_zeros(pad_shape)], dim=shard.dim)
+    return values
+
+
+def load_weights(model: nn.Module, path: str | Path, sources: WeightSources, device: torch.device) -> None:
+    """Materialise every ``meta`` parameter of ``model`` on ``device`` from the checkpoint in ``path``.
+
+    Parameters keep their (meta) dtype and shape; tied parameters are filled once and stay shared.
+
+    Raises:
+        FileNotFoundError: a parameter's tensor is not in the checkpoint.
+        ValueError: a slice's shape differs from the parameter's.
+    """
+    from safetensors import safe_open
+
+    index = safetensors_index(path)
+    filled: dict[int, nn.Parameter] = {}
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for name, param in model.named_parameters():
+            key, shard = sources.get(name, (name, None))
+            if key not in index:
+                raise FileNotFoundError(f"{path}: no tensor {key!r} in the checkpoint for parameter {name!r}")
+            if index[key] not in handles:
+                handles[index[key]] = stack.enter_context(safe_open(str(index[key]), framework="pt", device="cpu"))
+            values = read_slice(handles[index[key]], key, shard)
+            if values.shape != param.shape:
+                raise ValueError(f"{path}: {key} gives {tuple(values.shape)} for {name} of shape {tuple(param.shape)}")
+            filled[id(param)] = nn.Parameter(values.to(device=device, dtype=param.dtype), requires_grad=False)
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None and id(param) in filled:
+                module._parameters[attr] = filled[id(param)]
+    _init_buffers(model, device)
+
+
+def _init_buffers(model: nn.Module, device: torch.device) -> None:
+    """Allocate ``meta`` buffers on ``device`` and let the model's ``_init_weights`` compute them.
+
+    Raises:
+        RuntimeError: a buffer's module also owns parameters (``_init_weights`` would reset them), or
+            a parameter or buffer is still on ``meta`` afterwards.
+    """
+    for name, module in model.named_modules():
+        metas = [attr for attr, buf in module._buffers.items() if buf is not None and buf.is_meta]
+        if not metas:
+            continue
+        if next(module.parameters(recurse=False), None) is not None:
+            raise RuntimeError(f"cannot compute buffers {metas} of {name!r}: its module also has parameters")
+        for attr in metas:
+            module._buffers[attr] = torch.empty_like(module._buffers[attr], device=device)
+        model._init_weights(module)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left on the meta device after loading: {left[:5]}")
+
+
+def load_sharded_model(model: str, dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int,
+                       attn_implementation: str, group_name: str) -> LoadedModel:
+    """Build ``model`` on ``meta``, shard it for ``tp_rank`` and read its slices (``load_tp_model``'s body).
+
+    Raises:
+        ValueError: ``tp_problems`` is not empty; FileNotFoundError: see :func:`load_weights`.
+    """
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    path = resolve_model_path(model)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if problems := tp_problems(config, tp_size):
+        raise ValueError("; ".join(problems))
+    net = meta_model(config, dtype=dtype, attn_implementation=attn_implementation)
+    load_weights(net, path, shard_model(net, tp_rank, tp_size, group_name), device)
+    net.eval().requires_grad_(False)
+    with contextlib.suppress(OSError):  # a folder without generation_config.json keeps from_config's
+        net.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return LoadedModel(model=net, tokenizer=tokenizer, config=net.config,
+                       eos_token_ids=eos_token_ids(net.generation_config, net.config, tokenizer),
+                       max_model_len=int(net.config.max_position_embeddings), path=path)

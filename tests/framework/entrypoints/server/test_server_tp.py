@@ -1,0 +1,79 @@
+"""``servelab serve parallel.tensor_parallel_size=2 executor=mp`` as a user starts it (``run.py
+mode=serve`` subprocess, stories260K sharded over two worker processes): a greedy completion equals
+the offline engine's; killing one worker fails the in-flight request with a 503 and the server exits
+non-zero within seconds, leaving no worker process and no shared-memory segment."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+psutil = pytest.importorskip("psutil")
+from helpers import REPO, STORIES, STORY_PROMPTS  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_tp2_server_serves_then_exits_nonzero_when_a_worker_dies(tmp_path):
+    from framework import LLM, SamplingParams
+
+    port, shm_before = _free_port(), set(os.listdir("/dev/shm"))
+    cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "parallel.tensor_parallel_size=2",
+           "executor=mp", f"server.port={port}", "tracker=none", "server.log_level=warning",
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
+                            stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read()[-4000:]}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "server did not become healthy in 180 s"
+            time.sleep(0.3)
+        resp = httpx.post(base + "/v1/completions", timeout=60,
+                          json={"prompt": STORY_PROMPTS[0], "max_tokens": 12, "temperature": 0.0}).json()
+        want = LLM(model=STORIES, max_model_len=192).generate([STORY_PROMPTS[0]],
+                                                              SamplingParams(temperature=0.0, max_tokens=12))
+        assert resp["choices"][0]["text"] == want[0].outputs[0].text
+        workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 2
+        statuses: list[int] = []
+        inflight = threading.Thread(target=lambda: statuses.append(httpx.post(
+            base + "/v1/completions", timeout=60,
+            json={"prompt": "Once", "max_tokens": 400, "ignore_eos": True}).status_code))
+        inflight.start()
+        time.sleep(1.0)
+        os.kill(workers[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert proc.wait(30) != 0
+        assert time.monotonic() - t0 < 10
+        inflight.join(30)
+        assert statuses == [503]
+        assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+        assert not {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("psm_")}
+        log.seek(0)
+        assert "lost a worker: worker rank 1" in log.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        log.close()
