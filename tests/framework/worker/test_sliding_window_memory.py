@@ -109,7 +109,7 @@ def test_a_mirror_keeping_released_ids_gives_the_same_output(make_llm):
     runner, null = llm.engine.runner, llm.engine.kv_allocator.null_block
     mirrors: dict[str, list[list[int]]] = {}
     stale = []
-    execute = runner.execute_model
+    execute = runner.execute_scheduled  # the worker's view of each step (after its InputBatch)
 
     def execute_with_mirrors(so):
         for rid, tables in so.block_ids.items():
@@ -122,7 +122,7 @@ def test_a_mirror_keeping_released_ids_gives_the_same_output(make_llm):
             so.block_ids[rid] = tuple(mirror)
         return execute(so)
 
-    runner.execute_model = execute_with_mirrors
+    runner.execute_scheduled = execute_with_mirrors
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], SamplingParams(temperature=0.0,
                                                                                      max_tokens=MAX_TOKENS))
     assert max(stale) > 0, "no released entry was ever read through a stale id"

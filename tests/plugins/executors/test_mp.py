@@ -210,7 +210,7 @@ def test_smollm2_tp3_greedy_parity_with_every_feature_at_once():
 
     path = resolve_model_path("smollm2")
     llm = LLM(executor="mp", tensor_parallel_size=3, **{**ENGINE, "model": "smollm2",
-              "max_model_len": 128, "num_blocks": 20})
+              "max_model_len": 128, "num_blocks": 20, "dtype": "float32"})  # parity: float32 (auto is bf16)
     try:
         tok = llm.get_tokenizer()
         ids = [tok(p).input_ids for p in PREFIX_PROMPTS[:3] + STORY_PROMPTS[:3]]
