@@ -197,7 +197,7 @@ def test_soak_serving_smoke(tmp_path, capsys):
     out = tmp_path / "soak.json"
     result = soak_serving.main(["--model", "stories260K", "--duration-s", "4", "--concurrency", "4",
                                 "--burst-every-s", "2", "--burst-size", "8", "--max-tokens", "12",
-                                "--json-out", str(out)])
+                                "--json-out", str(out), "--", "engine.compile=false"])  # eager: not a compile test
     assert result["ok"], result
     assert result["num_requests"] > 0 and result["outcomes"]["unexpected"] == 0 and out.is_file()
     assert "rss_growth_mib_per_1k_requests" in json.loads(out.read_text())

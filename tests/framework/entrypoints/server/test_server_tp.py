@@ -34,7 +34,7 @@ def test_tp2_server_serves_then_exits_nonzero_when_a_worker_dies(tmp_path):
 
     port, shm_before = _free_port(), set(os.listdir("/dev/shm"))
     cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "parallel.tensor_parallel_size=2",
-           "executor=mp", f"server.port={port}", "tracker=none", "server.log_level=warning",
+           "executor=mp", "engine.compile=false", f"server.port={port}", "tracker=none", "server.log_level=warning",
            f"hydra.run.dir={tmp_path / 'run'}"]
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
