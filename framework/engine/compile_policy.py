@@ -24,7 +24,11 @@ from dataclasses import dataclass
 #: (seventh pass): 2.50 vs 1.88 ms per token, 0.62 ms saved, so ~45 s / 0.62 ms = ~73,000 tokens. At
 #: batch 1 (32.6 vs 15.2 ms/token) the same warm-up pays after ~2,600 tokens: the rule takes the
 #: batch-64 figure, so long runs of small batches compile late (``engine.compile=true`` forces it).
-#: Re-measure with ``experiments/compile_break_even.py`` (cold and cached warm-up, saving per token).
+#: Re-measured 2026-11-25 with ``experiments/compile_break_even.py`` (same machine kind, after the model-
+#: family, KV-group and executor merges): warm-up 44.4 s from inductor's on-disk cache but 394 s cold (a
+#: fresh cache), eager vs compiled 2.79 vs 2.11 ms/token at batch 64 (0.68 ms saved) and 33.9 vs 16.5 at
+#: batch 1: break-even 65,500 tokens cached / 583,000 cold at batch 64, 2,600 / 22,700 at batch 1. The
+#: constant stays the cached batch-64 figure: the cold compile is paid once per machine and model.
 COMPILE_BREAK_EVEN_TOKENS = 70_000
 
 
