@@ -105,3 +105,36 @@ def assert_greedy_parity(llm, prompts: list[str], priority: list[int] | None = N
     for i, (out, exp) in enumerate(zip(outs, expected)):
         assert out.outputs[0].token_ids == exp, f"prompt {i} diverged from transformers"
     return outs
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a test server)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc, base: str, log, timeout_s: float = 180.0) -> None:
+    """Poll ``base + "/health"`` until it answers 200.
+
+    Raises:
+        AssertionError: the server process ``proc`` exited first (the tail of ``log``, a file opened
+            ``w+``, in the message) or ``timeout_s`` seconds passed.
+    """
+    import contextlib
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        assert time.monotonic() < deadline, f"server did not become healthy in {timeout_s:.0f} s"
+        time.sleep(0.3)

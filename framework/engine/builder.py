@@ -27,6 +27,7 @@ The steps, in the order they run (each a function below, so a reader can follow 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -378,10 +379,8 @@ class RankZeroCompileStats:
     def current(self) -> Any:
         """Rank 0's ``CompileStats`` now (the last copy once the executor is shut down or lost)."""
         if self._executor.dead is None:
-            try:
+            with contextlib.suppress(RuntimeError):  # shut down or lost meanwhile: keep the last copy
                 self._last = self._executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
-            except RuntimeError:  # shut down or lost meanwhile: keep the last copy
-                pass
         return self._last
 
     def as_dict(self) -> dict[str, Any]:

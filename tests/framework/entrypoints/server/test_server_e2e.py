@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from helpers import REPO, STORIES, STORY_PROMPTS  # noqa: E402
+from helpers import REPO, STORIES, STORY_PROMPTS, free_port  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 KEY = "test-key"
@@ -30,17 +29,11 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
 PROMPTS = STORY_PROMPTS[:4]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "chat.jinja").write_text(TEMPLATE)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SERVELAB_API_KEY": KEY}
     # engine.compile=false: under the default (auto) a server compiles at start-up; not what this tests
     cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "engine.compile=false", f"server.port={port}",

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from helpers import REPO, STORY_PROMPTS, assert_all_blocks_free  # noqa: E402
+from helpers import REPO, STORY_PROMPTS, assert_all_blocks_free, free_port, wait_healthy  # noqa: E402
 
 from framework import registry  # noqa: E402
 from framework.engine.async_llm import AsyncLLM  # noqa: E402
@@ -107,14 +106,8 @@ sys.exit(main(["serve", *sys.argv[1:]]))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_forward_fault_fails_in_flight_requests_and_exits_nonzero(tmp_path):
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     log = open(tmp_path / "server.log", "w+")
@@ -122,14 +115,7 @@ def test_forward_fault_fails_in_flight_requests_and_exits_nonzero(tmp_path):
                              "tracker=none", "grammar=none", "server.log_level=warning", f"hydra.run.dir={tmp_path / 'run'}"],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"server exited early: {log.seek(0) or log.read()[-3000:]}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.3)
+        wait_healthy(proc, base, log)
         long = {"prompt": "Once", "max_tokens": 480, "ignore_eos": True}
         results: dict[str, object] = {}
 

@@ -5,10 +5,8 @@ non-zero within seconds, leaving no worker process and no shared-memory segment.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,20 +17,14 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 psutil = pytest.importorskip("psutil")
-from helpers import REPO, STORIES, STORY_PROMPTS  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import REPO, STORIES, STORY_PROMPTS, free_port, wait_healthy  # noqa: E402
 
 
 @pytest.mark.slow
 def test_tp2_server_serves_then_exits_nonzero_when_a_worker_dies(tmp_path):
     from framework import LLM, SamplingParams
 
-    port, shm_before = _free_port(), set(os.listdir("/dev/shm"))
+    port, shm_before = free_port(), set(os.listdir("/dev/shm"))
     cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "parallel.tensor_parallel_size=2",
            "executor=mp", "engine.compile=false", f"server.port={port}", "tracker=none", "server.log_level=warning",
            f"hydra.run.dir={tmp_path / 'run'}"]
@@ -41,14 +33,7 @@ def test_tp2_server_serves_then_exits_nonzero_when_a_worker_dies(tmp_path):
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read()[-4000:]}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "server did not become healthy in 180 s"
-            time.sleep(0.3)
+        wait_healthy(proc, base, log)
         resp = httpx.post(base + "/v1/completions", timeout=60,
                           json={"prompt": STORY_PROMPTS[0], "max_tokens": 12, "temperature": 0.0}).json()
         want = LLM(model=STORIES, max_model_len=192).generate([STORY_PROMPTS[0]],
