@@ -1,5 +1,6 @@
-"""Tensor-parallel overhead on CPU: TP=1 on all threads vs TP=2 on one thread per rank (``mp``, and
-``ray`` where installed) vs transformers' own ``tp_plan="auto"`` under ``torchrun`` (where it runs:
+"""Tensor-parallel overhead on CPU: TP=1 on all threads vs TP=2 on one thread per rank (``mp`` with
+the default shared-memory collectives, ``mp`` with gloo's (``parallel.communicator=torch_distributed``:
+``mp2_gloo``), and ``ray`` where installed) vs transformers' own ``tp_plan="auto"`` under ``torchrun`` (where it runs:
 it needs ``accelerate``, not a servelab dependency; without it the row reports that error).
 
 The model is SmolLM2-135M's shape with 8 query and 4 KV heads (so TP=2 divides them; SmolLM2 has
@@ -44,7 +45,7 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=8, vocab_size=512, max_position_embeddings=512,
                   tie_word_embeddings=True)
-SYSTEMS = ("tp1", "mp2", "ray2", "hf_tp2")
+SYSTEMS = ("tp1", "mp2", "mp2_gloo", "ray2", "hf_tp2")
 
 
 def make_model(folder: Path, tiny: bool, dtype: str) -> Path:
@@ -129,17 +130,19 @@ def decode_window(llm: Any, batch: list[list[int]], output_len: int, window: int
 
 
 def run_servelab(system: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """One servelab system: ``tp1`` (uniproc, all threads), ``mp2``/``ray2`` (two ranks, 1 thread each)."""
+    """One servelab system: ``tp1`` (uniproc, all threads), ``mp2``/``mp2_gloo``/``ray2`` (two ranks,
+    1 thread each; ``mp2_gloo`` with ``parallel.communicator=torch_distributed``)."""
     from framework import LLM, SamplingParams
 
     cores = len(os.sched_getaffinity(0))
     tp = 1 if system == "tp1" else 2
-    executor = {"tp1": "uniproc", "mp2": "mp", "ray2": "ray"}[system]
+    executor = {"tp1": "uniproc", "mp2": "mp", "mp2_gloo": "mp", "ray2": "ray"}[system]
     llm = LLM(model=str(model), dtype=args.dtype, executor=executor, tensor_parallel_size=tp,
               num_threads_per_rank=cores // tp, grammar="none", enable_prefix_caching=False,
               max_num_seqs=max(args.batches), max_num_batched_tokens=max(2048, args.prompt_len * max(args.batches)),
               max_model_len=args.prompt_len + args.output_len + args.window + 8,
               attention=args.attention, num_blocks=args.num_blocks,
+              communicator="torch_distributed" if system == "mp2_gloo" else "auto",
               executor_params={"num_cpus_per_worker": 1.0} if executor == "ray" else {})
     try:
         llm.engine.executor.collective_rpc("enable_collective_timing")

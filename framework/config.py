@@ -8,7 +8,8 @@ from typing import Any
 PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "grammar", "executor")
 COMPILE_MODES = ("auto", "true", "false")
 #: fields set from the ``parallel:`` section of the Hydra config (not ``engine.*``)
-PARALLEL_FIELDS = ("tensor_parallel_size", "num_threads_per_rank")
+PARALLEL_FIELDS = ("tensor_parallel_size", "num_threads_per_rank", "communicator")
+COMMUNICATORS = ("auto", "shm", "torch_distributed")
 
 
 @dataclass
@@ -39,6 +40,8 @@ class EngineConfig:
     executor_params: dict[str, Any] = field(default_factory=dict)
     tensor_parallel_size: int = 1  # ranks the model is sharded over (torch.distributed: gloo on CPU, NCCL on CUDA)
     num_threads_per_rank: int = 0  # torch threads per rank; 0 = cores / tensor_parallel_size in worker processes (uniproc: unchanged)
+    # TP collectives: shm (shared memory, CPU ranks on one host) | torch_distributed (gloo / NCCL) | auto (shm where it can)
+    communicator: str = "auto"
     max_num_seqs: int = 256  # max requests in one step's batch
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output cap, tokens; None -> model's max positions
@@ -96,6 +99,10 @@ class EngineConfig:
             (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
             (self.num_threads_per_rank >= 0,
              f"num_threads_per_rank must be >= 0 (0: cores / tensor_parallel_size), got {self.num_threads_per_rank}"),
+            (self.communicator in COMMUNICATORS,
+             f"communicator must be auto, shm or torch_distributed, got {self.communicator!r}"),
+            (self.communicator != "shm" or not self.device.startswith("cuda"),
+             "parallel.communicator=shm is for CPU ranks; on CUDA use auto or torch_distributed (NCCL)"),
             (self.prepack_linears in ("auto", "on", "off"),
              f"prepack_linears must be auto, on or off, got {self.prepack_linears!r}"),
         ]

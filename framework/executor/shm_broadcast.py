@@ -18,22 +18,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
+from framework.worker.shm_communicator import memory_fence
+
 _I64 = 8
-_fence_lock = threading.Lock()
-
-
-def memory_fence() -> None:
-    """A full memory barrier (a lock's acquire and release), ordering our shared-memory stores
-    before the semaphore release; a no-op on x86 in practice, needed on weaker memory models."""
-    with _fence_lock:
-        pass
 
 
 @dataclass

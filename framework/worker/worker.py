@@ -126,6 +126,7 @@ class Worker:
         self.kv_cache_layout: KVCacheLayout | None = None
         self.keep_hidden_states = False
         self.num_local_ranks = 1  # ranks of this group on this host (they share its RAM); set by init_device
+        self.communicator: Any = None  # the ShmCommunicator when parallel.communicator chose it (init_device)
 
     @property
     def is_driver_rank(self) -> bool:
@@ -151,6 +152,30 @@ class Worker:
             hosts: list[str | None] = [None] * self.world_size
             dist.all_gather_object(hosts, socket.gethostname())
             self.num_local_ranks = hosts.count(socket.gethostname())
+            self._init_communicator(device)
+
+    def _init_communicator(self, device: torch.device) -> None:
+        """``parallel.communicator``: the shared-memory collectives when every rank is a CPU rank of
+        this host (``auto``, ``shm``), else torch.distributed's (gloo / NCCL).
+
+        Raises:
+            RuntimeError: ``communicator=shm`` with ranks on several hosts (names the fix).
+        """
+        import torch.distributed as dist
+
+        from framework.worker import parallel_layers
+        from framework.worker.shm_communicator import ShmCommunicator
+
+        choice = self.config.communicator
+        one_host = self.num_local_ranks == self.world_size
+        if choice == "shm" and not one_host:
+            raise RuntimeError(f"parallel.communicator=shm needs every rank on one host; {self.num_local_ranks} of "
+                               f"{self.world_size} are on this one: use parallel.communicator=torch_distributed")
+        if choice == "torch_distributed" or device.type != "cpu" or not one_host:
+            return
+        self.communicator = ShmCommunicator(self.rank, self.world_size, dist.group.WORLD,
+                                            timeout_s=DISTRIBUTED_TIMEOUT_S)
+        parallel_layers.set_communicator(dist.group.WORLD.group_name, self.communicator)
 
     def load_model(self) -> None:
         """Load this rank's weights (quantized, prepacked), build its attention backend for its
@@ -214,8 +239,8 @@ class Worker:
     def enable_collective_timing(self) -> None:
         """Time every collective this rank calls from now on (benchmarks:
         ``experiments/bench_parallel.py``): the tensor-parallel layers' all-reduces and all-gathers
-        (``framework.worker.parallel_layers``, wait included) and any ``torch.distributed`` call (the
-        LM head's gather to the driver). Read with :meth:`collective_times`. Wall time of the call:
+        (``framework.worker.parallel_layers``, wait included; shared-memory or torch.distributed),
+        the LM head's gather to the driver, and any other ``torch.distributed`` call. Read with :meth:`collective_times`. Wall time of the call:
         exact for gloo (synchronous), a lower bound for NCCL (asynchronous). Eager forwards only:
         inside a compiled decoder the collectives are graph nodes and go uncounted."""
         import functools
@@ -224,10 +249,10 @@ class Worker:
 
         from framework.worker import parallel_layers
 
-        self._collective = {"collective_s": 0.0, "num_collectives": 0}
+        self._collective = {"collective_s": 0.0, "num_collectives": 0, "depth": 0}
         targets = [(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "gather",
                                              "reduce_scatter", "broadcast")]
-        targets += [(parallel_layers, "all_reduce"), (parallel_layers, "all_gather_last_dim")]
+        targets += [(parallel_layers, name) for name in ("all_reduce", "all_gather_last_dim", "gather_last_dim_to_driver")]
         for owner, name in targets:
             original = getattr(owner, name, None)
             if original is None or getattr(original, "_servelab_timed", False):
@@ -235,33 +260,40 @@ class Worker:
 
             @functools.wraps(original)
             def timed(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
+                if self._collective["depth"]:  # inside a timed call (the LM head's gather wraps dist.gather)
+                    return __original(*args, **kwargs)
+                self._collective["depth"] = 1
                 t0 = time.perf_counter()
                 try:
                     return __original(*args, **kwargs)
                 finally:
                     self._collective["collective_s"] += time.perf_counter() - t0
                     self._collective["num_collectives"] += 1
+                    self._collective["depth"] = 0
 
             timed._servelab_timed = True  # type: ignore[attr-defined]
             setattr(owner, name, timed)
 
     def collective_times(self) -> dict[str, float]:
         """Seconds spent in, and number of, collectives since :meth:`enable_collective_timing`."""
-        return dict(getattr(self, "_collective", {"collective_s": 0.0, "num_collectives": 0}))
+        timing = getattr(self, "_collective", {"collective_s": 0.0, "num_collectives": 0})
+        return {"collective_s": timing["collective_s"], "num_collectives": timing["num_collectives"]}
 
     def compile_decoder(self) -> None:
         """``torch.compile`` this rank's decoder now (``engine.compile=auto``; ``ModelRunner.compile_decoder``)."""
         self.runner.compile_decoder()
 
-    def rank_info(self) -> dict[str, int]:
+    def rank_info(self) -> dict[str, int | str]:
         """What this rank holds and runs with (tests, logs): ``rank``, ``world_size``,
         ``num_local_ranks`` (ranks of the group on this host), ``num_threads`` (torch intra-op
         threads), ``num_heads`` / ``num_kv_heads`` (its attention backend's), ``parameter_bytes``
-        (its model shard, a tied embedding counted once)."""
+        (its model shard, a tied embedding counted once), ``communicator`` (``shm`` or
+        ``torch_distributed``: what its tensor-parallel collectives go through)."""
         params = {id(p): p.numel() * p.element_size() for p in self.loaded.model.parameters()}
         return {"rank": self.rank, "world_size": self.world_size, "num_local_ranks": self.num_local_ranks,
                 "num_threads": torch.get_num_threads(), "num_heads": self.backend.num_heads,
-                "num_kv_heads": self.backend.num_kv_heads, "parameter_bytes": sum(params.values())}
+                "num_kv_heads": self.backend.num_kv_heads, "parameter_bytes": sum(params.values()),
+                "communicator": "shm" if self.communicator is not None else "torch_distributed"}
 
     def compile_stats(self) -> CompileStats:
         """This rank's compile statistics (``enabled=False`` when eager)."""
@@ -271,9 +303,16 @@ class Worker:
         """Nothing to check in-process: a rank that answers is alive."""
 
     def shutdown(self) -> None:
-        """Leave the process group (more than one rank)."""
+        """Release the shared-memory communicator, leave the process group (more than one rank)."""
         if self.world_size > 1:
             import torch.distributed as dist
 
+            from framework.worker import parallel_layers
+
+            if self.communicator is not None:
+                if dist.is_initialized():
+                    parallel_layers.set_communicator(dist.group.WORLD.group_name, None)
+                self.communicator.close()
+                self.communicator = None
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """``executor=mp``: worker processes fed through the shared-memory broadcast, the model sharded over
-them (tensor parallelism, gloo, float32).
+them (tensor parallelism, float32; collectives through shared memory by default, gloo on request).
 
 One module-scoped engine with two tensor-parallel ranks of stories260K (4 query / 2 KV heads each)
 serves a run that mixes chunked prefill, prefix caching, swap preemption, n-gram speculative
@@ -134,6 +134,24 @@ def test_collective_rpc_reaches_every_rank(mp_llm):
     assert executor.collective_rpc("kv_cache_bytes_per_block") == [2 * 5 * 8 * 2 * 8 * 4] * 2
     with pytest.raises(AttributeError, match="worker processes"):
         _ = mp_llm.engine.runner
+
+
+def test_gloo_collectives_give_the_same_tokens_as_shared_memory(mp_llm):
+    """``parallel.communicator``: the default (``auto``) puts two CPU ranks of one host on the
+    shared-memory collectives; ``torch_distributed`` (gloo) is the ablation and gives the same tokens."""
+    assert [i["communicator"] for i in mp_llm.engine.executor.collective_rpc("rank_info")] == ["shm"] * 2
+    llm = LLM(executor="mp", tensor_parallel_size=2, communicator="torch_distributed", model=STORIES,
+              attention="torch", max_model_len=128, num_blocks=32, block_size=8)
+    try:
+        assert [i["communicator"] for i in llm.engine.executor.collective_rpc("rank_info")] == ["torch_distributed"] * 2
+        tok = llm.get_tokenizer()
+        ids = [tok(p).input_ids for p in STORY_PROMPTS[:3]]
+        outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=12))
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 12)
+    finally:
+        llm.engine.shutdown()
+    with pytest.raises(ValueError, match="communicator=shm is for CPU ranks"):
+        LLM(model=STORIES, device="cuda", tensor_parallel_size=2, communicator="shm")
 
 
 def test_unloadable_weights_show_the_workers_error(tmp_path):
