@@ -55,7 +55,8 @@ logger = logging.getLogger(__name__)
 #: The model runner caps the prefill at its cache's slots.
 WARM_UP_STEPS = ((512, 1), (1, 1), (64, 64))
 #: What a user waits for at the first compile of a model, from docs/results.md (SmolLM2-135M bf16,
-#: 2-core AMD EPYC: 40-57 s for the three graphs, 68.5 s in the coldest run); shown in the progress line.
+#: 2-core AMD EPYC, 2026-11-25/26: 360-394 s with a fresh inductor cache, 44 s from it); shown in the
+#: progress line.
 FIRST_COMPILE_HINT = "~6.5 min for SmolLM2-135M on a 2-core CPU (2026-11-25), ~45 s from the cache"
 #: inductor settings of every compiled decoder graph (with ``freezing``). No per-load bounds checks on indirect indexing: token ids
 #: are checked at ``add_request`` and block ids come from the allocator (a traced paged-attention

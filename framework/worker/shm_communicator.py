@@ -23,11 +23,10 @@ driver process still run.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-
-import threading
 
 import numpy as np
 import torch

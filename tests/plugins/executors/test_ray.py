@@ -1,11 +1,14 @@
 """``executor=ray`` on a local Ray cluster (skipped when the ``ray`` extra is not installed): stories260K
-sharded over two tensor-parallel ranks, Ray actors in a placement group, gives transformers' greedy
-tokens; a killed actor fails every request with the engine-dead error."""
+sharded over two tensor-parallel ranks, Ray actors in a placement group, runs the mixed workload of
+``test_mp.py`` (chunked prefill, prefix caching, swap preemption, n-gram drafts, a JSON-schema
+request) with transformers' greedy tokens; the actors of one host use the shared-memory collectives;
+a killed actor fails every request with the engine-dead error."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import STORIES, STORY_PROMPTS, hf_greedy
+from executor_workload import ENGINE, check_every_feature_at_once
+from helpers import STORY_PROMPTS
 
 from framework import LLM, SamplingParams
 from framework.interfaces import EngineDeadError
@@ -15,20 +18,17 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def ray_llm():
-    llm = LLM(model=STORIES, executor="ray", tensor_parallel_size=2, attention="torch", max_model_len=192,
-              block_size=8, max_num_batched_tokens=32, executor_params={"num_cpus_per_worker": 0.5})
+    llm = LLM(executor="ray", tensor_parallel_size=2, executor_params={"num_cpus_per_worker": 0.5}, **ENGINE)
     yield llm
     llm.engine.shutdown()
     assert not ray.is_initialized()  # the executor started the local cluster, so it stopped it
 
 
-def test_greedy_parity_on_two_ray_ranks(ray_llm):
-    tok = ray_llm.get_tokenizer()
-    ids = [tok(p).input_ids for p in STORY_PROMPTS[:4]]
-    outs = ray_llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=16))
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 16)
+def test_greedy_parity_with_every_feature_at_once_on_two_ray_ranks(ray_llm):
+    check_every_feature_at_once(ray_llm, "executor=ray")
     # each rank's paged cache holds its 2 of the 4 KV heads: K and V, 5 layers, 8 slots, head 8, float32
     assert ray_llm.engine.executor.collective_rpc("kv_cache_bytes_per_block") == [2 * 5 * 8 * 2 * 8 * 4] * 2
+    assert [i["communicator"] for i in ray_llm.engine.executor.collective_rpc("rank_info")] == ["shm"] * 2
     ray_llm.engine.check_health()
 
 
