@@ -72,16 +72,20 @@ def _assert_config_error(proc: subprocess.CompletedProcess, *fragments: str) -> 
 
 
 def test_configuration_mistakes_print_the_message_alone(tmp_path):
-    proc = run_cli("model=stories260K", "tracker=none", "workload.chat=true", f"hydra.run.dir={tmp_path / 'a'}")
-    _assert_config_error(proc, "workload.chat=false")
-    proc = run_cli("scheduler=nope", f"hydra.run.dir={tmp_path / 'b'}")
-    _assert_config_error(proc, "unknown scheduler 'nope'", "fcfs", "priority")
-    proc = run_cli("model=stories260K", "attention=flashinfer", "tracker=none", f"hydra.run.dir={tmp_path / 'd'}")
-    _assert_config_error(proc, "'flashinfer' needs a CUDA GPU")
-    serve = subprocess.run([sys.executable, "-m", "framework.entrypoints.cli", "serve", "model=stories260K",
-                            "attention=flashinfer", "tracker=none", f"hydra.run.dir={tmp_path / 'e'}"], cwd=REPO,
-                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
-    _assert_config_error(serve, "'flashinfer' needs a CUDA GPU")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_SILENT": "true"}
+    cases = [  # (command, fragments the message names); the four processes run at once
+        (["run.py", "model=stories260K", "tracker=none", "workload.chat=true"], ["workload.chat=false"]),
+        (["run.py", "scheduler=nope"], ["unknown scheduler 'nope'", "fcfs", "priority"]),
+        (["run.py", "model=stories260K", "attention=flashinfer", "tracker=none"], ["'flashinfer' needs a CUDA GPU"]),
+        (["-m", "framework.entrypoints.cli", "serve", "model=stories260K", "attention=flashinfer", "tracker=none"],
+         ["'flashinfer' needs a CUDA GPU"]),
+    ]
+    procs = [subprocess.Popen([sys.executable, *cmd, f"hydra.run.dir={tmp_path / str(i)}"], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, (cmd, _) in enumerate(cases)]
+    for proc, (_, fragments) in zip(procs, cases):
+        stdout, stderr = proc.communicate(timeout=300)
+        _assert_config_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), *fragments)
 
 
 def test_shared_prefix_run_reports_kv_metrics_and_timeline(tmp_path):

@@ -117,26 +117,6 @@ def test_gloo_collectives_give_the_same_tokens_as_shared_memory(mp_llm):
         LLM(model=STORIES, device="cuda", tensor_parallel_size=2, communicator="shm")
 
 
-@pytest.mark.slow
-def test_compiled_decoder_over_two_ranks_matches_transformers():
-    """``engine.compile=true`` at TP=2: each rank compiles its shard's decoder with the
-    shared-memory collectives inside the graph (``fullgraph``), both stay compiled, and greedy tokens
-    of a mixed prefill/decode run equal transformers'."""
-    llm = LLM(model=STORIES, executor="mp", tensor_parallel_size=2, compile=True, attention="torch_paged",
-              max_model_len=128, num_blocks=64, block_size=8, max_num_batched_tokens=24)
-    try:
-        stats = llm.engine.executor.collective_rpc("compile_stats")
-        assert all(s.active and s.fallback_reason is None and s.num_graphs >= 2 for s in stats), stats
-        tok = llm.get_tokenizer()
-        ids = [tok(p).input_ids for p in STORY_PROMPTS[:4]]
-        outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=16))
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 16)
-        after = llm.engine.executor.collective_rpc("compile_stats")
-        assert [s.num_graphs for s in after] == [s.num_graphs for s in stats]  # the warm-up covered every step
-    finally:
-        llm.engine.shutdown()
-
-
 def test_unloadable_weights_show_the_workers_error(tmp_path):
     bad = tmp_path / "stories-bad"
     shutil.copytree(STORIES, bad)
@@ -161,22 +141,33 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_eagle_on_the_driver_over_two_ranks_with_recompute_preemption():
-    """EAGLE's head runs in the driver on the target's embedding and LM head loaded there (whole);
-    rank 0 ships the target's hidden states (whole on every rank) back with each output. 12 blocks
-    of 8 tokens cannot hold the four requests at once: recompute preemption."""
+@pytest.mark.slow
+def test_eagle_on_a_compiled_target_over_two_ranks_with_recompute_preemption():
+    """``engine.compile=true`` at TP=2: each rank compiles its shard's decoder with the shared-memory
+    collectives inside the graph (``fullgraph``; traced ``torch_paged`` attention), both stay compiled
+    and compile nothing after the warm-up. EAGLE's head runs in the driver on the target's embedding
+    and LM head loaded there (whole); rank 0 ships the target's hidden states (whole on every rank,
+    from the compiled decoder) back with each output. 12 blocks of 8 tokens cannot hold the four
+    requests at once: recompute preemption. Greedy tokens equal transformers'."""
     from helpers import STORIES_EAGLE
 
     llm = LLM(model=STORIES, executor="mp", tensor_parallel_size=2, max_model_len=96,  # default torch_paged
-              block_size=8, num_blocks=12, drafter="eagle",
+              block_size=8, num_blocks=12, drafter="eagle", compile=True,
               drafter_params={"model": STORIES_EAGLE, "num_speculative_tokens": 3})
-    tok = llm.get_tokenizer()
-    ids = [tok(p).input_ids for p in STORY_PROMPTS[:4]]
-    outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, MAX_TOKENS)
-    summary = llm.engine.metrics.summary()
-    assert summary["spec_num_accepted_tokens"] > 0 and summary["num_preemptions_recompute"] > 0
-    llm.engine.shutdown()
+    try:
+        warm = llm.engine.executor.collective_rpc("compile_stats")
+        assert all(s.active and s.fallback_reason is None and s.num_graphs >= 2 for s in warm), warm
+        tok = llm.get_tokenizer()
+        ids = [tok(p).input_ids for p in STORY_PROMPTS[:4]]
+        outs = llm.generate([{"prompt_token_ids": i} for i in ids],
+                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, MAX_TOKENS)
+        summary = llm.engine.metrics.summary()
+        assert summary["spec_num_accepted_tokens"] > 0 and summary["num_preemptions_recompute"] > 0
+        assert [s.num_graphs for s in llm.engine.executor.collective_rpc("compile_stats")] == [
+            s.num_graphs for s in warm]  # the warm-up covered every step shape
+    finally:
+        llm.engine.shutdown()
 
 
 def test_cuda_needs_one_gpu_per_rank(monkeypatch):
