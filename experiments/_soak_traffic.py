@@ -204,8 +204,10 @@ def _memory_growth(samples: list[tuple[float, int, float]]) -> tuple[float, int]
 
 
 def check_run(base: str, records: list[Outcome], before: dict[str, float], samples: list[tuple[float, int, float]],
-              max_growth: float, metrics: Any) -> dict[str, Any]:
-    """Checks and summary of a finished run (see ``soak_serving`` for the list)."""
+              max_growth: float, metrics: Any, live: list[tuple[int, float]] | None = None) -> dict[str, Any]:
+    """Checks and summary of a finished run (see ``soak_serving`` for the list). ``live``: ``(requests done,
+    RSS MiB after malloc_trim)`` at a third of the run and at its end; the memory check judges its growth
+    (the raw RSS growth of ``samples`` when absent)."""
     import httpx
 
     after = _wait_idle(base, metrics)
@@ -218,7 +220,11 @@ def check_run(base: str, records: list[Outcome], before: dict[str, float], sampl
     engine_reached = count["finished"] + count["aborted"] + count["failed"]
     health = httpx.get(base + "/health", timeout=30).status_code
     probe = httpx.post(base + "/v1/completions", json={"prompt": "Once", "max_tokens": 4}, timeout=120).status_code
-    growth, num_measured = _memory_growth(samples)
+    raw_growth, num_measured = _memory_growth(samples)
+    growth = raw_growth
+    if live is not None and len(live) == 2 and live[1][0] > live[0][0]:
+        (n0, m0), (n1, m1) = live
+        growth, num_measured = (m1 - m0) / (n1 - n0) * 1000, n1 - n0
     judged = num_measured >= MIN_REQUESTS_FOR_MEMORY
     checks = {
         "answered_exactly_once": count["unexpected"] == 0 and not misplaced,
@@ -244,7 +250,8 @@ def check_run(base: str, records: list[Outcome], before: dict[str, float], sampl
                        "kv_cache_usage_end": after["servelab:kv_cache_usage_perc"],
                        "running_end": after["servelab:num_requests_running"],
                        "waiting_end": after["servelab:num_requests_waiting"]},
-            "rss_mib_start": samples[0][2], "rss_mib_end": samples[-1][2], "rss_growth_mib_per_1k_requests": growth,
+            "rss_mib_start": samples[0][2], "rss_mib_end": samples[-1][2], "rss_growth_mib_per_1k_requests": raw_growth,
+            "live_mib": [m for _, m in live or []], "live_growth_mib_per_1k_requests": growth,
             "rss_growth_requests": num_measured, "rss_growth_judged": judged,
             "p50_ttft_ms": 1000 * percentile(ttft, 50), "p99_ttft_ms": 1000 * percentile(ttft, 99),
             "p50_e2e_ms": 1000 * percentile(e2e, 50), "p99_e2e_ms": 1000 * percentile(e2e, 99)}
@@ -260,9 +267,11 @@ def render_table(result: dict[str, Any]) -> str:
             ("KV leak", f"usage {s['kv_cache_usage_end']:.3f}, running {s['running_end']:.0f}, "
                         f"waiting {s['waiting_end']:.0f}"),
             ("resident memory", f"{result['rss_mib_start']:.0f} -> {result['rss_mib_end']:.0f} MiB, "
-                                f"{result['rss_growth_mib_per_1k_requests']:+.2f} MiB per 1,000 requests after warm-up "
-                                f"({result['rss_growth_requests']} requests"
-                                + ("" if result["rss_growth_judged"] else ", too few to judge") + ")"),
+                                f"{result['rss_growth_mib_per_1k_requests']:+.2f} MiB per 1,000 requests after warm-up"),
+            ("live memory (trimmed)", " -> ".join(f"{m:.0f}" for m in result["live_mib"]) + " MiB, "
+                                      f"{result['live_growth_mib_per_1k_requests']:+.2f} MiB per 1,000 requests "
+                                      f"({result['rss_growth_requests']} requests"
+                                      + ("" if result["rss_growth_judged"] else ", too few to judge") + ")"),
             ("TTFT p50 / p99", f"{result['p50_ttft_ms']:.0f} / {result['p99_ttft_ms']:.0f} ms"),
             ("e2e p50 / p99", f"{result['p50_e2e_ms']:.0f} / {result['p99_e2e_ms']:.0f} ms")]
     rows += [(f"check {k}", "PASS" if v else "FAIL") for k, v in result["checks"].items()]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
@@ -94,12 +95,22 @@ class MetricsCollector:
     Args:
         slo_ttft_ms: TTFT SLO for goodput, ms; ``None`` = no TTFT constraint.
         slo_tpot_ms: TPOT SLO for goodput, ms; ``None`` = no TPOT constraint.
+        max_records: keep only the latest this many finished requests and step records (a server
+            runs for days: its latency percentiles and ``timeline`` then cover that recent window,
+            while counts, token totals, throughputs and goodput stay exact); ``None`` keeps all (an
+            offline run).
     """
 
-    def __init__(self, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> None:
+    def __init__(self, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+                 max_records: int | None = None) -> None:
         self.slo_ttft_ms = slo_ttft_ms
         self.slo_tpot_ms = slo_tpot_ms
-        self.completed: list[RequestMetrics] = []  # finish_reason stop/length, no error
+        self.max_records = max_records
+        # exact over every completed request, whatever max_records keeps
+        self._totals = dict.fromkeys(("num_requests", "total_input_tokens", "total_output_tokens", "total_cached_tokens",
+                                      "sum_kv_bytes", "max_kv_bytes_per_request", "max_peak_kv_bytes_per_request",
+                                      "num_meeting_slo"), 0)
+        self.completed: deque[RequestMetrics] = deque(maxlen=max_records)  # finish_reason stop/length, no error
         self.num_failed = 0  # aborted or rejected requests seen by the engine
         self.num_steps = 0
         self.step_time_s = dict.fromkeys((*STEP_PARTS, "step"), 0.0)  # totals, seconds
@@ -109,7 +120,8 @@ class MetricsCollector:
         self.sum_num_running_reqs = 0
         self.peak_num_running_reqs = 0  # concurrency: requests holding KV in one step
         self.swap_totals = dict.fromkeys(_SWAP_COUNTERS, 0)  # swap preemption counters, summed
-        self.timeline: list[dict[str, float]] = []  # per step: time_s, running, waiting, kv usage, fragmentation
+        # per step: time_s, running, waiting, kv usage, fragmentation
+        self.timeline: deque[dict[str, float]] = deque(maxlen=max_records)
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
         self.num_preemptions = 0
         self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block,...}
@@ -161,7 +173,17 @@ class MetricsCollector:
         self._touch(time.perf_counter())
         reason = output.outputs[0].finish_reason if output.outputs else None
         if output.error is None and reason in ("stop", "length") and output.metrics is not None:
-            self.completed.append(output.metrics)
+            m = output.metrics
+            self.completed.append(m)
+            t = self._totals
+            t["num_requests"] += 1
+            t["total_input_tokens"] += m.num_prompt_tokens
+            t["total_output_tokens"] += m.num_output_tokens
+            t["total_cached_tokens"] += m.num_cached_tokens
+            t["sum_kv_bytes"] += m.kv_bytes
+            t["max_kv_bytes_per_request"] = max(t["max_kv_bytes_per_request"], m.kv_bytes)
+            t["max_peak_kv_bytes_per_request"] = max(t["max_peak_kv_bytes_per_request"], m.peak_kv_bytes)
+            t["num_meeting_slo"] += self._meets_slo(m)
         else:
             self.num_failed += 1
 
@@ -201,24 +223,23 @@ class MetricsCollector:
         """
         if duration_s is None:
             duration_s = 0.0 if self._first_s is None else self._last_s - self._first_s
-        done = self.completed
-        n_in = sum(m.num_prompt_tokens for m in done)
-        n_out = sum(m.num_output_tokens for m in done)
+        done, t = self.completed, self._totals  # latencies from the kept window; counts and totals exact
+        n, n_in, n_out = t["num_requests"], t["total_input_tokens"], t["total_output_tokens"]
 
         def per_s(x: float) -> float:
             return x / duration_s if duration_s > 0 else 0.0
 
         has_slo = self.slo_ttft_ms is not None or self.slo_tpot_ms is not None
         out: dict[str, Any] = {
-            "num_requests": len(done), "num_failed": self.num_failed, "duration_s": duration_s,
+            "num_requests": n, "num_failed": self.num_failed, "duration_s": duration_s,
             "total_input_tokens": n_in, "total_output_tokens": n_out,
-            "total_cached_tokens": sum(m.num_cached_tokens for m in done),
-            "request_throughput": per_s(len(done)),
-            "request_goodput": per_s(sum(map(self._meets_slo, done))) if has_slo else None,
+            "total_cached_tokens": t["total_cached_tokens"],
+            "request_throughput": per_s(n),
+            "request_goodput": per_s(t["num_meeting_slo"]) if has_slo else None,
             "output_throughput": per_s(n_out), "total_token_throughput": per_s(n_in + n_out),
-            "mean_kv_bytes_per_request": sum(m.kv_bytes for m in done) / len(done) if done else 0.0,
-            "max_kv_bytes_per_request": max((m.kv_bytes for m in done), default=0),
-            "max_peak_kv_bytes_per_request": max((m.peak_kv_bytes for m in done), default=0),
+            "mean_kv_bytes_per_request": t["sum_kv_bytes"] / n if n else 0.0,
+            "max_kv_bytes_per_request": t["max_kv_bytes_per_request"],
+            "max_peak_kv_bytes_per_request": t["max_peak_kv_bytes_per_request"],
         }
         series = {"ttft": [m.ttft_s for m in done], "tpot": [m.tpot_s for m in done],
                   "itl": [x for m in done for x in m.itl_s], "e2el": [m.e2e_s for m in done],

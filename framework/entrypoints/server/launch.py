@@ -65,6 +65,11 @@ def _uvicorn_server(config: Any, on_exit: Any) -> Any:
     return _Server(config)
 
 
+#: finished requests and steps a server's metrics keep for its percentiles and timeline (the latest ones);
+#: unbounded, a per-step record (~1 KB) grew a busy server's memory by tens of MiB an hour
+SERVER_METRICS_RECORDS = 100_000
+
+
 def _build_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
     """The engine to serve, after checking that the ``serve`` extra is installed.
 
@@ -83,8 +88,8 @@ def _build_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
     from framework.engine.builder import build_engine
     from framework.metrics.collector import MetricsCollector
 
-    return build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms,
-                                                                slo_tpot_ms=cfg.slo.tpot_ms))
+    return build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms, slo_tpot_ms=cfg.slo.tpot_ms,
+                                                                max_records=SERVER_METRICS_RECORDS))
 
 
 def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:

@@ -145,3 +145,20 @@ def test_render_summary_table():
     for needle in ("request_throughput", "num_rejected", "ttft ms", "750.0", "995.0", "request_goodput",
                    "forward_s", "(50.0%)"):
         assert needle in text
+
+
+def test_a_bounded_collector_keeps_a_window_of_records_and_exact_totals():
+    """A server's collector (``max_records``): percentiles and the timeline cover the latest records,
+    counts, token totals, throughput and goodput cover every request."""
+    bounded, full = MetricsCollector(slo_ttft_ms=800, max_records=1), MetricsCollector(slo_ttft_ms=800)
+    for c in (bounded, full):
+        c.observe_step(stats(1, 0.5, 0.0, 1))
+        c.observe_step(stats(2, 0.7, 0.25, 2))
+        for spec in (REQ_A, REQ_B):
+            c.observe_finished(as_output(make_request(**spec)))
+    s, f = bounded.summary(duration_s=2.0), full.summary(duration_s=2.0)
+    assert len(bounded.completed) == 1 and len(bounded.timeline) == 1 and len(full.timeline) == 2
+    for key in ("num_requests", "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
+                "num_steps", "num_preemptions"):
+        assert s[key] == f[key], key
+    assert s["mean_ttft_ms"] == pytest.approx(500) and f["mean_ttft_ms"] == pytest.approx(750)  # B only vs A and B
