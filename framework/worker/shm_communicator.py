@@ -123,24 +123,24 @@ class ShmCommunicator:
         return typed
 
     def _wait(self, seq: int) -> None:
-        counters, spins = self._counters, 0
+        """Until every rank's counter reached ``seq``.
+
+        Raises:
+            RuntimeError: ``timeout_s`` passed (checked every 4096 reads once yielding), naming the late ranks.
+        """
+        counters, spins, deadline = self._counters, 0, None
         while counters.min() < seq:
             spins += 1
             if spins > SPIN_BEFORE_YIELD:
                 time.sleep(0)
                 if spins % 4096 == 0:
-                    self._check_deadline(spins, seq)
+                    deadline = deadline or time.monotonic() + self.timeout_s
+                    if time.monotonic() > deadline:
+                        late = [r for r in range(self.world_size) if counters[r] < seq]
+                        raise RuntimeError(f"rank {self.rank}: shared-memory collective waited {self.timeout_s:.0f} s "
+                                           f"for ranks {late} (pid {os.getpid()}): a rank died or hangs; "
+                                           "parallel.communicator=torch_distributed uses gloo instead")
         memory_fence()  # the other ranks' data after their counters
-
-    def _check_deadline(self, spins: int, seq: int) -> None:
-        now = time.monotonic()
-        if spins == 4096:
-            self._wait_started = now
-        elif now - self._wait_started > self.timeout_s:
-            late = [r for r in range(self.world_size) if self._counters[r] < seq]
-            raise RuntimeError(f"rank {self.rank}: shared-memory collective waited {self.timeout_s:.0f} s for "
-                               f"ranks {late} (pid {os.getpid()}): a rank died or hangs; "
-                               "parallel.communicator=torch_distributed uses gloo instead")
 
     def _chunks(self, flat: torch.Tensor) -> list[tuple[int, int]]:
         step = self.slot_bytes // flat.element_size()

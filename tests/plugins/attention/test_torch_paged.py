@@ -220,6 +220,22 @@ def test_quantized_cache_runs_through_the_reference():
     torch.testing.assert_close(out, expected)
 
 
+DECODE_SPEC, DECODE_TABLES = [(5, 1), (0, 1), (13, 1)], [[4, 7], [2], [0, 9, 3, 5]]  # three decodes, block 4
+DECODE_SLOTS = [DECODE_TABLES[i][c // 4] * 4 + c % 4 for i, (c, _) in enumerate(DECODE_SPEC)]
+
+
+def _decode_step(backend: TorchPagedAttentionBackend, gen: torch.Generator) -> tuple:
+    """A 10-block cache holding the contexts of :data:`DECODE_SPEC` (5, 0 and 13 tokens; 6 query / 2 KV
+    heads of ``D``), one new token's ``q (3, 6, D)``, ``k``/``v (3, 2, D)`` and the step's metadata:
+    ``(cache, q, k, v, step)``."""
+    cache = torch.zeros(backend.get_kv_cache_shape(10))
+    for (c, _), table in zip(DECODE_SPEC, DECODE_TABLES):
+        ctx = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(c)], dtype=torch.long)
+        backend.write_kv(cache, torch.randn(c, 2, D, generator=gen), torch.randn(c, 2, D, generator=gen), ctx)
+    q, k, v = torch.randn(3, 6, D, generator=gen), torch.randn(3, 2, D, generator=gen), torch.randn(3, 2, D, generator=gen)
+    return cache, q, k, v, backend.build_metadata(_common(DECODE_SPEC, DECODE_TABLES, DECODE_SLOTS, 4))
+
+
 def test_traceable_forward_equals_forward_on_decode_steps():
     """An all-decode step offers traceable inputs (what ``engine.compile`` traces into the decoder
     graph): ``traceable_forward`` writes the same K/V and returns the same output as ``forward``
@@ -228,14 +244,8 @@ def test_traceable_forward_equals_forward_on_decode_steps():
     args = (6, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"))
     backend = TorchPagedAttentionBackend(*args, compile=False)
     gen = torch.Generator().manual_seed(3)
-    spec, tables = [(5, 1), (0, 1), (13, 1)], [[4, 7], [2], [0, 9, 3, 5]]
-    slots = [tables[i][c // 4] * 4 + c % 4 for i, (c, _) in enumerate(spec)]
-    cache = torch.zeros(backend.get_kv_cache_shape(10))
-    for (c, _), table in zip(spec, tables):
-        ctx = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(c)], dtype=torch.long)
-        backend.write_kv(cache, torch.randn(c, 2, D, generator=gen), torch.randn(c, 2, D, generator=gen), ctx)
-    q, k, v = torch.randn(3, 6, D, generator=gen), torch.randn(3, 2, D, generator=gen), torch.randn(3, 2, D, generator=gen)
-    step = backend.build_metadata(_common(spec, tables, slots, 4))
+    spec, tables, slots = DECODE_SPEC, DECODE_TABLES, DECODE_SLOTS
+    cache, q, k, v, step = _decode_step(backend, gen)
     inputs = backend.traceable_inputs(step)
     assert inputs is not None and inputs.kv.block_tables.shape == (3, PARTITION_BLOCKS)  # one 16-key partition each
     assert inputs.kv.kv_lens.tolist() == [6, 1, 14] and inputs.kv.partitions.shape == (3, MIN_PARTITIONS)
@@ -385,14 +395,7 @@ def test_traceable_forward_with_features_equals_forward():
     backend = TorchPagedAttentionBackend(6, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"), layers,
                                          compile=False, min_paged_decodes=1)
     gen = torch.Generator().manual_seed(4)
-    spec, tables = [(5, 1), (0, 1), (13, 1)], [[4, 7], [2], [0, 9, 3, 5]]
-    slots = [tables[i][c // 4] * 4 + c % 4 for i, (c, _) in enumerate(spec)]
-    cache = torch.zeros(backend.get_kv_cache_shape(10))
-    for (c, _), table in zip(spec, tables):
-        ctx = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(c)], dtype=torch.long)
-        backend.write_kv(cache, torch.randn(c, 2, D, generator=gen), torch.randn(c, 2, D, generator=gen), ctx)
-    q, k, v = torch.randn(3, 6, D, generator=gen), torch.randn(3, 2, D, generator=gen), torch.randn(3, 2, D, generator=gen)
-    step = backend.build_metadata(_common(spec, tables, slots, 4))
+    cache, q, k, v, step = _decode_step(backend, gen)
     inputs = backend.traceable_inputs(step)
     assert sorted(inputs.windows) == [WINDOW]
     sinks = torch.randn(6, generator=gen)
