@@ -223,7 +223,7 @@ def start_servelab(model: str, prompts: list[list[int]], out_lens: list[int], ar
     dtype, compile = ("auto", "auto") if mode == "default" else (args.dtype, mode == "compiled")
     llm, generate = servelab_llm(model, dtype, args.attention, args.prefix_caching == "on", compile, prompts)
     if mode == "default":
-        llm.engine.maybe_compile(args.repeats * (sum(out_lens) + args.batch1_tokens))
+        llm.engine.maybe_compile(args.repeats * sum(out_lens), len(out_lens))
     return (lambda: one_repeat(generate, prompts, out_lens, args.batch1_tokens,
                                llm.engine.scheduler.kv.reset_prefix_cache)), llm.engine
 

@@ -1,8 +1,8 @@
 """Where ``engine.compile`` pays: the warm-up, cold and cached, against the time it saves per token.
 
-``engine.compile=auto`` compiles offline work once its output tokens reach
-``framework.engine.compile_policy.COMPILE_BREAK_EVEN_TOKENS``. This measures what that constant stands
-for, on this machine:
+``engine.compile=auto`` compiles offline work when its expected saving exceeds the expected warm-up, from
+numbers it measures itself (``framework/engine/compile_calibration.py``). This measures the same
+quantities end to end, on this machine, to check the rule's inputs and its priors:
 
 1. **warm-up, cold**: a fresh process with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` set to
    a new temporary folder) builds ``LLM(compile=True)``; ``compile_s`` is its warm-up (every graph
@@ -14,8 +14,8 @@ for, on this machine:
    alternating over ``--rounds``; seconds per output token are medians over rounds, prefill included.
 
 Break-even at batch ``b`` = warm-up seconds / (eager - compiled seconds per token at ``b``), printed for
-the cold and the cached warm-up. The constant takes the batch-64 figure (the policy's docstring says
-why). The two warm-ups need fresh processes; everything else runs in the second one::
+the cold and the cached warm-up. The two warm-ups need fresh processes; everything else runs in the
+second one::
 
     .venv/bin/python experiments/compile_break_even.py --model smollm2 --batch-sizes 1,64 --threads 2 \\
         --json-out break_even.json

@@ -27,16 +27,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session", autouse=True)
-def eager_unless_asked() -> Iterator[None]:
-    """``engine.compile=auto`` stays eager in tests (the break-even is out of reach), so the suite does
-    not compile as a test's tokens add up; compilation tests pass ``compile=True`` or patch
-    ``framework.engine.compile_policy.COMPILE_BREAK_EVEN_TOKENS`` themselves. Subprocess runs
-    (``run.py``) keep the real rule: their workloads are far below it, and servers pass
+def eager_unless_asked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``engine.compile=auto`` stays eager in tests (``CompilePlanner.decide`` says so without
+    measuring), so the suite does not compile as a test's tokens add up; compilation tests pass
+    ``compile=True``, and ``tests/framework/engine/test_compile_policy.py`` restores the planner. The
+    compile calibration records of this process go to a temporary folder. Subprocess runs
+    (``run.py``) keep the real rule: their workloads are far below any saving, and servers pass
     ``engine.compile=false``."""
-    from framework.engine import compile_policy
+    from framework.engine import compile_calibration
+    from framework.engine.compile_policy import CompileDecision
 
+    eager = CompileDecision(False, "engine.compile=auto: eager (the test suite keeps auto eager, tests/conftest.py)")
+    calibration = tmp_path_factory.mktemp("compile-calibration")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(compile_policy, "COMPILE_BREAK_EVEN_TOKENS", 1 << 62)
+        mp.setattr(compile_calibration, "calibration_dir", lambda: calibration)
+        mp.setattr(compile_calibration.CompilePlanner, "decide",
+                   lambda self, planned, *args, **kwargs: compile_calibration.decide_compile("auto", None) if planned is None
+                   else eager)
         yield
 
 

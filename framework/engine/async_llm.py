@@ -20,6 +20,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -56,13 +57,20 @@ class AsyncLLM:
         engine: a built engine; from now on only this object's loop thread may touch it.
         on_dead: called once, on the loop thread, with the fault when the engine dies (after every
             in-flight request got its ``EngineDeadError``).
+        startup: run once on the loop thread before any request (a server's compile warm-up,
+            ``engine.maybe_compile(None)``); requests queue meanwhile, :attr:`ready` is False and
+            :attr:`startup_s` counts. An exception in it kills the engine like one in a step.
 
     Use :meth:`shutdown` (or ``async with``) to abort everything in flight and stop the loop.
     """
 
-    def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None,
+                 startup: Callable[[], Any] | None = None) -> None:
         self.engine = engine
         self.on_dead = on_dead
+        self._startup = startup
+        self._ready = threading.Event()
+        self._t0 = self._ready_at = time.monotonic()
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self._ids = itertools.count()
@@ -120,6 +128,16 @@ class AsyncLLM:
         self._thread.join(timeout_s)
 
     @property
+    def ready(self) -> bool:
+        """True once the start-up work (``startup``) is done and requests are served."""
+        return self._ready.is_set()
+
+    @property
+    def startup_s(self) -> float:
+        """Seconds the start-up work has run so far (its whole time once :attr:`ready`)."""
+        return (self._ready_at if self._ready.is_set() else time.monotonic()) - self._t0
+
+    @property
     def is_running(self) -> bool:
         """True while the loop thread is alive and not shutting down."""
         return self._thread.is_alive() and not self._stopping.is_set()
@@ -141,6 +159,10 @@ class AsyncLLM:
 
     def _run(self) -> None:
         try:
+            if self._startup is not None:
+                self._startup()
+            self._ready_at = time.monotonic()
+            self._ready.set()
             while not self._stopping.is_set():
                 busy = self.engine.has_unfinished_requests()
                 self._drain(block=not busy)

@@ -67,13 +67,16 @@ class ModelSpec:
 
 
 
-def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) -> LLMEngine:
+def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
+                 defer_compile: bool = False) -> LLMEngine:
     """Validate plugins, inspect the model, start the workers, size the KV cache and assemble the engine.
 
     Args:
         config: the engine's configuration; ``dtype="auto"`` is resolved first, and the engine keeps
             the resolved copy (``engine.config``).
         metrics: collector of step/request metrics (e.g. with goodput SLOs); default a plain one.
+        defer_compile: ``engine.compile=true`` compiles at the engine's first ``maybe_compile`` instead
+            of while the workers start (a server compiles while it answers ``/health`` with 503).
 
     Raises:
         registry.UnknownPluginError, ValueError: from :func:`validate_plugins` or
@@ -89,7 +92,9 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None) 
     spec = inspect_model(config)
     layout = plan_kv_cache(config, spec)
     tokenizer, eos_token_ids = load_tokenizer(config.model, config.tokenizer)
-    executor = make_executor(config)
+    # the workers compile at start-up only for compile=true; deferred, they stay eager until maybe_compile
+    executor = make_executor(dataclasses.replace(config, compile="auto")
+                             if defer_compile and config.compile == "true" else config)
     try:
         num_blocks, num_swap_blocks = size_kv_cache(config, executor, spec, layout)
         executor.initialize_cache(num_blocks, num_swap_blocks)

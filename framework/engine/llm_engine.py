@@ -15,7 +15,8 @@ from framework.core.request import Request
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.structured_output import StructuredOutputManager
-from framework.engine.compile_policy import CompileDecision, decide_compile, startup_reason
+from framework.engine.compile_calibration import CompilePlanner
+from framework.engine.compile_policy import CompileDecision, startup_reason
 from framework.interfaces import Drafter, EngineDeadError, Executor
 from framework.metrics.collector import MetricsCollector, compute_request_metrics
 
@@ -63,8 +64,14 @@ class LLMEngine:
         self.structured_output = structured_output
         self._compiling: dict[str, Request] = {}
         self._compile_checked = False  # maybe_compile ran once (its first eager verdict is logged at INFO)
-        self._decoder_compiled = str(config.compile) == "true"  # the ranks compiled at start-up (or later: maybe_compile)
-        self.compile_decision = CompileDecision(self._decoder_compiled, startup_reason(str(config.compile)))
+        # the ranks compiled at start-up (engine.compile=true; a server's build defers it to maybe_compile)
+        stats = executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
+        self._decoder_compiled = bool(stats.enabled)
+        self.compile_decision = CompileDecision(self._decoder_compiled, startup_reason(str(config.compile),
+                                                                                       self._decoder_compiled))
+        self.compile_planner = CompilePlanner(config, executor)  # engine.compile=auto's measured numbers
+        if self._decoder_compiled:  # what the start-up compile cost is a measurement too
+            self.compile_planner.record_compile(stats)
         logger.info("%s", self.compile_decision.reason)
         self._record_compile()
         self.faults = scheduler.faults  # one record of per-request failures for every per-request call site
@@ -168,29 +175,36 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or bool(self._compiling)
 
     # ---- compilation ------------------------------------------------------------------
-    def maybe_compile(self, planned_output_tokens: int | None) -> CompileDecision:
-        """``engine.compile=auto``: compile the decoder now if the work about to start passes the
-        break-even (``framework/engine/compile_policy.py``); engines built with ``true``/``false``, or
-        compiled already, keep their decision.
+    def maybe_compile(self, planned_output_tokens: int | None, planned_requests: int = 1) -> CompileDecision:
+        """``engine.compile=auto``: compile the decoder now if the work about to start is expected to save
+        more than the compile costs on this machine (``framework/engine/compile_policy.py``, numbers from
+        ``framework/engine/compile_calibration.py``); engines built with ``true``/``false``, or compiled
+        already, keep their decision.
 
         Entry points call it before adding a batch of requests: ``LLM.generate`` with the call's
-        ``max_tokens`` budget, the offline runner with its workload's, the server with ``None``. The
-        warm-up writes dummy K/V, so the prefix cache is dropped first; while a request holds KV blocks
-        the compile is put off to the next call (reason logged).
+        ``max_tokens`` budget and number of requests, the offline runner with its workload's, the server
+        with ``None``. The warm-up (and the first decision's eager step measurement) writes dummy K/V,
+        so the prefix cache is dropped first; while a request holds KV blocks the compile is put off to
+        the next call (reason logged).
 
         Args:
             planned_output_tokens: output-token budget of the work about to start, tokens; ``None``
                 for open-ended work (a server).
+            planned_requests: requests in that work (its decode batch size, capped by ``max_num_seqs``).
 
         Returns:
-            The decision in force (also in ``metrics.json`` as ``compile_reason``).
+            The decision in force (also in ``metrics.json`` as ``compile_reason``, ``compile_estimate``).
         """
-        if self.config.compile != "auto" or self._decoder_compiled:
+        if self.config.compile == "false" or self._decoder_compiled:
             return self.compile_decision
-        decision = decide_compile("auto", planned_output_tokens, self.metrics.num_generated_tokens)
-        if decision.compile and not self.scheduler.reset_prefix_cache():
+        if self.config.compile == "true":  # deferred by the build (a server compiles while answering /health)
+            decision = CompileDecision(True, "engine.compile=true: compiled before the first request")
+        else:  # measuring steps writes dummy K/V too: only on an engine made idle (prefix cache dropped)
+            decision = self.compile_planner.decide(planned_output_tokens, planned_requests,
+                                                   self.metrics.num_generated_tokens, self._make_idle)
+        if decision.compile and not self._make_idle():
             decision = CompileDecision(False, "engine.compile=auto: compile put off, requests still hold KV "
-                                              "blocks (the warm-up writes dummy K/V)")
+                                              "blocks (the warm-up writes dummy K/V)", decision.estimate)
         logger.log(logging.INFO if decision.compile or not self._compile_checked else logging.DEBUG, "%s",
                    decision.reason)
         self._compile_checked = True
@@ -198,14 +212,21 @@ class LLMEngine:
         if decision.compile:
             self.executor.collective_rpc("compile_decoder")  # every rank: collectives stay in step under TP
             self._decoder_compiled = True
+            self.compile_planner.record_compile(self.metrics.compile_stats.current())
         self._record_compile()
         return decision
+
+    def _make_idle(self) -> bool:
+        """Drop the prefix cache when no request holds a KV block; True if the engine is idle now (the
+        dummy steps of a compile warm-up or a step measurement may then write blocks 0, 1, ...)."""
+        return not self.scheduler.has_unfinished_requests() and self.scheduler.reset_prefix_cache()
 
     def _record_compile(self) -> None:
         """Mirror the compile decision into the metrics (rank 0's compile stats are read live through
         ``metrics.compile_stats``, set by ``build_engine``)."""
         self.metrics.compile_info = {"compile_mode": str(self.config.compile),
-                                     "compile_reason": self.compile_decision.reason}
+                                     "compile_reason": self.compile_decision.reason,
+                                     "compile_estimate": self.compile_decision.estimate}
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -84,7 +84,7 @@ class LLM:
         for p in params:
             p.validate()
         max_len = self.engine.max_model_len
-        self.engine.maybe_compile(sum(min(p.max_tokens or max_len, max_len) for p in params))
+        self.engine.maybe_compile(sum(min(p.max_tokens or max_len, max_len) for p in params), len(params))
         # only final outputs are kept here: don't build per-step outputs (vLLM's LLM does the same)
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
 

@@ -70,7 +70,8 @@ def run_workload(engine: Any, items: list[WorkloadItem], default_sampling: Sampl
     records: dict[str, dict[str, Any]] = {}
     num_rejected = 0
     max_len = engine.max_model_len
-    engine.maybe_compile(sum(min(item.max_tokens or default_sampling.max_tokens or max_len, max_len) for item in items))
+    engine.maybe_compile(sum(min(item.max_tokens or default_sampling.max_tokens or max_len, max_len) for item in items),
+                         len(items))
     t0 = time.perf_counter()
     with _progress(progress, len(items)) as advance:
         while pending or engine.has_unfinished_requests():

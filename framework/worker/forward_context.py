@@ -53,20 +53,25 @@ class ForwardContext:
 
 @dataclass
 class GraphAttention:
-    """Attention state passed into a compiled decoder as graph inputs (keyword ``servelab_graph``).
+    """Attention state passed into the compiled decoder layers as graph inputs (keyword ``servelab_graph``).
 
-    Dynamo lifts every tensor reachable from it (the caches, the inputs' tensors) to a graph input
-    and guards on the backend object, so one graph serves every step that takes this path.
+    Dynamo lifts every tensor a layer graph reads from it (its KV cache group's inputs) to a graph
+    input and guards on the backend object, so one graph serves every step that takes this path.
     """
 
     backend: AttentionBackend  # the selected backend instance
     kv_caches: list[torch.Tensor]  # one per decoder layer, backend.get_kv_cache_shape(num_blocks) (may be shared)
-    inputs: Any  # backend.traceable_inputs(metadata) for this step
+    inputs: Any  # backend.traceable_inputs(metadata) for this step (KV cache group 0)
     layer_inputs: list[Any] | None = None  # per decoder layer: its KV cache group's inputs; None: ``inputs``
+    group_inputs: list[Any] | None = None  # per KV cache group: its inputs; None: ``inputs``
 
     def inputs_of(self, layer_idx: int) -> Any:
         """The traced inputs layer ``layer_idx`` attends with."""
         return self.inputs if self.layer_inputs is None else self.layer_inputs[layer_idx]
+
+    def inputs_of_group(self, group: int) -> Any:
+        """The traced inputs of KV cache group ``group``."""
+        return self.inputs if self.group_inputs is None else self.group_inputs[group]
 
 
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("servelab_forward_context", default=None)
@@ -121,16 +126,20 @@ def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if key.shape[-1] != value_head_size:  # MLA
         query, key, value = _pad_head_size(query, key, value)
     graph = kwargs.get("servelab_graph")
-    layer_idx = module.layer_idx
-    if graph is not None:  # traced into the compiled decoder (or run eagerly: same math)
+    handle = kwargs.get("servelab_layer")  # a compiled layer's LayerHandle (framework/worker/compile_regions.py)
+    layer_idx = module.layer_idx if handle is None else handle.spec_layer
+    if graph is not None:  # traced into the compiled layer (or run eagerly: same math)
         features = call_features(graph.backend, layer_idx, query, key, scaling, window, softcap, sinks)
-        out = graph.backend.traceable_forward(layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                                              value[0].transpose(0, 1), graph.kv_caches[layer_idx],
-                                              graph.inputs_of(layer_idx), **features).unsqueeze(0)
-    elif torch.compiler.is_compiling():  # dynamo is tracing: keep the backend call out of the graph
-        out = torch.ops.servelab.attention(query, key, value, layer_idx, scaling, window, softcap, sinks)
+        if handle is None:
+            layer, kv_cache, inputs = layer_idx, graph.kv_caches[layer_idx], graph.inputs_of(layer_idx)
+        else:  # the layer's identity is data: one graph serves every layer of its kind
+            layer, kv_cache, inputs = handle.index, handle.kv_cache, graph.inputs_of_group(handle.group)
+        out = graph.backend.traceable_forward(layer, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                              value[0].transpose(0, 1), kv_cache, inputs, **features).unsqueeze(0)
+    elif handle is not None and torch.compiler.is_compiling():  # keep the backend call out of the graph
+        out = torch.ops.servelab.attention(query, key, value, handle.index, scaling, window, softcap, sinks)
     else:
-        out = _attention(query, key, value, layer_idx, scaling, window, softcap, sinks)
+        out = _attention(query, key, value, module.layer_idx, scaling, window, softcap, sinks)
     return (out if out.shape[-1] == value_head_size else out[..., :value_head_size]), None
 
 
@@ -220,15 +229,16 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
     return out.unsqueeze(0)
 
 
-# The KV cache is not an argument: it is reached through the forward context, like the metadata,
-# so mutates_args is empty although the op writes the layer's cache at slot_mapping. That hidden
+# The KV cache is not an argument: it is reached through the forward context by the layer index (a
+# tensor argument: data, so every layer of a kind runs one graph), like the metadata, so
+# mutates_args is empty although the op writes the layer's cache at slot_mapping. That hidden
 # write is safe because nothing else in the compiled graph reads or writes a cache (layer i's op
 # is ordered after layer i-1's by data dependence, and each layer touches only its own cache), and
 # the op's output is always used, so it is never dead-code eliminated. Passing 2 x num_layers cache
 # tensors plus backend-specific metadata as arguments would tie the op's schema to one backend.
 # The layer's features are arguments (constants of the traced graph; the sinks a weight input).
 @torch.library.custom_op("servelab::attention", mutates_args=())
-def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor,
                  scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention of one layer through the current forward context's backend (opaque to dynamo).
@@ -236,27 +246,28 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
     Args:
         query: ``(1, num_heads, num_tokens, head_size)``, model dtype.
         key, value: ``(1, num_kv_heads, num_tokens, head_size)``, post-RoPE, model dtype.
-        layer_idx: decoder layer index (a constant of the traced graph).
+        layer: ``()`` int64 CPU tensor, the decoder layer's index: data, not a constant of the traced
+            graph, so one compiled layer graph serves every layer of its kind.
         scale, sliding_window, softcap, sinks: the layer's call features (see
             :meth:`AttentionBackend.forward`); ``None`` when unused.
 
     Returns:
         A new ``(1, num_tokens, num_heads, head_size)`` tensor in ``query.dtype``. Side effect: this
-        step's K/V are written into ``ctx.kv_caches[layer_idx]``.
+        step's K/V are written into ``ctx.kv_caches[layer]``.
 
     Raises:
         RuntimeError: when called outside :func:`forward_context`, or as :func:`call_features`.
     """
     # contiguous: inductor lays out the consumer with the fake's (contiguous) strides, while e.g.
     # the torch backend's empty_like(query) output keeps the transposed query's strides
-    out = _attention(query, key, value, layer_idx, scale, sliding_window, softcap, sinks).contiguous()
+    out = _attention(query, key, value, int(layer), scale, sliding_window, softcap, sinks).contiguous()
     if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (query, key, value)):
         out = out.clone()  # a custom op's output may not alias an input
     return out
 
 
 @attention_op.register_fake
-def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor,
                     scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Shape-only version for tracing: ``(1, num_tokens, num_heads, head_size)`` like ``query``."""

@@ -128,9 +128,11 @@ class ModelRunner:
         """
         if self.compiled is None:
             unfuse_gated_mlps(self.model)
-            self.compiled = CompiledDecoder(self.model, freezing=self.compile_freezing,
+            self.compiled = CompiledDecoder(self.model, self.kv_caches, self.layer_group,
+                                            self.backend.call_signatures, freezing=self.compile_freezing,
                                             tensor_parallel=self.tensor_parallel)
-            self.compiled.warm_up(self._dummy_forward, self.device)
+            traced = type(self.backend).traceable_inputs is not AttentionBackend.traceable_inputs
+            self.compiled.warm_up(self._dummy_forward, self.device, traced_attention=traced)
             if self.tensor_parallel:
                 self.compiled.agree_across_ranks()
         return self.compiled.stats
@@ -139,6 +141,27 @@ class ModelRunner:
     def compile_stats(self) -> CompileStats:
         """Compile time, graphs and recompiles (``enabled=False`` when the runner is eager)."""
         return self.compiled.stats if self.compiled is not None else CompileStats()
+
+    def time_decode_steps(self, batch_sizes: list[int], repeats: int = 3) -> dict[int, float]:
+        """Time dummy decode steps at each batch size as they run now (eager or compiled), for
+        ``engine.compile=auto``'s calibration (``framework/engine/compile_calibration.py``): the median of
+        ``repeats`` forwards after one untimed, ms. The dummy steps write K/V into blocks ``0, 1, ...``:
+        call it only while no request owns a block and the prefix cache is empty.
+
+        Returns:
+            Batch size -> milliseconds of one decode step (the decoder, and the LM head on one row; no
+            sampling).
+        """
+        times = {}
+        for batch in batch_sizes:
+            batch = max(1, min(batch, self.num_blocks))
+            runs = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                self._dummy_forward(batch, batch)
+                runs.append(time.perf_counter() - t0)
+            times[batch] = 1e3 * sorted(runs[1:])[len(runs[1:]) // 2]
+        return times
 
     @torch.inference_mode()
     def _dummy_forward(self, num_tokens: int, num_reqs: int = 1) -> None:
@@ -201,7 +224,7 @@ class ModelRunner:
         if len(inputs) == 1:
             return GraphAttention(self.backend, self.kv_caches, inputs[0])
         return GraphAttention(self.backend, self.kv_caches, inputs[0],
-                              layer_inputs=[inputs[g] for g in self.layer_group])
+                              layer_inputs=[inputs[g] for g in self.layer_group], group_inputs=inputs)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
                  metadata: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -283,6 +283,10 @@ class Worker:
         """``torch.compile`` this rank's decoder now (``engine.compile=auto``; ``ModelRunner.compile_decoder``)."""
         self.runner.compile_decoder()
 
+    def time_decode_steps(self, batch_sizes: list[int]) -> dict[int, float]:
+        """Milliseconds of a dummy decode step per batch size on this rank (``ModelRunner.time_decode_steps``)."""
+        return self.runner.time_decode_steps(batch_sizes)
+
     def rank_info(self) -> dict[str, int | str]:
         """What this rank holds and runs with (tests, logs): ``rank``, ``world_size``,
         ``num_local_ranks`` (ranks of the group on this host), ``num_threads`` (torch intra-op

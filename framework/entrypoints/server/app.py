@@ -308,6 +308,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         if state.llm.errored is not None or not state.llm.is_running:
             return _error(RequestError(f"engine loop is down ({state.llm.errored or 'shut down'})", 503))
+        if not state.llm.ready:  # vLLM's readiness: 503 until the engine serves (requests queue meanwhile)
+            return _error(RequestError(f"compiling: the engine is compiling the model ({state.llm.startup_s:.0f} s "
+                                       "so far); requests sent now wait until it is ready", 503))
         return Response(status_code=200)
 
     @app.get("/version")

@@ -89,7 +89,8 @@ def _build_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
     from framework.metrics.collector import MetricsCollector
 
     return build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms, slo_tpot_ms=cfg.slo.tpot_ms,
-                                                                max_records=SERVER_METRICS_RECORDS))
+                                                                max_records=SERVER_METRICS_RECORDS),
+                        defer_compile=True)
 
 
 def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
@@ -106,7 +107,6 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     """
     with exit_on_config_error():
         engine = _build_engine(cfg, engine_config)
-    engine.maybe_compile(None)  # engine.compile=auto: a server's work is open-ended, so it compiles now
     import uvicorn
 
     from framework.entrypoints.server.app import build_app
@@ -124,7 +124,9 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
         server.should_exit = True
         threading.Timer(DEAD_SHUTDOWN_S, lambda: setattr(server, "force_exit", True)).start()
 
-    llm = AsyncLLM(engine, on_dead=on_dead)
+    # engine.compile=auto|true: a server's work is open-ended, so it compiles now, on the loop thread while
+    # uvicorn already answers /health with 503 "compiling" (requests sent meanwhile wait)
+    llm = AsyncLLM(engine, on_dead=on_dead, startup=lambda: engine.maybe_compile(None))
     metrics = ServerMetrics(engine, name)
     state = ServerState(llm=llm, model_name=name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                         tokenizer=engine.tokenizer, supports_structured_outputs=engine.structured_output is not None,

@@ -6,13 +6,17 @@ attention custom op's contract, and the fallback to eager when the compiler is u
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, assert_all_blocks_free, assert_greedy_parity
 
 from framework import LLM, SamplingParams
-from framework.worker.compile import INDUCTOR_CONFIG, CompiledDecoder, decoder_entry, inductor_config
+from framework.engine.compile_calibration import CompilePlanner
+from framework.worker.compile import INDUCTOR_CONFIG, CompiledDecoder, inductor_config
+from framework.worker.compile_regions import layer_entry
 from framework.worker.forward_context import ForwardContext, attention_op, forward_context, servelab_attention
 from framework.worker.prepack import PrepackedLinear
 
@@ -20,6 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 PREPACK = "on" if torch.backends.mkldnn.is_available() else "off"
+REAL_DECIDE = CompilePlanner.decide  # captured at import, before conftest's session patch keeps auto eager
 
 
 @pytest.fixture(scope="module")
@@ -30,23 +35,28 @@ def compiled_llm():
     transformers. Compiled ATen linears run in ``test_engines_keep_their_own_graphs``.
 
     It is compiled the way ``engine.compile=auto`` (the default) does: eager first (gate/up fused, a
-    generate that fills the prefix cache), then compiled before the ``generate`` call whose budget
-    reaches the break-even (lowered to 100 tokens here), which splits gate/up and drops the prefix cache
-    the warm-up overwrites; the tests below then check parity and recompiles on that engine."""
-    from framework.engine import compile_policy
+    generate that fills the prefix cache), then compiled before the ``generate`` call whose expected
+    saving passes the warm-up (the planner's step times and warm-up faked: 30 ms eager decode steps at
+    batch 1, a 1 s warm-up), which splits gate/up and drops the prefix cache the warm-up overwrites;
+    the tests below then check parity and recompiles on that engine."""
+    from framework.engine import compile_calibration, compile_policy
+    from framework.worker.model_runner import ModelRunner
 
     llm = LLM(model=STORIES, prepack_linears=PREPACK, block_size=8, max_num_batched_tokens=24,
               long_prefill_token_threshold=16)
     assert llm.config.compile == "auto"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(compile_policy, "COMPILE_BREAK_EVEN_TOKENS", 100)
-        assert_greedy_parity(llm, PREFIX_PROMPTS[:3], max_tokens=8)  # 24 tokens: eager
+    with pytest.MonkeyPatch.context() as mp, tempfile.TemporaryDirectory() as calibration:
+        mp.setattr(compile_calibration, "calibration_dir", lambda: Path(calibration))
+        mp.setattr(compile_calibration.CompilePlanner, "decide", REAL_DECIDE)
+        mp.setattr(compile_policy, "PRIOR_WARM_UP_S", {"cold": 1.0, "cached": 1.0})
+        mp.setattr(ModelRunner, "time_decode_steps", lambda runner, sizes: {1: 30.0, 64: 180.0})
+        assert_greedy_parity(llm, PREFIX_PROMPTS[:3], max_tokens=8)  # 24 tokens at batch 3: eager
         # eager so far, with cached prefix blocks that the warm-up's dummy K/V would corrupt if they stayed
         assert llm.engine.runner.compiled is None and llm.engine.kv_allocator._cached
         assert "eager" in llm.engine.metrics.summary()["compile_reason"]
-        assert_greedy_parity(llm, PREFIX_PROMPTS[3:6], max_tokens=30)  # 24 + 90 >= 100: compiles first
+        assert_greedy_parity(llm, PREFIX_PROMPTS[3:4], max_tokens=70)  # 24 + 70 tokens at batch 1: compiles first
     summary = llm.engine.metrics.summary()
-    assert summary["compile_mode"] == "auto" and "reach the break-even of 100" in summary["compile_reason"]
+    assert summary["compile_mode"] == "auto" and "compiling, ~1.0 s warm-up" in summary["compile_reason"]
     yield llm
     assert_all_blocks_free(llm.engine)
 
@@ -57,8 +67,8 @@ def test_warm_up_compiles_three_graphs(compiled_llm):
     if PREPACK == "on":
         assert isinstance(compiled_llm.engine.runner.model.model.layers[0].self_attn.qkv_proj, PrepackedLinear)
     # default torch_paged: num_tokens >= 2 (opaque attention), and the traced-attention decode graphs
-    # of num_tokens == 1 and >= 2; no graph breaks
-    assert stats.num_graphs_warmup == 3
+    # of num_tokens == 1 and >= 2, of the one layer kind all 5 layers share; no graph breaks
+    assert stats.num_layer_kinds == 1 and stats.num_graphs_warmup == 3
     assert stats.compile_s > 0
 
 
@@ -75,10 +85,9 @@ def test_parity_and_no_recompiles_over_mixed_lengths(compiled_llm):
 
 
 def test_engines_keep_their_own_graphs(compiled_llm):
-    """The decoder's module and parameter guards are dropped (``decoder_entry``): a second compiled
-    engine of the same model compiles graphs of its own (the guards that told engines apart are gone,
-    so a shared cache would hand it the first engine's graphs), and both keep transformers parity and
-    no recompiles when they alternate."""
+    """Graphs are dispatched without guards (``compile_regions.LayerGraphs``): a second compiled engine
+    of the same model compiles graphs of its own (an entry per engine and layer kind), and both keep
+    transformers parity and no recompiles when they alternate."""
     other = LLM(model=STORIES, compile=True, attention="torch", max_num_batched_tokens=24)
     assert type(other.engine.runner.model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # float32: ATen's
     assert other.engine.runner.compile_stats.num_graphs_warmup == 2  # its own prefill and batch-1 graphs
@@ -89,11 +98,13 @@ def test_engines_keep_their_own_graphs(compiled_llm):
     assert compiled_llm.engine.runner.compile_stats.num_recompiles == before
 
 
-def test_decoder_entry_has_a_code_object_of_its_own():
-    module = torch.nn.Identity()
-    first, second = decoder_entry(module), decoder_entry(module)
+def test_layer_entry_has_a_code_object_of_its_own():
+    def forward(layer, x, servelab_layer=None):
+        return layer(x) + servelab_layer
+
+    first, second = layer_entry(forward, 0), layer_entry(forward, 0)
     assert first.__code__ is not second.__code__
-    assert first(input=torch.ones(2)).tolist() == [1.0, 1.0]
+    assert first(torch.nn.Identity(), 1.0, (torch.ones(2),), {}).tolist() == [2.0, 2.0]
 
 
 def test_fma_contraction_only_for_reduced_precision_graphs():
@@ -144,8 +155,8 @@ def test_attention_op_contract(compiled_llm):
     module.layer_idx = 0
     with forward_context(ForwardContext(backend, backend.build_metadata(common), runner.kv_caches)):
         expected, _ = servelab_attention(module, q, k, v, None)
-        out = attention_op(q, k, v, 0)
-        torch.library.opcheck(attention_op, (q, k, v, 0))
+        out = attention_op(q, k, v, torch.tensor(0))
+        torch.library.opcheck(attention_op, (q, k, v, torch.tensor(0)))
     assert out.shape == (1, num_tokens, backend.num_heads, backend.head_size) and out.is_contiguous()
     torch.testing.assert_close(out, expected)
 
@@ -167,15 +178,15 @@ def test_decode_steps_attend_inside_the_graph(compiled_llm, monkeypatch):
 
 
 def test_recompile_is_counted(compiled_llm, monkeypatch, caplog):
-    """The counter is live: a forward no warm-up graph covers (int32 position ids fail a dtype guard)
-    compiles a new graph, counted in ``compile_num_recompiles`` and logged. Runs last on the shared
-    engine: the dummy forward overwrites blocks 0..1, which may hold cached prefixes."""
+    """The counter is live: a step no warm-up graph covers (a one-token step with attention outside the
+    graph, which torch_paged never asks for) compiles a new graph, counted in
+    ``compile_num_recompiles`` and logged. Runs last on the shared engine: the dummy forward
+    overwrites blocks 0..1, which may hold cached prefixes."""
     runner = compiled_llm.engine.runner
     before = runner.compile_stats.num_recompiles
-    forward = runner._forward
-    monkeypatch.setattr(runner, "_forward", lambda ids, pos, index, meta: forward(ids, pos.int(), index, meta))
+    monkeypatch.setattr(runner, "_graph_attention", lambda metadata: None)
     with caplog.at_level(logging.WARNING, logger="framework.worker.compile"):
-        runner._dummy_forward(3)
+        runner._dummy_forward(1)
     assert runner.compile_stats.num_recompiles == before + 1
     assert compiled_llm.engine.metrics.summary()["compile_num_recompiles"] == before + 1
     assert any("recompiling after the warm-up" in r.message for r in caplog.records)

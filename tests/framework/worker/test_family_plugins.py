@@ -9,7 +9,16 @@ from __future__ import annotations
 import logging
 
 import pytest
-from families import ENGINE, MAX_TOKENS, assert_matches_transformers, hf_reference, prompts, run_family, tiny_model_dir
+from families import (
+    ENGINE,
+    FAMILY_IDS,
+    MAX_TOKENS,
+    assert_matches_transformers,
+    hf_reference,
+    prompts,
+    run_family,
+    tiny_model_dir,
+)
 from grammar_helpers import SPECS, check_output
 from helpers import STORIES_EAGLE
 
@@ -20,13 +29,14 @@ KERNEL = {"attention": "torch_paged",
           "attention_params": {"compile": False, "min_paged_decodes": 1, "paged_prefill": True}}
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("family", FAMILY_IDS)
 def test_compiled_engine_traces_every_feature(family, make_llm, monkeypatch):
-    """``engine.compile=true`` (default ``torch_paged``: decode steps attend inside the decoder graph,
+    """``engine.compile=true`` (default ``torch_paged``: decode steps attend inside the layer graphs,
     others through the ``servelab::attention`` op with the layer's features as arguments; the LM head
-    and Gemma's final softcap after the graph): dynamo traces each decoder whole (fullgraph) with
-    windows, softcaps, sinks, MoE and MLA's padded value heads, and the engine still equals
-    transformers. Inductor's code generation is replaced by running the traced FX graphs (tens of
+    and Gemma's final softcap after the decoder): dynamo traces each layer kind whole (fullgraph) with
+    windows, softcaps, sinks, NoPE layers, MoE and MLA's padded value heads, layers of one kind share
+    its graphs (the layer index and KV cache are data), and the engine still equals transformers with
+    no recompile. Inductor's code generation is replaced by running the traced FX graphs (tens of
     seconds less per family here); ``test_compile.py`` covers inductor itself."""
     import torch._inductor.compile_fx as inductor
 
@@ -35,6 +45,8 @@ def test_compiled_engine_traces_every_feature(family, make_llm, monkeypatch):
     assert_matches_transformers(family, outs, "compiled")
     summary = llm.engine.metrics.summary()
     assert summary["compile_active"] and summary["compile_num_recompiles"] == 0, summary
+    stats = llm.engine.runner.compile_stats
+    assert stats.num_graphs_warmup == 3 * stats.num_layer_kinds  # prefill, 1-token, traced decode per kind
 
 
 @pytest.mark.parametrize(("family", "drafter"), [("gpt_oss", "draft_model"), ("gemma2", "eagle")])

@@ -194,6 +194,40 @@ def test_logit_bias(setup):
     _assert_error(_call(state, "POST", "/v1/completions", {**body, "logit_bias": {"5": 500.0}}), 400, None, "logit_bias")
 
 
+def test_health_is_503_compiling_until_the_start_up_is_done():
+    """A server's start-up work (its compile warm-up) runs on the loop thread: ``/health`` answers 503
+    with a "compiling" reason meanwhile, a request sent then waits and is served, and ``/health`` is
+    200 after it (vLLM's readiness behaviour)."""
+    import threading
+
+    from framework import LLM
+
+    engine = LLM(model=STORIES, num_blocks=32).engine
+    release = threading.Event()
+    llm = AsyncLLM(engine, startup=lambda: release.wait(60))
+    state = ServerState(llm=llm, model_name="tiny", max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                        tokenizer=engine.tokenizer, supports_structured_outputs=False)
+
+    async def go():
+        transport = httpx.ASGITransport(app=build_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            starting = await client.get("/health")
+            request = asyncio.create_task(client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 3}))
+            await asyncio.sleep(0.2)
+            assert not request.done()  # waits for the start-up
+            release.set()
+            return starting, await request, await client.get("/health")
+
+    try:
+        starting, completion, ready = asyncio.run(go())
+    finally:
+        llm.shutdown()
+    _assert_error(starting, 503, text="compiling")
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 3
+    assert ready.status_code == 200 and llm.ready and llm.startup_s > 0
+    assert_all_blocks_free(engine)
+
+
 def test_engine_down_is_503(setup):  # last: shuts the module's engine loop down
     _, state = setup
     state.llm.shutdown()
