@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import faulthandler
 import itertools
 import logging
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from framework.config import EngineConfig
@@ -66,8 +69,11 @@ class LLM:
         Raises:
             ValueError: invalid sampling params or mismatched list lengths — before anything
                 is queued.
-            EngineDeadError: the engine step itself failed (e.g. the model forward); the batch is lost
-                and this ``LLM`` refuses further work (build a new one).
+            EngineDeadError: the engine step itself failed (e.g. the model forward); the batch is lost,
+                the engine's workers are shut down and this ``LLM`` refuses further work (build a new one).
+
+        A step running past ``engine.watchdog_timeout_s`` (a plugin hook that never returns) dumps every
+        thread's stack to stderr, naming where it hangs.
         """
         if self._dead is not None:
             raise EngineDeadError(f"this LLM's engine died earlier ({type(self._dead).__name__}: {self._dead}); "
@@ -101,9 +107,11 @@ class LLM:
                 results[request_id] = _rejected(request_id, text, exc)
         while self.engine.has_unfinished_requests():
             try:
-                outputs = self.engine.step()
+                with _step_watchdog(self.config.watchdog_timeout_s):
+                    outputs = self.engine.step()
             except Exception as exc:
                 self._dead = exc
+                self._shutdown_quietly()  # worker processes must not outlive a dead engine
                 raise EngineDeadError(f"the engine step failed ({type(exc).__name__}: {exc}); its state is unknown "
                                       f"and the {len(order)} requests of this generate() call are lost; build a new "
                                       "LLM") from exc
@@ -111,6 +119,13 @@ class LLM:
                 if out.finished:
                     results[out.request_id] = out
         return [results[rid] for rid in order]
+
+    def _shutdown_quietly(self) -> None:
+        """Stop the workers (and grammar threads) of an engine that just died; a failure here is only logged."""
+        try:
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001 - the original fault is what the caller must see
+            logger.exception("shutting down the dead engine failed")
 
     @staticmethod
     def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -130,6 +145,22 @@ class LLM:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             return prompt["prompt"], prompt["prompt"]
         return (prompt if isinstance(prompt, str) else None), prompt
+
+
+@contextlib.contextmanager
+def _step_watchdog(timeout_s: float) -> Iterator[None]:
+    """Dump every thread's stack to stderr if the body runs past ``timeout_s`` (``faulthandler``; the
+    process goes on: an offline caller may still interrupt it)."""
+    stream = sys.__stderr__
+    try:
+        faulthandler.dump_traceback_later(timeout_s, exit=False, file=stream)
+    except (AttributeError, ValueError, OSError):  # no usable stderr (an embedding host): no watchdog
+        yield
+        return
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _rejected(request_id: str, prompt: str | None, exc: Exception) -> RequestOutput:

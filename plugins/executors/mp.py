@@ -141,6 +141,7 @@ class MultiprocExecutor(Executor):
         _install_sigterm_handler()
         self._res.ring = ShmBroadcast(self.world_size, chunk_bytes, num_chunks, ctx)
         self._shm_name = self._res.ring.handle.name
+        self._stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped before beating
         init_method = f"tcp://127.0.0.1:{free_port()}" if self.world_size > 1 else None
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=False)
@@ -298,13 +299,18 @@ class MultiprocExecutor(Executor):
         return f"executor.params.rpc_timeout_s={d.rpc_timeout_s:g}"
 
     def _silent_rank(self) -> str | None:
-        """``worker rank R (pid P) stopped beating ...`` for a rank whose heartbeat is older than
-        ``heartbeat_timeout_s``; ``None`` when every started rank beats (a rank still importing has not
-        beaten yet: the start-up deadline covers it)."""
-        limit = self.deadlines.heartbeat_timeout_s
+        """``worker rank R (pid P) sent no heartbeat ...`` for a rank whose heartbeat is older than
+        ``heartbeat_timeout_s``, or that the kernel reports stopped that long before its first heartbeat
+        (it was stopped while still importing); ``None`` when every rank is fine."""
+        limit, now = self.deadlines.heartbeat_timeout_s, time.monotonic()
         for rank, age in enumerate(self._res.ring.heartbeat_ages_s()):
+            pid = self._res.procs[rank].pid
+            if age is None:  # not beating yet: only a stopped process is known to be silent
+                age = now - self._stopped_since.setdefault(rank, now) if _is_stopped(pid) else None
+                if age is None:
+                    self._stopped_since.pop(rank, None)
             if age is not None and age > limit:
-                return (f"worker rank {rank} (pid {self._res.procs[rank].pid}) sent no heartbeat for {age:.1f} s "
+                return (f"worker rank {rank} (pid {pid}) sent no heartbeat for {age:.1f} s "
                         f"(executor.params.heartbeat_timeout_s={limit:g}): stopped (SIGSTOP, a debugger) or stuck "
                         "holding the GIL")
         return None
@@ -354,6 +360,16 @@ class MultiprocExecutor(Executor):
     def shm_name(self) -> str:
         """Name of the broadcast segment (``/dev/shm/<name>`` on Linux; unlinked once every rank attached)."""
         return self._shm_name
+
+
+def _is_stopped(pid: int) -> bool:
+    """True when the kernel reports the process stopped (SIGSTOP, SIGTSTP, a tracer)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
 
 
 def _name(method: str | Any) -> str:
