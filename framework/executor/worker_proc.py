@@ -18,7 +18,6 @@ import os
 import pickle
 import signal
 import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -52,20 +51,28 @@ def run_method(worker: Any, method: str | Any, args: tuple, kwargs: dict[str, An
     return getattr(worker, method)(*args, **kwargs)
 
 
-def start_heartbeat(reader: ShmBroadcast, parent_pid: int) -> threading.Thread:
-    """Beat into the ring every :data:`HEARTBEAT_INTERVAL_S` from a daemon thread; exit the process
-    (code :data:`EXIT_DRIVER_GONE`) as soon as the driver is no longer its parent."""
+class Heartbeat:
+    """Beats into the ring every :data:`HEARTBEAT_INTERVAL_S` from a daemon thread and exits the process
+    (code :data:`EXIT_DRIVER_GONE`) as soon as the driver is no longer its parent; :meth:`stop` before the
+    ring is unmapped."""
 
-    def run() -> None:
-        while True:
-            if os.getppid() != parent_pid:
+    def __init__(self, reader: ShmBroadcast, parent_pid: int) -> None:
+        self._reader, self._parent_pid = reader, parent_pid
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="servelab-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            if os.getppid() != self._parent_pid:
                 os._exit(EXIT_DRIVER_GONE)  # nothing to clean: the segment names are gone already
-            reader.beat()
-            time.sleep(HEARTBEAT_INTERVAL_S)
+            self._reader.beat()
+            self._stopped.wait(HEARTBEAT_INTERVAL_S)
 
-    thread = threading.Thread(target=run, name="servelab-heartbeat", daemon=True)
-    thread.start()
-    return thread
+    def stop(self) -> None:
+        """End the thread (waits for a beat in progress)."""
+        self._stopped.set()
+        self._thread.join(5.0)
 
 
 def worker_main(config: dict[str, Any], rank: int, world_size: int, init_method: str | None,
@@ -85,7 +92,7 @@ def worker_main(config: dict[str, Any], rank: int, world_size: int, init_method:
     except BaseException:  # noqa: BLE001 - reported to the driver
         send(conn, "error", ("start-up", traceback.format_exc()))
         return
-    start_heartbeat(reader, parent_pid)
+    heartbeat = Heartbeat(reader, parent_pid)
     send(conn, "attached", os.getpid())
     from framework.config import EngineConfig
     from framework.worker.worker import Worker
@@ -96,6 +103,7 @@ def worker_main(config: dict[str, Any], rank: int, world_size: int, init_method:
         worker.load_model()
     except BaseException:  # noqa: BLE001 - bad weights, out of memory, device...: reported to the driver
         send(conn, "error", ("start-up", traceback.format_exc()))
+        heartbeat.stop()
         return
     send(conn, "ready", os.getpid())
     try:
@@ -105,6 +113,7 @@ def worker_main(config: dict[str, Any], rank: int, world_size: int, init_method:
         raise  # exit code 1, the traceback on stderr
     finally:
         worker.shutdown()
+        heartbeat.stop()
         reader.close()
 
 

@@ -133,3 +133,10 @@ def sleep_and_echo(worker: Any, value: Any, seconds: float) -> tuple[int, Any]:
     """``collective_rpc`` callable: ``(rank, value)`` after ``seconds`` (concurrency and deadline tests)."""
     time.sleep(seconds)
     return worker.rank, value
+
+
+def worker_pid(worker: Any) -> int:
+    """``collective_rpc`` callable: the process id of each rank (to signal one)."""
+    import os
+
+    return os.getpid()
