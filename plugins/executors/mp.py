@@ -230,9 +230,9 @@ class MultiprocExecutor(Executor):
             for rank, kind, payload in self._wait(set(ranks) - set(results) - set(errors), end, name):
                 if kind == "error":
                     failed_method, trace = payload
+                    message = f"worker rank {rank} failed in {failed_method} ({_last_line(trace)}):\n{trace}"
                     if failed_method in ("execute_model", RING):  # ranks may be out of step now
-                        raise self._lost(f"worker rank {rank} failed in {failed_method}:\n{trace}")
-                    message = f"worker rank {rank} failed in {failed_method}:\n{trace}"
+                        raise self._lost(message)
                     if rank not in ranks or rank in results or rank in errors:
                         raise WorkerError(message)  # a non-replying rank's failure in an earlier call
                     errors[rank] = message
@@ -360,6 +360,12 @@ class MultiprocExecutor(Executor):
     def shm_name(self) -> str:
         """Name of the broadcast segment (``/dev/shm/<name>`` on Linux; unlinked once every rank attached)."""
         return self._shm_name
+
+
+def _last_line(trace: str) -> str:
+    """The exception line of a traceback (``Type: message``)."""
+    lines = [line for line in trace.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no traceback"
 
 
 def _is_stopped(pid: int) -> bool:
