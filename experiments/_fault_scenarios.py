@@ -89,7 +89,7 @@ def rank_fault(row: dict[str, Any]) -> None:
             initialize(self, *args, **kwargs)
 
         executor_mod.Executor.initialize_cache = announced
-    observer = _PhaseObserver()
+    observer = _PhaseObserver() if phase == "step" else object()  # idle: the warm-up generate must not announce
     if phase == "load":
         emit("phase", phase="load", at=time.time())
     try:
@@ -144,6 +144,7 @@ def request_faults(row: dict[str, Any]) -> None:
         return append(self, token_id, check_stop)
 
     IncrementalDetokenizer.append = faulty_append
+    emit("phase", phase="sites", at=time.time())
     results = []
     with registry.registered(faulty_plugins, name="faulty-plugins"):
         llm = LLM(**{**engine_kwargs(row), "grammar": "faulty", "drafter": "faulty"})
@@ -159,14 +160,20 @@ def request_faults(row: dict[str, Any]) -> None:
             llm.engine.executor.collective_rpc(clear_worker_faults)
             os.environ.pop("FAULT_SITE")
             bad = outs[-1]
-            results.append({"site": site, "poisoned_failed": bad.outputs[0].finish_reason == "abort" and bool(bad.error),
-                            "error": bad.error, "others_equal": [o.outputs[0].token_ids for o in outs[:3]] == baseline})
+            named = {"detokenizer": "stop checker (detokenizer", "rejection_sampler": "rejection sampler on worker",
+                     "grammar 'faulty' fill_bitmask": "fill_bitmask"}.get(
+                site, site if site not in WORKER_SITES else f"worker's {site}")
+            results.append({"site": site, "poisoned_failed": bad.outputs[0].finish_reason == "abort" and bool(bad.error)
+                            and named in bad.error, "error": bad.error,
+                            "others_equal": [o.outputs[0].token_ids for o in outs[:3]] == baseline})
         llm.engine.check_health()
         llm.engine.shutdown()
     emit("sites", results=results)
-    ok = all(r["poisoned_failed"] and r["others_equal"] for r in results)
-    outcome(None if ok else RuntimeError("a site failed more than its request"), 4 * len(results),
-            3 * len(results) if ok else 0)
+    bad_sites = [r["site"] for r in results if not (r["poisoned_failed"] and r["others_equal"])]
+    outcome(RuntimeError(f"sites that failed more than their request: {bad_sites}") if bad_sites else None,
+            4 * len(results), sum(3 + (not r["poisoned_failed"]) for r in results),
+            summary=f"{len(results)} sites ({', '.join(r['site'] for r in results)}): each failed only its poisoned "
+                    "request (error naming the site), the other 3 equal a run without faults; engine healthy after")
 
 
 def forward_fault(row: dict[str, Any]) -> None:
