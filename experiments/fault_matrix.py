@@ -91,6 +91,7 @@ class _Tree:
     def __init__(self, root: int) -> None:
         self.root, self.pids, self.shm = root, {root}, set()
         self.gone_at: float | None = None
+        self.names: dict[int, str] = {}  # cmdline of processes still alive at the end
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -134,8 +135,10 @@ class _Tree:
             alive = []
             for pid in sorted(self.pids):
                 with contextlib.suppress(psutil.Error):
-                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    process = psutil.Process(pid)
+                    if process.status() != psutil.STATUS_ZOMBIE:
                         alive.append(pid)
+                        self.names[pid] = " ".join(process.cmdline())[:80]
             shm = sorted(n for n in self.shm if (Path("/dev/shm") / n).exists())
             if not alive and not shm:
                 self.gone_at = time.time()
@@ -205,11 +208,14 @@ def run_row(row: dict[str, Any], log_dir: Path) -> RowResult:
     finally:
         tree.stop()
         result.leftover_pids, result.leftover_shm = tree.leftovers()
+        if result.leftover_pids:
+            print(f"{row['label']}: left behind {[tree.names.get(p) for p in result.leftover_pids]}", file=sys.stderr)
         for pid in result.leftover_pids:  # never leave them running
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         log.close()
-    if row["kind"] == "driver_kill":
+    if row["kind"] == "driver_kill":  # the requests in flight die with their driver
+        result.num_requests = result.failed = 4
         result.user_sees = "the driver dies of SIGKILL; its ranks exit by themselves (detect: until the last is gone)"
         result.detect_s = None if tree.gone_at is None or t_fault is None else round(tree.gone_at - t_fault, 2)
     return judge(row, result)

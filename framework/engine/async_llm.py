@@ -22,10 +22,7 @@ import dataclasses
 import itertools
 import logging
 import queue
-import sys
 import threading
-import time
-import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -33,11 +30,11 @@ from framework.core.faults import EngineDeadError
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.llm_engine import LLMEngine
+from framework.engine.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # seconds the idle loop blocks on the command queue before re-checking shutdown
-_WATCHDOG_TICK_S = 1.0  # seconds between two looks of the watchdog at the running step
 
 
 @dataclasses.dataclass
@@ -78,11 +75,9 @@ class AsyncLLM:
         # generate's check-and-enqueue vs the loop's exit: a queued command is drained or its caller refused
         self._lock = threading.Lock()
         self._closed = False  # the loop took its last command (under _lock)
-        self._step_started: float | None = None  # time.monotonic() of the running step's start (loop thread)
+        self._watchdog = StepWatchdog(float(engine.config.watchdog_timeout_s), self._hung)
         self._thread = threading.Thread(target=self._run, name="servelab-engine-loop", daemon=True)
         self._thread.start()
-        self._watchdog = threading.Thread(target=self._watch, name="servelab-engine-watchdog", daemon=True)
-        self._watchdog.start()
 
     # ---- caller side ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -161,9 +156,8 @@ class AsyncLLM:
                 if not busy:  # a worker lost while idle kills the loop too (so /health turns 503)
                     self.engine.check_health()
                 if self.engine.has_unfinished_requests() and not self._stopping.is_set():
-                    self._step_started = time.monotonic()
-                    outputs = self.engine.step()
-                    self._step_started = None
+                    with self._watchdog.step():
+                        outputs = self.engine.step()
                     if self.errored is not None:  # the watchdog gave up on this step meanwhile
                         return
                     self._dispatch(outputs)
@@ -171,6 +165,8 @@ class AsyncLLM:
             logger.exception("engine loop died: every in-flight request fails with EngineDeadError")
             self._die(exc)
             return
+        finally:
+            self._watchdog.close()
         with self._lock:
             self._closed = True
             self._drain(block=False)
@@ -197,20 +193,13 @@ class AsyncLLM:
         if self.on_dead is not None:
             self.on_dead(exc)
 
-    def _watch(self) -> None:
-        """Watchdog thread: a step running past ``engine.watchdog_timeout_s`` kills the loop (its stack is logged)."""
-        limit = float(self.engine.config.watchdog_timeout_s)
-        while self._thread.is_alive() and self.errored is None:
-            started = self._step_started
-            if started is not None and time.monotonic() - started > limit:
-                frame = sys._current_frames().get(self._thread.ident)
-                where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)"
-                logger.error("engine step running for %.0f s (engine.watchdog_timeout_s=%g): hung; the loop thread "
-                             "is at:\n%s", time.monotonic() - started, limit, where)
-                self._die(TimeoutError(f"an engine step made no progress for {limit:g} s (engine.watchdog_timeout_s); "
-                                       "a plugin hook or the forward hangs (its stack is in the log)"))
-                return
-            time.sleep(_WATCHDOG_TICK_S)
+    def _hung(self, seconds: float, stack: str) -> None:
+        """The watchdog's verdict on a step past ``engine.watchdog_timeout_s``: log where it hangs, kill the loop."""
+        limit = self._watchdog.timeout_s
+        logger.error("engine step running for %.0f s (engine.watchdog_timeout_s=%g): hung; the loop thread is at:\n%s",
+                     seconds, limit, stack)
+        self._die(TimeoutError(f"an engine step made no progress for {limit:g} s (engine.watchdog_timeout_s); "
+                               "a plugin hook or the forward hangs (its stack is in the log)"))
 
     def _drain(self, block: bool) -> None:
         """Apply queued commands; when ``block``, wait (idle) for the first one."""

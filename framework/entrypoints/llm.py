@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import faulthandler
 import itertools
 import logging
-import sys
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from framework.config import EngineConfig
@@ -17,6 +15,7 @@ from framework.core.outputs import CompletionOutput, RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.builder import build_engine
 from framework.engine.llm_engine import LLMEngine
+from framework.engine.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +51,8 @@ class LLM:
         self.config = self.engine.config  # dtype="auto" resolved
         self._ids = itertools.count()
         self._dead: BaseException | None = None  # the fault that killed the engine, if one did
+        self._watchdog = StepWatchdog(float(self.config.watchdog_timeout_s), _report_hung_step)
+        weakref.finalize(self, self._watchdog.close)  # its thread ends with this LLM
 
     def get_tokenizer(self) -> Any:
         """The model's HF tokenizer."""
@@ -72,8 +73,9 @@ class LLM:
             EngineDeadError: the engine step itself failed (e.g. the model forward); the batch is lost,
                 the engine's workers are shut down and this ``LLM`` refuses further work (build a new one).
 
-        A step running past ``engine.watchdog_timeout_s`` (a plugin hook that never returns) dumps every
-        thread's stack to stderr, naming where it hangs.
+        A step running past ``engine.watchdog_timeout_s`` (a plugin hook that never returns) is logged as
+        an error with the stack of the thread running it, naming where it hangs (the call goes on waiting:
+        interrupt it).
         """
         if self._dead is not None:
             raise EngineDeadError(f"this LLM's engine died earlier ({type(self._dead).__name__}: {self._dead}); "
@@ -107,7 +109,7 @@ class LLM:
                 results[request_id] = _rejected(request_id, text, exc)
         while self.engine.has_unfinished_requests():
             try:
-                with _step_watchdog(self.config.watchdog_timeout_s):
+                with self._watchdog.step():
                     outputs = self.engine.step()
             except Exception as exc:
                 self._dead = exc
@@ -147,20 +149,9 @@ class LLM:
         return (prompt if isinstance(prompt, str) else None), prompt
 
 
-@contextlib.contextmanager
-def _step_watchdog(timeout_s: float) -> Iterator[None]:
-    """Dump every thread's stack to stderr if the body runs past ``timeout_s`` (``faulthandler``; the
-    process goes on: an offline caller may still interrupt it)."""
-    stream = sys.__stderr__
-    try:
-        faulthandler.dump_traceback_later(timeout_s, exit=False, file=stream)
-    except (AttributeError, ValueError, OSError):  # no usable stderr (an embedding host): no watchdog
-        yield
-        return
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+def _report_hung_step(seconds: float, stack: str) -> None:
+    """``StepWatchdog`` verdict offline: say loudly where the step hangs (the caller may interrupt it)."""
+    logger.error("engine step running for %.0f s (engine.watchdog_timeout_s): hung; it is at:\n%s", seconds, stack)
 
 
 def _rejected(request_id: str, prompt: str | None, exc: Exception) -> RequestOutput:

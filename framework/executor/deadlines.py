@@ -81,7 +81,11 @@ class StepDeadline:
     time scaled up (never down) by ``n / its tokens``, i.e. a linear extrapolation from every recent
     step, which over-estimates (per-token cost falls with batch size) but never under-estimates by
     more than a step's noise. Deadline: ``factor x expected``, clamped to ``[min_step_deadline_s,
-    execute_timeout_s]``; before the first measured step, ``execute_timeout_s``.
+    execute_timeout_s]``; until a step is measured, ``execute_timeout_s``. The executor's first step is
+    not measured: it pays one-off initialisation (oneDNN primitives, first allocations; 1.5 s for a
+    5-token stories260K prefill on a Ray actor, against ~10 ms for the steps after it), which the
+    extrapolation would carry to every later step. Extrapolating a decode step's time to a long prefill
+    over-estimates (per-token cost falls with batch size); the ceiling bounds that.
 
     Args:
         deadlines: the executor's bounds.
@@ -91,6 +95,7 @@ class StepDeadline:
     def __init__(self, deadlines: Deadlines, window: int = 256) -> None:
         self.deadlines = deadlines
         self._steps: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
+        self._skipped_first = False
 
     def deadline_s(self, num_tokens: int) -> float:
         """Seconds the step of ``num_tokens`` scheduled tokens may take."""
@@ -102,5 +107,8 @@ class StepDeadline:
         return min(max(d.step_deadline_factor * expected, d.min_step_deadline_s), d.execute_timeout_s)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        """Record a completed step (wall time of the call, seconds)."""
+        """Record a completed step (wall time of the call, seconds); the first one is not kept (see the class)."""
+        if not self._skipped_first:
+            self._skipped_first = True
+            return
         self._steps.append((max(num_tokens, 1), seconds))

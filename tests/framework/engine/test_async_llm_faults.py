@@ -96,3 +96,15 @@ def test_watchdog_fails_every_request_when_a_hook_hangs(caplog):
     assert hung and "on_step_end" in hung[0] and "time.sleep" in hung[0]  # where it hangs, named
     with pytest.raises(EngineDeadError):  # later requests fail at once
         asyncio.run(asyncio.wait_for(_first(engine), 5))
+
+
+def test_offline_watchdog_names_the_hung_hook(caplog):
+    """``LLM.generate``: a step past ``engine.watchdog_timeout_s`` is logged with the stepping thread's stack
+    (the call then goes on: here the hook returns after 4 s)."""
+    with registry.registered(_HangingObserver(seconds=4.0), name="hanging-observer"):
+        llm = LLM(model=STORIES, attention="torch", watchdog_timeout_s=1.5)
+        with caplog.at_level(logging.ERROR, logger="framework.entrypoints.llm"):
+            outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(outs[0].outputs[0].token_ids) == 4
+    (hung,) = [r.getMessage() for r in caplog.records if "hung" in r.getMessage()]
+    assert "on_step_end" in hung and "time.sleep" in hung

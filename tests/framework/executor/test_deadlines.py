@@ -12,6 +12,8 @@ def test_step_deadline_follows_measured_step_times():
     d = Deadlines(execute_timeout_s=300, min_step_deadline_s=5, step_deadline_factor=8)
     step = StepDeadline(d)
     assert step.deadline_s(64) == 300  # nothing measured yet: the ceiling
+    step.observe(5, 1.5)  # the first step pays one-off initialisation: not kept
+    assert step.deadline_s(64) == 300
     step.observe(64, 0.05)  # a batch-64 decode, 50 ms
     assert step.deadline_s(64) == 5  # 8 x 50 ms is below the floor
     step.observe(2048, 2.0)  # a full prefill chunk, 2 s
