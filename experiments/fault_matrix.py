@@ -38,6 +38,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = REPO / "experiments" / "_fault_scenarios.py"
 LEFTOVER_WAIT_S = 15.0  # seconds every process of a row has to exit and every segment to go
+#: Ray's own node agents (DashboardAgent, RuntimeEnvAgent) outlive a SIGKILLed driver by ~60 s before they
+#: exit by themselves (the ranks, Ray actors, go within seconds); its driver-kill row waits this long
+RAY_AGENTS_WAIT_S = 90.0
 ROW_TIMEOUT_S = 400.0  # a row still running after this is killed and fails
 
 
@@ -125,12 +128,12 @@ class _Tree:
         self._stop.set()
         self._thread.join(2)
 
-    def leftovers(self) -> tuple[list[int], list[str]]:
-        """Processes of the tree still alive and segments still named, after up to ``LEFTOVER_WAIT_S``
+    def leftovers(self, wait_s: float = LEFTOVER_WAIT_S) -> tuple[list[int], list[str]]:
+        """Processes of the tree still alive and segments still named, after up to ``wait_s``
         (:attr:`gone_at`: ``time.time()`` when none was left)."""
         import psutil
 
-        end = time.monotonic() + LEFTOVER_WAIT_S
+        end = time.monotonic() + wait_s
         while True:
             alive = []
             for pid in sorted(self.pids):
@@ -207,7 +210,8 @@ def run_row(row: dict[str, Any], log_dir: Path) -> RowResult:
             result.detect_s = None if t_fault is None else round(out["at"] - t_fault, 2)
     finally:
         tree.stop()
-        result.leftover_pids, result.leftover_shm = tree.leftovers()
+        wait_s = RAY_AGENTS_WAIT_S if row["kind"] == "driver_kill" and row["executor"] == "ray" else LEFTOVER_WAIT_S
+        result.leftover_pids, result.leftover_shm = tree.leftovers(wait_s)
         if result.leftover_pids:
             print(f"{row['label']}: left behind {[tree.names.get(p) for p in result.leftover_pids]}", file=sys.stderr)
         for pid in result.leftover_pids:  # never leave them running

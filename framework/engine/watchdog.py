@@ -58,6 +58,15 @@ class StepWatchdog:
             if started is None or started == self._reported or time.monotonic() - started <= self.timeout_s:
                 continue
             self._reported = started
-            frame = sys._current_frames().get(self._thread_id)
-            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)"
-            self.on_hung(time.monotonic() - started, stack)
+            self.on_hung(time.monotonic() - started, _stack_of(self._thread_id))
+
+
+def _stack_of(thread_id: int | None) -> str:
+    """The formatted stack of a thread. No frame outlives the call: a frame kept by this daemon thread would
+    hold the stepping thread's tensors until interpreter exit, where dropping them from a daemon thread
+    aborts the process (torch re-acquires the GIL in a destructor during finalisation)."""
+    frame = sys._current_frames().get(thread_id)
+    try:
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)"
+    finally:
+        del frame

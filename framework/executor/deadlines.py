@@ -26,6 +26,8 @@ from typing import Any
 
 #: seconds between two heartbeats of a rank process
 HEARTBEAT_INTERVAL_S = 0.5
+#: steps of fewer tokens are extrapolated as if they had this many (their time is mostly fixed cost)
+MIN_EXTRAPOLATION_TOKENS = 16
 #: calls that run the compile warm-up (``initialize_cache`` does when ``engine.compile=true``)
 COMPILE_CALLS = ("compile_decoder",)
 
@@ -78,9 +80,12 @@ class StepDeadline:
     """The deadline of one ``execute_model`` from the step times measured so far.
 
     Expected time of a step of ``n`` tokens: the largest over the last ``window`` steps of each step's
-    time scaled up (never down) by ``n / its tokens``, i.e. a linear extrapolation from every recent
-    step, which over-estimates (per-token cost falls with batch size) but never under-estimates by
-    more than a step's noise. Deadline: ``factor x expected``, clamped to ``[min_step_deadline_s,
+    time scaled up (never down) by ``n / max(its tokens, MIN_EXTRAPOLATION_TOKENS)``, i.e. a linear
+    extrapolation from every recent step, which over-estimates (per-token cost falls with batch size)
+    but never under-estimates by more than a step's noise. A step of fewer tokens than
+    :data:`MIN_EXTRAPOLATION_TOKENS` is mostly fixed cost (the call, collectives, sampling), so it is
+    extrapolated as if it had that many: a 300 ms decode step (a scheduling hiccup on a shared machine)
+    would otherwise make a 35-token prefill's deadline 84 s. Deadline: ``factor x expected``, clamped to ``[min_step_deadline_s,
     execute_timeout_s]``; until a step is measured, ``execute_timeout_s``. The executor's first step is
     not measured: it pays one-off initialisation (oneDNN primitives, first allocations; 1.5 s for a
     5-token stories260K prefill on a Ray actor, against ~10 ms for the steps after it), which the
@@ -103,7 +108,7 @@ class StepDeadline:
         if not self._steps:
             return d.execute_timeout_s
         n = max(num_tokens, 1)
-        expected = max(seconds * max(1.0, n / max(tokens, 1)) for tokens, seconds in self._steps)
+        expected = max(seconds * max(1.0, n / max(tokens, MIN_EXTRAPOLATION_TOKENS)) for tokens, seconds in self._steps)
         return min(max(d.step_deadline_factor * expected, d.min_step_deadline_s), d.execute_timeout_s)
 
     def observe(self, num_tokens: int, seconds: float) -> None:

@@ -5,6 +5,7 @@ shuts the workers down when a step fault kills the engine. Every failure leaves 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -100,8 +101,10 @@ def test_a_rank_hanging_in_a_step_misses_the_step_deadline():
 
 def test_a_control_call_has_a_deadline_too():
     """Before, every call but execute_model waited as long as the workers lived."""
-    llm = LLM(executor_params={"rpc_timeout_s": 1}, **SMALL)
-    pids = llm.engine.executor.worker_pids
+    llm = LLM(**SMALL)
+    executor = llm.engine.executor
+    executor.deadlines = dataclasses.replace(executor.deadlines, rpc_timeout_s=1)  # after start-up's own calls
+    pids = executor.worker_pids
     t0 = time.monotonic()
     with pytest.raises(EngineDeadError, match="rpc_timeout_s=1"):
         llm.engine.executor.collective_rpc(sleep_and_echo, args=("x", 60.0))
