@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from framework import known_warnings
 from framework.config import EngineConfig
 from framework.core.outputs import CompletionOutput, RequestOutput
 from framework.core.sampling_params import SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
 from framework.hookspecs import hookimpl
+
+known_warnings.install()  # before anything imports transformers (and, through it, torchao)
 
 _LAZY = {"LLM": "framework.entrypoints.llm", "LLMEngine": "framework.engine.llm_engine",
          "build_engine": "framework.engine.builder"}

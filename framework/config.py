@@ -61,6 +61,9 @@ class EngineConfig:
     compile_freezing: bool = False  # inductor freezing: weights as constants, prepacked for oneDNN on CPU
     prepack_linears: str = "auto"  # auto | on | off: oneDNN-prepacked (and fused q/k/v, gate/up) CPU linears (auto: bf16/fp16)
     tune_malloc: bool = True  # CPU: glibc mallopt so large activations reuse heap memory instead of fresh page-faulted mmaps
+    # an engine step (scheduling, plugins' hooks, the forward) running longer than this is hung: a server's
+    # engine loop dies (503s, exit 1), an offline run dumps every thread's stack; above the executor's step deadline
+    watchdog_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool):
@@ -97,6 +100,7 @@ class EngineConfig:
             (self.swap_space_bytes >= 0, f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}"),
             (str(self.compile) in COMPILE_MODES, f"compile must be auto, true or false, got {self.compile!r}"),
             (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.watchdog_timeout_s > 0, f"watchdog_timeout_s must be > 0 seconds, got {self.watchdog_timeout_s}"),
             (self.num_threads_per_rank >= 0,
              f"num_threads_per_rank must be >= 0 (0: cores / tensor_parallel_size), got {self.num_threads_per_rank}"),
             (self.communicator in COMMUNICATORS,

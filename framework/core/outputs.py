@@ -64,6 +64,9 @@ class ModelRunnerOutput:
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
     # the target's last hidden states of every scheduled token; only when a drafter asks (EAGLE)
     hidden_states: TargetHiddenStates | None = None
+    # request_id -> (what failed, "Type: message"): a per-request site of the driver rank's runner raised
+    # (grammar bitmask, sampler, rejection sampler); the request has no token here, the engine aborts it
+    request_errors: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass

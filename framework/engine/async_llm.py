@@ -6,10 +6,13 @@ event loop are commands on that queue, drained between steps, so engine state is
 from two threads and new requests join the running batch at the next step boundary. Outputs go
 back to each caller's event loop with ``call_soon_threadsafe``.
 
-Faults (issue 34): a request the engine fails (a plugin raised on it) ends with its own error output;
-an exception escaping ``engine.step()`` leaves the engine's state unknown, so the loop stops, every
-in-flight and later request gets :class:`~framework.core.faults.EngineDeadError`, and ``on_dead`` is
-called (the server then exits non-zero, as ``vllm serve`` does).
+Faults (issues 34, 44): a request the engine fails (a plugin raised on it) ends with its own error
+output; an exception escaping ``engine.step()`` leaves the engine's state unknown, so the loop stops,
+every in-flight and later request gets :class:`~framework.core.faults.EngineDeadError`, and ``on_dead``
+is called (the server then exits non-zero, as ``vllm serve`` does). A step that runs longer than
+``engine.watchdog_timeout_s`` (a plugin hook that never returns) is treated the same way by a watchdog
+thread, which logs the loop thread's stack (SGLang's ``watchdog_timeout``). ``generate`` enqueues under
+the lock the loop's exit takes, so a request is either seen by the loop or refused: never left waiting.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from framework.core.faults import EngineDeadError
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.llm_engine import LLMEngine
+from framework.engine.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +59,8 @@ class AsyncLLM:
 
     Args:
         engine: a built engine; from now on only this object's loop thread may touch it.
-        on_dead: called once, on the loop thread, with the fault when the engine dies (after every
-            in-flight request got its ``EngineDeadError``).
+        on_dead: called once, on the loop thread (the watchdog's for a hung step), with the fault when
+            the engine dies (after every in-flight request got its ``EngineDeadError``).
         startup: run once on the loop thread before any request (a server's compile warm-up,
             ``engine.maybe_compile(None)``); requests queue meanwhile, :attr:`ready` is False and
             :attr:`startup_s` counts. An exception in it kills the engine like one in a step.
@@ -76,6 +80,10 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._stopping = threading.Event()
         self.errored: BaseException | None = None  # set if the loop died; new requests then fail
+        # generate's check-and-enqueue vs the loop's exit: a queued command is drained or its caller refused
+        self._lock = threading.Lock()
+        self._closed = False  # the loop took its last command (under _lock)
+        self._watchdog = StepWatchdog(float(engine.config.watchdog_timeout_s), self._hung)
         self._thread = threading.Thread(target=self._run, name="servelab-engine-loop", daemon=True)
         self._thread.start()
 
@@ -94,14 +102,15 @@ class AsyncLLM:
             EngineDeadError: the engine died (before or while this request ran).
             RuntimeError: the engine loop is shut down.
         """
-        if self.errored is not None:
-            raise self._dead_error()
-        if self._stopping.is_set():
-            raise RuntimeError("the engine loop is not running (shut down)")
         params = sampling_params or SamplingParams(output_kind=RequestOutputKind.DELTA)
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._commands.put(("add", request_id, (prompt, params, priority), stream))
+        with self._lock:  # the loop cannot exit between this check and the enqueue
+            if self.errored is not None:
+                raise self._dead_error()
+            if self._stopping.is_set() or self._closed:
+                raise RuntimeError("the engine loop is not running (shut down)")
+            self._commands.put(("add", request_id, (prompt, params, priority), stream))
         finished = False
         try:
             while True:
@@ -169,18 +178,50 @@ class AsyncLLM:
                 if not busy:  # a worker lost while idle kills the loop too (so /health turns 503)
                     self.engine.check_health()
                 if self.engine.has_unfinished_requests() and not self._stopping.is_set():
-                    self._dispatch(self.engine.step())
+                    with self._watchdog.step():
+                        outputs = self.engine.step()
+                    if self.errored is not None:  # the watchdog gave up on this step meanwhile
+                        return
+                    self._dispatch(outputs)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting stream
             logger.exception("engine loop died: every in-flight request fails with EngineDeadError")
-            self.errored = exc
-            for stream in self._streams.values():
-                stream.put(self._dead_error())
-            self._streams.clear()
-            if self.on_dead is not None:
-                self.on_dead(exc)
+            self._die(exc)
             return
-        self._drain(block=False)
+        finally:
+            self._watchdog.close()
+        with self._lock:
+            self._closed = True
+            self._drain(block=False)
         self._dispatch(self.engine.abort_request(list(self._streams)))
+
+    def _die(self, exc: BaseException) -> None:
+        """Fail every in-flight request and every queued one with ``EngineDeadError``, then ``on_dead`` (once)."""
+        with self._lock:
+            if self.errored is not None:
+                return
+            self.errored = exc
+            self._closed = True
+            streams = list(self._streams.values())
+            self._streams.clear()
+            while True:  # commands queued before the loop died: their callers wait on these streams
+                try:
+                    kind, _, _, stream = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    streams.append(stream)
+        for stream in streams:
+            stream.put(self._dead_error())
+        if self.on_dead is not None:
+            self.on_dead(exc)
+
+    def _hung(self, seconds: float, stack: str) -> None:
+        """The watchdog's verdict on a step past ``engine.watchdog_timeout_s``: log where it hangs, kill the loop."""
+        limit = self._watchdog.timeout_s
+        logger.error("engine step running for %.0f s (engine.watchdog_timeout_s=%g): hung; the loop thread is at:\n%s",
+                     seconds, limit, stack)
+        self._die(TimeoutError(f"an engine step made no progress for {limit:g} s (engine.watchdog_timeout_s); "
+                               "a plugin hook or the forward hangs (its stack is in the log)"))
 
     def _drain(self, block: bool) -> None:
         """Apply queued commands; when ``block``, wait (idle) for the first one."""
@@ -204,6 +245,9 @@ class AsyncLLM:
             try:
                 self.engine.add_request(request_id, prompt, params, priority=priority)
             except Exception as exc:  # noqa: BLE001 - add_request changes nothing before it raises
+                if isinstance(exc, EngineDeadError):  # the engine's fault, not the request's: 503, not 400
+                    stream.put(exc)
+                    return
                 if not isinstance(exc, ValueError):
                     logger.exception("add_request(%r) raised; the request is rejected", request_id)
                     exc = ValueError(f"request rejected: {type(exc).__name__}: {exc}")

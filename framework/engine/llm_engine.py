@@ -259,6 +259,8 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         t2 = time.perf_counter()
+        for request_id, (what, detail) in runner_out.request_errors.items():  # the worker's per-request sites
+            self.faults.record(request_id, what, detail)
         failed += self._abort_failed()  # a grammar matcher failed in the bitmask: its sampled token is dropped
         updated, _ = self.scheduler.update_from_output(sched_out, runner_out)
         self._advance_grammars(updated)

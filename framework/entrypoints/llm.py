@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from framework.core.outputs import CompletionOutput, RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.builder import build_engine
 from framework.engine.llm_engine import LLMEngine
+from framework.engine.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class LLM:
         self.config = self.engine.config  # dtype="auto" resolved
         self._ids = itertools.count()
         self._dead: BaseException | None = None  # the fault that killed the engine, if one did
+        self._watchdog = StepWatchdog(float(self.config.watchdog_timeout_s), _report_hung_step)
+        weakref.finalize(self, self._watchdog.close)  # its thread ends with this LLM
 
     def get_tokenizer(self) -> Any:
         """The model's HF tokenizer."""
@@ -66,8 +70,12 @@ class LLM:
         Raises:
             ValueError: invalid sampling params or mismatched list lengths — before anything
                 is queued.
-            EngineDeadError: the engine step itself failed (e.g. the model forward); the batch is lost
-                and this ``LLM`` refuses further work (build a new one).
+            EngineDeadError: the engine step itself failed (e.g. the model forward); the batch is lost,
+                the engine's workers are shut down and this ``LLM`` refuses further work (build a new one).
+
+        A step running past ``engine.watchdog_timeout_s`` (a plugin hook that never returns) is logged as
+        an error with the stack of the thread running it, naming where it hangs (the call goes on waiting:
+        interrupt it).
         """
         if self._dead is not None:
             raise EngineDeadError(f"this LLM's engine died earlier ({type(self._dead).__name__}: {self._dead}); "
@@ -101,9 +109,11 @@ class LLM:
                 results[request_id] = _rejected(request_id, text, exc)
         while self.engine.has_unfinished_requests():
             try:
-                outputs = self.engine.step()
+                with self._watchdog.step():
+                    outputs = self.engine.step()
             except Exception as exc:
                 self._dead = exc
+                self._shutdown_quietly()  # worker processes must not outlive a dead engine
                 raise EngineDeadError(f"the engine step failed ({type(exc).__name__}: {exc}); its state is unknown "
                                       f"and the {len(order)} requests of this generate() call are lost; build a new "
                                       "LLM") from exc
@@ -111,6 +121,13 @@ class LLM:
                 if out.finished:
                     results[out.request_id] = out
         return [results[rid] for rid in order]
+
+    def _shutdown_quietly(self) -> None:
+        """Stop the workers (and grammar threads) of an engine that just died; a failure here is only logged."""
+        try:
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001 - the original fault is what the caller must see
+            logger.exception("shutting down the dead engine failed")
 
     @staticmethod
     def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -130,6 +147,11 @@ class LLM:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             return prompt["prompt"], prompt["prompt"]
         return (prompt if isinstance(prompt, str) else None), prompt
+
+
+def _report_hung_step(seconds: float, stack: str) -> None:
+    """``StepWatchdog`` verdict offline: say loudly where the step hangs (the caller may interrupt it)."""
+    logger.error("engine step running for %.0f s (engine.watchdog_timeout_s): hung; it is at:\n%s", seconds, stack)
 
 
 def _rejected(request_id: str, prompt: str | None, exc: Exception) -> RequestOutput:

@@ -1,12 +1,15 @@
 """A worker rank in its own process (vLLM's ``WorkerProc``): the driver-side handle and the process loop.
 
-The driver spawns one process per rank (``multiprocessing`` spawn context). Each builds its
-:class:`framework.worker.worker.Worker` (device, model shard, attention backend), reports
-``ready`` (or its traceback) over its pipe, then loops: read the next call from the shared-memory
-broadcast, run ``Worker.<method>``, answer over its pipe when it is a replying rank. Every rank
-reads every call (they run the same forward); only the reply rank answers ``execute_model``, but
-any rank reports an error. A rank exits on ``shutdown``, and on its own when the driver process
-is gone (checked every second), so a killed driver leaves no worker behind.
+The driver spawns one process per rank (``multiprocessing`` spawn context). Each attaches the
+shared-memory broadcast and starts its heartbeat thread (``attached``: the driver then unlinks the
+segment's name), builds its :class:`framework.worker.worker.Worker` (device, model shard, attention
+backend), reports ``ready`` (or its traceback) over its pipe, then loops: read the next call from the
+broadcast, run it, answer over its pipe when it is a replying rank. Every rank reads every call
+(they run the same forward); only the reply rank answers ``execute_model``, but any rank reports an
+error. A rank exits on ``shutdown``; its heartbeat thread ends the process within
+:data:`~framework.executor.deadlines.HEARTBEAT_INTERVAL_S` once the driver is gone (even while it
+loads weights or compiles), so a killed driver leaves no worker behind. A torn message in the ring
+(:class:`~framework.executor.shm_broadcast.TornMessageError`) is fatal: the rank reports it and exits 1.
 """
 
 from __future__ import annotations
@@ -14,14 +17,18 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import threading
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from framework.executor.shm_broadcast import RingHandle, ShmBroadcast
+from framework.executor.deadlines import HEARTBEAT_INTERVAL_S
+from framework.executor.shm_broadcast import RingHandle, ShmBroadcast, TornMessageError
 
 SHUTDOWN = "shutdown"  # the method name that ends the loop
-_POLL_S = 1.0  # seconds between checks that the driver still lives
+RING = "the step broadcast"  # what failed when a rank reports a torn message
+_POLL_S = 1.0  # seconds a read waits before checking again that the driver lives
+EXIT_DRIVER_GONE = 3  # exit code of a rank whose driver died
 
 
 def send(conn: Connection, kind: str, payload: Any) -> None:
@@ -31,9 +38,41 @@ def send(conn: Connection, kind: str, payload: Any) -> None:
 
 
 def receive(conn: Connection) -> tuple[str, Any]:
-    """The next ``(kind, payload)`` from a worker's pipe: ``("ready", pid)``, ``("ok", result)`` or
-    ``("error", (method, traceback))``."""
+    """The next ``(kind, payload)`` from a worker's pipe: ``("attached", pid)``, ``("ready", pid)``,
+    ``("ok", result)`` or ``("error", (method, traceback))``."""
     return pickle.loads(conn.recv_bytes())
+
+
+def run_method(worker: Any, method: str | Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``Worker.<method>(*args, **kwargs)``, or ``method(worker, *args, **kwargs)`` for a callable
+    (vLLM's ``collective_rpc`` contract; it travels by reference, so it must be importable in the rank)."""
+    if callable(method):
+        return method(worker, *args, **kwargs)
+    return getattr(worker, method)(*args, **kwargs)
+
+
+class Heartbeat:
+    """Beats into the ring every :data:`HEARTBEAT_INTERVAL_S` from a daemon thread and exits the process
+    (code :data:`EXIT_DRIVER_GONE`) as soon as the driver is no longer its parent; :meth:`stop` before the
+    ring is unmapped."""
+
+    def __init__(self, reader: ShmBroadcast, parent_pid: int) -> None:
+        self._reader, self._parent_pid = reader, parent_pid
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="servelab-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            if os.getppid() != self._parent_pid:
+                os._exit(EXIT_DRIVER_GONE)  # nothing to clean: the segment names are gone already
+            self._reader.beat()
+            self._stopped.wait(HEARTBEAT_INTERVAL_S)
+
+    def stop(self) -> None:
+        """End the thread (waits for a beat in progress)."""
+        self._stopped.set()
+        self._thread.join(5.0)
 
 
 def worker_main(config: dict[str, Any], rank: int, world_size: int, init_method: str | None,
@@ -44,10 +83,17 @@ def worker_main(config: dict[str, Any], rank: int, world_size: int, init_method:
         config: ``EngineConfig.to_dict()`` (plain values).
         rank, world_size, init_method: the rank's place in ``torch.distributed``.
         ring: the driver's broadcast ring, attached as reader ``rank``.
-        conn: this rank's pipe to the driver (ready/ok/error messages).
-        parent_pid: the driver's pid; the loop exits when it is no longer our parent.
+        conn: this rank's pipe to the driver (attached/ready/ok/error messages).
+        parent_pid: the driver's pid; the process exits when it is no longer our parent.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the driver handles it
+    try:
+        reader = ShmBroadcast.attach(ring, rank)
+    except BaseException:  # noqa: BLE001 - reported to the driver
+        send(conn, "error", ("start-up", traceback.format_exc()))
+        return
+    heartbeat = Heartbeat(reader, parent_pid)
+    send(conn, "attached", os.getpid())
     from framework.config import EngineConfig
     from framework.worker.worker import Worker
 
@@ -55,33 +101,46 @@ def worker_main(config: dict[str, Any], rank: int, world_size: int, init_method:
         worker = Worker(EngineConfig(**config), rank, world_size, init_method, own_process=True)
         worker.init_device()
         worker.load_model()
-        reader = ShmBroadcast.attach(ring, rank)
     except BaseException:  # noqa: BLE001 - bad weights, out of memory, device...: reported to the driver
         send(conn, "error", ("start-up", traceback.format_exc()))
+        heartbeat.stop()
         return
     send(conn, "ready", os.getpid())
     try:
-        _loop(worker, reader, conn, parent_pid)
+        serve_calls(worker, reader, conn, parent_pid)
+    except TornMessageError:
+        send(conn, "error", (RING, traceback.format_exc()))
+        raise  # exit code 1, the traceback on stderr
     finally:
         worker.shutdown()
+        heartbeat.stop()
         reader.close()
 
 
-def _loop(worker: Any, reader: ShmBroadcast, conn: Connection, parent_pid: int) -> None:
-    """Serve calls until ``shutdown`` or the driver's death."""
+def serve_calls(worker: Any, reader: ShmBroadcast, conn: Connection, parent_pid: int) -> None:
+    """Serve calls until ``shutdown`` or the driver's death.
+
+    Raises:
+        TornMessageError: the ring lost a message's end (this rank is out of step for good).
+    """
     while True:
         try:
             method, args, kwargs, reply_rank = reader.read(timeout_s=_POLL_S)
-        except TimeoutError:
+        except TimeoutError:  # nothing arrived (a torn message is a TornMessageError, and propagates)
             if os.getppid() != parent_pid:
                 return  # the driver died without shutting us down
             continue
         if method == SHUTDOWN:
             return
         try:
-            result = getattr(worker, method)(*args, **kwargs)
+            result = run_method(worker, method, args, kwargs)
         except BaseException:  # noqa: BLE001 - reported; the driver decides whether the executor survives
-            send(conn, "error", (method, traceback.format_exc()))
+            send(conn, "error", (_name(method), traceback.format_exc()))
             continue
         if reply_rank is None or reply_rank == worker.rank:
             send(conn, "ok", result)
+
+
+def _name(method: str | Any) -> str:
+    """A call's name for messages: the method, or the callable's qualified name."""
+    return method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))

@@ -12,6 +12,7 @@ through shared memory), ``ray`` (one Ray actor per rank in a placement group).
 from __future__ import annotations
 
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -53,14 +54,21 @@ class Executor(Plugin, ABC):
         self._messages = StepMessageBuilder()
         self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
         self.dead: EngineDeadError | None = None  # set once a worker was lost
+        # one call at a time: a call from another thread (a metrics read) must not interleave with a step
+        self._rpc_lock = threading.RLock()
 
     @abstractmethod
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout_s: float | None = None, unique_reply_rank: int | None = None) -> list[Any]:
-        """Call ``Worker.<method>(*args, **kwargs)`` on every rank, in parallel.
+        """Call ``Worker.<method>(*args, **kwargs)`` on every rank, in parallel; thread-safe (calls from
+        several threads run one after the other, under ``self._rpc_lock``).
 
         Args:
-            timeout_s: seconds to wait for the replies; ``None`` waits while the workers live.
+            method: a ``Worker`` method name, or a callable run as ``method(worker, *args, **kwargs)`` (vLLM's
+                contract: tests and tools reach into the ranks; it must be importable there, i.e. a
+                module-level function of an installed module).
+            timeout_s: seconds to wait for the replies; ``None``: the executor's deadline for the call
+                (``framework.executor.deadlines``; the in-process ``uniproc`` has none).
             unique_reply_rank: only this rank replies (``execute_model``: rank 0); others' results
                 are dropped.
 

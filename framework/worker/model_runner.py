@@ -10,7 +10,9 @@ computed (``logits_to_keep``). Once compiled (``compile=True`` in ``__init__``, 
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +33,7 @@ from framework.worker.prepack import unfuse_gated_mlps
 from framework.worker.rejection_sampler import RejectionSampler
 from framework.worker.sampler import Sampler
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class BatchInputs:
@@ -289,7 +292,7 @@ class ModelRunner:
                 request_ids=[r.request_id for r in batch.requests],
                 query_start_loc=batch.query_start_loc_cpu, context_lens=batch.context_lens_cpu, hidden_states=hidden)
         t2 = time.perf_counter()
-        sampled, logprobs, accepted = {}, {}, {}
+        sampled, logprobs, accepted, errors = {}, {}, {}, {}
         if batch.sample_requests:
             plain = [i for i, n in enumerate(batch.num_spec) if n == 0]
             row_start = np.concatenate([[0], np.cumsum(np.array(batch.num_spec) + 1)])
@@ -297,36 +300,58 @@ class ModelRunner:
                 reqs = [batch.sample_requests[i] for i in plain]
                 rows = (logits[torch.from_numpy(row_start[plain]).to(logits.device)]
                         if len(plain) < len(batch.num_spec) else logits)
-                if scheduler_output.grammar_bitmask is not None:  # the driver's bitmask, before sampling
-                    apply_grammar_bitmask(rows, reqs, scheduler_output, num_rows_each=1)
-                out = self.sampler(rows, reqs)
-                for j, request in enumerate(reqs):
-                    sampled[request.request_id] = [out.token_ids[j]]
-                    if out.logprobs is not None and request.sampling_params.logprobs is not None:
-                        logprobs[request.request_id] = [out.logprobs[j]]
+                results = guard_requests(lambda x, rs, _: self._sample(x, rs, scheduler_output), rows, reqs,
+                                         [1] * len(reqs), "sampler", self._generators(reqs), errors)
+                for request, result in zip(reqs, results):
+                    if result is not None:
+                        sampled[request.request_id] = [result[0]]
+                        if result[1] is not None and request.sampling_params.logprobs is not None:
+                            logprobs[request.request_id] = [result[1]]
             if len(plain) < len(batch.num_spec):
-                self._verify(logits, batch, row_start, so=scheduler_output, out=(sampled, logprobs, accepted))
+                self._verify(logits, batch, row_start, so=scheduler_output, out=(sampled, logprobs, accepted, errors))
         t3 = time.perf_counter()
         return ModelRunnerOutput(sampled, logprobs, prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2,
-                                 num_accepted_tokens=accepted, hidden_states=hidden_states)
+                                 num_accepted_tokens=accepted, hidden_states=hidden_states, request_errors=errors)
+
+    def _sample(self, rows: torch.Tensor, reqs: list[Any], so: SchedulerOutput) -> list[tuple[int, dict | None]]:
+        """Grammar bitmask (the driver's), then the sampler: ``(token id, logprobs or None)`` per request."""
+        if so.grammar_bitmask is not None:
+            apply_grammar_bitmask(rows, reqs, so, num_rows_each=1)
+        out = self.sampler(rows, reqs)
+        return [(t, out.logprobs[j] if out.logprobs is not None else None) for j, t in enumerate(out.token_ids)]
+
+    def _generators(self, reqs: list[Any]) -> list[torch.Generator]:
+        """The generators a sampling call over ``reqs`` may advance (the engine's, the seeded requests')."""
+        if all(r.sampling_params.greedy for r in reqs):
+            return []
+        return [self.sampler.generator] + [r.generator for r in reqs if r.generator is not None]
 
     def _verify(self, logits: torch.Tensor, batch: BatchInputs, row_start: np.ndarray, so: SchedulerOutput,
-                out: tuple[dict, dict, dict]) -> None:
+                out: tuple[dict, dict, dict, dict]) -> None:
         """Rejection-sample the speculating requests' k+1 rows each; fills ``out`` in place."""
-        sampled, logprobs, accepted = out
+        sampled, logprobs, accepted, errors = out
         spec = [i for i, n in enumerate(batch.num_spec) if n > 0]
         rows = np.concatenate([np.arange(row_start[i], row_start[i + 1]) for i in spec])
         reqs = [batch.sample_requests[i] for i in spec]
-        drafts = [so.scheduled_spec_decode_tokens[r.request_id] for r in reqs]
         verify_logits = logits[torch.from_numpy(rows).to(logits.device)]
-        if so.grammar_bitmask is not None:  # the driver's masks per verify row (output + drafts so far)
-            apply_grammar_bitmask(verify_logits, reqs, so, num_rows_each=[len(d) + 1 for d in drafts])
-        res = self.rejection_sampler(verify_logits, reqs, drafts)
-        for j, request in enumerate(reqs):
-            sampled[request.request_id] = res.token_ids[j]
-            accepted[request.request_id] = res.num_accepted[j]
-            if res.logprobs is not None and request.sampling_params.logprobs is not None:
-                logprobs[request.request_id] = res.logprobs[j]
+
+        def verify(x: torch.Tensor, rs: list[Any], rows_each: list[int]) -> list[tuple[list[int], int, Any]]:
+            drafts = [so.scheduled_spec_decode_tokens[r.request_id] for r in rs]
+            if so.grammar_bitmask is not None:  # the driver's masks per verify row (output + drafts so far)
+                apply_grammar_bitmask(x, rs, so, num_rows_each=rows_each)
+            res = self.rejection_sampler(x, rs, drafts)
+            return [(res.token_ids[j], res.num_accepted[j], res.logprobs[j] if res.logprobs is not None else None)
+                    for j in range(len(rs))]
+
+        rows_each = [batch.num_spec[i] + 1 for i in spec]
+        results = guard_requests(verify, verify_logits, reqs, rows_each, "rejection sampler", self._generators(reqs),
+                                 errors)
+        for request, result in zip(reqs, results):
+            if result is None:
+                continue
+            sampled[request.request_id], accepted[request.request_id] = result[0], result[1]
+            if result[2] is not None and request.sampling_params.logprobs is not None:
+                logprobs[request.request_id] = result[2]
 
     def _swap(self, so: SchedulerOutput) -> None:
         """The step's swap copies through the backend: every swap-out, then every swap-in, before
@@ -412,6 +437,39 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc,
             context_lens_cpu=context_lens,
         )
+
+
+def guard_requests(fn: Callable[[torch.Tensor, list[Any], list[int]], list[Any]], logits: torch.Tensor,
+                   requests: list[Any], rows_each: list[int], what: str, generators: list[torch.Generator],
+                   errors: dict[str, tuple[str, str]]) -> list[Any]:
+    """Per-request fault isolation on the worker side (issue 44; the driver's ``RequestFaults``): run
+    ``fn(logits, requests, rows_each)`` (one result per request) over the batch; if it raises, restore
+    ``generators`` (so no request's draws depend on the failure) and rerun it request by request: a request
+    that still raises gets ``None`` and ``errors[request_id] = (what, "Type: message")`` (the engine aborts
+    it with that error), every other request gets its result. A batch that fails while every request
+    alone succeeds (no culprit) keeps the per-request results.
+
+    Args:
+        logits: ``(sum(rows_each), vocab)`` float; request ``i`` owns ``rows_each[i]`` consecutive rows.
+        what: the failing part, for the error (``"sampler"``).
+    """
+    states = [g.get_state() for g in generators]
+    try:
+        return fn(logits, requests, rows_each)
+    except Exception:  # noqa: BLE001 - find the culprit below
+        logger.warning("%s failed on a batch of %d requests; retrying them one by one", what, len(requests),
+                       exc_info=True)
+    for g, state in zip(generators, states):
+        g.set_state(state)
+    results, start = [], 0
+    for request, n in zip(requests, rows_each, strict=True):
+        try:
+            results.append(fn(logits[start:start + n], [request], [n])[0])
+        except Exception as exc:  # noqa: BLE001 - this request's fault only
+            errors[request.request_id] = (f"{what} on worker rank 0", f"{type(exc).__name__}: {exc}")
+            results.append(None)
+        start += n
+    return results
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Any], so: SchedulerOutput,

@@ -23,6 +23,7 @@ driver process still run.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from multiprocessing import resource_tracker
@@ -45,6 +46,34 @@ def memory_fence() -> None:
     weaker memory models (Arm)."""
     with _fence_lock:
         pass
+
+
+_attach_lock = threading.Lock()
+
+
+def attach_shared_memory(name: str) -> SharedMemory:
+    """Map an existing segment without registering it with this process's resource tracker (Python
+    3.13's ``SharedMemory(name, track=False)``): only its creator tracks it and unlinks it.
+
+    Why: processes spawned by ``multiprocessing`` share their parent's tracker, so an attachment that
+    registers and later unregisters the creator's name makes the creator's ``unlink`` unregister it a
+    second time, and the tracker prints ``KeyError: '/psm_...'`` with a traceback (every ``mp`` start
+    with two ranks did). A process with a tracker of its own (a Ray actor) would instead "clean up" a
+    segment it never owned at exit. Before 3.13 the registration is skipped for the duration of the
+    call (under a lock: attachments are start-up work).
+
+    Raises:
+        FileNotFoundError: no segment of that name (already unlinked).
+    """
+    if sys.version_info >= (3, 13):
+        return SharedMemory(name=name, track=False)
+    with _attach_lock:
+        register = resource_tracker.register
+        resource_tracker.register = lambda name, rtype: None
+        try:
+            return SharedMemory(name=name)
+        finally:
+            resource_tracker.register = register
 
 
 def _round_up(n: int, to: int) -> int:
@@ -86,8 +115,7 @@ class ShmCommunicator:
             name = [self._shm.name]
         dist.broadcast_object_list(name, src=0, group=group)
         if rank != 0:
-            self._shm = SharedMemory(name=name[0])
-            resource_tracker.unregister(self._shm._name, "shared_memory")  # 3.11 tracks attachments too
+            self._shm = attach_shared_memory(name[0])
         dist.barrier(group=group)
         if rank == 0:
             self._shm.unlink()  # the mappings stay; the name goes, so a killed group leaves nothing behind

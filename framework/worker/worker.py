@@ -42,8 +42,17 @@ logger = logging.getLogger(__name__)
 
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
                                                    "fp8_e4m3": torch.float8_e4m3fn}
-#: torch.distributed timeout, seconds: a rank stuck in a collective fails instead of hanging forever
-DISTRIBUTED_TIMEOUT_S = 120
+#: torch.distributed's and the shared-memory communicator's timeout, seconds: only a backstop. The
+#: executor's deadlines (``framework.executor.deadlines``: heartbeats, the step deadline) find a lost rank
+#: first and kill the group; this must outlast a compile warm-up, during which one rank may wait in a
+#: collective for another that still compiles (~130 s per graph cold at TP=2), hence at least the
+#: executor's ``compile_timeout_s``.
+DISTRIBUTED_TIMEOUT_S = 1800
+
+
+def distributed_timeout_s(config: EngineConfig) -> float:
+    """:data:`DISTRIBUTED_TIMEOUT_S`, or the executor's ``compile_timeout_s`` when that is longer."""
+    return max(float(DISTRIBUTED_TIMEOUT_S), float(config.executor_params.get("compile_timeout_s") or 0))
 
 
 def default_num_threads(tensor_parallel_size: int) -> int:
@@ -148,7 +157,7 @@ class Worker:
             dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                     init_method=self.distributed_init_method, rank=self.rank,
                                     world_size=self.world_size,
-                                    timeout=datetime.timedelta(seconds=DISTRIBUTED_TIMEOUT_S))
+                                    timeout=datetime.timedelta(seconds=distributed_timeout_s(self.config)))
             hosts: list[str | None] = [None] * self.world_size
             dist.all_gather_object(hosts, socket.gethostname())
             self.num_local_ranks = hosts.count(socket.gethostname())
@@ -174,7 +183,7 @@ class Worker:
         if choice == "torch_distributed" or device.type != "cpu" or not one_host:
             return
         self.communicator = ShmCommunicator(self.rank, self.world_size, dist.group.WORLD,
-                                            timeout_s=DISTRIBUTED_TIMEOUT_S)
+                                            timeout_s=distributed_timeout_s(self.config))
         parallel_layers.set_communicator(dist.group.WORLD.group_name, self.communicator)
 
     def load_model(self) -> None:

@@ -4,10 +4,14 @@ Calls go to every rank at once through one shared-memory ring
 (:class:`framework.executor.shm_broadcast.ShmBroadcast`: the step's message is pickled once, never
 whole requests: see ``framework.core.step_message``); replies come back over one pipe per rank,
 from rank 0 only for ``execute_model``. The driver waits on those pipes and on the processes'
-sentinels together, so a rank that dies is noticed at once: the executor kills the other ranks,
-unlinks its segment and raises :class:`~framework.interfaces.EngineDeadError`. Worker processes,
-the segment and its semaphores are released by :meth:`MultiprocExecutor.shutdown`, at interpreter
-exit (Ctrl-C included), and on SIGTERM (a handler is installed when none is).
+sentinels together, in ticks of at most a second, checking each rank's heartbeat and the call's
+deadline between ticks (``framework.executor.deadlines``): a rank that exits, stops beating or misses
+the deadline is lost, the executor kills the other ranks and raises
+:class:`~framework.interfaces.EngineDeadError`. One call at a time (a lock): a metrics read from
+another thread cannot interleave with a step on the ring. The ring's name is unlinked as soon as
+every rank attached; worker processes are released by :meth:`MultiprocExecutor.shutdown`, at
+interpreter exit (Ctrl-C included), on SIGTERM (a handler is installed when none is), and by their
+own heartbeat thread when the driver dies.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from typing import Any
 
 from framework import hookimpl, registry
 from framework.config import EngineConfig
+from framework.executor.deadlines import Deadlines, StepDeadline
 from framework.executor.shm_broadcast import ShmBroadcast
-from framework.executor.worker_proc import SHUTDOWN, receive, worker_main
+from framework.executor.worker_proc import RING, SHUTDOWN, receive, worker_main
 from framework.hookspecs import Register
 from framework.interfaces import EngineDeadError, Executor, WorkerError
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # resources of every live executor (for the SIGTERM handler)
+_TICK_S = 1.0  # longest wait on the pipes between two checks of heartbeats and deadline
 
 
 def free_port() -> int:
@@ -111,25 +117,31 @@ class MultiprocExecutor(Executor):
     Args:
         chunk_bytes: bytes per chunk of the broadcast ring (messages may span chunks).
         num_chunks: chunks in the ring.
-        execute_timeout_s: seconds an ``execute_model`` may take before the executor is declared dead.
+        **params: the bounds of :class:`~framework.executor.deadlines.Deadlines` (``execute_timeout_s``,
+            ``min_step_deadline_s``, ``step_deadline_factor``, ``rpc_timeout_s``, ``compile_timeout_s``,
+            ``startup_timeout_s``, ``heartbeat_timeout_s``), seconds.
 
     Raises:
         WorkerError: a rank failed to start; the message holds its traceback (bad weights, out of
-            memory...). Every started process is stopped first.
+            memory...), or names the rank that died, hung or missed ``startup_timeout_s``. Every
+            started process is stopped first.
+        ValueError: a bound that is not a positive number.
     """
 
     name = "mp"
 
-    def __init__(self, config: EngineConfig, chunk_bytes: int = 1 << 20, num_chunks: int = 8,
-                 execute_timeout_s: float = 300.0, **params: Any) -> None:
+    def __init__(self, config: EngineConfig, chunk_bytes: int = 1 << 20, num_chunks: int = 8, **params: Any) -> None:
+        self.deadlines, params = Deadlines.from_params(params)
         super().__init__(config, **params)
-        self.execute_timeout_s = execute_timeout_s
+        self.step_deadline = StepDeadline(self.deadlines)
         ctx = mp.get_context("spawn")
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
         _LIVE.add(self._res)
         _install_sigterm_handler()
         self._res.ring = ShmBroadcast(self.world_size, chunk_bytes, num_chunks, ctx)
+        self._shm_name = self._res.ring.handle.name
+        self._stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped before beating
         init_method = f"tcp://127.0.0.1:{free_port()}" if self.world_size > 1 else None
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=False)
@@ -170,40 +182,57 @@ class MultiprocExecutor(Executor):
 
     # ---- start-up --------------------------------------------------------------------
     def _wait_ready(self) -> None:
+        """Until every rank loaded its weights; the ring's name goes once every rank attached."""
+        attached: set[int] = set()
         pending = set(range(self.world_size))
+        end = time.monotonic() + self.deadlines.startup_timeout_s
         while pending:
             try:
-                replies = self._wait(pending, timeout_s=None)
-            except EngineDeadError as exc:  # killed without a word (e.g. by the kernel's OOM killer)
+                replies = self._wait(pending, end, "start-up")
+            except EngineDeadError as exc:  # killed without a word (e.g. by the kernel's OOM killer), hung, too slow
                 raise WorkerError(str(exc)) from None
             for rank, kind, payload in replies:
                 if kind == "error":
                     self._res.close(graceful=False)
                     raise WorkerError(f"worker rank {rank} failed to start:\n{payload[1]}")
-                pending.discard(rank)
+                if kind == "attached":
+                    attached.add(rank)
+                    if len(attached) == self.world_size:
+                        self._res.ring.unlink()  # a SIGKILL of the whole group now leaves no segment behind
+                else:
+                    pending.discard(rank)
 
     # ---- calls -----------------------------------------------------------------------
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
+    def collective_rpc(self, method: str | Any, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout_s: float | None = None, unique_reply_rank: int | None = None) -> list[Any]:
-        """Broadcast the call through the ring and gather the replies (see :class:`Executor`)."""
+        """Broadcast the call through the ring and gather the replies (see :class:`Executor`); one call at
+        a time. ``timeout_s=None``: the call's deadline (``Deadlines.for_call``)."""
+        if timeout_s is None:
+            timeout_s = self.deadlines.for_call(method, self.config.compile == "true")
+        with self._rpc_lock:
+            return self._call(method, args, kwargs or {}, time.monotonic() + timeout_s, unique_reply_rank)
+
+    def _call(self, method: str | Any, args: tuple, kwargs: dict[str, Any], end: float,
+              unique_reply_rank: int | None) -> list[Any]:
         self.check_health()
+        name = _name(method)
         try:
-            self._res.ring.write((method, args, kwargs or {}, unique_reply_rank),
-                                 timeout_s=timeout_s or self.execute_timeout_s, alive=self._all_alive)
+            self._res.ring.write((method, args, kwargs, unique_reply_rank), timeout_s=max(end - time.monotonic(), 0.0),
+                                 alive=self._all_alive)
         except RuntimeError:
-            raise self._lost(f"{self._dead_rank()} before {method!r}") from None
+            raise self._lost(f"{self._dead_rank()} before {name!r}") from None
         except TimeoutError as exc:
-            raise self._lost(f"cannot send {method!r} to the workers: {exc}") from exc
+            raise self._lost(f"cannot send {name!r} to the workers: {exc}") from exc
         ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}  # an awaited rank's error is its answer to this call
         while len(results) + len(errors) < len(ranks):
-            for rank, kind, payload in self._wait(set(ranks) - set(results) - set(errors), timeout_s, method):
+            for rank, kind, payload in self._wait(set(ranks) - set(results) - set(errors), end, name):
                 if kind == "error":
                     failed_method, trace = payload
-                    if failed_method == "execute_model":  # ranks may be out of step now: nothing can run
-                        raise self._lost(f"worker rank {rank} failed in execute_model:\n{trace}")
-                    message = f"worker rank {rank} failed in {failed_method}:\n{trace}"
+                    message = f"worker rank {rank} failed in {failed_method} ({_last_line(trace)}):\n{trace}"
+                    if failed_method in ("execute_model", RING):  # ranks may be out of step now
+                        raise self._lost(message)
                     if rank not in ranks or rank in results or rank in errors:
                         raise WorkerError(message)  # a non-replying rank's failure in an earlier call
                     errors[rank] = message
@@ -214,23 +243,35 @@ class MultiprocExecutor(Executor):
         return [results[r] for r in ranks]
 
     def execute_model(self, scheduler_output: Any) -> Any:
-        """As :meth:`Executor.execute_model`, under ``execute_timeout_s``."""
+        """As :meth:`Executor.execute_model`, under the step deadline (``StepDeadline``: from the step
+        times measured so far, scaled by this step's tokens)."""
         message = self._messages.build(scheduler_output)
-        return self.collective_rpc("execute_model", args=(message,), timeout_s=self.execute_timeout_s,
-                                   unique_reply_rank=0)[0]
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        timeout_s = self.step_deadline.deadline_s(num_tokens)
+        t0 = time.monotonic()
+        out = self.collective_rpc("execute_model", args=(message,), timeout_s=timeout_s, unique_reply_rank=0)[0]
+        self.step_deadline.observe(num_tokens, time.monotonic() - t0)
+        return out
 
-    def _wait(self, ranks: set[int], timeout_s: float | None, method: str = "start-up"
-              ) -> list[tuple[int, str, Any]]:
+    def _wait(self, ranks: set[int], end: float, method: str) -> list[tuple[int, str, Any]]:
         """Block until a pipe has a message or a process exits; ``(rank, kind, payload)`` of each
-        message read. Any rank's error counts, not only the awaited ranks'.
+        message read. Any rank's error counts, not only the awaited ranks'. Between ticks of at most
+        :data:`_TICK_S`: the deadline ``end`` (``time.monotonic()`` seconds) and every rank's heartbeat.
 
         Raises:
-            EngineDeadError: a process exited, or ``timeout_s`` passed.
+            EngineDeadError: a process exited, stopped beating, or ``end`` passed.
         """
         conns, procs = self._res.conns, self._res.procs
-        ready = wait(conns + [p.sentinel for p in procs], timeout_s)
-        if not ready:
-            raise self._lost(f"no reply to {method!r} from ranks {sorted(ranks)} within {timeout_s} s")
+        while True:
+            ready = wait(conns + [p.sentinel for p in procs], min(_TICK_S, max(end - time.monotonic(), 0.0)))
+            if ready:
+                break
+            if time.monotonic() >= end:
+                raise self._lost(f"no reply to {method!r} from ranks {sorted(ranks)} within its deadline "
+                                 f"({self._deadline_hint(method)}); the ranks were killed")
+            silent = self._silent_rank()
+            if silent:
+                raise self._lost(f"{silent} during {method!r}")
         out, closed = [], False
         for rank, conn in enumerate(conns):
             if conn in ready:
@@ -243,6 +284,36 @@ class MultiprocExecutor(Executor):
                     "spawned workers re-import it)" if method == "start-up" else "")
             raise self._lost(f"{self._dead_rank()} during {method!r}; see its output above{hint}")
         return out
+
+    def _deadline_hint(self, method: str) -> str:
+        """Which bound applied, and the knob that sets it."""
+        d = self.deadlines
+        if method == "start-up":
+            return f"executor.params.startup_timeout_s={d.startup_timeout_s:g}"
+        if method == "execute_model":
+            return (f"a step deadline from the measured step times: {d.step_deadline_factor:g} x the expected time, "
+                    f"within executor.params.min_step_deadline_s={d.min_step_deadline_s:g} and "
+                    f"execute_timeout_s={d.execute_timeout_s:g}")
+        if d.for_call(method, self.config.compile == "true") == d.compile_timeout_s:
+            return f"executor.params.compile_timeout_s={d.compile_timeout_s:g}"
+        return f"executor.params.rpc_timeout_s={d.rpc_timeout_s:g}"
+
+    def _silent_rank(self) -> str | None:
+        """``worker rank R (pid P) sent no heartbeat ...`` for a rank whose heartbeat is older than
+        ``heartbeat_timeout_s``, or that the kernel reports stopped that long before its first heartbeat
+        (it was stopped while still importing); ``None`` when every rank is fine."""
+        limit, now = self.deadlines.heartbeat_timeout_s, time.monotonic()
+        for rank, age in enumerate(self._res.ring.heartbeat_ages_s()):
+            pid = self._res.procs[rank].pid
+            if age is None:  # not beating yet: only a stopped process is known to be silent
+                age = now - self._stopped_since.setdefault(rank, now) if _is_stopped(pid) else None
+                if age is None:
+                    self._stopped_since.pop(rank, None)
+            if age is not None and age > limit:
+                return (f"worker rank {rank} (pid {pid}) sent no heartbeat for {age:.1f} s "
+                        f"(executor.params.heartbeat_timeout_s={limit:g}): stopped (SIGSTOP, a debugger) or stuck "
+                        "holding the GIL")
+        return None
 
     def _dead_rank(self) -> str:
         """``worker rank R (pid P) exited with code C`` for the first rank that exited."""
@@ -258,7 +329,7 @@ class MultiprocExecutor(Executor):
         return all(p.is_alive() for p in self._res.procs)
 
     def _lost(self, reason: str) -> EngineDeadError:
-        """Declare the executor dead: stop every rank at once, release the segment."""
+        """Declare the executor dead: stop every rank at once (SIGKILL: a stopped one too), release the segment."""
         error = self._fail(EngineDeadError(f"executor=mp lost a worker: {reason}"))
         self._res.close(graceful=False)
         return error
@@ -272,6 +343,9 @@ class MultiprocExecutor(Executor):
             raise EngineDeadError("executor=mp is shut down")
         if not self._all_alive():
             raise self._lost(self._dead_rank())
+        silent = self._silent_rank()
+        if silent:
+            raise self._lost(silent)
 
     def shutdown(self) -> None:
         """Ask every rank to exit, kill those that do not within 5 s, unlink the segment."""
@@ -284,8 +358,29 @@ class MultiprocExecutor(Executor):
 
     @property
     def shm_name(self) -> str:
-        """Name of the broadcast segment (``/dev/shm/<name>`` on Linux)."""
-        return self._res.ring.handle.name
+        """Name of the broadcast segment (``/dev/shm/<name>`` on Linux; unlinked once every rank attached)."""
+        return self._shm_name
+
+
+def _last_line(trace: str) -> str:
+    """The exception line of a traceback (``Type: message``)."""
+    lines = [line for line in trace.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no traceback"
+
+
+def _is_stopped(pid: int) -> bool:
+    """True when the kernel reports the process stopped (SIGSTOP, SIGTSTP, a tracer)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
+
+
+def _name(method: str | Any) -> str:
+    """A call's name for messages: the method, or the callable's qualified name."""
+    return method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
 
 
 def _from_entry_point(kind: str, cls: type) -> bool:

@@ -7,23 +7,35 @@ running cluster started with ``ray start --head`` / ``ray start --address=...``,
 host the ranks: the placement group packs the bundles (``placement_strategy``), and rank 0's node
 hosts the ``torch.distributed`` rendezvous. Each call's arguments are put in the object store once
 (``ray.put``) and every actor reads the same object: the step's message is serialised once.
+
+Failures (``framework.executor.deadlines``): the driver waits for the ranks' answers one at a time
+(``ray.wait``), so a rank that dies or raises ends the call at once instead of after the other ranks
+(rank 0 would otherwise sit in a collective with the dead rank until its timeout); between ticks of at
+most a second it checks the call's deadline and, once a call has taken longer than a tick, pings every
+actor on a concurrency group of its own (``health``): an actor that does not answer within
+``heartbeat_timeout_s`` is stopped or stuck holding the GIL. Either way every actor is killed.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import socket
+import time
 import traceback
 from typing import Any
 
 from framework import hookimpl
 from framework.config import EngineConfig
+from framework.executor.deadlines import Deadlines, StepDeadline
+from framework.executor.worker_proc import run_method
 from framework.hookspecs import Register
 from framework.interfaces import EngineDeadError, Executor, WorkerError
 
 logger = logging.getLogger(__name__)
 INSTALL_HINT = 'pip install "servelab[ray]" "torch==2.13.0"'
+_TICK_S = 1.0  # longest ray.wait between two checks of deadline and pings
 
 
 class _RankActor:
@@ -54,11 +66,24 @@ class _RankActor:
         except BaseException as exc:  # noqa: BLE001 - the driver shows the rank's traceback
             raise RuntimeError(f"worker rank {self.rank} failed to start:\n{traceback.format_exc()}") from exc
 
-    def call(self, payload: tuple[str, tuple, dict[str, Any], int | None]) -> Any:
-        """Run ``Worker.<method>``; ranks other than the reply rank return ``None``."""
+    def call(self, payload: tuple[Any, tuple, dict[str, Any], int | None]) -> Any:
+        """Run ``Worker.<method>`` (or a callable on the worker); ranks other than the reply rank return ``None``."""
         method, args, kwargs, reply_rank = payload
-        result = getattr(self.worker, method)(*args, **kwargs)
+        result = run_method(self.worker, method, args, kwargs)
         return result if reply_rank is None or reply_rank == self.rank else None
+
+
+def _actor_class(ray: Any, num_cpus: float, num_gpus: float) -> Any:
+    """``_RankActor`` as a Ray actor class whose ``ping`` runs on a concurrency group of its own
+    (``health``), so it answers while a call runs; calls keep one thread (the default group's)."""
+
+    class RankActor(_RankActor):
+        @ray.method(concurrency_group="health")
+        def ping(self) -> int:
+            """This actor's pid: its process is alive and not stopped."""
+            return os.getpid()
+
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, concurrency_groups={"health": 1})(RankActor)
 
 
 class RayExecutor(Executor):
@@ -69,7 +94,7 @@ class RayExecutor(Executor):
             or a new local cluster.
         placement_strategy: ``PACK`` (default: few nodes), ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD``.
         num_cpus_per_worker: CPUs reserved per rank.
-        execute_timeout_s: seconds a call may take before the executor is declared dead.
+        **params: the bounds of :class:`~framework.executor.deadlines.Deadlines`, seconds (as ``mp``).
 
     Raises:
         WorkerError: a rank failed to start (its traceback), or the cluster cannot host the ranks.
@@ -78,12 +103,13 @@ class RayExecutor(Executor):
     name = "ray"
 
     def __init__(self, config: EngineConfig, address: str | None = None, placement_strategy: str = "PACK",
-                 num_cpus_per_worker: float = 1.0, execute_timeout_s: float = 300.0, **params: Any) -> None:
+                 num_cpus_per_worker: float = 1.0, **params: Any) -> None:
+        self.deadlines, params = Deadlines.from_params(params)
         super().__init__(config, **params)
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.execute_timeout_s = execute_timeout_s
+        self.step_deadline = StepDeadline(self.deadlines)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             ray.init(address=address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=True)
@@ -93,13 +119,15 @@ class RayExecutor(Executor):
         self.actors: list[Any] = []
         try:
             ray.get(self._pg.ready(), timeout=60)
-            actor_cls = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=gpus)(_RankActor)
+            actor_cls = _actor_class(ray, num_cpus_per_worker, gpus)
             self.actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=rank)).remote(
                 config.to_dict(), rank, self.world_size) for rank in range(self.world_size)]
-            init_method = ray.get(self.actors[0].rendezvous_address.remote()) if self.world_size > 1 else None
-            ray.get([a.start.remote(init_method) for a in self.actors])
-        except (ray.exceptions.RayError, TimeoutError) as exc:
+            end = time.monotonic() + self.deadlines.startup_timeout_s
+            init_method = (self._gather([self.actors[0].rendezvous_address.remote()], "start-up", end)[0]
+                           if self.world_size > 1 else None)
+            self._gather([a.start.remote(init_method) for a in self.actors], "start-up", end)
+        except (ray.exceptions.RayError, TimeoutError, _Lost) as exc:
             self.shutdown()
             raise WorkerError(f"executor=ray could not start its ranks: {_cause(exc)}") from None
 
@@ -111,38 +139,106 @@ class RayExecutor(Executor):
             problems.append(f"executor=ray needs Ray, which is not installed: {INSTALL_HINT}")
         return problems
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
+    def collective_rpc(self, method: str | Any, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout_s: float | None = None, unique_reply_rank: int | None = None) -> list[Any]:
-        """Put the call in the object store once, run it on every actor, gather (see :class:`Executor`)."""
+        """Put the call in the object store once, run it on every actor, gather (see :class:`Executor`);
+        one call at a time. ``timeout_s=None``: the call's deadline (``Deadlines.for_call``)."""
+        import ray
+
+        if timeout_s is None:
+            timeout_s = self.deadlines.for_call(method, self.config.compile == "true")
+        name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+        with self._rpc_lock:
+            if self.dead is not None:
+                raise self.dead
+            payload = ray.put((method, args, kwargs or {}, unique_reply_rank))
+            refs = [a.call.remote(payload) for a in self.actors]
+            try:
+                results = self._gather(refs, name, time.monotonic() + timeout_s)
+            except _Lost as exc:
+                raise self._lost(str(exc)) from None
+            except ray.exceptions.RayActorError as exc:
+                raise self._lost(f"an actor died during {name!r}: {_cause(exc)}") from None
+            except ray.exceptions.RayTaskError as exc:
+                if name == "execute_model":
+                    raise self._lost(f"a rank failed in execute_model: {_cause(exc)}") from None
+                raise WorkerError(f"a rank failed in {name}: {_cause(exc)}") from None
+        return [results[unique_reply_rank]] if unique_reply_rank is not None else results
+
+    def _gather(self, refs: list[Any], method: str, end: float) -> list[Any]:
+        """The results of ``refs`` in order; a rank that dies or raises ends the wait at once (``ray.get``
+        of the list would first wait for the others, e.g. rank 0 in a collective with the dead rank).
+
+        Raises:
+            _Lost: ``end`` (``time.monotonic()`` seconds) passed, or an actor missed its ping.
+            ray.exceptions.RayActorError, RayTaskError: from the first failed rank.
+        """
+        import ray
+
+        pending, pings = list(refs), {}
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(_TICK_S, max(end - time.monotonic(), 0.0)))
+            if ready:
+                ray.get(ready)  # raises at once for a failed rank
+                continue
+            if time.monotonic() >= end:
+                raise _Lost(f"no reply to {method!r} within its deadline ({self._deadline_hint(method)})")
+            self._check_pings(pings, method)
+        return ray.get(refs)
+
+    def _check_pings(self, pings: dict[int, tuple[Any, float]], method: str) -> None:
+        """Keep one ping in flight per actor (``pings``: rank -> (ref, sent at)); an answered one is
+        replaced, one older than ``heartbeat_timeout_s`` makes the rank lost."""
+        import ray
+
+        limit, now = self.deadlines.heartbeat_timeout_s, time.monotonic()
+        for rank, actor in enumerate(self.actors):
+            ref, sent = pings.get(rank, (None, now))
+            if ref is not None:
+                done, _ = ray.wait([ref], timeout=0)
+                if done:
+                    ray.get(done)  # a dead actor raises RayActorError
+                elif now - sent > limit:
+                    raise _Lost(f"worker rank {rank} answered no ping for {now - sent:.1f} s during {method!r} "
+                                f"(executor.params.heartbeat_timeout_s={limit:g}): stopped (SIGSTOP, a debugger) "
+                                "or stuck holding the GIL")
+                else:
+                    continue
+            pings[rank] = (actor.ping.remote(), now)
+
+    def _deadline_hint(self, method: str) -> str:
+        """Which bound applied, and the knob that sets it."""
+        d = self.deadlines
+        if method == "start-up":
+            return f"executor.params.startup_timeout_s={d.startup_timeout_s:g}"
+        if method == "execute_model":
+            return "the step deadline from the measured step times (executor.params.min_step_deadline_s, execute_timeout_s)"
+        if d.for_call(method, self.config.compile == "true") == d.compile_timeout_s:
+            return f"executor.params.compile_timeout_s={d.compile_timeout_s:g}"
+        return f"executor.params.rpc_timeout_s={d.rpc_timeout_s:g}"
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        """As :meth:`Executor.execute_model`, under the step deadline (``StepDeadline``)."""
+        message = self._messages.build(scheduler_output)
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        t0 = time.monotonic()
+        out = self.collective_rpc("execute_model", args=(message,), timeout_s=self.step_deadline.deadline_s(num_tokens),
+                                  unique_reply_rank=0)[0]
+        self.step_deadline.observe(num_tokens, time.monotonic() - t0)
+        return out
+
+    def check_health(self) -> None:
+        """Ping every actor (``heartbeat_timeout_s``); a dead or silent one makes the executor dead."""
         import ray
 
         if self.dead is not None:
             raise self.dead
-        payload = ray.put((method, args, kwargs or {}, unique_reply_rank))
-        refs = [a.call.remote(payload) for a in self.actors]
-        try:
-            results = ray.get(refs, timeout=timeout_s)
-        except ray.exceptions.RayActorError as exc:
-            raise self._lost(f"an actor died during {method!r}: {_cause(exc)}") from None
-        except ray.exceptions.GetTimeoutError:
-            raise self._lost(f"no reply to {method!r} within {timeout_s} s") from None
-        except ray.exceptions.RayTaskError as exc:
-            if method == "execute_model":
-                raise self._lost(f"a rank failed in execute_model: {_cause(exc)}") from None
-            raise WorkerError(f"a rank failed in {method}: {_cause(exc)}") from None
-        return [results[unique_reply_rank]] if unique_reply_rank is not None else results
-
-    def execute_model(self, scheduler_output: Any) -> Any:
-        """As :meth:`Executor.execute_model`, under ``execute_timeout_s``."""
-        message = self._messages.build(scheduler_output)
-        return self.collective_rpc("execute_model", args=(message,), timeout_s=self.execute_timeout_s,
-                                   unique_reply_rank=0)[0]
-
-    def check_health(self) -> None:
-        """Ping every actor (10 s); a dead or silent one makes the executor dead."""
-        if self.dead is not None:
-            raise self.dead
-        self.collective_rpc("check_health", timeout_s=10.0)
+        with self._rpc_lock:
+            try:
+                self._gather([a.ping.remote() for a in self.actors], "check_health",
+                             time.monotonic() + self.deadlines.heartbeat_timeout_s)
+            except (_Lost, ray.exceptions.RayError) as exc:
+                raise self._lost(f"check_health: {_cause(exc)}") from None
 
     def _lost(self, reason: str) -> EngineDeadError:
         error = self._fail(EngineDeadError(f"executor=ray lost a worker: {reason}"))
@@ -164,6 +260,10 @@ class RayExecutor(Executor):
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+class _Lost(Exception):
+    """A rank missed its deadline or its ping (turned into ``EngineDeadError`` by the caller)."""
 
 
 def _cause(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ import torch
 
 from framework import hookimpl
 from framework.config import EngineConfig
+from framework.executor.worker_proc import run_method
 from framework.hookspecs import Register
 from framework.interfaces import Executor
 from framework.worker.worker import Worker
@@ -39,10 +40,12 @@ class UniProcExecutor(Executor):
                             f"{config.tensor_parallel_size}; use executor=mp (or executor=auto, or ray)")
         return problems
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
+    def collective_rpc(self, method: str | Any, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout_s: float | None = None, unique_reply_rank: int | None = None) -> list[Any]:
-        """Call the in-process worker directly (``timeout_s`` is moot: the call is synchronous)."""
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+        """Call the in-process worker directly, one call at a time (``timeout_s`` is moot: the call is
+        synchronous; a hung call is the engine loop's watchdog's to report)."""
+        with self._rpc_lock:
+            return [run_method(self.worker, method, args, kwargs or {})]
 
     def check_health(self) -> None:
         """The worker lives as long as this process."""

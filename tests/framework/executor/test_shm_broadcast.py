@@ -69,3 +69,50 @@ def test_a_reader_in_another_process():
     proc.join(30)
     assert proc.exitcode == 0
     ring.close()
+
+
+def test_a_message_torn_in_the_middle_is_fatal_for_the_reader(monkeypatch):
+    """The writer published the first chunk of a two-chunk message and no more: the reader's position no
+    longer matches the ring's, so it must fail loudly (``TornMessageError``), never report "no message"
+    (a ``TimeoutError``, which the worker loop treats as idle, and reads misaligned chunks after)."""
+    from framework.executor import shm_broadcast, worker_proc
+    from framework.executor.shm_broadcast import TornMessageError
+
+    monkeypatch.setattr(shm_broadcast, "REST_OF_MESSAGE_TIMEOUT_S", 0.2)
+    ring = ShmBroadcast(num_readers=1, chunk_bytes=64, num_chunks=4)
+    release = ring.handle.semaphores[0].release
+    released = []
+
+    def first_chunk_only():
+        if not released:  # the writer "dies" after its first chunk
+            released.append(1)
+            release()
+
+    monkeypatch.setattr(ring.handle.semaphores[0], "release", first_chunk_only)
+    ring.write(b"x" * 100)
+    reader = ShmBroadcast.attach(ring.handle, 0)
+    with pytest.raises(TornMessageError, match="middle of a 1.*-byte message"):
+        reader.read(timeout_s=1)
+    assert not isinstance(TornMessageError("x"), TimeoutError)
+    # the rank's loop lets it through (its process exits 1 after reporting it)
+    monkeypatch.setattr(reader, "read", lambda timeout_s: (_ for _ in ()).throw(TornMessageError("torn")))
+    with pytest.raises(TornMessageError):
+        worker_proc.serve_calls(worker=None, reader=reader, conn=None, parent_pid=0)
+    reader.close()
+    ring.close()
+
+
+def test_unlink_removes_the_name_and_the_mappings_keep_working():
+    ring = ShmBroadcast(num_readers=1, chunk_bytes=64, num_chunks=2)
+    reader = ShmBroadcast.attach(ring.handle, 0)
+    ring.unlink()  # what the executor does once every rank attached
+    assert not (Path("/dev/shm") / ring.handle.name).exists()
+    ring.write("after unlink")
+    assert reader.read(timeout_s=1) == "after unlink"
+    assert ring.heartbeat_ages_s() == [None]  # not beaten yet
+    reader.beat()
+    (age,) = ring.heartbeat_ages_s()
+    assert 0 <= age < 1
+    reader.close()
+    ring.close()  # idempotent with the earlier unlink
+    ring.unlink()

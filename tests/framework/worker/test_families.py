@@ -85,15 +85,24 @@ def test_attention_layers_read_from_config(family):
                                                   ("gpt_oss", "sinks")])
 def test_negative_control_backend_without_the_feature_diverges(family, feature, make_llm):
     """The parity check is sensitive to each feature: a backend that drops it (here: the call's keyword
-    is removed before ``torch``'s forward sees it) no longer matches transformers."""
-    llm = make_llm(model=str(tiny_model_dir(family)), **ENGINE)
+    is removed before ``torch``'s forward sees it) no longer matches transformers. It runs on the
+    reference backend with an allocator that keeps every block (``radix``: no KV cache groups, nothing
+    released), so a dropped window is caught by the mask semantics alone, not by reads of released
+    blocks; the same engine with the feature kept matches (the positive control)."""
+    def generate(llm):
+        return [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts()],
+                                                                 SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))]
+
+    expected = [tokens for tokens, _ in hf_reference(family, prompts(), MAX_TOKENS)]
+    engine = {**ENGINE, "attention": "torch", "kv_allocator": "radix"}
+    kept = make_llm(model=str(tiny_model_dir(family)), **engine)
+    assert len(kept.engine.runner.kv_cache_layout.groups) == 1  # one full table per request: no block released
+    assert generate(kept) == expected
+    llm = make_llm(model=str(tiny_model_dir(family)), **engine)
     backend = llm.engine.runner.backend
     forward = backend.forward
     backend.forward = lambda *args, **features: forward(*args, **{k: v for k, v in features.items() if k != feature})
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
-                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    expected = [tokens for tokens, _ in hf_reference(family, prompts(), MAX_TOKENS)]
-    assert [out.outputs[0].token_ids for out in outs] != expected, f"dropping {feature} went unnoticed"
+    assert generate(llm) != expected, f"dropping {feature} went unnoticed"
 
 
 def _save_config(tmp_path: Path, config) -> str:
