@@ -15,7 +15,9 @@ writes into the run dir:
   (one line per document: its ``resps``, the per-request loglikelihoods or generated strings).
 
 lm-eval is an optional dependency (``pip install -e '.[eval]' 'torch==2.13.0'``). Tasks are lm-eval task
-names: its own (they download their datasets from the Hugging Face hub where it is reachable) or YAML tasks
+names: its own (servelab runs with ``HF_HUB_OFFLINE=1``, so only those whose datasets are in the local Hugging
+Face datasets cache; where the hub is reachable run ``lm_eval --model local-completions`` against
+``servelab serve`` instead, README) or YAML tasks
 from ``eval.include_path``; the repository ships small local ones in ``data/eval_tasks`` (``servelab_mc``,
 ``servelab_ppl``, ``servelab_gen``), whose relative ``data_files`` are resolved against the repository root
 here, so they run from any directory.
