@@ -72,7 +72,7 @@ def _jsonl(path: Path, rows: list[dict]) -> None:
 
 def run_servelab(args: argparse.Namespace, tasks_dir: Path, run_dir: Path) -> tuple[dict, dict, float]:
     """``servelab eval`` in a subprocess; (metrics.json, resps by (task, doc_id), wall seconds)."""
-    cmd = [sys.executable, "-m", "framework.entrypoints.cli", "eval", f"model={args.model}", f"model.dtype={args.dtype}",
+    cmd = [sys.executable, "-m", "framework.entrypoints.cli", "eval", f"model.path={args.model}", f"model.dtype={args.dtype}",
            f"engine.compile={args.compile}", "tracker=none", f"eval.tasks=[{','.join(TASKS)}]",
            f"eval.include_path={tasks_dir}", f"eval.batch_size={args.batch_size}",
            f"eval.num_concurrent={args.num_concurrent}", f"hydra.run.dir={run_dir}"]

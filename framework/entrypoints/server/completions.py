@@ -101,7 +101,7 @@ class CompletionChoices:
         for c in out.outputs:
             index = job.index * self.req.n + c.index
             first = index not in self._seen
-            if not (c.text or c.token_ids or out.finished or first):
+            if not (c.text or c.token_ids or c.finish_reason or first):
                 continue
             choices.append(self._choice(index, job, c, self._prompt_lps.get(job.index), first))
         return choices
