@@ -1,6 +1,7 @@
 """servelab entry point: ``python run.py [group=option ...] [key=value ...]`` (``-m`` for sweeps).
 
-One offline run (``mode=offline``; ``mode=serve`` starts the OpenAI server instead): compose the Hydra config, build the tracker and the engine, run the workload,
+One offline run (``mode=offline``; ``mode=serve`` starts the OpenAI server instead; ``mode=eval`` runs
+lm-evaluation-harness against the served config, ``framework/entrypoints/eval.py``): compose the Hydra config, build the tracker and the engine, run the workload,
 and write ``outputs.jsonl``, ``metrics.json``, ``resolved_config.yaml`` and ``run_record.json`` into the Hydra run dir
 (``outputs/<date>/<time>/``; Hydra adds ``.hydra/``). Also installed as the ``servelab`` command.
 """
@@ -36,7 +37,7 @@ from framework.workloads.synthetic import theoretical_hit_rate, validate_arrival
 register_config_nodes()  # every registered plugin name is a valid group option, file or not
 
 logger = logging.getLogger("servelab")
-MODES = ("offline", "serve")
+MODES = ("offline", "serve", "eval")
 UIS = ("progress", "dashboard", "none")
 
 
@@ -57,7 +58,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         if tracker is not None:
             stack.callback(tracker.close)
             observer = tracker
-            if cfg.mode == "serve":  # tracker logging (W&B) runs on a relay thread, never stalling the loop
+            if cfg.mode in ("serve", "eval"):  # tracker logging (W&B) runs on a relay thread, never stalling the loop
                 from framework.entrypoints.hook_relay import ThreadedHookRelay
 
                 observer = ThreadedHookRelay(tracker)
@@ -65,6 +66,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             stack.enter_context(registry.registered(observer, name=f"tracker-{cfg.tracker.name}"))
         if cfg.mode == "serve":
             return _serve(cfg, engine_config, run_dir)
+        if cfg.mode == "eval":
+            return _eval(cfg, engine_config, run_dir)
         return _run_offline(cfg, engine_config, sampling_params_from_cfg(cfg.sampling), run_dir)
 
 
@@ -88,6 +91,10 @@ def _set_up(cfg: DictConfig, run_dir: Path) -> tuple[Any, Any]:
     validate_plugins(engine_config)  # unknown names / capabilities fail before the tracker starts or weights load
     engine_config = resolve_dtype(engine_config)  # model.dtype=auto -> the checkpoint's (in run_record.json too)
     validate_arrivals(cfg.workload)  # bad rates / traces fail before weights load too
+    if cfg.mode == "eval":  # lm-eval installed, tasks named: before weights load
+        from framework.entrypoints.eval import check_eval_config
+
+        check_eval_config(cfg)
     record = write_run_record(run_dir, cfg, engine_config)  # run_record.json: versions, git sha, plugin packages
     params = cfg.tracker.get("params")
     tracker_params = {} if params is None else OmegaConf.to_container(params, resolve=True)
@@ -115,6 +122,18 @@ def _serve(cfg: DictConfig, engine_config: Any, run_dir: Path) -> dict[str, Any]
     summary = serve(cfg, engine_config)
     (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _eval(cfg: DictConfig, engine_config: Any, run_dir: Path) -> dict[str, Any]:
+    """lm-evaluation-harness against this config served in-process (``framework/entrypoints/eval.py``); writes
+    ``metrics.json`` (engine metrics + ``eval`` scores), ``eval_results.json`` and ``eval_samples.jsonl``."""
+    from framework.entrypoints.eval import resolve_tasks, run_eval
+    from framework.entrypoints.server.launch import build_server_engine
+
+    with exit_on_config_error():  # unknown tasks; the model may still be missing or refused
+        tasks, task_manager = resolve_tasks(cfg.eval)
+        engine = build_server_engine(cfg, engine_config)
+    return run_eval(cfg, engine, engine_config, tasks, task_manager, run_dir)
 
 
 def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run_dir: Path) -> dict[str, Any]:

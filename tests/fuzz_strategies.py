@@ -28,6 +28,8 @@ SAMPLING = st.fixed_dictionaries({}, optional={
     "min_tokens": st.integers(-1, 12),
     "max_tokens": st.integers(-1, 12),
     "logprobs": st.one_of(st.none(), st.integers(-1, 6), st.just(VOCAB + 5)),
+    "prompt_logprobs": st.one_of(st.none(), st.integers(-1, 6)),  # offline only (the server's is echo + logprobs)
+    "n": st.integers(0, 3),
     "ignore_eos": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),

@@ -170,6 +170,19 @@ SCRIPTS = sorted(p.relative_to(EXPERIMENTS).as_posix() for p in EXPERIMENTS.rglo
                  if not p.name.startswith("_"))  # _name.py: a module the scripts import, not a script
 
 
+def test_eval_parity_compares_both_backends(tmp_path, capsys):
+    """Tiny tasks on stories260K: both backends score every task, per-document loglikelihoods agree."""
+    pytest.importorskip("lm_eval")
+    from experiments import eval_parity
+
+    record = eval_parity.main(["--model", STORIES, "--num-mc", "3", "--num-ppl", "2", "--num-gen", "2",
+                               "--out", str(tmp_path)])
+    assert record["num_docs"] == {"servelab_mc_large": 3, "servelab_ppl_large": 2, "servelab_gen_large": 2}
+    assert record["servelab_mc_large_max_abs_ll_diff"] < 1e-4 and record["servelab_ppl_large_max_abs_ll_diff"] < 1e-4
+    assert record["gen_strings_differing"] == 0 and record["servelab_wall_s"] > 0 and record["hf_wall_s"] > 0
+    assert (tmp_path / "eval_parity.json").is_file()
+
+
 def test_readme_lists_every_script_with_its_command():
     readme = (EXPERIMENTS / "README.md").read_text()
     rows = [line for line in readme.splitlines() if line.startswith("| `")]

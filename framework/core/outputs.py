@@ -67,6 +67,9 @@ class ModelRunnerOutput:
     # request_id -> (what failed, "Type: message"): a per-request site of the driver rank's runner raised
     # (grammar bitmask, sampler, rejection sampler); the request has no token here, the engine aborts it
     request_errors: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # request_id -> (index of the first prompt token covered, its logprobs and those of the next prompt tokens
+    # computed this step): requests with sampling_params.prompt_logprobs whose prefill chunk ran this step
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,7 +115,7 @@ class RequestMetrics:
 class CompletionOutput:
     """One completion of a request (vLLM's ``CompletionOutput``)."""
 
-    index: int  # completion index (always 0: n == 1)
+    index: int  # completion index among the request's n (0 .. n - 1)
     text: str  # detokenized output; stop string trimmed unless include_stop_str_in_output
     token_ids: list[int]  # (num_output_tokens,) sampled ids, including a final EOS/stop id
     finish_reason: str | None  # "stop", "length", "abort", or None while running
@@ -129,11 +132,16 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: RequestMetrics | None = None  # set once finished
+    metrics: RequestMetrics | None = None  # set once finished (n > 1: the metrics of sequence 0)
     error: str | None = None  # set when the request was rejected (e.g. prompt too long) or failed (finish "abort")
     # True when ``error`` is a fault of the server (a plugin or the detokenizer raised on this request; HTTP 500),
     # False for a rejection of the request itself (HTTP 400)
     internal_error: bool = False
+    # per prompt token (sampling_params.prompt_logprobs): None for the first, then top-N ids + the prompt token ->
+    # logprob; None when not asked (DELTA outputs carry it once, with the first tokens)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # prompt tokens served from the prefix cache, summed over the request's n sequences (set once finished)
+    num_cached_tokens: int | None = None
 
 
 @dataclass

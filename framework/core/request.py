@@ -75,6 +75,9 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     output_text: str = ""  # detokenized output, filled at finish (and for stop-string checks)
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, top-N + sampled
+    # per prompt token whose logprob is known so far (sampling_params.prompt_logprobs): None for token 0, then
+    # top-N + the prompt token; complete (num_prompt_tokens entries) once the prefill is done; filled by the scheduler
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     error: str | None = None  # why it was rejected or failed (FINISHED_ABORTED only)
     internal_error: bool = False  # error is a fault of the server (plugin, detokenizer), not a rejected request
     generator: torch.Generator | None = None  # per-request RNG when sampling_params.seed is set
@@ -86,6 +89,8 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
         self.times = RequestTimes(arrival_s=self.arrival_time)
+        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob (vLLM)
         if self.sampling_params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 

@@ -38,7 +38,9 @@ class SamplingParams:
             range; the message names the field and the accepted range. Nothing is queued.
     """
 
-    n: int = 1  # number of completions; only 1 is supported by the engine today
+    # completions of the prompt (parallel sampling): the engine runs n sequences that share the prompt's KV
+    # blocks through the prefix cache; with a seed, sequence i samples with seed + i (vLLM's rule)
+    n: int = 1
     temperature: float = 1.0  # 0 (anything below SAMPLING_EPS) means greedy (argmax)
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables
@@ -54,6 +56,9 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the model's EOS ids
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logprobs: int | None = None  # number of top log-probabilities returned per sampled position
+    # top log-probabilities returned per prompt token, besides the prompt token's own (vLLM's prompt_logprobs;
+    # RequestOutput.prompt_logprobs, None for the first token); such a request does not read the prefix cache
+    prompt_logprobs: int | None = None
     # token id -> bias added to its logit before penalties and sampling, in [-100, 100] (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True  # passed to the tokenizer when detokenizing
@@ -81,7 +86,7 @@ class SamplingParams:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and abs(value) <= _F32_MAX):
                 raise ValueError(f"Invalid SamplingParams: {name} must be a finite float32 number, got {value!r}")
         checks: list[tuple[bool, str]] = [
-            (self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}"),
+            (isinstance(self.n, int) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k == -1 or self.top_k >= 0, f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}"),
@@ -97,6 +102,8 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
             ),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0 or None, got {self.logprobs}"),
+            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+             f"prompt_logprobs must be >= 0 or None, got {self.prompt_logprobs!r}"),
             (all(isinstance(s, str) and s for s in self.stop), f"stop must hold non-empty strings, got {self.stop!r}"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"),

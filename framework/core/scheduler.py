@@ -70,7 +70,7 @@ class Scheduler:
 
     def _num_cached_prefix_tokens(self, request: Request) -> int:
         """Read-only prefix-cache lookup handed to the policy (``lpm``): tokens a hit would serve."""
-        return self.kv.get_computed_blocks(request)[1]
+        return 0 if request.sampling_params.prompt_logprobs is not None else self.kv.get_computed_blocks(request)[1]
 
     def abort_requests(self, request_ids: Iterable[str],
                        failures: Mapping[str, RequestFailure] | None = None) -> list[Request]:
@@ -244,8 +244,12 @@ class Scheduler:
         return self.kv.can_allocate(request, first_chunk, hit_blocks)
 
     def _lookup(self, request: Request) -> tuple[list[int], int]:
-        """Prefix-cache lookup for admission; a swapped-out request brings its own K/V back instead."""
+        """Prefix-cache lookup for admission; a swapped-out request brings its own K/V back instead, and a
+        request that asks for prompt logprobs reads no cache: its cached tokens' logits would be lost (it still
+        publishes its blocks; ``framework/worker/prompt_logprobs.py``)."""
         if self.swap_space is not None and request.request_id in self.swap_space:
+            return [], 0
+        if request.sampling_params.prompt_logprobs is not None:
             return [], 0
         return self.kv.get_computed_blocks(request)
 
@@ -315,6 +319,8 @@ class Scheduler:
                             - runner_output.num_accepted_tokens.get(rid, 0))
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid] - num_rejected
             request.spec_token_ids = []
+            if rid in runner_output.prompt_logprobs:
+                self._add_prompt_logprobs(request, *runner_output.prompt_logprobs[rid])
             new_tokens = runner_output.sampled_token_ids.get(request.request_id)
             if not new_tokens:
                 continue
@@ -336,6 +342,13 @@ class Scheduler:
                 self._finish(request)
                 finished.append(request)
         return updated, finished
+
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, first_token: int, entries: list[dict[int, float]]) -> None:
+        """Record prompt logprobs of tokens ``first_token ..``; positions already known (a prefill recomputed
+        after a preemption) are skipped, so each prompt token has exactly one entry."""
+        known = len(request.prompt_logprobs)
+        request.prompt_logprobs.extend(entries[max(0, known - first_token):])
 
     def _finish(self, request: Request) -> None:
         self.kv.free(request)

@@ -17,6 +17,7 @@ from framework.core.scheduler import Scheduler
 from framework.core.structured_output import StructuredOutputManager
 from framework.engine.compile_calibration import CompilePlanner
 from framework.engine.compile_policy import CompileDecision, startup_reason
+from framework.engine.parallel_sampling import ParallelRequests, ParentRequest, child_sampling_params
 from framework.interfaces import Drafter, EngineDeadError, Executor
 from framework.metrics.collector import MetricsCollector, compute_request_metrics
 
@@ -63,6 +64,7 @@ class LLMEngine:
         # structured requests wait here (outside the scheduler) while their grammar compiles
         self.structured_output = structured_output
         self._compiling: dict[str, Request] = {}
+        self.parallel = ParallelRequests()  # n > 1 requests and their sequences
         self._compile_checked = False  # maybe_compile ran once (its first eager verdict is logged at INFO)
         # the ranks compiled at start-up (engine.compile=true; a server's build defers it to maybe_compile)
         stats = executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
@@ -81,7 +83,9 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, client_id: str | None = None) -> None:
-        """Validate and queue one request.
+        """Validate and queue one request; with ``sampling_params.n > 1``, its ``n`` sequences (child requests
+        ``"{i}_{request_id}"``, seeds ``seed + i``; their outputs come back merged under ``request_id``,
+        ``framework/engine/parallel_sampling.py``).
 
         Args:
             prompt: text (tokenized with the model's tokenizer, special tokens added) or token ids.
@@ -106,15 +110,28 @@ class LLMEngine:
         if sampling_params.logit_bias and max(sampling_params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}); got {max(sampling_params.logit_bias)}")
         token_ids = self.tokenize(prompt)
-        if request_id in self.scheduler.requests or request_id in self._compiling:
+        parent = ParentRequest(request_id, sampling_params) if sampling_params.n > 1 else None
+        ids = parent.child_ids if parent is not None else [request_id]
+        if any(self._in_use(rid) for rid in {request_id, *ids}):
             raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
-        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=sampling_params,
-                          prompt=prompt if isinstance(prompt, str) else None, priority=priority, client_id=client_id,
-                          eos_token_ids=self.eos_token_ids,
-                          arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
-        if sampling_params.structured_outputs is not None:
+        params = ([child_sampling_params(sampling_params, i) for i in range(sampling_params.n)]
+                  if parent is not None else [sampling_params])  # every child checked before any is queued
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        if parent is not None:
+            self.parallel.add(parent)
+        for rid, sp in zip(ids, params):
+            self._enqueue(Request(request_id=rid, prompt_token_ids=token_ids, sampling_params=sp,
+                                  prompt=prompt if isinstance(prompt, str) else None, priority=priority,
+                                  client_id=client_id, eos_token_ids=self.eos_token_ids, arrival_time=arrival))
+
+    def _in_use(self, request_id: str) -> bool:
+        return request_id in self.scheduler.requests or request_id in self._compiling or request_id in self.parallel
+
+    def _enqueue(self, request: Request) -> None:
+        """Hand a validated request to the scheduler, or hold it while its grammar compiles."""
+        if request.sampling_params.structured_outputs is not None:
             self.structured_output.submit(request)
-            self._compiling[request_id] = request
+            self._compiling[request.request_id] = request
             return
         self.scheduler.add_request(request)
 
@@ -151,8 +168,9 @@ class LLMEngine:
             ``finish_reason="abort"``, the tokens produced so far). ``step()`` does not repeat them.
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids = self.parallel.expand(ids)
         outputs = [self._fail(self._compiling.pop(rid), None) for rid in ids if rid in self._compiling]
-        return outputs + self._abort(ids)
+        return self._to_caller(outputs + self._abort(ids))
 
     def _abort(self, ids: list[str], failures: dict[str, RequestFailure] | None = None) -> list[RequestOutput]:
         """Abort scheduler requests (``failures``: why some failed); their drafter state and matchers are
@@ -255,7 +273,7 @@ class LLMEngine:
             else:  # finished ids alone still go out: the workers drop those requests' state
                 runner_out = self.executor.execute_model(sched_out)
         except EngineDeadError as error:
-            error.outputs = failed + self._fail_all(str(error))
+            error.outputs = self._to_caller(failed + self._fail_all(str(error)))
             self.executor.shutdown()
             raise
         t2 = time.perf_counter()
@@ -276,7 +294,11 @@ class LLMEngine:
         for request, output in zip(updated, outputs[len(failed):]):
             if request.is_finished:
                 self._observe_finished(output)
-        return [o for o in outputs if o is not None]
+        return self._to_caller([o for o in outputs if o is not None])
+
+    def _to_caller(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs as the caller sees them: a parallel-sampling request's sequences merged into its own."""
+        return self.parallel.to_caller(outputs)
 
     def check_health(self) -> None:
         """Raise :class:`~framework.interfaces.EngineDeadError` when the executor lost a worker."""
@@ -472,18 +494,23 @@ class LLMEngine:
         if not finished and params.stop and not params.include_stop_str_in_output:
             text = text[:max(0, len(text) - (max(len(s) for s in params.stop) - 1))]
         token_ids, logprobs = request.output_token_ids, request.logprobs
+        prompt_logprobs = list(request.prompt_logprobs) if params.prompt_logprobs is not None else None
         if kind is RequestOutputKind.DELTA:
             sent_chars, sent_tokens = self._sent.pop(request.request_id, (0, 0))
             if not finished:
                 self._sent[request.request_id] = (max(sent_chars, len(text)), len(token_ids))
             text, token_ids, logprobs = text[sent_chars:], token_ids[sent_tokens:], logprobs[sent_tokens:]
+            if sent_tokens:  # prompt logprobs go out once, with the first tokens
+                prompt_logprobs = None
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(token_ids), finish_reason=request.finish_reason,
             stop_reason=request.stop_reason, logprobs=list(logprobs) if params.logprobs is not None else None)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
                              metrics=compute_request_metrics(request, self.block_bytes) if finished else None,
-                             error=request.error, internal_error=request.internal_error)
+                             error=request.error, internal_error=request.internal_error,
+                             prompt_logprobs=prompt_logprobs,
+                             num_cached_tokens=request.num_cached_tokens if finished else None)
 
     @property
     def kv_allocator(self) -> Any:

@@ -61,7 +61,10 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate completions for all prompts; returns one output per prompt, in input order.
+        """Generate completions for all prompts; returns one output per prompt, in input order, with
+        ``n`` completions each (``SamplingParams.n``; the prompt's KV blocks are computed once and shared
+        through the prefix cache, ``framework/engine/parallel_sampling.py``) and, when asked, the prompt's
+        logprobs (``SamplingParams.prompt_logprobs`` -> ``RequestOutput.prompt_logprobs``).
 
         A prompt the engine rejects (e.g. longer than ``max_model_len``), or a request a plugin or the
         detokenizer fails on (``internal_error``), gets a finished output with ``error`` set and
@@ -92,7 +95,7 @@ class LLM:
         for p in params:
             p.validate()
         max_len = self.engine.max_model_len
-        self.engine.maybe_compile(sum(min(p.max_tokens or max_len, max_len) for p in params), len(params))
+        self.engine.maybe_compile(sum(p.n * min(p.max_tokens or max_len, max_len) for p in params), len(params))
         # only final outputs are kept here: don't build per-step outputs (vLLM's LLM does the same)
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
 

@@ -3,7 +3,8 @@
 The whole step is one "super sequence": ``input_ids``/``position_ids`` of shape
 ``(1, num_tokens)`` fed to an unmodified transformers model whose attention layers call the
 selected backend (``framework.worker.forward_context``). Only the logits of positions that sample are
-computed (``logits_to_keep``). Once compiled (``compile=True`` in ``__init__``, or later through
+computed (``logits_to_keep``), plus, for requests that ask for prompt logprobs, the positions of
+their prompt (``framework.worker.prompt_logprobs``). Once compiled (``compile=True`` in ``__init__``, or later through
 :meth:`ModelRunner.compile_decoder`) the decoder runs through
 ``framework.worker.compile.CompiledDecoder`` (``torch.compile``, warmed up when compiled).
 """
@@ -30,6 +31,7 @@ from framework.worker.forward_context import ForwardContext, GraphAttention, for
 from framework.worker.input_batch import InputBatch
 from framework.worker.model_families import output_logits
 from framework.worker.prepack import unfuse_gated_mlps
+from framework.worker.prompt_logprobs import PromptLogprobRows, gather_prompt_logprobs, prompt_logprob_rows
 from framework.worker.rejection_sampler import RejectionSampler
 from framework.worker.sampler import Sampler
 
@@ -45,7 +47,11 @@ class BatchInputs:
     common: CommonAttentionMetadata  # the first KV cache group's (the only one without sliding-window groups)
     group_commons: list[CommonAttentionMetadata]  # per KV cache group: the same batch with its block table and slots
     sample_requests: list[Request]  # requests whose last scheduled token reaches num_tokens (+ drafts)
-    logits_index: torch.Tensor  # (num_sample_rows,) int64 flattened token index of each sampled row
+    # (num_sample_rows + num_prompt_rows,) int64 flattened token index of each row whose logits the step
+    # needs: the sampled rows, then the prompt-logprob rows (prompt_rows)
+    logits_index: torch.Tensor
+    num_sample_rows: int  # leading rows of logits_index that sample
+    prompt_rows: PromptLogprobRows | None  # trailing rows: prompt logprobs (None when no request asked)
     num_spec: list[int]  # per sample request: drafts verified this step (rows = num_spec + 1)
     query_start_loc_cpu: np.ndarray  # (num_reqs + 1,) int64, host copy of common.query_start_loc
     context_lens_cpu: np.ndarray  # (num_reqs,) int64, host copy of common.context_lens
@@ -287,6 +293,11 @@ class ModelRunner:
             logits, hidden = self._forward(batch.input_ids, batch.positions, batch.logits_index, metadata)
         if not self.is_driver_rank:
             return ModelRunnerOutput(sampled_token_ids={}, prepare_s=t1 - t0, forward_s=time.perf_counter() - t1)
+        prompt_logprobs = {}
+        if batch.prompt_rows is not None:  # same forward as the prefill: the rows after the sampled ones
+            prompt_logprobs = gather_prompt_logprobs(logits[batch.num_sample_rows:], batch.prompt_rows,
+                                                     self.sampler.vocab_size)
+            logits = logits[:batch.num_sample_rows]
         if hidden is not None:  # (num_tokens, hidden) for an EAGLE-style drafter
             hidden_states = TargetHiddenStates(
                 request_ids=[r.request_id for r in batch.requests],
@@ -311,7 +322,8 @@ class ModelRunner:
                 self._verify(logits, batch, row_start, so=scheduler_output, out=(sampled, logprobs, accepted, errors))
         t3 = time.perf_counter()
         return ModelRunnerOutput(sampled, logprobs, prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2,
-                                 num_accepted_tokens=accepted, hidden_states=hidden_states, request_errors=errors)
+                                 num_accepted_tokens=accepted, hidden_states=hidden_states, request_errors=errors,
+                                 prompt_logprobs=prompt_logprobs)
 
     def _sample(self, rows: torch.Tensor, reqs: list[Any], so: SchedulerOutput) -> list[tuple[int, dict | None]]:
         """Grammar bitmask (the driver's), then the sampler: ``(token id, logprobs or None)`` per request."""
@@ -408,6 +420,10 @@ class ModelRunner:
         row_off = np.arange(int((sample_k + 1).sum())) - np.repeat(np.cumsum(sample_k + 1) - (sample_k + 1),
                                                                    sample_k + 1)
         logits_index = query_start_loc[row_req + 1] - np.repeat(sample_k + 1, sample_k + 1) + row_off
+        num_sample_rows = len(logits_index)
+        prompt_rows = prompt_logprob_rows(requests, query_start_loc, context_lens, query_lens)
+        if prompt_rows is not None:
+            logits_index = np.concatenate([logits_index, prompt_rows.token_index])
         dev = self.device
         common = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(query_start_loc).to(dev, torch.int32),
@@ -433,6 +449,8 @@ class ModelRunner:
             group_commons=group_commons,
             sample_requests=[requests[i] for i in sample_idx.tolist()],
             logits_index=torch.from_numpy(logits_index).to(dev),
+            num_sample_rows=num_sample_rows,
+            prompt_rows=prompt_rows,
             num_spec=sample_k.tolist(),
             query_start_loc_cpu=query_start_loc,
             context_lens_cpu=context_lens,

@@ -29,6 +29,7 @@ from framework.core.faults import EngineDeadError
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind
 from framework.entrypoints.server import responses as R
+from framework.entrypoints.server.completions import CompletionChoices, engine_fields
 from framework.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body
 from framework.entrypoints.server.serving import (
     EngineJob,
@@ -150,22 +151,22 @@ async def _final(state: ServerState, jobs: list[EngineJob], request: Request) ->
 
 
 async def _stream(state: ServerState, jobs: list[EngineJob], rid: str, obj: str, num_prompt_tokens: int,
-                  include_usage: bool, chunk_choices: Any, first_choices: list[dict] | None = None
-                  ) -> AsyncIterator[str]:
+                  include_usage: bool, chunk_choices: Any, first_choices: list[dict] | None = None,
+                  count: Any = None) -> AsyncIterator[str]:
     """SSE body shared by both endpoints; ``chunk_choices(job, output, seen) -> list[choice]`` (``seen``: a
-    dict the callback keeps per-choice state in, e.g. text offset and last token id)."""
+    dict the callback keeps per-choice state in, e.g. text offset and last token id); ``count(output)``: the
+    completion tokens it adds to ``usage`` (default: every generated token)."""
     created, num_out, seen = int(time.time()), 0, {}
     try:
-        if first_choices:
-            yield _sse(R.envelope(rid, obj, state.model_name, first_choices, created=created))
+        for choice in first_choices or ():
+            yield _sse(R.envelope(rid, obj, state.model_name, [choice], created=created))
         async with merged_outputs(state.llm, jobs) as outputs:
             async for job, out in outputs:
                 if out.error:
                     raise _output_error(out)
-                num_out += len(out.outputs[0].token_ids)
-                choices = chunk_choices(job, out, seen)
-                if choices:
-                    yield _sse(R.envelope(rid, obj, state.model_name, choices, created=created))
+                num_out += count(out) if count is not None else sum(len(c.token_ids) for c in out.outputs)
+                for choice in chunk_choices(job, out, seen):  # one choice per chunk, as vLLM streams them
+                    yield _sse(R.envelope(rid, obj, state.model_name, [choice], created=created))
         if include_usage:
             yield _sse(R.envelope(rid, obj, state.model_name, [], R.usage(num_prompt_tokens, num_out), created))
     except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes into the stream
@@ -199,40 +200,28 @@ def _v1_routes(state: ServerState) -> APIRouter:
 
 
 def _add_completions(router: APIRouter, state: ServerState) -> None:
-    """``POST /v1/completions``."""
-    tok = state.tokenizer
+    """``POST /v1/completions`` (echo, logprobs over prompt and output, ``max_tokens: 0``, ``best_of``:
+    ``framework/entrypoints/server/completions.py``)."""
 
     @router.post("/completions", responses=_responses(*_V1_ERRORS, ok=_OK_STREAM))
     async def completions(req: CompletionRequest, raw: Request) -> Any:
         check_model(state, req.model)
-        if req.echo:
-            raise RequestError("echo=true is not supported", param="echo")
+        max_tokens, logprobs, n, prompt_logprobs = engine_fields(req)
         prompts = tokenize_prompts(state, req.prompt)
+        texts = req.prompt if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) else (
+            [req.prompt] if isinstance(req.prompt, str) else [None] * len(prompts))
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        jobs = build_jobs(state, req, prompts, req.max_tokens, req.logprobs, kind)
+        jobs = build_jobs(state, req, prompts, max_tokens, logprobs, kind, n=n, prompt_logprobs=prompt_logprobs)
         rid, num_prompt = f"cmpl-{uuid.uuid4().hex}", sum(len(p) for p in prompts)
-
-        def logprobs(out: Any, offset: int, prev_id: int) -> dict | None:
-            if req.logprobs is None:
-                return None
-            return R.completion_logprobs(tok, out, req.logprobs, offset, prev_id)
-
+        choices = CompletionChoices(req, state.tokenizer, texts)
         if req.stream:
-            def chunk(job: EngineJob, out: Any, seen: dict[int, tuple[int, int]]) -> list[dict]:
-                c = out.outputs[0]
-                offset, prev_id = seen.get(job.index, (0, job.prompt_token_ids[-1]))
-                seen[job.index] = (offset + len(c.text), c.token_ids[-1] if c.token_ids else prev_id)
-                if not (c.text or out.finished or (c.token_ids and req.logprobs is not None)):
-                    return []
-                return [R.completion_choice(job.index, c, logprobs(c, offset, prev_id))]
-
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(_stream(state, jobs, rid, "text_completion", num_prompt, include, chunk))
+            return _SSEResponse(_stream(state, jobs, rid, "text_completion", num_prompt, include,
+                                        lambda job, out, _: choices.chunk(job, out), count=choices.num_completion_tokens))
         outs = await _final(state, jobs, raw)
-        choices = [R.completion_choice(j.index, o.outputs[0], logprobs(o.outputs[0], 0, j.prompt_token_ids[-1]))
-                   for j, o in zip(jobs, outs)]
-        return R.envelope(rid, "text_completion", state.model_name, choices,
-                          R.usage(num_prompt, sum(len(o.outputs[0].token_ids) for o in outs)))
+        body = [c for j, o in zip(jobs, outs) for c in choices.final(j, o)]
+        return R.envelope(rid, "text_completion", state.model_name, sorted(body, key=lambda c: c["index"]),
+                          R.usage(num_prompt, sum(choices.num_completion_tokens(o) for o in outs)))
 
 
 def _add_chat_completions(router: APIRouter, state: ServerState) -> None:
@@ -254,22 +243,23 @@ def _add_chat_completions(router: APIRouter, state: ServerState) -> None:
 
         if req.stream:
             def chunk(job: EngineJob, out: Any, seen: dict[int, int]) -> list[dict]:
-                c = out.outputs[0]
-                prev_id = seen.get(job.index, job.prompt_token_ids[-1])
-                seen[job.index] = c.token_ids[-1] if c.token_ids else prev_id
-                if not (c.text or out.finished or (c.token_ids and num_top is not None)):
-                    return []
-                delta = {"content": c.text} if c.text or not out.finished else {}
-                return [R.chat_delta_choice(job.index, delta, logprobs(c, prev_id), c.finish_reason)]
+                choices = []
+                for c in out.outputs:
+                    prev_id = seen.get(c.index, job.prompt_token_ids[-1])
+                    seen[c.index] = c.token_ids[-1] if c.token_ids else prev_id
+                    if not (c.text or c.finish_reason or (c.token_ids and num_top is not None)):
+                        continue
+                    delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                    choices.append(R.chat_delta_choice(c.index, delta, logprobs(c, prev_id), c.finish_reason))
+                return choices
 
-            first = [R.chat_delta_choice(j.index, {"role": "assistant", "content": ""}) for j in jobs]
+            first = [R.chat_delta_choice(i, {"role": "assistant", "content": ""}) for i in range(req.n)]
             include = bool(req.stream_options and req.stream_options.include_usage)
             return _SSEResponse(_stream(state, jobs, rid, "chat.completion.chunk", len(ids), include, chunk, first))
         outs = await _final(state, jobs, raw)
-        choices = [R.chat_choice(j.index, o.outputs[0], logprobs(o.outputs[0], j.prompt_token_ids[-1]))
-                   for j, o in zip(jobs, outs)]
+        choices = [R.chat_choice(c.index, c, logprobs(c, jobs[0].prompt_token_ids[-1])) for c in outs[0].outputs]
         return R.envelope(rid, "chat.completion", state.model_name, choices,
-                          R.usage(len(ids), sum(len(o.outputs[0].token_ids) for o in outs)))
+                          R.usage(len(ids), sum(len(c.token_ids) for c in outs[0].outputs)))
 
 
 def build_app(state: ServerState) -> FastAPI:

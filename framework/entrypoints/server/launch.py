@@ -70,7 +70,7 @@ def _uvicorn_server(config: Any, on_exit: Any) -> Any:
 SERVER_METRICS_RECORDS = 100_000
 
 
-def _build_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
+def build_server_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
     """The engine to serve, after checking that the ``serve`` extra is installed.
 
     Raises:
@@ -93,6 +93,16 @@ def _build_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
                         defer_compile=True)
 
 
+def server_state(cfg: DictConfig, engine: Any, llm: AsyncLLM, name: str, metrics: Any, api_key: str | None) -> Any:
+    """The routes' shared ``ServerState`` for a built engine and its ``AsyncLLM`` (``cfg.server.chat_template``)."""
+    from framework.entrypoints.server.serving import ServerState
+
+    return ServerState(llm=llm, model_name=name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                       tokenizer=engine.tokenizer, supports_structured_outputs=engine.structured_output is not None,
+                       chat_template=load_chat_template(cfg.server.get("chat_template")), api_key=api_key,
+                       metrics=metrics)
+
+
 def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     """Serve ``engine_config`` over HTTP until SIGINT/SIGTERM; returns the engine's metrics summary.
 
@@ -106,13 +116,11 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
         EngineDeadError: the engine died while serving (after the server shut down; exit non-zero).
     """
     with exit_on_config_error():
-        engine = _build_engine(cfg, engine_config)
+        engine = build_server_engine(cfg, engine_config)
     import uvicorn
 
     from framework.entrypoints.server.app import build_app
     from framework.entrypoints.server.metrics import ServerMetrics
-    from framework.entrypoints.server.serving import ServerState
-
     server_cfg = cfg.server
     name = server_cfg.get("served_model_name") or engine_config.model
     server: Any = None
@@ -128,10 +136,7 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     # uvicorn already answers /health with 503 "compiling" (requests sent meanwhile wait)
     llm = AsyncLLM(engine, on_dead=on_dead, startup=lambda: engine.maybe_compile(None))
     metrics = ServerMetrics(engine, name)
-    state = ServerState(llm=llm, model_name=name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
-                        tokenizer=engine.tokenizer, supports_structured_outputs=engine.structured_output is not None,
-                        chat_template=load_chat_template(server_cfg.get("chat_template")),
-                        api_key=resolve_api_key(server_cfg.get("api_key")), metrics=metrics)
+    state = server_state(cfg, engine, llm, name, metrics, api_key=resolve_api_key(server_cfg.get("api_key")))
     config = uvicorn.Config(build_app(state), host=server_cfg.host, port=int(server_cfg.port),
                             log_level=server_cfg.get("log_level", "info"), timeout_graceful_shutdown=30)
     server = _uvicorn_server(config, on_exit=lambda: llm.shutdown(timeout_s=0))

@@ -26,12 +26,12 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None  # served model name; None = the only served model
-    n: int = Field(1, ge=1, le=128)  # completions per prompt (fanned out as n engine requests)
+    n: int = Field(1, ge=1, le=128)  # completions per prompt (the engine's parallel sampling: shared prompt KV)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # vLLM extension; 0 or -1 = off
     min_p: float = 0.0  # vLLM extension
-    seed: int | None = None  # with n > 1, completion i uses seed + i
+    seed: int | None = None  # with n > 1, completion i uses seed + i (vLLM's rule)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
     presence_penalty: float = 0.0
@@ -53,13 +53,17 @@ class CompletionRequest(_SamplingFields):
 
     ``prompt``: a string, a list of strings, a list of token ids, or a list of token-id lists; each
     prompt gets ``n`` choices (choice index = prompt index * n + i). ``logprobs``: top-N per token
-    (0..20). ``max_tokens`` defaults to 16 as in the OpenAI API.
+    (0..20). ``max_tokens`` defaults to 16 as in the OpenAI API; 0 only with ``echo`` (the prompt's
+    logprobs alone, as lm-evaluation-harness asks). ``echo``: the choice's text and logprobs start with
+    the prompt's (its first token's logprob is ``null``). ``best_of``: sample that many and return the
+    ``n`` with the highest mean token logprob (not with ``stream``).
     """
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False  # only False is supported (the server answers 400 otherwise)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=128)
 
 
 class ChatMessage(BaseModel):

@@ -50,9 +50,10 @@ class ServerState:
 
 @dataclasses.dataclass
 class EngineJob:
-    """One engine request of an API request: choice ``index``, its prompt ids and params."""
+    """One engine request of an API request: one prompt and its ``params.n`` sequences (the engine's parallel
+    sampling); its choices are ``index * n + i`` for sequence ``i`` of the API request's ``n``."""
 
-    index: int
+    index: int  # the prompt's position in the API request
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -151,8 +152,14 @@ def _max_tokens(state: ServerState, num_prompt: int, requested: int | None) -> i
 
 
 def build_jobs(state: ServerState, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
-               max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind) -> list[EngineJob]:
-    """One :class:`EngineJob` per (prompt, choice): ``n`` per prompt, seeds ``seed + i``.
+               max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind, n: int | None = None,
+               prompt_logprobs: int | None = None) -> list[EngineJob]:
+    """One :class:`EngineJob` per prompt, each running ``n`` sequences (default ``req.n``) in the engine
+    (seeds ``seed + i``, the prompt's KV shared through the prefix cache).
+
+    Args:
+        n: sequences per prompt (``best_of`` when the server picks the best ``req.n`` of more).
+        prompt_logprobs: top logprobs per prompt token (``echo`` with ``logprobs``), or None.
 
     Raises:
         RequestError(400): out-of-range sampling fields (message names the field and range), a bad
@@ -171,20 +178,19 @@ def build_jobs(state: ServerState, req: CompletionRequest | ChatCompletionReques
     jobs = []
     for p, ids in enumerate(prompts):
         cap = _max_tokens(state, len(ids), max_tokens)
-        for i in range(req.n):
-            index = p * req.n + i
-            try:
-                params = SamplingParams(
-                    temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                    seed=None if req.seed is None else req.seed + i, stop=req.stop or [],
-                    stop_token_ids=req.stop_token_ids or [], presence_penalty=req.presence_penalty,
-                    frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                    ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, max_tokens=cap, logprobs=logprobs,
-                    logit_bias=logit_bias,
-                    output_kind=kind, structured_outputs=structured)
-            except ValueError as exc:
-                raise RequestError(str(exc).removeprefix("Invalid SamplingParams: ")) from exc
-            jobs.append(EngineJob(index, f"{base}-{index}", ids, params, req.priority))
+        try:
+            params = SamplingParams(
+                n=req.n if n is None else n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                min_p=req.min_p, seed=req.seed, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+                max_tokens=cap, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
+                output_kind=kind, structured_outputs=structured)
+            if params.seed is not None:  # the engine seeds sequence i with seed + i: check the last one too
+                dataclasses.replace(params, seed=params.seed + params.n - 1)
+        except ValueError as exc:
+            raise RequestError(str(exc).removeprefix("Invalid SamplingParams: ")) from exc
+        jobs.append(EngineJob(p, f"{base}-{p}", ids, params, req.priority))
     return jobs
 
 

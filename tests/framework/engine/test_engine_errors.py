@@ -70,7 +70,7 @@ def test_prompt_too_long_rejected_others_finish(make_llm):
 
 @pytest.mark.parametrize("kwargs,field", [
     ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -5}, "top_k"),
-    ({"min_p": 2.0}, "min_p"), ({"max_tokens": 0}, "max_tokens"), ({"n": 2}, "n"),
+    ({"min_p": 2.0}, "min_p"), ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
 ])
 def test_invalid_sampling_params(kwargs, field):

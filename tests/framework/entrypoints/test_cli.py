@@ -47,12 +47,13 @@ def test_chosen_plugin_sources_names_package_and_version():
     assert record["scheduler"]["package"] == "servelab" and record["scheduler"]["class"].endswith("FCFSPolicy")
 
 
-def test_serve_injects_mode_override_and_bare_args_go_to_hydra(monkeypatch):
+def test_serve_and_eval_inject_mode_override_and_bare_args_go_to_hydra(monkeypatch):
     seen = []
     monkeypatch.setattr(cli, "_run_hydra", lambda argv: seen.append(argv))
     cli.main(["serve", "model=stories260K"])
     cli.main(["scheduler=priority"])
-    assert seen == [["mode=serve", "model=stories260K"], ["scheduler=priority"]]
+    cli.main(["eval", "-m", "quant=none,int8_wo"])  # the mode goes last: Hydra takes no override before -m
+    assert seen == [["model=stories260K", "mode=serve"], ["scheduler=priority"], ["-m", "quant=none,int8_wo", "mode=eval"]]
 
 
 def test_rerun_argv_points_hydra_at_the_saved_config(tmp_path):

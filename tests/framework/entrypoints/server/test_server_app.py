@@ -68,11 +68,13 @@ def _ok(state: ServerState) -> None:
     ({"max_tokens": 3}, "prompt", "prompt"),
     ({"prompt": "a", "bogus_field": 1}, "bogus_field", "bogus_field"),
     ({"prompt": "a", "top_p": 0.0}, None, "top_p"),
-    ({"prompt": "a", "max_tokens": 0}, "max_tokens", ""),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens", "echo"),
     ({"prompt": "a", "logprobs": 99}, "logprobs", ""),
     ({"prompt": [], "max_tokens": 2}, "prompt", "empty"),
     ({"prompt": [1, 9999]}, "prompt", "[0, 512)"),
-    ({"prompt": "a", "echo": True}, "echo", "echo"),
+    ({"prompt": "a", "echo": True, "max_tokens": -1}, "max_tokens", ""),
+    ({"prompt": "a", "n": 2, "best_of": 1}, "best_of", "best_of"),
+    ({"prompt": "a", "best_of": 2, "stream": True}, "best_of", "stream"),
     ({"prompt": "a", "response_format": {"type": "yaml"}}, "response_format", "response_format"),
 ])
 def test_bad_completion_requests_are_400_and_engine_stays_up(setup, body, param, text):

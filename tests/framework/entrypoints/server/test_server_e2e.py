@@ -198,6 +198,25 @@ def test_auth_and_bad_requests_over_http(server):
     assert _client(server).completions.create(model="stories260K", prompt="Once", max_tokens=2).choices
 
 
+def test_openai_client_echo_logprobs_max_tokens_0_and_n(server):
+    """What lm-evaluation-harness and best-of-n users send, through the official client unchanged: the prompt's
+    logprobs alone (``echo=True, logprobs=5, max_tokens=0``; the first token's is null) and ``n=3`` samples
+    (distinct with a seed; the prompt's KV blocks computed once: the prefix-cache hit counter grows)."""
+    client = _client(server)
+    resp = client.completions.create(model="stories260K", prompt=PROMPTS[3], echo=True, logprobs=5, max_tokens=0)
+    choice = resp.choices[0]
+    assert choice.text == PROMPTS[3] and resp.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == resp.usage.prompt_tokens
+    assert all(5 <= len(top) <= 6 for top in lp.top_logprobs[1:])
+    hits = _metrics(server).get("servelab:prefix_cache_hits_total", 0.0)
+    resp = client.completions.create(model="stories260K", prompt=PROMPTS[3], n=3, seed=4, temperature=1.0,
+                                     max_tokens=8, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2] and len({c.text for c in resp.choices}) == 3
+    assert _metrics(server)["servelab:prefix_cache_hits_total"] - hits >= 2 * 16  # sequences 1, 2 hit the prompt
+
+
 def test_bench_serving_smoke(server, tmp_path):
     import importlib.util
 

@@ -97,8 +97,10 @@ def test_fuzzed_sampling_and_structured_bodies(served):
 
     app, engine = served
 
-    def body(sampling, spec, as_response_format, stream):
-        out = {k: v for k, v in sampling.items() if k not in ("skip_special_tokens", "include_stop_str_in_output")}
+    def body(sampling, spec, as_response_format, stream, echo):
+        out = {k: v for k, v in sampling.items()
+               if k not in ("skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs")}
+        out.update(echo)
         if "logit_bias" in out:
             out["logit_bias"] = {str(k): v for k, v in out["logit_bias"].items()}
         if spec is not None and as_response_format and "json" in spec:
@@ -107,7 +109,8 @@ def test_fuzzed_sampling_and_structured_bodies(served):
             out["structured_outputs"] = spec
         return {**out, "prompt": "Once upon a time", "stream": stream}
 
-    bodies = st.builds(body, SAMPLING, st.one_of(st.none(), STRUCTURED), st.booleans(), st.booleans())
+    echo = st.fixed_dictionaries({}, optional={"echo": st.booleans(), "best_of": st.integers(0, 4)})
+    bodies = st.builds(body, SAMPLING, st.one_of(st.none(), STRUCTURED), st.booleans(), st.booleans(), echo)
 
     with TestClient(app) as client:
         @settings(max_examples=40, deadline=None, derandomize=True, database=None,
