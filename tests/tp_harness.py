@@ -163,7 +163,7 @@ def run_cases(tp_rank: int, tp_size: int, cases: list[dict[str, Any]]) -> dict[s
             if f"compile_{backend_name}" in checks:
                 res.update(_compile_check(lm.model, ids, backend_name))
         if "compile_agreement" in checks:
-            res["compile_agreement"] = compile_agreement(tp_rank, tp_size)
+            res["compile_agreement"] = compile_agreement(lm.model, tp_rank, tp_size)
         if "prepack" in checks:
             res["num_prepacked"] = prepack_linears(lm.model)
             res["module_classes"] = {type(m).__name__ for m in lm.model.modules()}
@@ -183,26 +183,31 @@ def run_cases(tp_rank: int, tp_size: int, cases: list[dict[str, Any]]) -> dict[s
     return results
 
 
-def compile_agreement(tp_rank: int, tp_size: int) -> dict[str, Any]:
+def compile_agreement(model: torch.nn.Module, tp_rank: int, tp_size: int) -> dict[str, Any]:
     """``CompiledDecoder.agree_across_ranks`` when only the last rank fell back (nothing compiles:
-    the decoder is a stand-in), then a failing compiled call on a warmed-up TP rank."""
+    the fallback is a stand-in), then a failing compiled layer call on a warmed-up TP rank. The
+    model's layers get their class ``forward`` back at the end."""
     from framework.worker.compile import CompiledDecoder
 
-    model = torch.nn.Module()
-    model.model, model.lm_head, model.config = torch.nn.Identity(), torch.nn.Identity(), object()
-    decoder = CompiledDecoder(model, tensor_parallel=True)
+    num_layers = model.config.num_hidden_layers
+    kv_caches, groups = [torch.zeros(1)] * num_layers, [0] * num_layers
+    decoder = CompiledDecoder(model, kv_caches, groups, tensor_parallel=True)
     decoder.stats.active = True
     if tp_rank == tp_size - 1:
         decoder._fall_back("torch.compile failed (BackendCompilerFailed: stand-in)")
     decoder.agree_across_ranks()
-    out: dict[str, Any] = {"active": decoder.stats.active, "reason": decoder.stats.fallback_reason}
+    out: dict[str, Any] = {"active": decoder.stats.active, "reason": decoder.stats.fallback_reason,
+                           "compiling": decoder.compiling}
 
-    def fails(**kwargs: Any) -> Any:
+    def fails(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("stand-in compile error")
 
-    decoder._compiled, decoder._warmed_up = fails, True
+    late = CompiledDecoder(model, kv_caches, groups, tensor_parallel=True)
+    late.graphs.run, late._warmed_up = fails, True
     try:
-        decoder.hidden_states(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))
+        late._layer_forward(0, torch.zeros(1, 2, model.config.hidden_size))
     except RuntimeError as err:
         out["late_failure"] = str(err)
+    for layer in late.graphs.layers:
+        vars(layer).pop("forward", None)
     return out

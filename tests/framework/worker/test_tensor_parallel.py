@@ -279,6 +279,7 @@ def test_compile_falls_back_on_every_rank_or_none(tp2: list[dict]) -> None:
     compiled call that fails raises instead of rerunning eagerly alone (its collectives would desync)."""
     ranks = [rank["llama_bias"]["compile_agreement"] for rank in tp2]
     assert [r["active"] for r in ranks] == [False, False]
+    assert [r["compiling"] for r in ranks] == [False, False]
     assert "tensor-parallel rank 1 fell back (torch.compile failed (BackendCompilerFailed" in ranks[0]["reason"]
     assert ranks[1]["reason"].startswith("torch.compile failed")
     assert all("cannot fall back to eager alone" in r["late_failure"] for r in ranks)
