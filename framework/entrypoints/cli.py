@@ -5,6 +5,7 @@ plus subcommands.
     servelab plugins                               every registered plugin per kind, package, capabilities
     servelab models [--markdown]                   the model families servelab runs, their needs, backends, tests
     servelab serve [overrides]                     == python run.py mode=serve [overrides]
+    servelab profile [overrides] [--out FILE]      step times of the model on this device -> a profile for executor=sim
     servelab rerun RUN_DIR [key=value ...]         == python run.py --config-path RUN_DIR/.hydra --config-name config
 
 ``--config-path`` (not ``--config-dir``): Hydra searches ``--config-dir`` *after* the app's own
@@ -18,7 +19,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("results", "plugins", "models", "serve", "rerun")
+SUBCOMMANDS = ("results", "plugins", "models", "serve", "rerun", "profile")
 
 
 def _run_hydra(argv: list[str]) -> None:
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int | None:
         from framework.entrypoints.model_info import main as models_main
 
         return models_main(argv[1:])
+    if command == "profile":
+        from framework.entrypoints.profile import main as profile_main
+
+        return profile_main(argv[1:])
     if command == "serve":
         return _run_hydra(["mode=serve", *argv[1:]])
     if command == "rerun":

@@ -14,12 +14,12 @@ Latencies are reported in milliseconds (``*_ms``), throughputs per second of ``d
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
+from framework.core.clock import WALL_CLOCK, Clock
 from framework.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 
 if TYPE_CHECKING:
@@ -132,17 +132,20 @@ class MetricsCollector:
         # speculative decoding totals (SchedulerStats field names)
         self.spec = dict.fromkeys(("num_spec_reqs", "num_draft_tokens", "num_accepted_tokens", "draft_s"), 0)
         self.spec_verify_s = 0.0  # forward + sample time of steps that verified drafts, seconds
-        self._first_s: float | None = None  # perf_counter at the start of the first observed step
-        self._last_s: float | None = None  # perf_counter at the last observation
+        self.clock: Clock = WALL_CLOCK  # the engine's clock (a simulator's virtual one), set by the engine
+        # labels every record of the run carries (Executor.run_labels: simulated, sim_profile), set by the engine
+        self.run_labels: dict[str, Any] = {"simulated": False, "sim_profile": None}
+        self._first_s: float | None = None  # clock reading at the start of the first observed step
+        self._last_s: float | None = None  # clock reading at the last observation
 
     def _touch(self, start_s: float) -> None:
-        now = time.perf_counter()
+        now = self.clock.now()
         self._first_s = start_s if self._first_s is None else min(self._first_s, start_s)
         self._last_s = now
 
     def observe_step(self, stats: SchedulerStats) -> None:
         """Add one step's stats (time split, KV usage, preemptions)."""
-        self._touch(time.perf_counter() - stats.step_s)
+        self._touch(self.clock.now() - stats.step_s)
         self.num_steps += 1
         for part in STEP_PARTS:
             self.step_time_s[part] += getattr(stats, f"{part}_s")
@@ -170,7 +173,7 @@ class MetricsCollector:
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Add one finished request; aborted/rejected ones only count in ``num_failed``."""
-        self._touch(time.perf_counter())
+        self._touch(self.clock.now())
         reason = output.outputs[0].finish_reason if output.outputs else None
         if output.error is None and reason in ("stop", "length") and output.metrics is not None:
             m = output.metrics
@@ -214,7 +217,8 @@ class MetricsCollector:
             ``framework.engine.compile_policy``), and once the decoder was compiled ``compile``,
             ``compile_active``, ``compile_s`` (warm-up seconds), ``compile_num_graphs_warmup``,
             ``compile_num_recompiles`` (graphs compiled after the warm-up), ``compile_fallback`` (see
-            ``framework.worker.compile.CompileStats``),
+            ``framework.worker.compile.CompileStats``), the executor's ``run_labels`` (``simulated``,
+            ``sim_profile``: every run has them, a simulated one says where its step times came from),
             step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time,
             ``tokens_per_forward`` (output tokens per request per target forward) and, when a
             drafter verified drafts, ``spec_acceptance_rate``, ``spec_mean_accepted_length`` (tokens
@@ -259,6 +263,7 @@ class MetricsCollector:
                    **self.swap_totals, num_steps=self.num_steps, step_s=total_step_s,
                    **self.kv_cache_info)
         out.update(self.compile_info)
+        out.update(self.run_labels)
         if self.compile_stats is not None and self.compile_stats.enabled:
             out.update(self.compile_stats.as_dict())
         for part in STEP_PARTS:
