@@ -424,6 +424,8 @@ class LLMEngine:
         )
         self.num_steps += 1
         self.metrics.observe_step(stats)
+        if sched_out.scheduled_spec_decode_tokens:
+            self.metrics.observe_draft_positions(sched_out.scheduled_spec_decode_tokens, runner_out.num_accepted_tokens)
         registry.call_hook("on_step_end", stats=stats)
 
     def _report_finished(self, request: Request) -> RequestOutput:

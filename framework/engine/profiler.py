@@ -1,11 +1,12 @@
 """Measure a model's step times with the real engine over a grid of step shapes (``servelab profile``).
 
 *The grid* (Vidur's profiling dimensions -- prefill tokens, decode rows, context lengths, batch -- for whole
-engine steps rather than single operators): each :class:`Cell` ``(num_decode, context, prefill, shared)``
-starts ``num_decode`` requests of ``context / 2`` to ``3 context / 2`` random prompt tokens (some cells with a
-common prefix: prefix-cache hits, and decode rows reading shared blocks) (their admission gives multi-request prefill
-chunks, with and without cached context, capped by ``max_num_batched_tokens``), then a ``prefill``-token
-request while they decode (a mixed step), and records every step until all finish. Each step's
+engine steps rather than single operators): each :class:`Cell` ``(num_decode, context, prefills, shared)``
+starts ``num_decode`` requests of ``context / 2`` to ``3 context / 2`` random prompt tokens, in some cells
+behind a common prefix (prefix-cache hits; decode rows reading shared blocks). Their admission gives
+multi-request prefill chunks, with and without cached context, capped by ``max_num_batched_tokens``; then
+requests of the ``prefills`` lengths join while they decode (mixed steps); every step until all finish is
+recorded. Each step's
 :class:`~framework.sim.features.StepFeatures` come from its ``SchedulerOutput`` (before the step) and its
 time from around ``engine.step()``, so the profile times exactly what a simulated step stands for:
 scheduling, the executor's forward and sampling, the update. The structured-output bitmask is timed apart
@@ -36,25 +37,23 @@ logger = logging.getLogger(__name__)
 
 class Cell(NamedTuple):
     """One grid cell: ``num_decode`` requests of about ``context`` prompt tokens (the first ``shared`` of
-    them common to all, a cached prefix), then a ``prefill``-token request while they decode (0: none)."""
+    them common to all, a cached prefix); while they decode, one new request of each ``prefills`` length
+    joins every other step (mixed steps)."""
 
     num_decode: int
     context: int
-    prefill: int
+    prefills: tuple[int, ...] = ()
     shared: float = 0.0
 
 
-def _cells(rows: tuple[tuple[int, tuple[int, ...]], ...], prefills: tuple[int, ...]) -> list[Cell]:
-    return [Cell(d, c, p) for c, ds in rows for d, p in zip(ds, prefills, strict=False)]
-
-
+_PREFILLS = ((), (64, 24), (512, 40), (1536, 96), (256, 16), (3000,), (128, 48, 200), (32, 160), (1024, 72))
+_ROWS = ((32, (1, 4, 16, 48, 96, 160)), (128, (1, 2, 3, 5, 8, 12, 24, 64, 128)), (384, (1, 2, 4, 6, 12, 32, 48)),
+         (1024, (1, 3, 5, 8, 16)), (2048, (1, 2, 4, 6)))
 GRIDS: dict[str, list[Cell]] = {
-    "default": _cells(((32, (1, 4, 16, 48, 96, 160)), (128, (1, 2, 3, 5, 8, 12, 24, 64, 128)),
-                       (384, (1, 2, 4, 6, 12, 32, 48)), (1024, (1, 3, 5, 8, 16)), (2048, (1, 2, 4, 6))),
-                      (0, 64, 512, 1536, 256, 3000, 128, 32, 1024))
-    + [Cell(d, c, p, 0.75) for d, c, p in ((2, 768, 0), (4, 512, 64), (6, 1024, 0), (8, 512, 128), (16, 384, 0),
-                                           (32, 256, 64))],
-    "quick": [Cell(1, 16, 0), Cell(4, 32, 24), Cell(8, 8, 64), Cell(2, 64, 100), Cell(3, 48, 0, 0.75)],
+    "default": [Cell(d, c, p) for c, ds in _ROWS for d, p in zip(ds, _PREFILLS, strict=False)]
+    + [Cell(d, c, p, 0.75) for d, c, p in ((2, 768, ()), (4, 512, (64,)), (6, 1024, ()), (8, 512, (128, 32)),
+                                           (16, 384, ()), (32, 256, (64,)))],
+    "quick": [Cell(1, 16), Cell(4, 32, (24,)), Cell(8, 8, (64, 8)), Cell(2, 64, (100,)), Cell(3, 48, (), 0.75)],
 }
 DECODE_STEPS = 8  # decode steps each cell's requests run after their prefill
 MASK_REQUESTS = 8  # structured-output requests timed for the bitmask cost
@@ -158,7 +157,7 @@ def run_cell(recorder: StepRecorder, cell: Cell, rng: random.Random, tag: str, r
              low_id: int = 3) -> None:
     """Run one grid cell to completion (see the module docstring), recording its steps."""
     engine = recorder.engine
-    num_decode, context, prefill, shared = cell
+    num_decode, context, prefills, shared = cell
     vocab = engine.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS + 1, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
@@ -169,13 +168,14 @@ def run_cell(recorder: StepRecorder, cell: Cell, rng: random.Random, tag: str, r
         own = max(1, length - len(prefix))
         engine.add_request(rid, prefix + [rng.randrange(low_id, vocab) for _ in range(own)], params)
     started: set[str] = set()
-    injected = prefill == 0
+    pending, decode_steps = list(prefills), 0
     while engine.has_unfinished_requests():
-        if not injected and started >= set(ids):  # every request decodes: a prefill joins them
-            prompt_len = min(prefill, engine.max_model_len - 2)
-            engine.add_request(f"{tag}-p", [rng.randrange(low_id, vocab) for _ in range(prompt_len)],
-                               dataclasses.replace(params, max_tokens=2))
-            injected = True
+        if pending and started >= set(ids):  # every request decodes: every other step a prefill joins them
+            if decode_steps % 2 == 0:
+                prompt_len = min(pending.pop(0), engine.max_model_len - 2)
+                engine.add_request(f"{tag}-p{len(pending)}", [rng.randrange(low_id, vocab) for _ in range(prompt_len)],
+                                   dataclasses.replace(params, max_tokens=2))
+            decode_steps += 1
         started |= {o.request_id for o in recorder.step(record) if o.outputs and o.outputs[0].token_ids}
 
 
@@ -216,9 +216,10 @@ def measure_mask_cost(recorder: StepRecorder, rng: random.Random) -> float | Non
 
 
 def measure_profile(config: EngineConfig, grid: str = "default", seed: int = 0,
-                    progress: Callable[[int, int], None] | None = None) -> StepProfile:
-    """Build the real engine for ``config`` (its executor replaced by the real one), run the grid, fit the
-    predictor and return the profile (not saved).
+                    progress: Callable[[int, int], None] | None = None, passes: int = 1) -> StepProfile:
+    """Build the real engine for ``config`` (its executor replaced by the real one), run the grid ``passes``
+    times (every other pass in reverse, so a slow spell of the machine does not fall on one kind of cell),
+    fit the predictor and return the profile (not saved).
 
     Args:
         progress: called ``(cells done, cells)`` after each cell.
@@ -239,13 +240,14 @@ def measure_profile(config: EngineConfig, grid: str = "default", seed: int = 0,
     recorder = StepRecorder(engine)
     rng = random.Random(seed)
     cells = GRIDS[grid]
+    order = [cell for k in range(passes) for cell in (cells if k % 2 == 0 else cells[::-1])]
     shares: list[float | None] = []
     try:
-        run_cell(recorder, Cell(4, 64, 64), rng, "warmup", record=False)  # first steps pay allocations, page faults
-        for i, cell in enumerate(cells):
+        run_cell(recorder, Cell(4, 64, (64,)), rng, "warmup", record=False)  # first steps pay allocations, page faults
+        for i, cell in enumerate(order):
             shares.append(run_quiet_cell(recorder, cell, rng, f"cell{i}"))
             if progress is not None:
-                progress(i + 1, len(cells))
+                progress(i + 1, len(order))
         mask_s = measure_mask_cost(recorder, rng)
     finally:
         recorder.close()
@@ -253,9 +255,29 @@ def measure_profile(config: EngineConfig, grid: str = "default", seed: int = 0,
     hf_config = load_model_config(config.model)
     device = measured_device(config, torch.get_num_threads())
     model = LinearStepModel.fit(recorder.samples)
-    meta = {"model": Path(config.model).name, "grid": grid, "cells": [list(c) for c in cells],
+    meta = {"model": Path(config.model).name, "grid": grid, "passes": passes, "cells": [list(c) for c in cells],
             "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
             "date": datetime.date.today().isoformat(), "num_samples": len(recorder.samples),
             "foreign_cpu_share_per_cell": shares}
     return StepProfile(source="measured", key=profile_key(config, hf_config, device), samples=recorder.samples,
                        predictor=model.as_dict(), grammar_mask_s_per_row=mask_s, meta=meta)
+
+
+def merge_profiles(profiles: list[StepProfile]) -> StepProfile:
+    """One profile from several measured with the same key (e.g. passes at different times of a shared
+    machine): their samples pooled and refit, the mask cost averaged.
+
+    Raises:
+        ValueError: no profiles, an analytic one, or keys that differ (other model, device or settings).
+    """
+    if not profiles or any(p.source != "measured" for p in profiles):
+        raise ValueError("merge measured profiles (servelab profile), at least one")
+    if any(p.key != profiles[0].key for p in profiles):
+        raise ValueError("profiles measured with different models, devices or engine settings cannot be merged")
+    samples = [s for p in profiles for s in p.samples]
+    masks = [p.grammar_mask_s_per_row for p in profiles if p.grammar_mask_s_per_row is not None]
+    meta = dict(profiles[0].meta, num_samples=len(samples), merged_from=[p.meta.get("date") for p in profiles],
+                foreign_cpu_share_per_cell=[x for p in profiles for x in p.meta.get("foreign_cpu_share_per_cell", [])])
+    return StepProfile(source="measured", key=profiles[0].key, samples=samples,
+                       predictor=LinearStepModel.fit(samples).as_dict(),
+                       grammar_mask_s_per_row=sum(masks) / len(masks) if masks else None, meta=meta)

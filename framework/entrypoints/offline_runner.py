@@ -11,7 +11,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from framework.core.outputs import RequestOutput
-from framework.core.sampling_params import SamplingParams
+from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
 from framework.workloads.workload import WorkloadItem
 
@@ -108,7 +108,10 @@ def _submit(engine: Any, item: WorkloadItem, default_sampling: SamplingParams, a
     """Add one item to the engine; returns the rejection message, or ``None`` when queued."""
     prompt = item.prompt_token_ids if item.prompt_token_ids is not None else item.prompt
     try:
-        overrides: dict = {} if item.max_tokens is None else {"max_tokens": int(item.max_tokens)}
+        # only final outputs are recorded: no per-step copies of growing outputs (as LLM.generate)
+        overrides: dict = {"output_kind": RequestOutputKind.FINAL_ONLY}
+        if item.max_tokens is not None:
+            overrides["max_tokens"] = int(item.max_tokens)
         if item.structured_outputs is not None:
             overrides["structured_outputs"] = StructuredOutputsParams.from_dict(item.structured_outputs)
         params = dataclasses.replace(default_sampling, **overrides)  # a fresh copy per request

@@ -1,7 +1,8 @@
 """``servelab profile``: measure one model's step times on this device with the real engine, fit a step-time
 predictor on them and write a profile file for ``executor=sim`` (or an analytic one for a device not here).
 
-    servelab profile [model=... engine.compile=false ...] [--out FILE] [--grid default|quick]
+    servelab profile [model=... engine.compile=false ...] [--out FILE] [--grid default|quick] [--passes N]
+    servelab profile --merge A.json B.json --out C.json     # pool passes measured at different times
     servelab profile model=llama3_70b parallel.tensor_parallel_size=8 device=h100    # analytic, no measuring
 
 The overrides are the run config's (``conf/``), so the profile is measured with the engine settings a run
@@ -49,6 +50,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", help="profile file to write (default: the cache that profile=auto searches)")
     parser.add_argument("--grid", default="default", choices=sorted(GRIDS), help="cells to measure (quick: tests)")
     parser.add_argument("--seed", type=int, default=0, help="prompt token ids' seed")
+    parser.add_argument("--passes", type=int, default=1, help="measure the grid this many times (a shared machine's "
+                        "speed drifts; more passes average it)")
+    parser.add_argument("--merge", nargs="+", metavar="FILE", help="pool these measured profiles (same key) and refit")
     return parser.parse_known_args(argv)
 
 
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         SystemExit: a configuration mistake (status 2, the message alone).
     """
-    from framework.engine.profiler import GRIDS, measure_profile
+    from framework.engine.profiler import GRIDS, measure_profile, merge_profiles
     from framework.entrypoints.config_errors import exit_on_config_error
     from framework.entrypoints.hydra_config import engine_config_from_cfg
     from framework.sim.roofline import DEVICES, analytic_profile
@@ -66,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = _parse(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with exit_on_config_error():
+        if args.merge:
+            from framework.sim.profile import StepProfile
+
+            profile = merge_profiles([StepProfile.load(path) for path in args.merge])
+            print(f"wrote merged profile {profile.save(args.out or cache_path(profile))}")
+            return 0
         device = next((o.split("=", 1)[1] for o in overrides if o.startswith("device=")), "cpu")
         analytic = device.lower() in DEVICES
         cfg = compose_config([o for o in overrides if not (analytic and o.startswith("device="))])
@@ -79,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"servelab profile: measuring {config.model} on this {config.device} with the real engine "
                   f"({len(GRIDS[args.grid])} cells)", flush=True)
-            profile = measure_profile(config, args.grid, args.seed,
+            profile = measure_profile(config, args.grid, args.seed, passes=args.passes,
                                       progress=lambda i, n: print(f"  cell {i}/{n}", flush=True))
     path = profile.save(args.out or cache_path(profile))
     error = profile.predictor.get("held_out_mape")

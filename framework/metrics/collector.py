@@ -132,6 +132,8 @@ class MetricsCollector:
         # speculative decoding totals (SchedulerStats field names)
         self.spec = dict.fromkeys(("num_spec_reqs", "num_draft_tokens", "num_accepted_tokens", "draft_s"), 0)
         self.spec_verify_s = 0.0  # forward + sample time of steps that verified drafts, seconds
+        # per draft position i: [verified (positions < i all accepted), accepted]; executor=sim's acceptance traces
+        self.spec_positions: list[list[int]] = []
         self.clock: Clock = WALL_CLOCK  # the engine's clock (a simulator's virtual one), set by the engine
         # labels every record of the run carries (Executor.run_labels: simulated, sim_profile), set by the engine
         self.run_labels: dict[str, Any] = {"simulated": False, "sim_profile": None}
@@ -170,6 +172,17 @@ class MetricsCollector:
             self.spec[key] += getattr(stats, key)
         if stats.num_draft_tokens:
             self.spec_verify_s += stats.forward_s + stats.sample_s
+
+    def observe_draft_positions(self, drafts: dict[str, list[int]], num_accepted: dict[str, int]) -> None:
+        """Count, per draft position, the verify rows that reached it (every earlier draft accepted) and those
+        that accepted it: ``spec_acceptance_by_position`` (the conditional acceptance of each position)."""
+        for rid, draft in drafts.items():
+            accepted = num_accepted.get(rid, 0)
+            for i in range(min(len(draft), accepted + 1)):
+                if i == len(self.spec_positions):
+                    self.spec_positions.append([0, 0])
+                self.spec_positions[i][0] += 1
+                self.spec_positions[i][1] += i < accepted
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Add one finished request; aborted/rejected ones only count in ``num_failed``."""
@@ -223,7 +236,9 @@ class MetricsCollector:
             ``tokens_per_forward`` (output tokens per request per target forward) and, when a
             drafter verified drafts, ``spec_acceptance_rate``, ``spec_mean_accepted_length`` (tokens
             per verify step incl. the target's own), ``spec_num_{draft,accepted}_tokens``,
-            ``spec_draft_s`` and ``spec_verify_s`` (forward + sample time of verifying steps).
+            ``spec_draft_s``, ``spec_verify_s`` (forward + sample time of verifying steps) and
+            ``spec_acceptance_by_position`` (a list: per draft position, accepted / verified with every earlier
+            draft accepted; ``executor.params.acceptance`` of a simulated run can read it from this file).
         """
         if duration_s is None:
             duration_s = 0.0 if self._first_s is None else self._last_s - self._first_s
@@ -283,7 +298,8 @@ class MetricsCollector:
         return {"spec_num_draft_tokens": s["num_draft_tokens"], "spec_num_accepted_tokens": s["num_accepted_tokens"],
                 "spec_acceptance_rate": s["num_accepted_tokens"] / s["num_draft_tokens"],
                 "spec_mean_accepted_length": (s["num_accepted_tokens"] + s["num_spec_reqs"]) / s["num_spec_reqs"],
-                "spec_draft_s": s["draft_s"], "spec_verify_s": self.spec_verify_s}
+                "spec_draft_s": s["draft_s"], "spec_verify_s": self.spec_verify_s,
+                "spec_acceptance_by_position": [accepted / reached for reached, accepted in self.spec_positions]}
 
 
 def _fmt(value: Any, digits: int = 2) -> str:

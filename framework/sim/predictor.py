@@ -6,7 +6,8 @@ Three kinds, one interface (:class:`StepTimePredictor`):
   are roofline-shaped features of the step (Williams et al., "Roofline", CACM 2009): a fixed per-step
   cost (the weights streamed once per forward, the Python of every layer); decode rows, with hinges at
   4/16/64 rows so the fit can follow the bend from weight-streaming (time flat in rows) to compute-bound
-  GEMMs; prefill tokens and chunks (compute-bound GEMMs, per-chunk attention calls); sampled rows of
+  GEMMs; prefill tokens, capped copies at 128 and 512 tokens so a small chunk may cost more per token
+  (GEMMs of few rows run further from peak), and chunks (per-chunk attention calls); sampled rows of
   chunks (LM head, sampler); decode keys read, all and distinct (bandwidth-bound attention: rows sharing a
   cached prefix read its blocks from the same memory); for decode batches under
   :data:`SMALL_DECODE_BATCH` rows, rows x the longest row's keys, since the default CPU backend,
@@ -30,8 +31,10 @@ from typing import Any
 from framework.sim.features import StepFeatures
 
 KNOTS = (4, 16, 64)  # decode rows: hinges of the weight-streaming to compute-bound bend
+PREFILL_CAPS = (128, 512)  # prefill tokens: min(tokens, cap) terms, so small chunks may cost more per token
 SMALL_DECODE_BATCH = 8  # decode batches under this many rows run torch_paged's gather + SDPA path (min_paged_decodes)
-BASIS = ("const", "decode_rows", *(f"decode_rows_over_{k}" for k in KNOTS), "prefill_tokens", "prefill_reqs",
+BASIS = ("const", "decode_rows", *(f"decode_rows_over_{k}" for k in KNOTS), "prefill_tokens",
+         *(f"prefill_tokens_upto_{c}" for c in PREFILL_CAPS), "prefill_reqs",
          "prefill_sampled", "decode_context", "decode_unique_context", "padded_decode_context_small_batch",
          "prefill_context",
          "prefill_pairs", "swap_blocks")
@@ -64,7 +67,9 @@ class StepTimePredictor(ABC):
 def basis(f: StepFeatures) -> list[float]:
     """The regression inputs of :data:`BASIS` for one step."""
     d = f.num_decode_reqs
-    return [1.0, d, *(max(0, d - k) for k in KNOTS), f.num_tokens - d, f.num_prefill_reqs, f.num_sampled - d,
+    p = f.num_tokens - d
+    return [1.0, d, *(max(0, d - k) for k in KNOTS), p, *(min(p, c) for c in PREFILL_CAPS), f.num_prefill_reqs,
+            f.num_sampled - d,
             f.decode_context, f.decode_unique_context, d * f.max_decode_context if d < SMALL_DECODE_BATCH else 0,
             f.prefill_context, f.prefill_pairs,
             f.num_swap_blocks]

@@ -23,8 +23,9 @@ model's time and tokens are modelled (LLM-Emu's idea, Vidur's cost models). Para
   (``null``: the engine's ``seed``).
 
 ``parallel.tensor_parallel_size`` is the simulated TP degree (per-rank heads in the memory model, collectives in
-the roofline). One executor is one replica; a router over several replicas (a later issue) would build one
-engine per replica, each with its own ``executor=sim``, and share nothing but a virtual clock.
+the roofline). One executor is one replica with its own virtual clock; a router over several replicas (a later
+issue) is a discrete-event loop over their engines: step the busy replica whose clock reads earliest, hand an
+arrival at time t to a replica after ``engine.clock.sleep_until(t)`` if it idles (docs/architecture.md).
 """
 
 from __future__ import annotations

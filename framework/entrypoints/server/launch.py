@@ -75,7 +75,8 @@ def _build_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
 
     Raises:
         ImportError: the ``serve`` extra is missing (names the pip command).
-        ValueError, FileNotFoundError: from ``build_engine``.
+        ValueError, FileNotFoundError: from ``build_engine``, or an engine whose clock is not real time
+            (``executor=sim`` with ``clock=virtual``).
     """
     try:
         import uvicorn  # noqa: F401
@@ -88,8 +89,13 @@ def _build_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
     from framework.engine.builder import build_engine
     from framework.metrics.collector import MetricsCollector
 
-    return build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms, slo_tpot_ms=cfg.slo.tpot_ms,
-                                                                max_records=SERVER_METRICS_RECORDS))
+    engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms, slo_tpot_ms=cfg.slo.tpot_ms,
+                                                                  max_records=SERVER_METRICS_RECORDS))
+    if not engine.clock.realtime:  # clients wait in wall time; a simulated clock that jumps cannot serve them
+        engine.shutdown()
+        raise ValueError(f"mode=serve needs an engine clock that follows wall time; executor={engine_config.executor} "
+                         "runs a virtual one: set executor.params.clock=realtime")
+    return engine
 
 
 def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
