@@ -51,10 +51,11 @@ class StepProfile:
         """Write the profile as JSON (creating folders); returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        body = {"format": FORMAT, "source": self.source, "key": self.key, "meta": self.meta,
-                "grammar_mask_s_per_row": self.grammar_mask_s_per_row, "predictor": self.predictor,
-                "samples": self.samples}
-        path.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+        head = {"format": FORMAT, "source": self.source, "key": self.key, "meta": self.meta,
+                "grammar_mask_s_per_row": self.grammar_mask_s_per_row, "predictor": self.predictor}
+        rows = ",\n  ".join(json.dumps(sample, separators=(",", ":")) for sample in self.samples)
+        text = json.dumps(head, indent=1)[:-2] + f',\n "samples": [\n  {rows}\n ]\n}}\n'  # one sample per line
+        path.write_text(text, encoding="utf-8")
         return path
 
     @classmethod

@@ -33,7 +33,7 @@ def _blocks(config: EngineConfig) -> tuple[int, int, int]:
 ])
 def test_block_counts_equal_the_real_allocators(model, knobs, tmp_path):
     path = str(tiny_model_dir(model)) if model == "gemma3" else model
-    base = {"kv_cache_memory_bytes": 48 << 20, **knobs}
+    base = {"kv_cache_memory_bytes": 48 << 20, "max_model_len": 256, **knobs}
     real = _blocks(EngineConfig(model=path, compile=False, **base))
     sim = _blocks(EngineConfig(model=path, compile=False, executor="sim",
                                executor_params={"profile": linear_profile(tmp_path / "p.json")}, **base))
@@ -43,6 +43,7 @@ def test_block_counts_equal_the_real_allocators(model, knobs, tmp_path):
 def test_tensor_parallel_ranks_hold_their_share_of_the_heads(tmp_path):
     def per_block(tp: int) -> int:
         engine = build_engine(EngineConfig(model="smollm2", compile=False, executor="sim", tensor_parallel_size=tp,
+                                           max_model_len=1024,
                                            executor_params={"profile": linear_profile(tmp_path / "p.json")}))
         try:
             return engine.metrics.kv_cache_info["kv_cache_bytes_per_block"]

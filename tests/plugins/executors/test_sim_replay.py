@@ -1,6 +1,6 @@
 """The replay test: a real run's step times fed to ``executor=sim`` (virtual clock, same arrival trace) reproduce
 that run's scheduler decisions exactly: which requests run with how many tokens, preemptions, prefix hits per
-step, and every request's latencies.
+step; every request's latencies agree to within the part of a step outside its forward.
 
 Both runs are driven by one loop on the engine's own clock. It admits the requests that arrived by the time it
 reads at the top of each iteration; an idle engine jumps (sleeps) to the next arrival, and that arrival time,
@@ -99,8 +99,10 @@ def test_replaying_a_real_runs_step_times_reproduces_its_decisions(scheduler, kv
         s = sim_metrics[rid]
         assert (s.num_cached_tokens, s.num_preemptions, s.num_output_tokens) == (
             m.num_cached_tokens, m.num_preemptions, m.num_output_tokens)
-        for name in ("ttft_s", "e2e_s", "queue_s", "tpot_s"):  # same clock readings, up to float rounding
-            assert getattr(s, name) == pytest.approx(getattr(m, name), abs=1e-9), (rid, name)
+        # the real clock stamps inside a step (after scheduling, after the forward), the replayed one at the
+        # iteration's reading and at the step's end: latencies agree to within a step's bookkeeping
+        for name in ("queue_s", "ttft_s", "e2e_s", "tpot_s"):
+            assert getattr(s, name) == pytest.approx(getattr(m, name), abs=2e-3), (rid, name)
 
 
 def test_a_diverging_replay_names_the_cause(tmp_path):
