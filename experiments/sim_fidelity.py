@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> Any:
     for name in ("measure", "compare", "run"):
         p = sub.add_parser(name)
         p.add_argument("--workloads", default="all", help=f"comma list of {', '.join(WORKLOADS)}, or all")
-        p.add_argument("--model", default="smollm2")
+        p.add_argument("--model", default="smollm2", help="a conf/model option (smollm2, stories260K, ...)")
     sub.choices["measure"].add_argument("--dir", required=True)
     sub.choices["measure"].add_argument("--round", type=int, required=True)
     sub.choices["measure"].add_argument("--grid", default="default")

@@ -226,7 +226,7 @@ def test_sim_fidelity_run_compares_a_real_and_a_simulated_run(tmp_path, capsys):
 
     from experiments import sim_fidelity
 
-    rows = sim_fidelity.main(["run", "--model", STORIES, "--workloads", "random_burst",
+    rows = sim_fidelity.main(["run", "--model", "stories260K", "--workloads", "random_burst",
                               "--profile", linear_profile(tmp_path / "p.json", 0.01)])
     (row,) = rows
     assert set(row["errors"]) == set(sim_fidelity.GATES) and row["sim"]["sim_profile"] == "measured:constant@?"

@@ -26,10 +26,12 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sim-serve")
     port = free_port()
     profile = linear_profile(tmp / "profile.json", STEP_S)
+    (tmp / "chat.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "engine.compile=false", "executor=sim",
            "executor.params.clock=realtime", f"executor.params.profile={profile}", f"server.port={port}",
-           "tracker=none", "server.log_level=warning", f"hydra.run.dir={tmp / 'run'}"]
+           "tracker=none", "server.log_level=warning", f"server.chat_template={tmp / 'chat.jinja'}",
+           f"hydra.run.dir={tmp / 'run'}"]
     log = open(tmp / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
