@@ -231,3 +231,27 @@ def test_bench_parallel_reports_throughput_itl_and_the_overhead_split(tmp_path):
         assert 0 < row[batch]["broadcast_share"] < 1 and row[batch]["collective_ms"] > 0
         assert row[batch]["collectives_per_step"] == 1 + 2 * 2 + 1  # embedding, 2 layers x (o_proj, down_proj), logits
     assert (tmp_path / "out.json").is_file()
+
+
+def test_sim_fidelity_run_compares_a_real_and_a_simulated_run(tmp_path, capsys):
+    """One workload on stories260K: the real run, the simulated one with a constant profile, the table."""
+    from sim_helpers import linear_profile
+
+    from experiments import sim_fidelity
+
+    rows = sim_fidelity.main(["run", "--model", "stories260K", "--workloads", "random_burst",
+                              "--profile", linear_profile(tmp_path / "p.json", 0.01)])
+    (row,) = rows
+    assert set(row["errors"]) == set(sim_fidelity.GATES) and row["sim"]["sim_profile"] == "measured:constant@?"
+    assert row["real"]["num_steps"] > 0 and "| random_burst |" in capsys.readouterr().out
+
+
+def test_sim_scale_runs_the_ablation_and_plots(tmp_path):
+    from experiments import sim_scale
+
+    rows = sim_scale.main(["--num-requests", "120", "--num-prefixes", "4", "--prefix-len", "256", "--output-len", "16",
+                           "--schedulers", "fcfs,lpm", "--allocators", "paged,contiguous", "--json-out",
+                           str(tmp_path / "scale.json"), "--plot-dir", str(tmp_path)])
+    assert len(rows) == 4 and all(r["summary"]["num_requests"] == 120 for r in rows)
+    assert all(r["summary"]["sim_profile"] == "analytic:h100" for r in rows)
+    assert (tmp_path / "sim_scale_ablation.png").is_file() and (tmp_path / "sim_scale_kv_usage.png").is_file()

@@ -10,9 +10,9 @@ PagedAttention", SOSP'23, Sec. 4.5).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping
 
+from framework.core.clock import WALL_CLOCK, Clock
 from framework.core.faults import RequestFailure, RequestFaults
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput
 from framework.core.request import Request, RequestStatus
@@ -34,6 +34,8 @@ class Scheduler:
         long_prefill_token_threshold: cap on one request's prefill chunk per step (0: none).
         swap_space: CPU swap slots for ``preemption_mode=swap`` (vLLM's swapping preemption); ``None``
             preempts by recompute. A victim is swapped when its written blocks fit, else recomputed.
+        clock: the run's time source (``Executor.clock``) for request timestamps; also handed to the
+            policy (``SchedulerPolicy.use_clock``). ``None``: wall time, and the policy keeps its own.
 
     Attributes:
         faults: failures of single requests (``framework.core.faults``); the stop checker runs under it
@@ -42,8 +44,10 @@ class Scheduler:
 
     def __init__(self, policy: SchedulerPolicy, kv_allocator: KVAllocator, stop_checker: StopChecker,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 long_prefill_token_threshold: int = 0, swap_space: SwapSpace | None = None) -> None:
+                 long_prefill_token_threshold: int = 0, swap_space: SwapSpace | None = None,
+                 clock: Clock | None = None) -> None:
         self.policy = policy
+        self.clock = clock or WALL_CLOCK
         self.kv = kv_allocator
         self.stop_checker = stop_checker
         self.max_num_seqs = max_num_seqs
@@ -61,6 +65,8 @@ class Scheduler:
         self.faults = RequestFaults()
         self._swapped: dict[str, list[tuple[int, int]]] = {}  # swapped-out request -> (group, table index) per slot
         policy.attach(self._num_cached_prefix_tokens)
+        if clock is not None:
+            policy.use_clock(clock.now)
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -176,7 +182,7 @@ class Scheduler:
         self._swap_out, self._swap_in = [], []
         self._finished_ids = set()
         self.num_preemptions_last_step = len(preempted)
-        now = time.perf_counter()
+        now = self.clock.now()
         for request in scheduled:
             if request.times.first_scheduled_s is None:
                 request.times.first_scheduled_s = now
@@ -306,7 +312,7 @@ class Scheduler:
         """
         if self.swap_space is not None:
             self.swap_space.end_step()  # the runner has copied this step's swap-ins
-        now = time.perf_counter()
+        now = self.clock.now()
         updated: list[Request] = []
         finished: list[Request] = []
         for request in scheduler_output.scheduled_requests:
@@ -352,7 +358,7 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.kv.free(request)
-        request.times.finished_s = time.perf_counter()
+        request.times.finished_s = self.clock.now()
         self.stop_checker.finalize(request)
         self.requests.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)

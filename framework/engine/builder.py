@@ -37,6 +37,7 @@ import torch
 
 from framework import registry
 from framework.config import PLUGIN_FIELDS, EngineConfig
+from framework.core.clock import Clock
 from framework.core.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout
 from framework.core.scheduler import Scheduler
 from framework.core.stop import StopChecker
@@ -98,7 +99,7 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
     try:
         num_blocks, num_swap_blocks = size_kv_cache(config, executor, spec, layout)
         executor.initialize_cache(num_blocks, num_swap_blocks)
-        scheduler = make_scheduler(config, spec, num_blocks, num_swap_blocks, tokenizer, layout)
+        scheduler = make_scheduler(config, spec, num_blocks, num_swap_blocks, tokenizer, layout, executor.clock)
         structured = attach_structured_output(config, tokenizer, eos_token_ids, spec)
         drafter = attach_drafter(config, executor, spec)
         return assemble(config, scheduler, executor, tokenizer, eos_token_ids, spec, layout, structured, drafter,
@@ -298,9 +299,10 @@ def size_kv_cache(config: EngineConfig, executor: Executor, spec: ModelSpec,
 
 
 def make_scheduler(config: EngineConfig, spec: ModelSpec, num_blocks: int, num_swap_blocks: int,
-                   tokenizer: Any, layout: KVCacheLayout) -> Scheduler:
+                   tokenizer: Any, layout: KVCacheLayout, clock: Clock | None = None) -> Scheduler:
     """Step 6: KV allocator (given the KV cache groups when it supports them) + scheduler policy +
-    (swap preemption) swap space + stop checker, all on the driver."""
+    (swap preemption) swap space + stop checker, all on the driver; ``clock``: the executor's
+    (``Executor.clock``), the time source of the requests' timestamps and of the policy."""
     params = config.plugin_params("kv_allocator")
     if registry.get_class("kv_allocator", config.kv_allocator).supports_kv_cache_groups:
         params["kv_cache_groups"] = layout.groups
@@ -311,7 +313,8 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, num_blocks: int, num_s
     swap_space = SwapSpace(num_swap_blocks) if config.preemption_mode == "swap" else None
     return Scheduler(policy, allocator, StopChecker(tokenizer), max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=spec.max_model_len,
-                     long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space)
+                     long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space,
+                     clock=clock)
 
 
 def attach_structured_output(config: EngineConfig, tokenizer: Any, eos_token_ids: frozenset[int],
@@ -329,9 +332,12 @@ def attach_drafter(config: EngineConfig, executor: Executor, spec: ModelSpec) ->
 
     It gets the target model when it lives in this process (``uniproc``), else only the target's
     embedding and LM head loaded here (what EAGLE shares); an EAGLE-style drafter makes the driver
-    rank return the target's hidden states with each output.
+    rank return the target's hidden states with each output. An executor that simulates the model
+    replaces it with its stand-in (``Executor.simulated_drafter``), which loads nothing.
     """
     drafter = registry.create("drafter", config.drafter, **config.plugin_params("drafter"))
+    if drafter is not None and (simulated := executor.simulated_drafter(drafter)) is not None:
+        return simulated  # a simulated model: the executor's stand-in drafts (no weights, no hidden states)
     if drafter is not None:
         target = executor.driver_model()
         if target is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from numbers import Integral
 from typing import Any
 
@@ -50,6 +49,7 @@ class LLMEngine:
         self.drafter = drafter
         self.scheduler = scheduler
         self.executor = executor
+        self.clock = executor.clock  # wall time, or a simulator's virtual time: every timestamp of the run
         # bytes of one KV block over all ranks (each rank holds its own copy or shard): swap traffic and
         # the per-request KV metrics
         self.block_bytes = executor.kv_cache_bytes_per_block() * config.tensor_parallel_size
@@ -59,6 +59,8 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.max_model_len = scheduler.max_model_len
         self.metrics = metrics or MetricsCollector()
+        self.metrics.clock = self.clock
+        self.metrics.run_labels = executor.run_labels()  # simulated or not, in every record
         self.num_steps = 0
         self._sent: dict[str, tuple[int, int]] = {}  # DELTA requests: (chars, tokens) already reported
         # structured requests wait here (outside the scheduler) while their grammar compiles
@@ -89,7 +91,8 @@ class LLMEngine:
 
         Args:
             prompt: text (tokenized with the model's tokenizer, special tokens added) or token ids.
-            arrival_time: ``time.perf_counter()`` seconds; default now.
+            arrival_time: seconds on the engine's clock (``self.clock``: ``time.perf_counter`` unless a
+                simulator's); default now.
             client_id: the sender, for fair-share policies (``scheduler=fair``).
 
         Raises:
@@ -116,7 +119,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
         params = ([child_sampling_params(sampling_params, i) for i in range(sampling_params.n)]
                   if parent is not None else [sampling_params])  # every child checked before any is queued
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        arrival = self.clock.now() if arrival_time is None else arrival_time
         if parent is not None:
             self.parallel.add(parent)
         for rid, sp in zip(ids, params):
@@ -215,6 +218,11 @@ class LLMEngine:
         """
         if self.config.compile == "false" or self._decoder_compiled:
             return self.compile_decision
+        if self.metrics.run_labels.get("simulated"):  # step times are the profile's, compiled or not
+            self.compile_decision = CompileDecision(False, "engine.compile=auto: the executor simulates the model; "
+                                                           "its profile's step times hold")
+            self._record_compile()
+            return self.compile_decision
         if self.config.compile == "true":  # deferred by the build (a server compiles while answering /health)
             decision = CompileDecision(True, "engine.compile=true: compiled before the first request")
         else:  # measuring steps writes dummy K/V too: only on an engine made idle (prefix cache dropped)
@@ -258,13 +266,13 @@ class LLMEngine:
             EngineDeadError: the executor lost a worker; every in-flight request was finished with
                 the error first (their final outputs are ``error.outputs``).
         """
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         failed = self._admit_compiled()
         sched_out = self.scheduler.schedule()
         if self.structured_output is not None and sched_out.total_num_scheduled_tokens:
             sched_out.grammar_bitmask, sched_out.structured_output_request_ids = (
                 self.structured_output.grammar_bitmask(sched_out))
-        t1 = time.perf_counter()
+        t1 = self.clock.now()
         try:
             if self.executor.dead is not None:
                 raise self.executor.dead
@@ -276,14 +284,14 @@ class LLMEngine:
             error.outputs = self._to_caller(failed + self._fail_all(str(error)))
             self.executor.shutdown()
             raise
-        t2 = time.perf_counter()
+        t2 = self.clock.now()
         for request_id, (what, detail) in runner_out.request_errors.items():  # the worker's per-request sites
             self.faults.record(request_id, what, detail)
         failed += self._abort_failed()  # a grammar matcher failed in the bitmask: its sampled token is dropped
         updated, _ = self.scheduler.update_from_output(sched_out, runner_out)
         self._advance_grammars(updated)
         failed += self._abort_failed()  # detokenizer/stop checker or grammar matcher failed on the new tokens
-        t3 = time.perf_counter()
+        t3 = self.clock.now()
         draft_s = self._propose_drafts(sched_out, runner_out, updated) if self.drafter is not None else 0.0
         failed += self._abort_failed()  # the drafter failed on a request
         gone = {o.request_id for o in failed}
@@ -360,7 +368,7 @@ class LLMEngine:
         self.structured_output.discard(request.request_id)
         request.status = RequestStatus.FINISHED_ABORTED
         request.error = error
-        request.times.finished_s = time.perf_counter()
+        request.times.finished_s = self.clock.now()
         return self._report_finished(request)
 
     def _advance_grammars(self, updated: list[Request]) -> None:
@@ -387,7 +395,7 @@ class LLMEngine:
         last computed). Drafts are capped so that verifying them can reach neither
         ``max_model_len`` nor ``max_tokens``, and cut to the prefix the request's grammar accepts
         (structured outputs). Returns the drafter time, seconds."""
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         if runner_out.hidden_states is not None:
             self._drafter_call("observe_hidden_states", runner_out.hidden_states)
         # finished this step (length/stop/grammar) or preempted; aborts are told in abort_request
@@ -405,7 +413,7 @@ class LLMEngine:
                 if self.structured_output is not None and draft:
                     draft = self.structured_output.valid_draft_prefix(request.request_id, draft)
                 request.spec_token_ids = draft
-        return time.perf_counter() - t0
+        return self.clock.now() - t0
 
     def _drafts(self, requests: list[Request]) -> dict[str, list[int]]:
         """``drafter.propose(requests)``, with faults kept to the request they belong to: when the batched call
@@ -466,6 +474,8 @@ class LLMEngine:
         )
         self.num_steps += 1
         self.metrics.observe_step(stats)
+        if sched_out.scheduled_spec_decode_tokens:
+            self.metrics.observe_draft_positions(sched_out.scheduled_spec_decode_tokens, runner_out.num_accepted_tokens)
         registry.call_hook("on_step_end", stats=stats)
 
     def _report_finished(self, request: Request) -> RequestOutput:

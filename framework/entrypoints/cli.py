@@ -6,6 +6,7 @@ plus subcommands.
     servelab models [--markdown]                   the model families servelab runs, their needs, backends, tests
     servelab serve [overrides]                     == python run.py mode=serve [overrides]
     servelab eval [overrides]                      == python run.py mode=eval [overrides] (lm-eval scores)
+    servelab profile [overrides] [--out FILE]      step times of the model on this device -> a profile for executor=sim
     servelab rerun RUN_DIR [key=value ...]         == python run.py --config-path RUN_DIR/.hydra --config-name config
 
 ``--config-path`` (not ``--config-dir``): Hydra searches ``--config-dir`` *after* the app's own
@@ -19,7 +20,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("results", "plugins", "models", "serve", "eval", "rerun")
+SUBCOMMANDS = ("results", "plugins", "models", "serve", "eval", "rerun", "profile")
 
 
 def _run_hydra(argv: list[str]) -> None:
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> int | None:
         from framework.entrypoints.model_info import main as models_main
 
         return models_main(argv[1:])
+    if command == "profile":
+        from framework.entrypoints.profile import main as profile_main
+
+        return profile_main(argv[1:])
     if command in ("serve", "eval"):  # mode last: Hydra's argparse takes no override before ``-m``
         return _run_hydra([*argv[1:], f"mode={command}"])
     if command == "rerun":

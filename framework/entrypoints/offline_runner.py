@@ -5,23 +5,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Iterator
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from framework.core.outputs import RequestOutput
-from framework.core.sampling_params import SamplingParams
+from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
 from framework.workloads.workload import WorkloadItem
 
 logger = logging.getLogger(__name__)
 
 
-def _record(item: WorkloadItem, output: RequestOutput | None, error: str | None = None) -> dict[str, Any]:
+def _record(item: WorkloadItem, output: RequestOutput | None, error: str | None = None,
+            labels: dict[str, Any] | None = None) -> dict[str, Any]:
     """One ``outputs.jsonl`` line: request_id, prompt (as the user wrote it), rendered_prompt (the text sent,
-    chat template applied; ``None`` for token-id prompts), text, token_ids, finish_reason, error, metrics."""
+    chat template applied; ``None`` for token-id prompts), text, token_ids, finish_reason, error, metrics, then
+    the run's ``labels`` (``simulated``, ``sim_profile``: a simulated run's text and token ids are synthetic)."""
     completion = output.outputs[0] if output is not None and output.outputs else None
     return {
         "request_id": item.request_id,
@@ -32,6 +33,7 @@ def _record(item: WorkloadItem, output: RequestOutput | None, error: str | None 
         "finish_reason": completion.finish_reason if completion else "abort",
         "error": error if output is None else output.error,
         "metrics": output.metrics.as_dict() if output is not None and output.metrics is not None else None,
+        **(labels or {}),
     }
 
 
@@ -54,7 +56,8 @@ def run_workload(engine: Any, items: list[WorkloadItem], default_sampling: Sampl
     Before the run, ``engine.maybe_compile`` sees the workload's output-token budget (``engine.compile=auto``
     compiles here when it passes the break-even; the warm-up is reported as ``compile_s``, outside
     ``duration_s``). Items arrive at ``run start + arrival_time_s`` (``None`` = at start; the loop sleeps while the
-    engine is idle and the next arrival lies ahead). Each request samples with
+    engine is idle and the next arrival lies ahead). Time is the engine's clock (``engine.clock``): wall time,
+    or a simulator's virtual time, whose idle waits cost nothing. Each request samples with
     ``default_sampling``, its ``max_tokens`` replaced by the item's when set. A request the
     engine rejects (``ValueError`` from ``add_request``, e.g. a prompt longer than
     ``max_model_len``) is recorded with ``finish_reason="abort"`` and its ``error``; the others run.
@@ -68,30 +71,32 @@ def run_workload(engine: Any, items: list[WorkloadItem], default_sampling: Sampl
     if len(by_id) != len(items):
         raise ValueError("workload request ids must be unique")
     records: dict[str, dict[str, Any]] = {}
+    labels = engine.metrics.run_labels  # simulated, sim_profile: on every record
     num_rejected = 0
     max_len = engine.max_model_len
     engine.maybe_compile(sum(min(item.max_tokens or default_sampling.max_tokens or max_len, max_len) for item in items),
                          len(items))
-    t0 = time.perf_counter()
+    clock = engine.clock  # wall time, or a simulator's virtual time (idle waits jump over)
+    t0 = clock.now()
     with _progress(progress, len(items)) as advance:
         while pending or engine.has_unfinished_requests():
-            now = time.perf_counter()
+            now = clock.now()
             while pending and (pending[0].arrival_time_s or 0.0) <= now - t0:
                 item = pending.pop(0)
                 error = _submit(engine, item, default_sampling, arrival_time=t0 + (item.arrival_time_s or 0.0))
                 if error is not None:
                     num_rejected += 1
-                    records[item.request_id] = _record(item, None, error)
+                    records[item.request_id] = _record(item, None, error, labels)
                     advance()
             if not engine.has_unfinished_requests():
                 if pending:  # idle until the next arrival
-                    time.sleep(max(0.0, t0 + (pending[0].arrival_time_s or 0.0) - time.perf_counter()))
+                    clock.sleep_until(t0 + (pending[0].arrival_time_s or 0.0))
                 continue
             for output in engine.step():
                 if output.finished and output.request_id in by_id:
-                    records[output.request_id] = _record(by_id[output.request_id], output)
+                    records[output.request_id] = _record(by_id[output.request_id], output, labels=labels)
                     advance()
-    duration_s = time.perf_counter() - t0
+    duration_s = clock.now() - t0
     summary = engine.metrics.summary(duration_s=duration_s)
     summary["num_rejected"] = num_rejected
     missing = [item.request_id for item in items if item.request_id not in records]
@@ -104,7 +109,10 @@ def _submit(engine: Any, item: WorkloadItem, default_sampling: SamplingParams, a
     """Add one item to the engine; returns the rejection message, or ``None`` when queued."""
     prompt = item.prompt_token_ids if item.prompt_token_ids is not None else item.prompt
     try:
-        overrides: dict = {} if item.max_tokens is None else {"max_tokens": int(item.max_tokens)}
+        # only final outputs are recorded: no per-step copies of growing outputs (as LLM.generate)
+        overrides: dict = {"output_kind": RequestOutputKind.FINAL_ONLY}
+        if item.max_tokens is not None:
+            overrides["max_tokens"] = int(item.max_tokens)
         if item.structured_outputs is not None:
             overrides["structured_outputs"] = StructuredOutputsParams.from_dict(item.structured_outputs)
         params = dataclasses.replace(default_sampling, **overrides)  # a fresh copy per request

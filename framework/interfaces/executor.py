@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from framework.core.clock import WALL_CLOCK, Clock
 from framework.core.faults import EngineDeadError
 from framework.core.step_message import StepMessageBuilder
 from framework.interfaces.base import Plugin
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
     from framework.config import EngineConfig
     from framework.core.outputs import ModelRunnerOutput, SchedulerOutput
+    from framework.interfaces.drafter import Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,11 @@ class Executor(Plugin, ABC):
     Args:
         config: the engine config; workers receive a copy.
         params: ``executor.params`` of the config group.
+
+    Attributes:
+        clock: the run's time source (``framework.core.clock``), shared by the engine, scheduler, metrics
+            and offline runner: :data:`~framework.core.clock.WALL_CLOCK` for executors that run a model; a
+            simulator may give a virtual clock that its steps advance.
     """
 
     def __init__(self, config: EngineConfig, **params: Any) -> None:
@@ -56,6 +63,7 @@ class Executor(Plugin, ABC):
         self.dead: EngineDeadError | None = None  # set once a worker was lost
         # one call at a time: a call from another thread (a metrics read) must not interleave with a step
         self._rpc_lock = threading.RLock()
+        self.clock: Clock = WALL_CLOCK
 
     @abstractmethod
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None,
@@ -120,6 +128,18 @@ class Executor(Plugin, ABC):
         """The target model when its (only) rank lives in this process (``uniproc``), else ``None``;
         drafters that run on the driver and share the target's embedding and LM head (EAGLE) then
         get only those weights, loaded into the driver by ``build_engine``."""
+        return None
+
+    def run_labels(self) -> dict[str, Any]:
+        """Labels every record of the run carries (``metrics.json``, each ``outputs.jsonl`` line, the W&B
+        summary): ``simulated`` (False: this executor runs the model) and ``sim_profile`` (the cost
+        model's source; ``None`` here). Simulators override it."""
+        return {"simulated": False, "sim_profile": None}
+
+    def simulated_drafter(self, drafter: Drafter) -> Drafter | None:
+        """A stand-in for ``drafter`` when this executor simulates the model (no weights, so no draft
+        model or hidden states to draft from), else ``None`` (the default): ``build_engine`` then loads
+        ``drafter`` as usual. Called once, before the drafter's ``load``."""
         return None
 
     def _fail(self, error: EngineDeadError) -> EngineDeadError:

@@ -34,6 +34,15 @@ class SchedulerPolicy(Plugin, ABC):
         """
         self.num_cached_prefix_tokens = num_cached_prefix_tokens
 
+    def use_clock(self, now: Callable[[], float]) -> None:
+        """Receive the run's time source (seconds, the clock of ``Request.arrival_time``: wall time, or
+        a simulator's virtual time), for policies whose keys depend on time (``sjf`` aging).
+
+        Called once by the scheduler core at construction when the engine passes its clock. Default:
+        stored as ``self.clock``.
+        """
+        self.clock = now
+
     def sort_waiting(self, waiting: list[Request]) -> list[Request]:
         """The waiting queue in admission order (head first); must return the same requests.
 

@@ -14,12 +14,12 @@ Latencies are reported in milliseconds (``*_ms``), throughputs per second of ``d
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
+from framework.core.clock import WALL_CLOCK, Clock
 from framework.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 
 if TYPE_CHECKING:
@@ -132,17 +132,22 @@ class MetricsCollector:
         # speculative decoding totals (SchedulerStats field names)
         self.spec = dict.fromkeys(("num_spec_reqs", "num_draft_tokens", "num_accepted_tokens", "draft_s"), 0)
         self.spec_verify_s = 0.0  # forward + sample time of steps that verified drafts, seconds
-        self._first_s: float | None = None  # perf_counter at the start of the first observed step
-        self._last_s: float | None = None  # perf_counter at the last observation
+        # per draft position i: [verified (positions < i all accepted), accepted]; executor=sim's acceptance traces
+        self.spec_positions: list[list[int]] = []
+        self.clock: Clock = WALL_CLOCK  # the engine's clock (a simulator's virtual one), set by the engine
+        # labels every record of the run carries (Executor.run_labels: simulated, sim_profile), set by the engine
+        self.run_labels: dict[str, Any] = {"simulated": False, "sim_profile": None}
+        self._first_s: float | None = None  # clock reading at the start of the first observed step
+        self._last_s: float | None = None  # clock reading at the last observation
 
     def _touch(self, start_s: float) -> None:
-        now = time.perf_counter()
+        now = self.clock.now()
         self._first_s = start_s if self._first_s is None else min(self._first_s, start_s)
         self._last_s = now
 
     def observe_step(self, stats: SchedulerStats) -> None:
         """Add one step's stats (time split, KV usage, preemptions)."""
-        self._touch(time.perf_counter() - stats.step_s)
+        self._touch(self.clock.now() - stats.step_s)
         self.num_steps += 1
         for part in STEP_PARTS:
             self.step_time_s[part] += getattr(stats, f"{part}_s")
@@ -168,9 +173,20 @@ class MetricsCollector:
         if stats.num_draft_tokens:
             self.spec_verify_s += stats.forward_s + stats.sample_s
 
+    def observe_draft_positions(self, drafts: dict[str, list[int]], num_accepted: dict[str, int]) -> None:
+        """Count, per draft position, the verify rows that reached it (every earlier draft accepted) and those
+        that accepted it: ``spec_acceptance_by_position`` (the conditional acceptance of each position)."""
+        for rid, draft in drafts.items():
+            accepted = num_accepted.get(rid, 0)
+            for i in range(min(len(draft), accepted + 1)):
+                if i == len(self.spec_positions):
+                    self.spec_positions.append([0, 0])
+                self.spec_positions[i][0] += 1
+                self.spec_positions[i][1] += i < accepted
+
     def observe_finished(self, output: RequestOutput) -> None:
         """Add one finished request; aborted/rejected ones only count in ``num_failed``."""
-        self._touch(time.perf_counter())
+        self._touch(self.clock.now())
         reason = output.outputs[0].finish_reason if output.outputs else None
         if output.error is None and reason in ("stop", "length") and output.metrics is not None:
             m = output.metrics
@@ -214,12 +230,15 @@ class MetricsCollector:
             ``framework.engine.compile_policy``), and once the decoder was compiled ``compile``,
             ``compile_active``, ``compile_s`` (warm-up seconds), ``compile_num_graphs_warmup``,
             ``compile_num_recompiles`` (graphs compiled after the warm-up), ``compile_fallback`` (see
-            ``framework.worker.compile.CompileStats``),
+            ``framework.worker.compile.CompileStats``), the executor's ``run_labels`` (``simulated``,
+            ``sim_profile``: every run has them, a simulated one says where its step times came from),
             step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time,
             ``tokens_per_forward`` (output tokens per request per target forward) and, when a
             drafter verified drafts, ``spec_acceptance_rate``, ``spec_mean_accepted_length`` (tokens
             per verify step incl. the target's own), ``spec_num_{draft,accepted}_tokens``,
-            ``spec_draft_s`` and ``spec_verify_s`` (forward + sample time of verifying steps).
+            ``spec_draft_s``, ``spec_verify_s`` (forward + sample time of verifying steps) and
+            ``spec_acceptance_by_position`` (a list: per draft position, accepted / verified with every earlier
+            draft accepted; ``executor.params.acceptance`` of a simulated run can read it from this file).
         """
         if duration_s is None:
             duration_s = 0.0 if self._first_s is None else self._last_s - self._first_s
@@ -259,6 +278,7 @@ class MetricsCollector:
                    **self.swap_totals, num_steps=self.num_steps, step_s=total_step_s,
                    **self.kv_cache_info)
         out.update(self.compile_info)
+        out.update(self.run_labels)
         if self.compile_stats is not None and self.compile_stats.enabled:
             out.update(self.compile_stats.as_dict())
         for part in STEP_PARTS:
@@ -278,7 +298,8 @@ class MetricsCollector:
         return {"spec_num_draft_tokens": s["num_draft_tokens"], "spec_num_accepted_tokens": s["num_accepted_tokens"],
                 "spec_acceptance_rate": s["num_accepted_tokens"] / s["num_draft_tokens"],
                 "spec_mean_accepted_length": (s["num_accepted_tokens"] + s["num_spec_reqs"]) / s["num_spec_reqs"],
-                "spec_draft_s": s["draft_s"], "spec_verify_s": self.spec_verify_s}
+                "spec_draft_s": s["draft_s"], "spec_verify_s": self.spec_verify_s,
+                "spec_acceptance_by_position": [accepted / reached for reached, accepted in self.spec_positions]}
 
 
 def _fmt(value: Any, digits: int = 2) -> str:

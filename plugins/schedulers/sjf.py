@@ -26,7 +26,7 @@ class SJFPolicy(SchedulerPolicy):
         aging_s: waiting time after which a request outranks all non-aged ones, seconds
             (``scheduler.params.aging_s``; ``inf`` disables aging).
         clock: time source on the requests' ``arrival_time`` clock (``time.perf_counter``);
-            injectable for tests.
+            injectable for tests; an engine hands its own (``use_clock``: wall or simulated time).
 
     Raises:
         ValueError: ``aging_s <= 0``.

@@ -75,7 +75,8 @@ def build_server_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
 
     Raises:
         ImportError: the ``serve`` extra is missing (names the pip command).
-        ValueError, FileNotFoundError: from ``build_engine``.
+        ValueError, FileNotFoundError: from ``build_engine``, or an engine whose clock is not real time
+            (``executor=sim`` with ``clock=virtual``).
     """
     try:
         import uvicorn  # noqa: F401
@@ -88,9 +89,14 @@ def build_server_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
     from framework.engine.builder import build_engine
     from framework.metrics.collector import MetricsCollector
 
-    return build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms, slo_tpot_ms=cfg.slo.tpot_ms,
-                                                                max_records=SERVER_METRICS_RECORDS),
-                        defer_compile=True)
+    engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms, slo_tpot_ms=cfg.slo.tpot_ms,
+                                                                  max_records=SERVER_METRICS_RECORDS),
+                          defer_compile=True)
+    if not engine.clock.realtime:  # clients wait in wall time; a simulated clock that jumps cannot serve them
+        engine.shutdown()
+        raise ValueError(f"mode=serve needs an engine clock that follows wall time; executor={engine_config.executor} "
+                         "runs a virtual one: set executor.params.clock=realtime")
+    return engine
 
 
 def server_state(cfg: DictConfig, engine: Any, llm: AsyncLLM, name: str, metrics: Any, api_key: str | None) -> Any:

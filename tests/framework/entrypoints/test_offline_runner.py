@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from framework.core.clock import WALL_CLOCK
 from framework.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from framework.core.sampling_params import SamplingParams
 from framework.entrypoints.offline_runner import run_workload
@@ -17,6 +18,7 @@ class FakeEngine:
     """Emits one token per request per step; finishes at max_tokens; rejects prompts over 5 tokens."""
 
     max_model_len = 5
+    clock = WALL_CLOCK
 
     def __init__(self):
         self.metrics = MetricsCollector()

@@ -162,3 +162,16 @@ def test_a_bounded_collector_keeps_a_window_of_records_and_exact_totals():
                 "num_steps", "num_preemptions"):
         assert s[key] == f[key], key
     assert s["mean_ttft_ms"] == pytest.approx(500) and f["mean_ttft_ms"] == pytest.approx(750)  # B only vs A and B
+
+
+def test_acceptance_by_position_is_conditional_on_the_earlier_drafts():
+    collector = MetricsCollector()
+    collector.observe_step(SchedulerStats(step=0, num_running_reqs=3, num_waiting_reqs=0, num_scheduled_tokens=9,
+                                          num_prefill_tokens=9, num_decode_tokens=0, kv_cache_usage=0.1,
+                                          prefix_cache_hit_rate=0.0, num_preemptions=0, num_spec_reqs=3,
+                                          num_draft_tokens=6, num_accepted_tokens=3))
+    # a: 2 of 2 accepted; b: first rejected; c: first accepted, second rejected
+    collector.observe_draft_positions({"a": [1, 2], "b": [3, 4], "c": [5, 6]}, {"a": 2, "c": 1})
+    summary = collector.summary()
+    assert summary["spec_acceptance_by_position"] == [2 / 3, 1 / 2]  # position 1 reached by a and c only
+    assert summary["spec_acceptance_rate"] == 0.5

@@ -1,0 +1,236 @@
+"""``executor=sim``: the real engine (scheduler policies, KV allocators, preemption, prefix caching, grammars,
+speculative-decoding bookkeeping) over a simulated model that loads no weights.
+
+``execute_model(SchedulerOutput)`` predicts the step's time from its features (``framework/sim``: a
+regression fit on a measured profile, an analytic roofline, or a recorded run) and returns synthetic
+tokens (``framework.sim.outputs``). Everything around it is the engine's own code, so the decisions
+(who runs, preemptions, prefix hits) are the ones the real engine takes for the same steps; only the
+model's time and tokens are modelled (LLM-Emu's idea, Vidur's cost models). Parameters
+(``executor.params``):
+
+* ``clock``: ``virtual`` (default; the engine's clock advances by the predictions: 10,000 requests in
+  seconds) or ``realtime`` (the step sleeps its predicted executor time: ``servelab serve`` and
+  ``experiments/bench_serving.py`` work against it unchanged);
+* ``profile``: ``auto`` | ``analytic:<device>`` | ``replay:<file>`` | a profile file (``framework.sim.resolve``);
+* ``eos_probability``: ``null`` (requests run to ``max_tokens``) or the chance of EOS per token;
+* ``acceptance``: for ``spec_decode`` runs, a rate, per-position rates, ``{drafter: rate}`` or a metrics.json;
+* ``draft_step_s``: the drafter's time per draft position of a step (a draft model's forward), seconds;
+* ``grammar_mask_s``: ``auto`` (the profile's measured cost per bitmask row; else one timed on this machine
+  at start-up) or seconds per structured-output row, added to virtual steps (real-time steps pay it for real);
+* ``memory``: ``auto`` (an analytic device's memory: ``gpu_memory_utilization`` of it minus weights and
+  activations; a measured profile: the engine's ``kv_cache_memory_bytes`` rule) or ``engine``;
+* ``gpu_memory_utilization``: vLLM's knob for analytic devices; ``seed``: synthetic tokens' seed
+  (``null``: the engine's ``seed``).
+
+``parallel.tensor_parallel_size`` is the simulated TP degree (per-rank heads in the memory model, collectives in
+the roofline). One executor is one replica with its own virtual clock; a router over several replicas (a later
+issue) is a discrete-event loop over their engines: step the busy replica whose clock reads earliest, hand an
+arrival at time t to a replica after ``engine.clock.sleep_until(t)`` if it idles (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from framework import hookimpl
+from framework.config import EngineConfig
+from framework.core.clock import WALL_CLOCK, VirtualClock
+from framework.core.outputs import ModelRunnerOutput, SchedulerOutput
+from framework.hookspecs import Register
+from framework.interfaces import Drafter, Executor, WorkerError
+from framework.sim.features import step_features
+from framework.sim.outputs import AcceptanceModel, SyntheticSampler
+from framework.sim.resolve import check_profile_spec
+
+logger = logging.getLogger(__name__)
+
+CLOCKS = ("virtual", "realtime")
+MEMORY_MODES = ("auto", "engine")
+PARAMS = ("clock", "profile", "eos_probability", "acceptance", "draft_step_s", "grammar_mask_s", "memory",
+          "gpu_memory_utilization", "seed")
+
+
+class SimExecutor(Executor):
+    """A simulated replica: predicted step times, synthetic tokens, the simulated device's KV memory.
+
+    Raises:
+        ValueError: a bad parameter (from :meth:`validate`, before anything loads), or a profile that cannot
+            be found or measured.
+    """
+
+    name = "sim"
+
+    def __init__(self, config: EngineConfig, clock: str = "virtual", profile: str = "auto",
+                 eos_probability: float | None = None, acceptance: Any = None, draft_step_s: float = 0.0,
+                 grammar_mask_s: str | float = "auto", memory: str = "auto", gpu_memory_utilization: float = 0.9,
+                 seed: int | None = None) -> None:
+        super().__init__(config, clock=clock, profile=profile)
+        import torch
+
+        from framework.sim.resolve import resolve_predictor
+        from framework.worker.model_loader import load_model_config
+
+        self.hf_config = load_model_config(config.model)
+        self.predictor, self.profile = resolve_predictor(str(profile), config, self.hf_config,
+                                                         torch.get_num_threads(), _measure_with_progress)
+        self.clock = VirtualClock() if clock == "virtual" else WALL_CLOCK
+        self.sampler = SyntheticSampler(self.hf_config.vocab_size, config.seed if seed is None else int(seed),
+                                        eos_probability)
+        self.acceptance_param = acceptance
+        self.acceptance: AcceptanceModel | None = None  # set when a drafter is simulated
+        self.num_drafts = 0
+        self.draft_step_s = float(draft_step_s)
+        self.grammar_mask_s_param = grammar_mask_s
+        self.grammar_mask_s: float | None = None  # resolved on the first constrained step
+        from plugins.executors._sim_rank import SimRank
+
+        self.rank = SimRank(config, self.hf_config, self.profile, self.predictor.source, memory,
+                            float(gpu_memory_utilization))
+        logger.info("executor=sim: clock=%s, step times from %s, no weights loaded", clock, self.predictor.source)
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> list[str]:
+        """Parameter names and values (before anything loads)."""
+        problems = super().validate(config)
+        params = config.executor_params
+        unknown = sorted(set(params) - set(PARAMS))
+        if unknown:
+            problems.append(f"executor=sim: unknown params {unknown}; valid: {', '.join(PARAMS)}")
+        if params.get("clock", "virtual") not in CLOCKS:
+            problems.append(f"executor.params.clock must be virtual or realtime, got {params.get('clock')!r}")
+        if params.get("memory", "auto") not in MEMORY_MODES:
+            problems.append(f"executor.params.memory must be auto or engine, got {params.get('memory')!r}")
+        mask = params.get("grammar_mask_s", "auto")
+        if mask != "auto" and not (isinstance(mask, (int, float)) and mask >= 0):
+            problems.append(f"executor.params.grammar_mask_s must be auto or seconds >= 0, got {mask!r}")
+        if not 0 < float(params.get("gpu_memory_utilization", 0.9)) <= 1:
+            problems.append("executor.params.gpu_memory_utilization must be in (0, 1]")
+        if float(params.get("draft_step_s", 0.0)) < 0:
+            problems.append("executor.params.draft_step_s must be >= 0 seconds")
+        problem = check_profile_spec(params.get("profile", "auto"))
+        return problems + ([problem] if problem else [])
+
+    # ---- the executor verbs --------------------------------------------------------------------
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
+                       timeout_s: float | None = None, unique_reply_rank: int | None = None) -> list[Any]:
+        """Call the simulated rank's ``method`` (``framework``'s rank verbs: memory, cache, compile stats).
+
+        Raises:
+            WorkerError: the simulated rank has no such method.
+        """
+        target = getattr(self.rank, method, None)
+        if target is None:
+            raise WorkerError(f"executor=sim: the simulated rank has no method {method!r}")
+        return [target(*args, **(kwargs or {}))]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Predict the step's time, let it pass (virtual: advance the clock by the whole step; realtime:
+        sleep the executor's share, the rest being the engine's own work), return synthetic tokens."""
+        start = time.perf_counter()
+        if scheduler_output.total_num_scheduled_tokens == 0 and not (scheduler_output.swap_out
+                                                                      or scheduler_output.swap_in):
+            return ModelRunnerOutput(sampled_token_ids={})  # only finished ids: nothing runs
+        features = step_features(scheduler_output, self.config.block_size)
+        predicted = self.predictor.predict(features)
+        extra_s = self.draft_step_s * self.num_drafts if scheduler_output.scheduled_spec_decode_tokens else 0.0
+        out = self._sample(scheduler_output)
+        if isinstance(self.clock, VirtualClock):
+            if features.num_constrained_rows:
+                extra_s += self._mask_cost_s() * features.num_constrained_rows
+            self.clock.advance(predicted.step_s + extra_s)
+        else:
+            time.sleep(max(0.0, start + predicted.execute_s + extra_s - time.perf_counter()))
+        out.forward_s = predicted.execute_s + extra_s
+        return out
+
+    def _sample(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Synthetic tokens of every request whose scheduled tokens reach its end: accepted drafts plus one."""
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[dict[int, float]]] = {}
+        accepted: dict[str, int] = {}
+        rows = so.structured_output_request_ids
+        for request in so.scheduled_requests:
+            rid = request.request_id
+            if request.num_computed_tokens + so.num_scheduled_tokens[rid] < request.num_tokens:
+                continue  # a prefill chunk short of the prompt's end samples nothing
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            num_accepted = self.acceptance.num_accepted(len(drafts), self.sampler.rng) if drafts else 0
+            tokens = list(drafts[:num_accepted])
+            if rid in rows:
+                tokens.append(self.sampler.allowed_token(so.grammar_bitmask[rows[rid] + num_accepted]))
+            else:
+                tokens.append(self.sampler.token(request, request.num_output_tokens + num_accepted))
+            sampled[rid] = tokens
+            if drafts:
+                accepted[rid] = num_accepted
+            num_logprobs = request.sampling_params.logprobs
+            if num_logprobs is not None:
+                logprobs[rid] = [self.sampler.logprobs(t, num_logprobs) for t in tokens]
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, num_accepted_tokens=accepted)
+
+    def _mask_cost_s(self) -> float:
+        """Seconds per structured-output bitmask row: the parameter, the profile's measured value, or (analytic
+        and replay runs) one timed now on this machine with the run's grammar."""
+        if self.grammar_mask_s is None:
+            if self.grammar_mask_s_param != "auto":
+                self.grammar_mask_s = float(self.grammar_mask_s_param)
+            elif self.profile is not None and self.profile.grammar_mask_s_per_row is not None:
+                self.grammar_mask_s = self.profile.grammar_mask_s_per_row
+            else:
+                from plugins.executors._sim_rank import time_grammar_mask
+
+                self.grammar_mask_s = time_grammar_mask(self.config)
+                logger.info("executor=sim: structured-output mask cost timed on this machine: %.1f us per row",
+                            1e6 * self.grammar_mask_s)
+        return self.grammar_mask_s
+
+    def simulated_drafter(self, drafter: Drafter) -> Drafter:
+        """A stand-in that proposes ``num_speculative_tokens`` synthetic drafts per decoding request; how many
+        the target accepts comes from ``executor.params.acceptance``."""
+        self.num_drafts = drafter.num_speculative_tokens
+        self.acceptance = AcceptanceModel.from_param(self.acceptance_param, drafter.name, self.num_drafts)
+        return SimulatedDrafter(drafter.name, self.num_drafts, self.sampler)
+
+    def run_labels(self) -> dict[str, Any]:
+        """``simulated: True`` and the step times' source (``measured:<model>@<device>``, ``analytic:<device>``,
+        ``replay:<file>``)."""
+        return {"simulated": True, "sim_profile": self.predictor.source}
+
+    def check_health(self) -> None:
+        """A simulated rank never dies."""
+
+    def shutdown(self) -> None:
+        """Nothing runs."""
+
+
+class SimulatedDrafter(Drafter):
+    """Stands in for drafter ``name`` in a simulated run: ``k`` synthetic (non-EOS) drafts for every request
+    the engine asks about, so every decode step verifies ``k`` drafts (a real n-gram drafter proposes only
+    where it finds a match: express that through a lower acceptance)."""
+
+    def __init__(self, name: str, num_speculative_tokens: int, sampler: SyntheticSampler) -> None:
+        super().__init__(num_speculative_tokens=num_speculative_tokens)
+        self.name = f"{name} (simulated)"
+        self.sampler = sampler
+
+    def propose(self, requests: list[Any]) -> dict[str, list[int]]:
+        """``num_speculative_tokens`` synthetic drafts per request."""
+        return {r.request_id: self.sampler.draft(r, self.num_speculative_tokens) for r in requests}
+
+
+def _measure_with_progress(config: EngineConfig) -> Any:
+    """``profile=auto`` found no profile: measure one with the real engine, printing progress."""
+    from framework.engine.profiler import GRIDS, measure_profile
+
+    print(f"executor=sim profile=auto: no profile of {config.model} on this machine with these engine settings; "
+          f"measuring one with the real engine ({len(GRIDS['default'])} cells, a few minutes), cached for later "
+          "runs", flush=True)
+    return measure_profile(config, "default", progress=lambda i, n: print(f"  profile cell {i}/{n}", flush=True))
+
+
+@hookimpl
+def register_executors(register: Register) -> None:
+    """Register ``sim``."""
+    register("sim", SimExecutor)
