@@ -119,6 +119,7 @@ class ShmCommunicator:
         dist.barrier(group=group)
         if rank == 0:
             self._shm.unlink()  # the mappings stay; the name goes, so a killed group leaves nothing behind
+        dist.barrier(group=group)  # every rank returns with the name gone
         self._counters = np.ndarray((world_size,), dtype=np.int64, buffer=self._shm.buf[:8 * world_size])
         data = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=2 * world_size * self.slot_bytes,
                                 offset=header)

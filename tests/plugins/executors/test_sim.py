@@ -10,6 +10,7 @@ import pytest
 from helpers import REPO, STORIES, STORIES_DRAFT
 from sim_helpers import linear_profile
 
+from framework import registry
 from framework.config import EngineConfig
 from framework.core.sampling_params import SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
@@ -21,7 +22,8 @@ from framework.workloads.workload import WorkloadItem
 
 def _engine(tmp_path, const_s=0.05, params=None, **knobs):
     profile = linear_profile(tmp_path / "profile.json", const_s, **knobs.pop("per_unit_s", {}))
-    return build_engine(EngineConfig(model=STORIES, compile=False, executor="sim",
+    knobs.setdefault("compile", False)
+    return build_engine(EngineConfig(model=STORIES, executor="sim",
                                      executor_params={"profile": profile, **(params or {})}, **knobs))
 
 
@@ -43,6 +45,7 @@ def test_virtual_clock_metrics_follow_the_predicted_step_times(tmp_path):
     assert summary["simulated"] is True and summary["sim_profile"] == "measured:constant@?"
     assert summary["num_steps"] == 4 + 3 and summary["step_s"] == pytest.approx(0.22 + 0.16)
     assert records[0]["simulated"] is True and len(records[0]["token_ids"]) == 4
+    assert engine.executor.run_labels() == {"simulated": True, "sim_profile": "measured:constant@?"}
     engine.shutdown()
 
 
@@ -95,6 +98,8 @@ def test_speculative_decoding_accepts_at_the_given_rate_and_loads_no_drafter(tmp
     assert summary["spec_acceptance_by_position"] == pytest.approx([conditional] * 3, abs=0.1)
     assert 1.5 < summary["tokens_per_forward"] < 3.0 and summary["total_output_tokens"] == 16 * 60
     assert engine.drafter.name == "draft_model (simulated)" and not hasattr(engine.drafter, "runner")
+    with pytest.raises(ValueError, match="acceptance has no entry for drafter 'ngram'"):  # a drafter the rates omit
+        engine.executor.simulated_drafter(registry.create("drafter", "ngram", num_speculative_tokens=2))
     assert summary["step_s"] >= summary["num_steps"] * 0.05  # each verify step also pays 3 x 4 ms of drafting
     engine.shutdown()
 
@@ -197,3 +202,13 @@ def test_bad_parameters_are_refused_before_anything_loads(params, message):
 def test_spec_decode_without_an_acceptance_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="needs executor.params.acceptance"):
         _engine(tmp_path, drafter="ngram")
+
+
+def test_compile_auto_keeps_a_simulated_engine_on_its_profile(tmp_path):
+    """engine.compile=auto on executor=sim measures nothing and compiles nothing: the step times are the
+    profile's (a real engine's auto would time eager decode steps on the rank)."""
+    engine = _engine(tmp_path, compile="auto")
+    decision = engine.maybe_compile(10**9, 64)
+    assert decision.compile is False and "simulates the model" in decision.reason
+    assert engine.metrics.compile_stats.current().active is False
+    engine.shutdown()

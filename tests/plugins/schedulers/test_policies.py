@@ -133,3 +133,19 @@ def test_fair_victim_comes_from_the_heaviest_client():
     policy = FairPolicy()
     running = [req("A0", 4, 2, 0.0, "A"), req("B0", 4, 2, 1.0, "B"), req("A1", 4, 2, 0.5, "A")]
     assert policy.select_victim(running).request_id == "A1"
+
+
+def test_scheduler_hands_its_clock_to_the_policy_through_use_clock():
+    """A scheduler built with a clock (an engine's: wall or simulated) gives the policy its ``now`` via
+    ``use_clock``, so sjf ages requests on that clock, not on wall time."""
+    from framework.core.clock import VirtualClock
+
+    clock = VirtualClock()
+    policy = SJFPolicy(aging_s=10.0)
+    Scheduler(policy, PagedKVAllocator(16, 4), StopChecker(tokenizer=None), max_num_seqs=1,
+              max_num_batched_tokens=64, max_model_len=64, clock=clock)
+    old = req("old", 8, 30, arrival=0.0)
+    young = req("young", 4, 3, arrival=0.0)
+    assert policy.key(young) < policy.key(old)  # shorter first while neither has aged
+    clock.sleep_until(11.0)  # virtual: jumps at once
+    assert policy.clock() == 11.0 and policy.key(old) <= policy.key(young)  # both aged: arrival order
