@@ -14,6 +14,45 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 from helpers import STORIES, assert_all_blocks_free  # noqa: E402
 
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if "PYTEST_XDIST_WORKER" in os.environ:  # pytest -n N: N test processes share the cores
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // XDIST_WORKERS))  # and subprocesses
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each test process takes its share of the cores (torch intra-op threads)."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture(autouse=True)
+def xdist_isolation(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under pytest-xdist, a test marked ``isolated`` (it checks machine-wide state such as ``/dev/shm``)
+    runs while no other test does: a readers-writer lock over two files shared by the test processes
+    (every test holds the main lock shared, an isolated one exclusively; the turnstile lets a waiting
+    isolated test in before new shared holders, so it cannot starve). Serial runs skip it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    import fcntl
+    import tempfile
+    from pathlib import Path
+
+    base = Path(tempfile.gettempdir()) / f"servelab-xdist-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}"
+    exclusive = request.node.get_closest_marker("isolated") is not None
+    with open(f"{base}.turnstile", "a+") as turnstile, open(f"{base}.lock", "a+") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip ``gpu``-marked tests without CUDA, naming what they would check."""

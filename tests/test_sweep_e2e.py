@@ -65,27 +65,18 @@ def test_basic_launcher_sweep_is_one_wandb_group_and_reruns_identically(tmp_path
     assert token_ids(rerun) == token_ids(jobs[3]) and all(token_ids(rerun))
 
 
-def test_joblib_launcher_sweep(tmp_path):
-    """Two jobs in two joblib worker processes at once (the 2x2 grid runs under the basic launcher above)."""
-    sweep = tmp_path / "sweep"
-    grid = [arg for arg in GRID if not arg.startswith("engine.max_num_seqs")]
-    proc = servelab("-m", *grid, "tracker=none", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-                    f"hydra.sweep.dir={sweep}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in sweep.iterdir() if (p / "metrics.json").is_file()) == ["0", "1"]
-    check_results(sweep, num_jobs=2, swept=("scheduler.name",))
-
-
 @pytest.mark.slow
 def test_joblib_launcher_sweep_with_tensor_parallel_jobs(tmp_path):
-    """Each job's model sharded over two ``mp`` worker processes started from inside its joblib (loky)
-    worker (their spawn must not inherit loky's start method); ~55 s here."""
+    """Two jobs in two joblib worker processes at once (the 2x2 grid runs under the basic launcher above),
+    each job's model sharded over two ``mp`` worker processes started from inside its joblib (loky) worker
+    (their spawn must not inherit loky's start method); ~55 s here."""
     sweep = tmp_path / "sweep"
     proc = servelab("-m", "model=stories260K", "scheduler=fcfs,priority", "parallel.tensor_parallel_size=2",
                     "sampling.max_tokens=4", "workload.limit=3", "tracker=none", "hydra/launcher=joblib",
                     "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in sweep.iterdir() if (p / "metrics.json").is_file()) == ["0", "1"]
+    check_results(sweep, num_jobs=2, swept=("scheduler.name",))
 
 
 def test_results_on_a_missing_dir_fails_clearly(tmp_path):

@@ -117,6 +117,7 @@ def test_gloo_collectives_give_the_same_tokens_as_shared_memory(mp_llm):
         LLM(model=STORIES, device="cuda", tensor_parallel_size=2, communicator="shm")
 
 
+@pytest.mark.isolated
 def test_unloadable_weights_show_the_workers_error(tmp_path):
     bad = tmp_path / "stories-bad"
     shutil.copytree(STORIES, bad)
@@ -184,6 +185,7 @@ def test_cuda_needs_one_gpu_per_rank(monkeypatch):
     assert MultiprocExecutor.validate(EngineConfig(model=STORIES, device="cuda", tensor_parallel_size=1)) == []
 
 
+@pytest.mark.isolated
 @NEEDS_SMOLLM2
 def test_smollm2_tp2_is_refused_before_any_worker_starts():
     shm_before, children_before = set(os.listdir("/dev/shm")), set(multiprocessing.active_children())

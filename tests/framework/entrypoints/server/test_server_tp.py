@@ -20,6 +20,7 @@ psutil = pytest.importorskip("psutil")
 from helpers import REPO, STORIES, STORY_PROMPTS, free_port, wait_healthy  # noqa: E402
 
 
+@pytest.mark.isolated
 @pytest.mark.slow
 def test_tp2_server_serves_then_exits_nonzero_when_a_worker_dies(tmp_path):
     from framework import LLM, SamplingParams
