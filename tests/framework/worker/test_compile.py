@@ -98,6 +98,20 @@ def test_engines_keep_their_own_graphs(compiled_llm):
     assert compiled_llm.engine.runner.compile_stats.num_recompiles == before
 
 
+def test_structured_output_adds_no_recompile(compiled_llm):
+    """A grammar masks the logits after the compiled decoder: constrained requests beside free ones run
+    the same graphs (no recompile) and every constrained output is one of its choices."""
+    from framework.core.structured_output_params import StructuredOutputsParams
+
+    before = compiled_llm.engine.runner.compile_stats.num_recompiles
+    choices = ["Lily", "Tim", "the dog"]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=choices)),
+              SamplingParams(temperature=0.0, max_tokens=8)]
+    outs = compiled_llm.generate(STORY_PROMPTS[:2], params)
+    assert outs[0].outputs[0].text in choices and len(outs[1].outputs[0].token_ids) == 8
+    assert compiled_llm.engine.runner.compile_stats.num_recompiles == before
+
+
 def test_layer_entry_has_a_code_object_of_its_own():
     def forward(layer, x, servelab_layer=None):
         return layer(x) + servelab_layer
