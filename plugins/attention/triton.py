@@ -61,6 +61,7 @@ class TritonAttentionBackend(AttentionBackend):
     requires_cuda = True
     supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
     supports_cuda_graphs: ClassVar[bool] = True  # device-tensor metadata, shape-only grid
+    gpu_check = "scripts/gpu_check.sh (not yet run on a GPU)"
     supports_sliding_window = True  # tiles before the window skipped, the rest masked by position
     supports_softcap = True
     supports_sinks = True  # the running max starts at the sink, the running sum at 1
