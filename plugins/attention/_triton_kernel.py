@@ -68,7 +68,8 @@ def unified_attention_kernel(
     offs_t = tl.arange(0, TILE)
     q_pos = local * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV  # (M,) query index within the request
     head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV  # (M,) query head
-    row_ok = q_pos < q_len
+    # BLOCK_M may exceed BLOCK_Q * G (G = 3: 16 rows, 5 tokens): the spare rows belong to the next block
+    row_ok = (offs_m // NUM_QUERIES_PER_KV < BLOCK_Q) & (q_pos < q_len)
     d_ok = offs_d < HEAD_SIZE
     q_rows = (q_start + q_pos).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],

@@ -81,6 +81,28 @@ def test_long_contexts_cross_many_tiles(monkeypatch, window, softcap, sinks):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@interpreted
+def test_a_program_writes_only_its_own_query_block(monkeypatch):
+    """GQA group 3: a program's 16 rows hold 5 tokens x 3 heads; its spare row must not store token 5,
+    the next program's (on a GPU the next program may finish first). Only program 0 runs here."""
+    real = _triton_kernel.unified_attention_kernel
+
+    class FirstProgramOnly:
+        def __getitem__(self, grid):
+            return real[(1, grid[1])]
+
+    monkeypatch.setattr(_triton_kernel, "unified_attention_kernel", FirstProgramOnly())
+    monkeypatch.setattr(_triton_kernel, "interpreter_active", lambda: True)
+    assert _triton_kernel.launch_shape(6, 2, 8)["BLOCK_Q"] == 5
+    cache, block_table, seq_lens, qsl, reqs = _long_batch([(3, 8)], 4, 6, 2, 8)
+    query = reqs[0][0]
+    out = _triton_kernel.unified_attention(torch.full_like(query, float("nan")), query, cache[0], cache[1],
+                                           block_table, seq_lens, qsl, 8 ** -0.5)
+    expected = reference_attention(*reqs[0][:3], 3, 8 ** -0.5)
+    torch.testing.assert_close(out[:5], expected[:5], rtol=1e-5, atol=1e-5)
+    assert out[5:].isnan().all()
+
+
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     monkeypatch.setattr(_triton_kernel, "interpreter_active", lambda: False)
     q = torch.zeros(1, 2, 8)
