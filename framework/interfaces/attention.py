@@ -185,6 +185,9 @@ class AttentionBackend(Plugin, ABC):
             elif device_type != "cuda":
                 problems.append(f"CUDA graphs need device=cuda, got device={config.device}; set "
                                 "engine.enforce_eager=true or null")
+            elif config.tensor_parallel_size > 1:
+                problems.append("decode CUDA graphs are not captured under tensor parallelism; set "
+                                "engine.enforce_eager=true or null with parallel.tensor_parallel_size > 1")
         if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             problems.append(f"attention {cls.name!r} does not support kv_cache_dtype={config.kv_cache_dtype}; use "
                             f"one of {', '.join(cls.supported_kv_cache_dtypes)} (attention=torch_paged or torch support int8, fp8_e4m3)")

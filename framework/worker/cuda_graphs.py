@@ -143,6 +143,10 @@ def cuda_graph_options(enforce_eager: bool | None, backend: AttentionBackend, ma
 
     Returns:
         The options, or ``None`` (eager decodes; logged with the reason unless ``enforce_eager``).
+
+    Raises:
+        ValueError: ``enforce_eager is False`` (graphs insisted on) and they cannot be captured here (what
+            ``AttentionBackend.validate`` cannot see before loading, e.g. several KV cache groups).
     """
     if enforce_eager:
         return None
@@ -153,6 +157,9 @@ def cuda_graph_options(enforce_eager: bool | None, backend: AttentionBackend, ma
         (world_size > 1, "tensor parallelism (tensor_parallel_size > 1)"),
         (num_kv_cache_groups > 1, "several KV cache groups (sliding-window layers with their own block tables)"),
     ) if off]
+    if reasons and enforce_eager is False:
+        raise ValueError(f"engine.enforce_eager=false asks for decode CUDA graphs, which cannot be captured here: "
+                         f"{'; '.join(reasons)}; set engine.enforce_eager=null (capture where possible) or true")
     if reasons:
         logger.log(logging.INFO if capture is not None else logging.DEBUG,
                    "decode CUDA graphs off: %s", "; ".join(reasons))

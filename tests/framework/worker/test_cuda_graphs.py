@@ -61,6 +61,8 @@ def test_options_off_unless_cuda_capturable_single_rank(monkeypatch):
     assert cuda_graph_options(None, _backend(TorchAttentionBackend), 8, 64) is None  # host-planned metadata
     assert cuda_graph_options(None, _backend(), 8, 64, world_size=2) is None
     assert cuda_graph_options(None, _backend(), 8, 64, num_kv_cache_groups=2) is None
+    with pytest.raises(ValueError, match="KV cache groups"):  # insisted on: refused, not silently eager
+        cuda_graph_options(False, _backend(), 8, 64, num_kv_cache_groups=2)
 
 
 @pytest.mark.parametrize("attention, device, match", [("torch", "cpu", "cannot be captured"),
@@ -76,6 +78,9 @@ def test_enforce_eager_false_needs_cuda(monkeypatch):
     monkeypatch.setattr(TritonAttentionBackend, "supported_devices", ("cpu", "cuda"))
     with pytest.raises(ValueError, match="CUDA graphs need device=cuda"):
         validate_plugins(EngineConfig(model=STORIES, attention="triton", enforce_eager=False))
+    problems = TritonAttentionBackend.validate(EngineConfig(model=STORIES, attention="triton", device="cuda",
+                                                            enforce_eager=False, tensor_parallel_size=2))
+    assert any("tensor parallelism" in p for p in problems)
 
 
 class _RecordingBackend(TorchAttentionBackend):
