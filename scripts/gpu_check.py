@@ -47,6 +47,9 @@ SMOLLM2_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
                  "chat_template.jinja")
 PYTEST_TIMEOUT_S = 300
 BENCH_TIMEOUT_S = 150
+#: the GPU test files pytest runs with ``-m gpu``
+GPU_TESTS = ["tests/plugins/attention/test_triton.py", "tests/plugins/attention/test_gpu_backends.py",
+             "tests/test_gpu_e2e.py"]
 BENCH_ARGS = ["--dtype", "bfloat16", "--batch-sizes", "1,16,64,256", "--input-len", "128",
               "--output-len", "32", "--repeats", "10", "--cuda-graphs", "on,off"]
 
@@ -159,6 +162,14 @@ def pytest_counts(junit: Path) -> dict[str, Any]:
     return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")} | {"failed": failed}
 
 
+def plan(py: str, out: Path, model: str) -> list[tuple[str, list[str], int]]:
+    """The check's commands: ``(name, argv, timeout_s)`` for pytest and the benchmark on ``model``."""
+    return [("pytest", [py, "-m", "pytest", "-m", "gpu", "-rs", "-q", "-p", "no:cacheprovider",
+                        f"--junitxml={out / 'pytest.xml'}", *GPU_TESTS], PYTEST_TIMEOUT_S),
+            ("bench", [py, "experiments/bench_attention.py", "--model", model, *BENCH_ARGS,
+                       "--json-out", str(out / "bench_attention.json")], BENCH_TIMEOUT_S)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """``bash scripts/gpu_check.sh [--dry-run | --prepare] [OUT_DIR]``; exit 0 when every step passed."""
     p = argparse.ArgumentParser(description="servelab's GPU verification in one call")
@@ -173,12 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     py = sys.executable
     smol_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "servelab-gpu-smollm2"
-    tests = ["tests/plugins/attention/test_triton.py", "tests/plugins/attention/test_gpu_backends.py",
-             "tests/test_gpu_e2e.py"]
-    steps = [("pytest", [py, "-m", "pytest", "-m", "gpu", "-rs", "-q", "-p", "no:cacheprovider",
-                         f"--junitxml={out / 'pytest.xml'}", *tests], PYTEST_TIMEOUT_S),
-             ("bench", [py, "experiments/bench_attention.py", "--model", str(smol_dir), *BENCH_ARGS,
-                        "--json-out", str(out / "bench_attention.json")], BENCH_TIMEOUT_S)]
     env = dict(os.environ, SERVELAB_SMOLLM2_DIR=str(smol_dir), HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
                PYTHONUNBUFFERED="1")
     env.setdefault("TRITON_INTERPRET", "0")  # compiled kernels on the GPU
@@ -186,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"would write {out}/{{env.json,pytest.xml,bench_attention.json,gpu_check.json,gpu_check.log}}")
         print(f"bundle {BUNDLE}: {'present' if (BUNDLE / 'site').is_dir() else 'MISSING: run --prepare here first'}")
         print(f"would build a random-weight SmolLM2 in {smol_dir}")
-        for name, cmd, timeout_s in steps:
+        for name, cmd, timeout_s in plan(py, out, str(smol_dir)):
             print(f"would run ({name}, <= {timeout_s} s): {' '.join(cmd)}")
         collect = subprocess.run([py, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                                  *tests], cwd=REPO, capture_output=True, text=True, env=env)
+                                  *GPU_TESTS], cwd=REPO, capture_output=True, text=True, env=env)
         lines = [ln for ln in collect.stdout.splitlines() if "::" in ln]
         print("\n".join(lines) + f"\ncollected {len(lines)} GPU tests (pytest exit {collect.returncode})")
         return 0 if lines and collect.returncode == 0 else 1
@@ -199,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(out / "gpu_check.log", "w") as log:
         log.write(json.dumps(summary["environment"], indent=2) + "\n")
         t0 = time.perf_counter()
-        random_smollm2(smol_dir)
+        model = random_smollm2(smol_dir)
         summary["steps"]["smollm2_random_weights"] = {"exit_code": 0, "seconds": round(time.perf_counter() - t0, 1)}
-        for name, cmd, timeout_s in steps:
+        for name, cmd, timeout_s in plan(py, out, model):
             summary["steps"][name] = run_step(name, cmd, log, timeout_s, env)
     summary["pytest"] = pytest_counts(out / "pytest.xml")
     bench = out / "bench_attention.json"

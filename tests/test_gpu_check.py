@@ -1,13 +1,15 @@
 """``scripts/gpu_check.sh``: its dry run works on a machine without CUDA (lists the steps, and pytest
-collects the GPU tests), so a GPU session loses no minutes to a broken script; the junit summary parses."""
+collects the GPU tests), and its run writes every file of ``$OUT`` (here with one GPU test, skipped, and a
+tiny benchmark), so a GPU session loses no minutes to a broken script."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
-from helpers import REPO
+from helpers import REPO, STORIES
 
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -35,3 +37,19 @@ def test_pytest_counts(tmp_path):
     assert gpu_check.pytest_counts(junit) == {"tests": 3, "failures": 1, "errors": 0, "skipped": 1,
                                               "failed": ["t::b"]}
     assert gpu_check.pytest_counts(tmp_path / "missing.xml") == {}
+
+
+def test_run_writes_env_pytest_bench_and_summary(tmp_path, monkeypatch):
+    """The whole run on CPU with stand-ins for the long parts (stories260K for the random SmolLM2, one GPU
+    test, a one-batch benchmark of ``torch``). ~15 s: pytest and the benchmark run as subprocesses."""
+    monkeypatch.setattr(gpu_check, "random_smollm2", lambda out_dir: STORIES)
+    monkeypatch.setattr(gpu_check, "GPU_TESTS", ["tests/test_gpu_e2e.py::test_greedy_equals_transformers"])
+    monkeypatch.setattr(gpu_check, "BENCH_ARGS", ["--dtype", "float32", "--batch-sizes", "1", "--input-len", "8",
+                                                  "--output-len", "2", "--repeats", "1", "--backends", "torch"])
+    assert gpu_check.main([str(tmp_path)]) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {"env.json", "pytest.xml", "bench_attention.json",
+                                                   "gpu_check.json", "gpu_check.log"}
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["ok"] and summary["pytest"]["tests"] == summary["pytest"]["skipped"] == 8  # 4 backends x 2 models
+    assert summary["bench"]["kernel"][0]["backend"] == "torch" and summary["environment"]["torch"]
+    assert "===== bench: exit 0" in (tmp_path / "gpu_check.log").read_text()
