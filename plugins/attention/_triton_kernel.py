@@ -44,7 +44,11 @@ def unified_attention_kernel(
     SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_FLOAT32: tl.constexpr,
 ):
-    """One program: ``BLOCK_Q`` query tokens of one request x the query heads of one KV head (see the module)."""
+    """One program: ``BLOCK_Q`` query tokens of one request x the query heads of one KV head (see the module).
+
+    Longer than 60 lines on purpose: one GPU program reads best whole (find the request, load the
+    queries, loop over key tiles, store), as vLLM's and FlashAttention's Triton kernels are written.
+    """
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     # the request: the last r whose first query block (query_start_loc[r] // BLOCK_Q + r) is <= q_block
