@@ -59,6 +59,9 @@ class EngineConfig:
     # warning if it cannot
     compile: bool | str = "auto"
     compile_freezing: bool = False  # inductor freezing: weights as constants, prepacked for oneDNN on CPU
+    # decode CUDA graphs (framework/worker/cuda_graphs.py): True never captures; None (default) captures where it
+    # can (CUDA, a backend with supports_cuda_graphs, one rank); False insists (refused before loading if it cannot)
+    enforce_eager: bool | None = None
     prepack_linears: str = "auto"  # auto | on | off: oneDNN-prepacked (and fused q/k/v, gate/up) CPU linears (auto: bf16/fp16)
     tune_malloc: bool = True  # CPU: glibc mallopt so large activations reuse heap memory instead of fresh page-faulted mmaps
     # an engine step (scheduling, plugins' hooks, the forward) running longer than this is hung: a server's

@@ -11,6 +11,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# Triton kernels (attention=triton) run on CPU tensors in Triton's interpreter, which must be chosen before
+# triton is first imported (torch.compile imports it); a CUDA machine keeps compiled kernels
+if "TRITON_INTERPRET" not in os.environ and not __import__("torch").cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from helpers import STORIES, assert_all_blocks_free  # noqa: E402
 

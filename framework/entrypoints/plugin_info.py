@@ -19,6 +19,7 @@ class PluginInfo:
     version: str
     devices: str  # "cpu, cuda" or "cuda"
     dtypes: str  # comma-separated torch dtypes, or "any" when the kind does not restrict them
+    gpu_check: str = ""  # GPU kernels: how scripts/gpu_check.sh verifies it, or why it cannot
 
 
 def _capabilities(cls: type) -> tuple[str, str]:
@@ -46,7 +47,7 @@ def list_plugins() -> list[PluginInfo]:
         for name, cls in classes.items():
             package, version = origin.get(name, ("(runtime)", ""))
             out.append(PluginInfo(kind, name, f"{cls.__module__}.{cls.__qualname__}", package, version,
-                                  *_capabilities(cls)))
+                                  *_capabilities(cls), getattr(cls, "gpu_check", "")))
     return out
 
 
@@ -64,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     table = Table(title="servelab plugins", header_style="bold")
-    for column in ("kind", "name", "package", "version", "devices", "dtypes", "class"):
+    for column in ("kind", "name", "package", "version", "devices", "dtypes", "class", "GPU check"):
         table.add_column(column)
     for p in list_plugins():
-        table.add_row(p.kind, p.name, p.package, p.version, p.devices, p.dtypes, p.cls)
+        table.add_row(p.kind, p.name, p.package, p.version, p.devices, p.dtypes, p.cls, p.gpu_check)
     Console(width=200).print(table)
     return 0

@@ -126,8 +126,12 @@ class AttentionBackend(Plugin, ABC):
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any head size
     block_size_multiple: ClassVar[int] = 1  # block_size must be a multiple of this (kernel page-size rule)
     kv_cache_layout: ClassVar[str] = "NHD"  # per layer (2, num_blocks, block_size, kv_heads, head_size)
-    supports_cuda_graphs: ClassVar[bool] = False  # forward may be captured in a CUDA graph (static shapes)
+    # an all-decode step may be captured in a CUDA graph: build_metadata keeps only views of the runner's device
+    # tensors and its kernels' launch shapes depend on tensor shapes only (framework/worker/cuda_graphs.py)
+    supports_cuda_graphs: ClassVar[bool] = False
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)  # engine.kv_cache_dtype values
+    # a GPU kernel: how scripts/gpu_check.sh verifies it, or why the lent GPU machine cannot (servelab plugins)
+    gpu_check: ClassVar[str] = ""
     # Layer features (AttentionLayerSpec), per call in forward's keyword arguments; validate_model refuses
     # a model needing one its backend lacks:
     supports_sliding_window: ClassVar[bool] = False  # forward(..., sliding_window=W)
@@ -174,6 +178,16 @@ class AttentionBackend(Plugin, ABC):
         if config.block_size % cls.block_size_multiple:
             problems.append(f"attention {cls.name!r} needs block_size to be a multiple of {cls.block_size_multiple} "
                             f"(its paged-KV kernel's page size), got engine.block_size={config.block_size}")
+        if getattr(config, "enforce_eager", None) is False:  # decode CUDA graphs asked for explicitly
+            if not cls.supports_cuda_graphs:
+                problems.append(f"attention {cls.name!r} cannot be captured in CUDA graphs (it plans each step on the "
+                                "host); set engine.enforce_eager=true or null, or use attention=triton")
+            elif device_type != "cuda":
+                problems.append(f"CUDA graphs need device=cuda, got device={config.device}; set "
+                                "engine.enforce_eager=true or null")
+            elif config.tensor_parallel_size > 1:
+                problems.append("decode CUDA graphs are not captured under tensor parallelism; set "
+                                "engine.enforce_eager=true or null with parallel.tensor_parallel_size > 1")
         if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             problems.append(f"attention {cls.name!r} does not support kv_cache_dtype={config.kv_cache_dtype}; use "
                             f"one of {', '.join(cls.supported_kv_cache_dtypes)} (attention=torch_paged or torch support int8, fp8_e4m3)")

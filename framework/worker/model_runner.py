@@ -27,6 +27,7 @@ from framework.core.step_message import StepMessage
 from framework.core.structured_output import apply_token_bitmask
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from framework.worker.compile import CompiledDecoder, CompileStats
+from framework.worker.cuda_graphs import CUDAGraphOptions, DecodeCUDAGraphs
 from framework.worker.forward_context import ForwardContext, GraphAttention, forward_context
 from framework.worker.input_batch import InputBatch
 from framework.worker.model_families import output_logits
@@ -81,6 +82,8 @@ class ModelRunner:
             (its collectives need every rank) but neither sample nor return hidden states.
         tensor_parallel: the model is one rank's shard (``tensor_parallel_size > 1``): with
             ``compile``, the ranks decide compiled vs eager together after the warm-up.
+        cuda_graphs: capture decode CUDA graphs (``framework/worker/cuda_graphs.py``) with these options,
+            unless ``compile``; the KV tensors get one more block, the padding rows' (``None``: eager).
 
     Attributes:
         keep_hidden_states: set by ``build_engine`` when the drafter reads the target's last hidden
@@ -92,7 +95,7 @@ class ModelRunner:
                  kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler, num_swap_blocks: int = 0,
                  compile: bool = False, compile_freezing: bool = False,
                  kv_cache_layout: KVCacheLayout | None = None, is_driver_rank: bool = True,
-                 tensor_parallel: bool = False) -> None:
+                 tensor_parallel: bool = False, cuda_graphs: CUDAGraphOptions | None = None) -> None:
         self.model = model
         self.is_driver_rank = is_driver_rank
         self.backend = backend
@@ -106,7 +109,8 @@ class ModelRunner:
         self.input_batch = InputBatch(null_block=num_blocks)  # this worker's request states (execute_model's messages)
         self.rejection_sampler = RejectionSampler(sampler)
         self.keep_hidden_states = False
-        shape = backend.get_kv_cache_shape(num_blocks + layout.has_null_block)  # the null block: zeros, never written
+        pad_block = num_blocks + layout.has_null_block  # after the null block (zeros, never written): CUDA-graph padding
+        shape = backend.get_kv_cache_shape(pad_block + (cuda_graphs is not None))
         self.kv_tensors = [torch.zeros(shape, dtype=kv_cache_dtype, device=device)
                            for _ in range(layout.layers_per_block)]
         self.kv_caches = [self.kv_tensors[slot] for slot in layout.tensor_of_layer()]  # per layer (shared by groups)
@@ -121,6 +125,24 @@ class ModelRunner:
         self.compiled: CompiledDecoder | None = None
         if compile:
             self.compile_decoder()
+        self.cuda_graphs: DecodeCUDAGraphs | None = None
+        if cuda_graphs is not None and not compile:
+            self.cuda_graphs = DecodeCUDAGraphs(cuda_graphs, backend, self._graph_forward, pad_block, device)
+            with torch.inference_mode():
+                self.cuda_graphs.capture()
+
+    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
+        """The eager forward a decode CUDA graph captures: ``(B, vocab)`` logits of every row."""
+        with forward_context(self._forward_context([metadata])):
+            return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits[0]
+
+    def _graph_bucket(self, batch: BatchInputs) -> int | None:
+        """The decode CUDA graph this step replays, or ``None`` (eager): only plain decode steps of one
+        KV cache group, with no prompt logprobs or hidden states, while the compiled decoder is inactive."""
+        if (self.cuda_graphs is None or batch.prompt_rows is not None or self.keep_hidden_states
+                or len(batch.group_commons) > 1 or (self.compiled is not None and self.compiled.stats.active)):
+            return None
+        return self.cuda_graphs.bucket(batch.common)
 
     def compile_decoder(self) -> CompileStats:
         """``torch.compile`` the decoder and warm it up (:meth:`CompiledDecoder.warm_up`): the warm-up's
@@ -286,11 +308,16 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={}, prepare_s=time.perf_counter() - t0)
         batch = self.prepare_inputs(scheduler_output)
-        metadata = [self.backend.build_metadata(common) for common in batch.group_commons]
+        graphed = self._graph_bucket(batch) is not None
+        metadata = [] if graphed else [self.backend.build_metadata(common) for common in batch.group_commons]
         t1 = time.perf_counter()
         hidden_states = None
-        with forward_context(self._forward_context(metadata)):
-            logits, hidden = self._forward(batch.input_ids, batch.positions, batch.logits_index, metadata)
+        if graphed:  # every row's logits, then the sampled ones (a 1-token prefill chunk does not sample)
+            logits, hidden = self.cuda_graphs.run(batch.input_ids[0], batch.positions[0], batch.common), None
+            logits = logits[batch.logits_index]
+        else:
+            with forward_context(self._forward_context(metadata)):
+                logits, hidden = self._forward(batch.input_ids, batch.positions, batch.logits_index, metadata)
         if not self.is_driver_rank:
             return ModelRunnerOutput(sampled_token_ids={}, prepare_s=t1 - t0, forward_s=time.perf_counter() - t1)
         prompt_logprobs = {}

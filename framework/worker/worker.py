@@ -31,6 +31,7 @@ from framework.core.step_message import StepMessage
 from framework.interfaces import AttentionBackend, AttentionLayerSpec
 from framework.worker.compile import CompileStats
 from framework.worker.cpu_malloc import tune_malloc
+from framework.worker.cuda_graphs import cuda_graph_options
 from framework.worker.forward_context import register_attention_implementation
 from framework.worker.model_loader import LoadedModel, load_model
 from framework.worker.model_runner import ModelRunner
@@ -231,7 +232,10 @@ class Worker:
                                   compile=self.config.compile == "true",
                                   compile_freezing=self.config.compile_freezing,
                                   kv_cache_layout=self.kv_cache_layout, is_driver_rank=self.is_driver_rank,
-                                  tensor_parallel=self.world_size > 1)
+                                  tensor_parallel=self.world_size > 1, cuda_graphs=cuda_graph_options(
+                                      self.config.enforce_eager, self.backend, self.config.max_num_seqs,
+                                      self.config.max_model_len or self.loaded.max_model_len, self.world_size,
+                                      len(self.kv_cache_layout.groups)))
         self.runner.keep_hidden_states = self.keep_hidden_states
 
     def set_keep_hidden_states(self, keep: bool) -> None:

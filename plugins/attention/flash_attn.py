@@ -12,6 +12,9 @@ Block size: upstream flash-attn's paged KV requires the page size (our ``block_s
 multiple of 256 (``flash_attn_interface.py``: "page_block_size must be a multiple of 256"); this
 backend declares ``block_size_multiple = 256`` and is refused before the model loads otherwise.
 Use ``engine.block_size=256`` with it.
+
+Not verified on a GPU: the lent GPU machine (torch 2.11+cu130, no network) has no flash-attn, and no
+published wheel matches that torch (a source build takes hours), so ``scripts/gpu_check.sh`` skips it.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class FlashAttnBackend(AttentionBackend):
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = tuple(range(8, 257, 8))
     block_size_multiple: ClassVar[int] = 256
     supports_cuda_graphs: ClassVar[bool] = True
+    gpu_check = "not verifiable on the lent GPU machine: no flash-attn wheel matches its torch 2.11+cu130"
     supports_sliding_window = True  # window_size=(W - 1, 0)
     supports_softcap = True  # softcap=c
 

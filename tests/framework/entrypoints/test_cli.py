@@ -28,7 +28,7 @@ def test_models_lists_each_family_with_needs_backends_and_test(capsys):
     rows = {r.family: r for r in family_rows()}
     assert len(rows) == len(FAMILIES)
     assert "attention sinks" in rows["gpt-oss"].needs and "MoE" in rows["gpt-oss"].needs
-    assert rows["gpt-oss"].backends.split(", ") == ["hybrid", "torch", "torch_paged"]  # sinks: CPU backends only
+    assert rows["gpt-oss"].backends.split(", ") == ["hybrid", "torch", "torch_paged", "triton (CUDA)"]  # sinks
     assert "flash_attn (CUDA)" in rows["Gemma 2"].backends and "xformers" not in rows["Gemma 2"].backends
     assert "xformers (CUDA)" in rows["Llama"].backends
     assert rows["GPT-2"].test.endswith("test_family_parity[gpt2]")
