@@ -94,6 +94,15 @@ def register_executors(register: Register) -> None:
 
 
 @hookspec
+def register_routers(register: Register) -> None:
+    """Register routers (``framework.interfaces.Router`` subclasses): which data-parallel replica serves
+    each request (``parallel.data_parallel_size > 1``).
+
+    :param register: ``register(name, cls)``; ``name`` becomes ``router=<name>``.
+    """
+
+
+@hookspec
 def on_engine_start(config: dict[str, Any]) -> None:
     """Called once when a run starts, before the first step.
 

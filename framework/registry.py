@@ -20,6 +20,7 @@ from framework.interfaces import (
     Grammar,
     KVAllocator,
     QuantMethod,
+    Router,
     SchedulerPolicy,
     Tracker,
 )
@@ -37,6 +38,7 @@ KINDS: dict[str, tuple[str, type, str]] = {
     "grammar": ("register_grammars", Grammar, "grammar"),
     "tracker": ("register_trackers", Tracker, "tracker"),
     "executor": ("register_executors", Executor, "executor"),
+    "router": ("register_routers", Router, "router"),
 }
 # kinds whose "none" choice means "feature off" (no implementation object)
 OPTIONAL_KINDS = ("drafter", "quant", "grammar", "tracker")

@@ -7,11 +7,12 @@ from framework.interfaces.executor import EngineDeadError, Executor, WorkerError
 from framework.interfaces.grammar import Grammar, GrammarMatcher
 from framework.interfaces.kv_allocator import KVAllocator, KVCacheGroup, KVCacheStats
 from framework.interfaces.quant import QuantMethod
+from framework.interfaces.router import NoReplicaError, ReplicaState, Router
 from framework.interfaces.scheduler_policy import SchedulerPolicy
 from framework.interfaces.tracker import Tracker
 
 __all__ = [
     "AttentionBackend", "AttentionLayerSpec", "CommonAttentionMetadata", "Drafter", "EngineDeadError", "Executor",
-    "Grammar", "GrammarMatcher", "KVAllocator", "KVCacheGroup", "KVCacheStats", "Plugin", "QuantMethod",
-    "SchedulerPolicy", "Tracker", "WorkerError",
+    "Grammar", "GrammarMatcher", "KVAllocator", "KVCacheGroup", "KVCacheStats", "NoReplicaError", "Plugin", "QuantMethod",
+    "ReplicaState", "Router", "SchedulerPolicy", "Tracker", "WorkerError",
 ]

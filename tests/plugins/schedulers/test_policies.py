@@ -149,3 +149,18 @@ def test_scheduler_hands_its_clock_to_the_policy_through_use_clock():
     assert policy.key(young) < policy.key(old)  # shorter first while neither has aged
     clock.sleep_until(11.0)  # virtual: jumps at once
     assert policy.clock() == 11.0 and policy.key(old) <= policy.key(young)  # both aged: arrival order
+
+
+def test_use_clock_hands_sjf_the_engines_time_source():
+    """``SchedulerPolicy.use_clock``: a simulated clock decides aging, not the wall clock."""
+    policy = registry.create("scheduler", "sjf", aging_s=5.0)
+    now = [0.0]
+    policy.use_clock(lambda: now[0])
+    short = Request(request_id="short", prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=1),
+                    arrival_time=4.0)
+    long = Request(request_id="long", prompt_token_ids=list(range(3, 40)), sampling_params=SamplingParams(max_tokens=9),
+                   arrival_time=0.0)
+    now[0] = 4.5  # nothing aged yet: shortest first
+    assert [r.request_id for r in policy.sort_waiting([long, short])] == ["short", "long"]
+    now[0] = 5.0  # "long" waited aging_s on the engine's clock
+    assert [r.request_id for r in policy.sort_waiting([long, short])] == ["long", "short"]

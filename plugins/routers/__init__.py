@@ -1,0 +1,1 @@
+"""Built-in routers: which data-parallel replica serves a request (``router=<name>``)."""
