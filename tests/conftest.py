@@ -33,7 +33,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(autouse=True)
 def xdist_isolation(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Under pytest-xdist, a test marked ``isolated`` (it checks machine-wide state such as ``/dev/shm``)
+    """Under pytest-xdist, a test marked ``isolated`` (it checks machine-wide state such as ``/dev/shm``, or
+    timing on the scale of seconds: heartbeats, deadlines)
     runs while no other test does: a readers-writer lock over two files shared by the test processes
     (every test holds the main lock shared, an isolated one exclusively; the turnstile lets a waiting
     isolated test in before new shared holders, so it cannot starve). Serial runs skip it."""

@@ -72,6 +72,7 @@ def _step_until_dead(llm: LLM) -> tuple[EngineDeadError, float]:
     return info.value, time.monotonic() - t0
 
 
+@pytest.mark.isolated  # timing: a heartbeat or deadline of seconds must not meet another test's load
 def test_a_stopped_rank_is_lost_within_the_heartbeat_timeout():
     """SIGSTOP of rank 1 mid-run: rank 0 waits in a collective, rank 1 beats no more; before, the driver
     waited for the 300 s execute timeout (the collective's own: 120 s)."""
@@ -86,6 +87,7 @@ def test_a_stopped_rank_is_lost_within_the_heartbeat_timeout():
     assert resources_gone(pids, [shm])  # the stopped rank was killed too
 
 
+@pytest.mark.isolated  # timing: a heartbeat or deadline of seconds must not meet another test's load
 def test_a_rank_hanging_in_a_step_misses_the_step_deadline():
     """A plugin that sleeps inside the forward (the process still beats): the step deadline, from the steps
     measured so far, ends it; before, a flat 300 s."""
@@ -99,6 +101,7 @@ def test_a_rank_hanging_in_a_step_misses_the_step_deadline():
     assert resources_gone(pids, [shm])
 
 
+@pytest.mark.isolated  # timing: a heartbeat or deadline of seconds must not meet another test's load
 def test_a_control_call_has_a_deadline_too():
     """Before, every call but execute_model waited as long as the workers lived."""
     llm = LLM(**SMALL)

@@ -55,6 +55,7 @@ def test_killed_actor_fails_every_request(ray_llm):
     assert all(o.error for o in info.value.outputs)
 
 
+@pytest.mark.isolated  # timing: a heartbeat or deadline of seconds must not meet another test's load
 def test_stopped_actor_is_lost_within_the_heartbeat_timeout():
     """SIGSTOP of rank 1 mid-run: its ping on the ``health`` concurrency group goes unanswered; before, the
     driver waited for the 300 s execute timeout."""

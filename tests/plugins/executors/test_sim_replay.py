@@ -22,6 +22,8 @@ from framework.config import EngineConfig
 from framework.core.sampling_params import SamplingParams
 from framework.engine.builder import build_engine
 
+pytestmark = pytest.mark.isolated  # latencies compared to a step's bookkeeping: alone under pytest-xdist
+
 VOCAB = 512
 
 
