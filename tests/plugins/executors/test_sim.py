@@ -15,6 +15,7 @@ from framework.core.sampling_params import SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
 from framework.engine.builder import build_engine
 from framework.entrypoints.offline_runner import run_workload
+from framework.interfaces import Executor
 from framework.sim.outputs import AcceptanceModel
 from framework.workloads.workload import WorkloadItem
 
@@ -95,6 +96,8 @@ def test_speculative_decoding_accepts_at_the_given_rate_and_loads_no_drafter(tmp
     assert summary["spec_acceptance_by_position"] == pytest.approx([conditional] * 3, abs=0.1)
     assert 1.5 < summary["tokens_per_forward"] < 3.0 and summary["total_output_tokens"] == 16 * 60
     assert engine.drafter.name == "draft_model (simulated)" and not hasattr(engine.drafter, "runner")
+    # Executor.simulated_drafter: the sim's stand-in above; the base executor's None means "load the real one"
+    assert Executor.simulated_drafter(engine.executor, engine.drafter) is None
     assert summary["step_s"] >= summary["num_steps"] * 0.05  # each verify step also pays 3 x 4 ms of drafting
     engine.shutdown()
 
