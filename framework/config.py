@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "grammar", "executor")
+PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "grammar", "executor", "router")
 COMPILE_MODES = ("auto", "true", "false")
 #: fields set from the ``parallel:`` section of the Hydra config (not ``engine.*``)
-PARALLEL_FIELDS = ("tensor_parallel_size", "num_threads_per_rank", "communicator")
+PARALLEL_FIELDS = ("tensor_parallel_size", "data_parallel_size", "num_threads_per_rank", "communicator")
 COMMUNICATORS = ("auto", "shm", "torch_distributed")
 
 
@@ -39,6 +39,9 @@ class EngineConfig:
     executor: str = "auto"  # auto (uniproc for one rank, mp for more) | uniproc | mp | ray
     executor_params: dict[str, Any] = field(default_factory=dict)
     tensor_parallel_size: int = 1  # ranks the model is sharded over (torch.distributed: gloo on CPU, NCCL on CUDA)
+    data_parallel_size: int = 1  # engine replicas behind one front (each with its own scheduler, KV cache, executor)
+    router: str = "least_loaded"  # which replica serves a request (data_parallel_size > 1): a router plugin name
+    router_params: dict[str, Any] = field(default_factory=dict)
     num_threads_per_rank: int = 0  # torch threads per rank; 0 = cores / tensor_parallel_size in worker processes (uniproc: unchanged)
     # TP collectives: shm (shared memory, CPU ranks on one host) | torch_distributed (gloo / NCCL) | auto (shm where it can)
     communicator: str = "auto"
@@ -103,6 +106,7 @@ class EngineConfig:
             (self.swap_space_bytes >= 0, f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}"),
             (str(self.compile) in COMPILE_MODES, f"compile must be auto, true or false, got {self.compile!r}"),
             (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}"),
             (self.watchdog_timeout_s > 0, f"watchdog_timeout_s must be > 0 seconds, got {self.watchdog_timeout_s}"),
             (self.num_threads_per_rank >= 0,
              f"num_threads_per_rank must be >= 0 (0: cores / tensor_parallel_size), got {self.num_threads_per_rank}"),

@@ -264,6 +264,19 @@ def test_sim_fidelity_run_compares_a_real_and_a_simulated_run(tmp_path, capsys):
     assert row["real"]["num_steps"] > 0 and "| random_burst |" in capsys.readouterr().out
 
 
+def test_sim_routers_runs_every_router_over_simulated_replicas(tmp_path):
+    from experiments import sim_routers
+
+    rows = sim_routers.main(["--replicas", "2", "--requests-per-replica", "8", "--workloads", "shared_prefix,multi_turn",
+                             "--json-out", str(tmp_path / "routers.json")])
+    assert len(rows) == 2 * len(sim_routers.ROUTERS.split(","))
+    for row in rows:
+        summary = row["summary"]
+        assert summary["num_requests"] == row["num_requests"] and summary["data_parallel_size"] == 2
+        assert sum(r["num_routed"] for r in summary["replicas"]) == row["num_requests"]
+    assert (tmp_path / "routers.json").is_file()
+
+
 def test_sim_scale_runs_the_ablation_and_plots(tmp_path):
     from experiments import sim_scale
 

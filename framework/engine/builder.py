@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +49,9 @@ from framework.metrics.collector import MetricsCollector
 from framework.worker.embeddings import load_embeddings
 from framework.worker.model_loader import load_tokenizer
 from framework.worker.tensor_parallel import rank_layout, tp_problems
+
+if TYPE_CHECKING:
+    from framework.engine.data_parallel import DataParallelEngine
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ class ModelSpec:
 
 
 def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
-                 defer_compile: bool = False) -> LLMEngine:
+                 defer_compile: bool = False) -> LLMEngine | DataParallelEngine:
     """Validate plugins, inspect the model, start the workers, size the KV cache and assemble the engine.
 
     Args:
@@ -85,7 +88,16 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
             ``max_model_len`` request (:func:`size_kv_cache`).
         FileNotFoundError, ModuleNotFoundError: the model cannot be found (:func:`resolve_dtype`).
         WorkerError: a worker rank failed to start (its traceback in the message).
+
+    With ``config.data_parallel_size > 1`` it returns a
+    :class:`~framework.engine.data_parallel.DataParallelEngine` (that many engines, each built by this function,
+    behind the router ``config.router``), which has the engine's interface.
     """
+    if config.data_parallel_size > 1:
+        from framework.engine.data_parallel import build_data_parallel_engine
+
+        validate_plugins(config)  # every name (the router's too) before the first replica loads
+        return build_data_parallel_engine(config, metrics, defer_compile)
     validate_plugins(config)
     if config.dtype == "auto":
         config = resolve_dtype(config)

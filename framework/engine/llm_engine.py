@@ -17,7 +17,7 @@ from framework.core.structured_output import StructuredOutputManager
 from framework.engine.compile_calibration import CompilePlanner
 from framework.engine.compile_policy import CompileDecision, startup_reason
 from framework.engine.parallel_sampling import ParallelRequests, ParentRequest, child_sampling_params
-from framework.interfaces import Drafter, EngineDeadError, Executor
+from framework.interfaces import Drafter, EngineDeadError, Executor, ReplicaState
 from framework.metrics.collector import MetricsCollector, compute_request_metrics
 
 logger = logging.getLogger(__name__)
@@ -194,6 +194,20 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return self.scheduler.has_unfinished_requests() or bool(self._compiling)
+
+    def replica_state(self, replica_id: int) -> ReplicaState:
+        """This engine's load as a data-parallel replica (``framework.interfaces.router``): waiting requests
+        (incl. those whose grammar compiles), running ones and the fraction of KV blocks in use, now."""
+        kv = self.scheduler.kv
+        return ReplicaState(replica_id=replica_id, num_waiting_reqs=self.scheduler.num_waiting + len(self._compiling),
+                            num_running_reqs=len(self.scheduler.running),
+                            kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_blocks if kv.num_blocks else 0.0,
+                            published_s=self.clock.now())
+
+    def fail_unfinished(self, error: str) -> list[RequestOutput]:
+        """Finish every unfinished request as aborted with ``error`` (a data-parallel front removing this
+        replica after its step raised); returns their final outputs, as the caller sees them."""
+        return self._to_caller(self._fail_all(error))
 
     # ---- compilation ------------------------------------------------------------------
     def maybe_compile(self, planned_output_tokens: int | None, planned_requests: int = 1) -> CompileDecision:

@@ -39,7 +39,10 @@ class ServerMetrics:
       ``request_success_total{finished_reason}`` (``stop``/``length``/``abort``);
     * histograms (seconds) ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
       ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
-      ``request_time_per_output_token_seconds``.
+      ``request_time_per_output_token_seconds``;
+    * with data-parallel replicas (``parallel.data_parallel_size > 1``) the gauges above sum the live replicas,
+      and ``replica_alive``, ``replica_num_requests_running``, ``replica_num_requests_waiting``,
+      ``replica_kv_cache_usage_perc``, ``replica_num_requests_routed`` carry a ``replica`` label.
 
     Args:
         engine: the engine whose scheduler and KV allocator the gauges read (on its loop thread only).
@@ -80,6 +83,17 @@ class ServerMetrics:
         self.tpot = histogram("request_time_per_output_token_seconds", "Time per output token after the first, s.",
                               _ITL_BUCKETS)
         self._prefix_seen = (0, 0)  # (queries, hits) tokens already counted
+        self.replicas = getattr(engine, "replicas", None)  # a data-parallel front's engines, else None
+        if self.replicas is not None:
+            def per_replica(name: str, doc: str) -> Any:
+                return Gauge(PREFIX + "replica_" + name, doc, ["model_name", "replica"], registry=self.registry)
+
+            self.replica_gauges = {
+                "alive": per_replica("alive", "1 while the data-parallel replica serves, 0 once it died."),
+                "running": per_replica("num_requests_running", "Requests in the replica's running batch."),
+                "waiting": per_replica("num_requests_waiting", "Requests waiting on the replica."),
+                "kv_usage": per_replica("kv_cache_usage_perc", "The replica's KV-cache usage, [0, 1]."),
+                "routed": per_replica("num_requests_routed", "Requests the router sent to the replica so far.")}
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (``/metrics`` body)."""
@@ -89,15 +103,35 @@ class ServerMetrics:
 
     def _refresh(self) -> None:
         """Read queue sizes, KV usage and prefix-cache totals from the engine (loop thread only)."""
-        scheduler = self.engine.scheduler
-        stats = scheduler.kv.stats()
-        self.running.set(len(scheduler.running))
-        self.waiting.set(scheduler.num_waiting)
-        self.kv_usage.set(stats.usage)
-        queries, hits = stats.prefix_queries_tokens, stats.prefix_hits_tokens
+        if self.replicas is not None:
+            queries, hits = self._refresh_replicas()
+        else:
+            scheduler = self.engine.scheduler
+            stats = scheduler.kv.stats()
+            self.running.set(len(scheduler.running))
+            self.waiting.set(scheduler.num_waiting)
+            self.kv_usage.set(stats.usage)
+            queries, hits = stats.prefix_queries_tokens, stats.prefix_hits_tokens
         self.prefix_queries.inc(max(0, queries - self._prefix_seen[0]))
         self.prefix_hits.inc(max(0, hits - self._prefix_seen[1]))
         self._prefix_seen = (max(queries, self._prefix_seen[0]), max(hits, self._prefix_seen[1]))
+
+    def _refresh_replicas(self) -> tuple[int, int]:
+        """Per-replica gauges and the summed ones; returns the prefix-cache (queries, hits) tokens summed."""
+        states = self.engine.replica_states()
+        live = [s for s in states if s.alive]
+        for state in states:
+            replica = (self.model_name, str(state.replica_id))
+            self.replica_gauges["alive"].labels(*replica).set(1 if state.alive else 0)
+            self.replica_gauges["running"].labels(*replica).set(state.num_running_reqs)
+            self.replica_gauges["waiting"].labels(*replica).set(state.num_waiting_reqs)
+            self.replica_gauges["kv_usage"].labels(*replica).set(state.kv_cache_usage)
+            self.replica_gauges["routed"].labels(*replica).set(self.engine.num_routed[state.replica_id])
+        self.running.set(sum(s.num_running_reqs for s in live))
+        self.waiting.set(sum(s.num_waiting_reqs for s in live))
+        self.kv_usage.set(sum(s.kv_cache_usage for s in live) / len(live) if live else 0.0)
+        stats = [r.kv_allocator.stats() for r in self.replicas]
+        return sum(s.prefix_queries_tokens for s in stats), sum(s.prefix_hits_tokens for s in stats)
 
     @hookimpl
     def on_step_end(self, stats: SchedulerStats) -> None:

@@ -16,6 +16,7 @@ from framework.core.sampling_params import SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
 from framework.engine.builder import build_engine
 from framework.entrypoints.offline_runner import run_workload
+from framework.interfaces import Executor
 from framework.sim.outputs import AcceptanceModel
 from framework.workloads.workload import WorkloadItem
 
@@ -100,6 +101,8 @@ def test_speculative_decoding_accepts_at_the_given_rate_and_loads_no_drafter(tmp
     assert engine.drafter.name == "draft_model (simulated)" and not hasattr(engine.drafter, "runner")
     with pytest.raises(ValueError, match="acceptance has no entry for drafter 'ngram'"):  # a drafter the rates omit
         engine.executor.simulated_drafter(registry.create("drafter", "ngram", num_speculative_tokens=2))
+    # Executor.simulated_drafter: the sim's stand-in above; the base executor's None means "load the real one"
+    assert Executor.simulated_drafter(engine.executor, engine.drafter) is None
     assert summary["step_s"] >= summary["num_steps"] * 0.05  # each verify step also pays 3 x 4 ms of drafting
     engine.shutdown()
 

@@ -1,0 +1,262 @@
+"""Data-parallel replicas behind one front (``parallel.data_parallel_size=N``, ``router=NAME``).
+
+:class:`DataParallelEngine` owns N :class:`~framework.engine.llm_engine.LLMEngine` replicas, each with its own
+scheduler, KV cache and executor (so each may be tensor-parallel), and a router plugin
+(``framework.interfaces.Router``). It has the engine's interface (``add_request``, ``step``,
+``abort_request``...), so ``LLM``, the offline runner and ``AsyncLLM`` drive it as they drive one engine.
+
+* **Routing.** ``add_request`` tokenizes once, asks the router for a replica given every replica's
+  :class:`~framework.interfaces.router.ReplicaState` (read from the replica's scheduler at that moment: the
+  in-process replicas publish their load continuously), and queues the request there; the router learns of its
+  finish (``on_request_finished``).
+* **Stepping.** ``step`` steps one busy replica: the one whose clock reads earliest (``executor=sim``'s virtual
+  clocks: a discrete-event loop over simulated replicas, each advancing by its own predicted step times), or, on
+  the wall clock, the one stepped least recently (round-robin over busy replicas).
+* **Failures.** A replica whose step raises is dead: its in-flight requests end with the error
+  (``finish_reason="abort"``, ``error`` set), the router is told (``on_replica_removed``) and never sees it alive
+  again, the others keep serving. Only when every replica is dead does ``step`` raise ``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+from framework.config import EngineConfig
+from framework.core.clock import Clock
+from framework.core.faults import EngineDeadError
+from framework.core.outputs import RequestOutput
+from framework.core.sampling_params import SamplingParams
+from framework.engine.compile_policy import CompileDecision
+from framework.engine.dp_metrics import DataParallelMetrics
+from framework.engine.llm_engine import LLMEngine
+from framework.interfaces.router import ReplicaState, Router
+from framework.metrics.collector import MetricsCollector
+
+logger = logging.getLogger(__name__)
+
+
+class DataParallelClock(Clock):
+    """The front's time over its replicas' clocks: the earliest clock of a busy replica (every replica has
+    simulated at least that far), else the latest reading of any replica. Sleeping moves every idle replica's
+    clock. With wall-clock replicas it is the wall clock."""
+
+    def __init__(self, engine: DataParallelEngine) -> None:
+        self._engine = engine
+        self.realtime = all(r.clock.realtime for r in engine.replicas)
+
+    def now(self) -> float:
+        """Seconds: see the class docstring."""
+        replicas = self._engine.live_replicas() or self._engine.replicas
+        busy = [r.clock.now() for r in replicas if r.has_unfinished_requests()]
+        return min(busy) if busy else max(r.clock.now() for r in replicas)
+
+    def sleep_until(self, t_s: float) -> None:
+        """Idle every idle replica until ``t_s`` (a virtual clock jumps; the wall clock sleeps once)."""
+        if self.realtime:
+            self._engine.replicas[0].clock.sleep_until(t_s)
+            return
+        for replica in self._engine.replicas:
+            if not replica.has_unfinished_requests():
+                replica.clock.sleep_until(t_s)
+
+
+class DataParallelEngine:
+    """N engine replicas and a router behind the engine interface (see the module docstring).
+
+    Args:
+        config: the front's config (``data_parallel_size`` = ``len(replicas)``, ``router``, ``router_params``).
+        replicas: built engines, one per replica, in ``replica_id`` order.
+        router: the router plugin instance.
+        metrics: the front's collector (every finished request across replicas); the replicas keep their own.
+    """
+
+    def __init__(self, config: EngineConfig, replicas: list[LLMEngine], router: Router,
+                 metrics: MetricsCollector) -> None:
+        self.config = config
+        self.replicas = replicas
+        self.router = router
+        self.alive = [True] * len(replicas)
+        self.num_routed = [0] * len(replicas)  # requests routed to each replica so far
+        self._where: dict[str, int] = {}  # in-flight request id -> replica id
+        self._last_stepped = [0] * len(replicas)
+        self._num_steps = 0
+        first = replicas[0]
+        self.tokenizer, self.vocab_size, self.eos_token_ids = first.tokenizer, first.vocab_size, first.eos_token_ids
+        self.max_model_len, self.structured_output = first.max_model_len, first.structured_output
+        self.clock = DataParallelClock(self)
+        metrics.clock = self.clock
+        metrics.run_labels = first.metrics.run_labels
+        self.metrics = DataParallelMetrics(metrics, self)
+
+    # ---- state ------------------------------------------------------------------------
+    def live_replicas(self) -> list[LLMEngine]:
+        """The replicas still serving, in ``replica_id`` order."""
+        return [r for r, ok in zip(self.replicas, self.alive) if ok]
+
+    def replica_states(self) -> list[ReplicaState]:
+        """Every replica's load now (dead ones with ``alive=False``), as routers see it."""
+        now = self.clock.now()
+        return [dataclasses.replace(r.replica_state(i), alive=self.alive[i], published_s=now)
+                for i, r in enumerate(self.replicas)]
+
+    @property
+    def num_steps(self) -> int:
+        """Steps taken over all replicas."""
+        return self._num_steps
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any live replica has a waiting or running request."""
+        return any(r.has_unfinished_requests() for r in self.live_replicas())
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None, client_id: str | None = None) -> None:
+        """Route one request and queue it on the chosen replica (``LLMEngine.add_request``'s arguments).
+
+        Raises:
+            ValueError: a bad prompt or params (nothing is routed), or a duplicate ``request_id``.
+            EngineDeadError: every replica is dead.
+            RuntimeError: the router chose a dead replica (a router bug).
+        """
+        live = self.live_replicas()
+        if not live:
+            raise EngineDeadError("every data-parallel replica is dead; build a new engine")
+        if request_id in self._where:
+            raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
+        token_ids = live[0].tokenize(prompt)  # rejects a bad prompt before any router history changes
+        choice = self.router.route(request_id, token_ids, self.replica_states())
+        if not (0 <= choice < len(self.replicas) and self.alive[choice]):
+            raise RuntimeError(f"router {self.config.router!r} chose replica {choice!r}, which is not an alive one")
+        replica = self.replicas[choice]
+        if arrival_time is not None and not replica.has_unfinished_requests():
+            replica.clock.sleep_until(arrival_time)  # an idle simulated replica catches up with the arrival
+        try:
+            replica.add_request(request_id, prompt, sampling_params, priority=priority, arrival_time=arrival_time,
+                                client_id=client_id)
+        except Exception:
+            self.router.on_request_finished(request_id, choice)
+            raise
+        self._where[request_id] = choice
+        self.num_routed[choice] += 1
+
+    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
+        """Abort requests wherever they run; returns their final outputs (unknown ids are ignored)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outputs: list[RequestOutput] = []
+        for i, replica in enumerate(self.replicas):
+            mine = [rid for rid in ids if self._where.get(rid) == i]
+            if mine and self.alive[i]:
+                outputs += replica.abort_request(mine)
+        self._finished(outputs)
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        """Step one busy replica (see the module docstring); a replica that fails is removed and its in-flight
+        requests come back finished with its error.
+
+        Raises:
+            EngineDeadError: the last live replica died (``outputs`` holds its requests' final outputs).
+        """
+        busy = [i for i, r in enumerate(self.replicas) if self.alive[i] and r.has_unfinished_requests()]
+        if not busy:
+            return []
+        i = min(busy, key=lambda k: (0.0 if self.clock.realtime else self.replicas[k].clock.now(),
+                                     self._last_stepped[k]))
+        self._num_steps += 1
+        self._last_stepped[i] = self._num_steps
+        try:
+            outputs = self.replicas[i].step()
+        except Exception as exc:  # noqa: BLE001 - the replica's state is unknown: it is dead, the others go on
+            outputs = self._remove(i, exc)
+        self._finished(outputs)
+        if not any(self.alive):
+            error = EngineDeadError(f"every data-parallel replica is dead (the last: replica {i})")
+            error.outputs = outputs
+            raise error
+        return outputs
+
+    def _remove(self, i: int, exc: BaseException) -> list[RequestOutput]:
+        """Mark replica ``i`` dead after its step raised ``exc``; returns its in-flight requests' final outputs."""
+        logger.error("data-parallel replica %d died (%s: %s); its in-flight requests fail, the other replicas "
+                     "keep serving", i, type(exc).__name__, exc)
+        self.alive[i] = False
+        self.router.on_replica_removed(i)
+        replica = self.replicas[i]
+        outputs = list(getattr(exc, "outputs", None) or [])  # an engine that saw its executor die failed them
+        if replica.has_unfinished_requests():  # any other fault (or one seen by check_health): fail them here
+            outputs += replica.fail_unfinished(f"data-parallel replica {i} died ({type(exc).__name__}: {exc})")
+        try:
+            replica.shutdown()
+        except Exception:  # noqa: BLE001 - the original fault is what matters
+            logger.exception("shutting down dead replica %d failed", i)
+        for output in outputs:  # the server's fault, not the request's (HTTP 500, not 400)
+            output.internal_error = True
+        return outputs
+
+    def _finished(self, outputs: list[RequestOutput]) -> None:
+        """Bookkeeping for finished outputs: forget where they ran, tell the router, record their metrics."""
+        for output in outputs:
+            if output.finished and output.request_id in self._where:
+                self.router.on_request_finished(output.request_id, self._where.pop(output.request_id))
+                self.metrics.front.observe_finished(output)
+
+    # ---- engine interface ------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of ``prompt`` (``LLMEngine.tokenize``)."""
+        return self.replicas[0].tokenize(prompt)
+
+    def maybe_compile(self, planned_output_tokens: int | None, planned_requests: int = 1) -> CompileDecision:
+        """``LLMEngine.maybe_compile`` on every live replica, each with its share of the planned work; returns
+        the first replica's decision."""
+        n = max(len(self.live_replicas()), 1)
+        share = None if planned_output_tokens is None else math.ceil(planned_output_tokens / n)
+        decisions = [r.maybe_compile(share, math.ceil(planned_requests / n)) for r in self.live_replicas()]
+        return decisions[0] if decisions else self.replicas[0].compile_decision
+
+    def check_health(self) -> None:
+        """Remove replicas that lost a worker while idle; raise ``EngineDeadError`` when none is left."""
+        for i, replica in enumerate(self.replicas):
+            if self.alive[i]:
+                try:
+                    replica.check_health()
+                except EngineDeadError as exc:
+                    self._finished(self._remove(i, exc))
+        if not any(self.alive):
+            raise EngineDeadError("every data-parallel replica is dead; build a new engine")
+
+    def shutdown(self) -> None:
+        """Shut every replica down; idempotent."""
+        for replica in self.replicas:
+            replica.shutdown()
+
+
+def build_data_parallel_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
+                               defer_compile: bool = False) -> DataParallelEngine:
+    """Build ``config.data_parallel_size`` replicas (each ``build_engine`` of the config with
+    ``data_parallel_size=1``) and the router ``config.router`` (seeded with ``config.seed``).
+
+    Raises:
+        as ``build_engine``; replicas already built are shut down when a later one fails.
+    """
+    from framework import registry
+    from framework.engine.builder import build_engine
+
+    metrics = metrics or MetricsCollector()
+    router = registry.create("router", config.router, seed=config.seed, **config.plugin_params("router"))
+    one = dataclasses.replace(config, data_parallel_size=1)
+    replicas: list[LLMEngine] = []
+    try:
+        for _ in range(config.data_parallel_size):
+            replicas.append(build_engine(one, MetricsCollector(slo_ttft_ms=metrics.slo_ttft_ms,
+                                                               slo_tpot_ms=metrics.slo_tpot_ms,
+                                                               max_records=metrics.max_records),
+                                         defer_compile=defer_compile))
+    except BaseException:
+        for replica in replicas:
+            replica.shutdown()
+        raise
+    front = dataclasses.replace(replicas[0].config, data_parallel_size=config.data_parallel_size)
+    logger.info("data parallel: %d replicas, router=%s", len(replicas), config.router)
+    return DataParallelEngine(front, replicas, router, metrics)

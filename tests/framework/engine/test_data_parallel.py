@@ -1,0 +1,108 @@
+"""``parallel.data_parallel_size=N`` with ``router=NAME``: N engines behind one front (offline ``LLM`` and the
+offline runner), every request answered exactly once, greedy outputs equal one engine's, a dead replica fails
+only its own requests; with ``executor=sim`` a discrete-event loop over simulated replicas."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from helpers import STORIES
+from sim_helpers import linear_profile
+
+from framework import LLM, SamplingParams
+from framework.config import EngineConfig
+from framework.core.faults import EngineDeadError
+from framework.engine.builder import build_engine
+from framework.engine.data_parallel import DataParallelEngine
+from framework.entrypoints.offline_runner import run_workload
+from framework.workloads.synthetic import apply_arrivals, shared_prefix_workload
+
+PROMPTS = [[(7 * i + j) % 400 + 3 for j in range(4 + 3 * i)] for i in range(8)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy outputs of one engine."""
+    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("router", ["round_robin", "cache_aware", "prefix_score"])
+def test_two_replicas_answer_each_request_once_with_one_engines_outputs(reference, router):
+    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router=router)
+    assert isinstance(llm.engine, DataParallelEngine) and len(llm.engine.replicas) == 2
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.request_id for o in outputs] == [str(i) for i in range(len(PROMPTS))]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+    assert sum(llm.engine.num_routed) == len(PROMPTS)
+    if router == "round_robin":
+        assert llm.engine.num_routed == [4, 4]
+    assert not llm.engine.has_unfinished_requests()
+    for replica in llm.engine.replicas:
+        assert replica.kv_allocator.num_free_blocks == replica.kv_allocator.num_blocks
+    summary = llm.engine.metrics.summary()
+    assert summary["data_parallel_size"] == 2 and summary["router"] == router
+    assert summary["num_requests"] == len(PROMPTS)
+    assert [r["num_requests"] for r in summary["replicas"]] == llm.engine.num_routed
+
+
+def test_a_dead_replica_fails_only_its_requests_and_is_never_chosen_again(reference):
+    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router="round_robin")
+    doomed = llm.engine.replicas[1]
+    real_step = doomed.step
+
+    def failing_step():
+        if doomed.num_steps >= 2:
+            raise RuntimeError("injected fault in replica 1's forward")
+        return real_step()
+
+    doomed.step = failing_step
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert len(outputs) == len(PROMPTS) and all(o.finished for o in outputs)
+    failed = [i for i, o in enumerate(outputs) if o.error is not None]
+    assert failed == [1, 3, 5, 7]  # round robin sent the odd requests to replica 1
+    assert all("replica 1 died" in outputs[i].error and outputs[i].outputs[0].finish_reason == "abort" for i in failed)
+    assert [list(outputs[i].outputs[0].token_ids) for i in (0, 2, 4, 6)] == [reference[i] for i in (0, 2, 4, 6)]
+    assert llm.engine.alive == [True, False]
+    again = llm.generate(PROMPTS[:3], GREEDY)  # the survivor serves everything now
+    assert [list(o.outputs[0].token_ids) for o in again] == reference[:3] and all(o.error is None for o in again)
+    assert llm.engine.num_routed == [7, 4]
+
+
+def test_the_last_replica_dying_kills_the_engine():
+    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router="round_robin")
+    for replica in llm.engine.replicas:
+        replica.step = lambda: (_ for _ in ()).throw(RuntimeError("boom"))
+    with pytest.raises(EngineDeadError):
+        llm.generate(PROMPTS[:4], GREEDY)
+
+
+def test_an_unknown_router_is_refused_before_any_replica_loads():
+    from framework.registry import UnknownPluginError
+
+    with pytest.raises(UnknownPluginError, match="cache_aware"):
+        build_engine(EngineConfig(model=STORIES, data_parallel_size=2, router="nope"))
+
+
+def _sim_run(tmp_path, router: str, replicas: int = 3) -> dict:
+    profile = linear_profile(tmp_path / "profile.json", 0.01, prefill_tokens=1e-4)
+    engine = build_engine(EngineConfig(model=STORIES, compile=False, executor="sim", executor_params={"profile": profile},
+                                       data_parallel_size=replicas, router=router, block_size=16, num_blocks=96))
+    items = apply_arrivals(shared_prefix_workload(num_prefixes=4, questions_per_prefix=8, prefix_len=96,
+                                                  question_len=16, output_len=8, vocab_size=engine.vocab_size, seed=0),
+                           {"request_rate": 40.0}, seed=0)
+    records, summary = run_workload(engine, items, SamplingParams(max_tokens=8, ignore_eos=True), progress=False)
+    assert all(r.executor.run_labels()["simulated"] for r in engine.replicas)
+    engine.shutdown()
+    assert len(records) == len(items) and all(r["error"] is None for r in records)
+    assert Counter(r["request_id"] for r in records) == Counter(i.request_id for i in items)
+    return summary
+
+
+def test_simulated_replicas_run_on_virtual_time_and_cache_aware_routing_hits_the_prefix_cache(tmp_path):
+    rr, cache = _sim_run(tmp_path, "round_robin"), _sim_run(tmp_path, "cache_aware")
+    assert rr["simulated"] and rr["data_parallel_size"] == 3
+    assert sum(r["num_routed"] for r in rr["replicas"]) == 32
+    assert cache["prefix_cache_hit_rate"] > rr["prefix_cache_hit_rate"]
