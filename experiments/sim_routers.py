@@ -30,7 +30,9 @@ def workload_overrides(args: argparse.Namespace, workload: str, replicas: int) -
     n = args.requests_per_replica * replicas
     rate = f"workload.request_rate={args.rate_per_replica * replicas}"
     if workload == "shared_prefix":
-        prefixes = args.prefixes_per_replica * replicas
+        # one more prefix than a multiple of the replica count: the workload interleaves its prefixes in a fixed
+        # cycle, and a cycle as long as a multiple of the replicas would hand round_robin perfect prefix affinity
+        prefixes = args.prefixes_per_replica * replicas + 1
         return ["workload=shared_prefix", f"workload.num_prefixes={prefixes}",
                 f"workload.questions_per_prefix={max(1, n // prefixes)}", "workload.prefix_len=1024",
                 "workload.question_len=128", "workload.output_len=128", rate]
@@ -87,8 +89,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--routers", default=ROUTERS)
     parser.add_argument("--workloads", default="shared_prefix,multi_turn")
     parser.add_argument("--requests-per-replica", type=int, default=32)
-    parser.add_argument("--rate-per-replica", type=float, default=2.0, help="Poisson arrivals per replica, req/s")
-    parser.add_argument("--prefixes-per-replica", type=int, default=2, help="shared_prefix: system prompts")
+    parser.add_argument("--rate-per-replica", type=float, default=4.0, help="Poisson arrivals per replica, req/s")
+    parser.add_argument("--prefixes-per-replica", type=int, default=2, help="shared_prefix: system prompts (x replicas, + 1)")
     parser.add_argument("--turns", type=int, default=4, help="multi_turn: turns per conversation")
     parser.add_argument("--device", default="h100")
     parser.add_argument("--tp", type=int, default=8)
