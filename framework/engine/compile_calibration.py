@@ -55,7 +55,11 @@ def _cpu_model_name() -> str:
 
 
 def calibration_dir() -> Path:
-    """``$SERVELAB_CACHE/compile`` (``~/.cache/servelab/compile`` by default)."""
+    """``$SERVELAB_COMPILE_RECORDS`` when set (the test suite points it at a temporary folder, so its runs
+    on a loaded machine never become a user's numbers), else ``$SERVELAB_CACHE/compile``
+    (``~/.cache/servelab/compile`` by default)."""
+    if os.environ.get("SERVELAB_COMPILE_RECORDS"):
+        return Path(os.environ["SERVELAB_COMPILE_RECORDS"]).expanduser()
     return Path(os.environ.get("SERVELAB_CACHE") or Path.home() / ".cache" / "servelab").expanduser() / "compile"
 
 
