@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from framework.config import EngineConfig
 from framework.engine import compile_policy
 from framework.engine.compile_policy import CALIBRATION_BATCH_SIZES, CompileCosts, CompileDecision, decide_compile
 from framework.interfaces import Executor
+from framework.sim.profile import cpu_name
 
 logger = logging.getLogger(__name__)
 
@@ -38,20 +38,9 @@ def machine_description(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         what = torch.cuda.get_device_name(torch.device(device))
     else:
-        what = _cpu_model_name()
+        what = cpu_name()
         what = f"{what}, {os.cpu_count()} cores"
     return f"{what}; torch {torch.__version__}, {torch.get_num_threads()} threads"
-
-
-def _cpu_model_name() -> str:
-    """``model name`` of ``/proc/cpuinfo`` (what ``lscpu`` prints), else ``platform.processor()``."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def calibration_dir() -> Path:
