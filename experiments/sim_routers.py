@@ -13,7 +13,6 @@ import argparse
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,32 +42,20 @@ def workload_overrides(args: argparse.Namespace, workload: str, replicas: int) -
 
 def run(args: argparse.Namespace, workload: str, replicas: int, router: str) -> dict[str, Any]:
     """One simulated run of ``replicas`` replicas behind ``router``: its summary and wall seconds."""
-    from framework.engine.builder import build_engine
-    from framework.entrypoints.hydra_config import engine_config_from_cfg, sampling_params_from_cfg
-    from framework.entrypoints.offline_runner import run_workload
-    from framework.entrypoints.profile import compose_config
-    from framework.workloads.workload import build_workload
+    from experiments._composed_run import run_composed
 
-    cfg = compose_config(["model=llama3_70b", "executor=sim", f"executor.params.profile=analytic:{args.device}",
-                          f"parallel.tensor_parallel_size={args.tp}", f"parallel.data_parallel_size={replicas}",
-                          f"router={router}", "engine.max_model_len=8192", "engine.compile=false",
-                          "sampling.ignore_eos=true", "tracker=none", "ui=none",
-                          *workload_overrides(args, workload, replicas)])
-    start = time.perf_counter()
-    engine = build_engine(engine_config_from_cfg(cfg))
-    try:
-        items = build_workload(cfg.workload, engine.tokenizer, vocab_size=engine.vocab_size,
-                               max_model_len=engine.max_model_len)
-        _, summary = run_workload(engine, items, sampling_params_from_cfg(cfg.sampling), progress=False)
-    finally:
-        engine.shutdown()
-    wall = time.perf_counter() - start
-    print(f"{workload:>13} x{replicas:<3} {router:<13} {len(items)} requests: wall {wall:.1f} s, hit rate "
+    res = run_composed(["model=llama3_70b", "executor=sim", f"executor.params.profile=analytic:{args.device}",
+                        f"parallel.tensor_parallel_size={args.tp}", f"parallel.data_parallel_size={replicas}",
+                        f"router={router}", "engine.max_model_len=8192", "engine.compile=false",
+                        "sampling.ignore_eos=true", "tracker=none", "ui=none",
+                        *workload_overrides(args, workload, replicas)])
+    summary, wall, num_requests = res.summary, res.wall_s, res.num_requests
+    print(f"{workload:>13} x{replicas:<3} {router:<13} {num_requests} requests: wall {wall:.1f} s, hit rate "
           f"{summary['prefix_cache_hit_rate']:.3f}, TTFT p50 {summary['median_ttft_ms']:.0f} ms p99 "
           f"{summary['p99_ttft_ms']:.0f} ms, {summary['output_throughput']:.0f} tok/s, "
           f"load max/mean {summary['load_imbalance']:.2f}", flush=True)
     return {"workload": workload, "replicas": replicas, "router": router, "wall_s": wall,
-            "num_requests": len(items), "summary": summary}
+            "num_requests": num_requests, "summary": summary}
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -13,7 +13,6 @@ import argparse
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,27 +40,14 @@ def overrides(args: argparse.Namespace, scheduler: str, allocator: str) -> list[
 
 def run(args: argparse.Namespace, scheduler: str, allocator: str) -> dict[str, Any]:
     """One simulated run; its summary, wall seconds and the timeline of KV usage and running requests."""
-    from framework.engine.builder import build_engine
-    from framework.entrypoints.hydra_config import engine_config_from_cfg, sampling_params_from_cfg
-    from framework.entrypoints.offline_runner import run_workload
-    from framework.entrypoints.profile import compose_config
-    from framework.workloads.workload import build_workload
+    from experiments._composed_run import run_composed
 
-    cfg = compose_config(overrides(args, scheduler, allocator))
-    start = time.perf_counter()
-    engine = build_engine(engine_config_from_cfg(cfg))
-    try:
-        items = build_workload(cfg.workload, engine.tokenizer, vocab_size=engine.vocab_size,
-                               max_model_len=engine.max_model_len)
-        _, summary = run_workload(engine, items, sampling_params_from_cfg(cfg.sampling), progress=False)
-        timeline = list(engine.metrics.timeline)
-    finally:
-        engine.shutdown()
-    wall = time.perf_counter() - start
-    print(f"{scheduler:>8} x {allocator:<10} {len(items)} requests: wall {wall:.1f} s, simulated {summary['duration_s']:.0f} s, "
+    res = run_composed(overrides(args, scheduler, allocator))
+    summary, timeline, wall, num_requests = res.summary, res.timeline, res.wall_s, res.num_requests
+    print(f"{scheduler:>8} x {allocator:<10} {num_requests} requests: wall {wall:.1f} s, simulated {summary['duration_s']:.0f} s, "
           f"{summary['num_steps']} steps, TTFT p50 {summary['median_ttft_ms']:.0f} ms, TPOT {summary['mean_tpot_ms']:.1f} ms, "
           f"hit rate {summary['prefix_cache_hit_rate']:.3f}, preemptions {summary['num_preemptions']}", flush=True)
-    return {"scheduler": scheduler, "kv_cache": allocator, "wall_s": wall, "num_requests": len(items),
+    return {"scheduler": scheduler, "kv_cache": allocator, "wall_s": wall, "num_requests": num_requests,
             "summary": summary, "timeline": timeline[:: max(1, len(timeline) // 400)]}
 
 
