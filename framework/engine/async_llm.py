@@ -1,18 +1,19 @@
-"""``AsyncLLM``: an asyncio front end over one engine loop (vLLM V1 ``AsyncLLM`` shape, in-process).
+"""``AsyncLLM``: the asyncio front over one or more engine cores (vLLM V1's ``AsyncLLM``).
 
-One background thread owns the :class:`~framework.engine.llm_engine.LLMEngine`: it steps while requests are
-pending and blocks on its command queue when idle. ``add_request``/``abort`` from any thread or
-event loop are commands on that queue, drained between steps, so engine state is never touched
-from two threads and new requests join the running batch at the next step boundary. Outputs go
-back to each caller's event loop with ``call_soon_threadsafe``.
+The front keeps one output stream per request and talks to its engine cores through clients
+(:mod:`framework.engine.core_client`): the core's loop on a thread of this process (``AsyncLLM(engine)``,
+``server.engine_process=false``), or engine cores in processes of their own over ZMQ (:meth:`AsyncLLM.from_clients`,
+the server's default), one per data-parallel replica (``parallel.data_parallel_size=N``) with a router plugin
+(``router=NAME``) choosing each request's replica from the load the cores publish with every step.
+``generate`` registers the request's stream, then sends it to a core; every core event
+(:class:`~framework.engine.core_messages.EngineCoreOutputs`) arrives on a client thread and is handed to each
+caller's event loop with ``call_soon_threadsafe``.
 
-Faults (issues 34, 44): a request the engine fails (a plugin raised on it) ends with its own error
-output; an exception escaping ``engine.step()`` leaves the engine's state unknown, so the loop stops,
-every in-flight and later request gets :class:`~framework.core.faults.EngineDeadError`, and ``on_dead``
-is called (the server then exits non-zero, as ``vllm serve`` does). A step that runs longer than
-``engine.watchdog_timeout_s`` (a plugin hook that never returns) is treated the same way by a watchdog
-thread, which logs the loop thread's stack (SGLang's ``watchdog_timeout``). ``generate`` enqueues under
-the lock the loop's exit takes, so a request is either seen by the loop or refused: never left waiting.
+Faults (issues 34, 44, 49): a request the engine refuses fails with ``ValueError``; a request the engine fails (a
+plugin raised on it) ends with its own error output. A core that dies (its step raised, a hung step, its process
+exited) fails every request it held with :class:`~framework.core.faults.EngineDeadError`; with other replicas alive
+the router stops choosing it and they keep serving, else the front is dead: every later request fails and
+``on_dead`` is called (the server then exits non-zero, as ``vllm serve`` does).
 """
 
 from __future__ import annotations
@@ -21,21 +22,21 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
+
+import msgspec
 
 from framework.core.faults import EngineDeadError
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
-from framework.engine.llm_engine import LLMEngine
-from framework.engine.watchdog import StepWatchdog
+from framework.engine.core_client import CoreClient, InprocCoreClient
+from framework.engine.core_messages import AbortRequests, AddRequest, EngineCoreOutputs, ReplicaStats
+from framework.interfaces.router import ReplicaState
 
 logger = logging.getLogger(__name__)
-
-_IDLE_WAIT_S = 0.5  # seconds the idle loop blocks on the command queue before re-checking shutdown
 
 
 @dataclasses.dataclass
@@ -55,37 +56,57 @@ class _Stream:
 
 
 class AsyncLLM:
-    """Asynchronous generation over one engine; thread-safe, many concurrent ``generate`` calls.
+    """Asynchronous generation over engine cores; thread-safe, many concurrent ``generate`` calls.
 
     Args:
-        engine: a built engine; from now on only this object's loop thread may touch it.
-        on_dead: called once, on the loop thread (the watchdog's for a hung step), with the fault when
-            the engine dies (after every in-flight request got its ``EngineDeadError``).
-        startup: run once on the loop thread before any request (a server's compile warm-up,
+        engine: a built engine served by a core on a thread of this process (None with ``clients``); from now on
+            only that thread touches it.
+        on_dead: called once, on a client thread, with the fault when the front dies (every replica died),
+            after every in-flight request got its ``EngineDeadError``.
+        startup: (with ``engine``) run once on the core's thread before any request (a server's compile warm-up,
             ``engine.maybe_compile(None)``); requests queue meanwhile, :attr:`ready` is False and
             :attr:`startup_s` counts. An exception in it kills the engine like one in a step.
+        clients: the engine cores (instead of ``engine``), one per data-parallel replica, in replica order.
+        router: the router plugin choosing a replica per request (needed with several clients).
+        metrics: an object with ``observe_stats(ReplicaStats)`` and ``observe_finished(RequestOutput)`` (the
+            server's Prometheus metrics), fed on client threads.
+        tokenizer: the model's tokenizer, for text prompts a router must see as tokens (several clients).
 
-    Use :meth:`shutdown` (or ``async with``) to abort everything in flight and stop the loop.
+    Use :meth:`shutdown` (or ``async with``) to abort everything in flight and stop the cores.
     """
 
-    def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None,
-                 startup: Callable[[], Any] | None = None) -> None:
+    def __init__(self, engine: Any = None, on_dead: Callable[[BaseException], None] | None = None,
+                 startup: Callable[[], Any] | None = None, *, clients: Sequence[CoreClient] | None = None,
+                 router: Any = None, metrics: Any = None, tokenizer: Any = None) -> None:
+        if (engine is None) == (clients is None):
+            raise ValueError("AsyncLLM takes an engine (served in-process) or clients, not both")
         self.engine = engine
-        self.on_dead = on_dead
-        self._startup = startup
-        self._ready = threading.Event()
-        self._t0 = self._ready_at = time.monotonic()
-        self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}  # loop thread only
+        self.clients = list(clients) if clients is not None else [InprocCoreClient(engine, startup)]
+        if len(self.clients) > 1 and router is None:
+            raise ValueError("several engine cores need a router (router=NAME)")
+        self.on_dead, self.router, self.metrics, self.tokenizer = on_dead, router, metrics, tokenizer
+        n = len(self.clients)
+        self._lock = threading.RLock()  # streams, placement, replica state: generate vs client threads
+        self._streams: dict[str, _Stream] = {}
+        self._where: dict[str, int] = {}  # request id -> index of the client holding it
         self._ids = itertools.count()
-        self._stopping = threading.Event()
-        self.errored: BaseException | None = None  # set if the loop died; new requests then fail
-        # generate's check-and-enqueue vs the loop's exit: a queued command is drained or its caller refused
-        self._lock = threading.Lock()
-        self._closed = False  # the loop took its last command (under _lock)
-        self._watchdog = StepWatchdog(float(engine.config.watchdog_timeout_s), self._hung)
-        self._thread = threading.Thread(target=self._run, name="servelab-engine-loop", daemon=True)
-        self._thread.start()
+        self._alive, self._ready = [True] * n, [False] * n
+        self._stats: dict[int, ReplicaStats] = {}  # replica id -> its last publication
+        self._routed_since = [0] * n  # requests routed to a client since its last publication
+        self._published_s = [0.0] * n  # seconds (front clock) of each client's last publication
+        self.num_routed = [0] * n  # requests routed to each client so far
+        self._t0 = time.monotonic()
+        self._ready_at: float | None = None
+        self._stopping = False
+        self.errored: BaseException | None = None  # set once the front died; new requests then fail
+        self.summaries: dict[int, dict[str, Any] | None] = {}  # client index -> its metrics summary at shutdown
+        for client in self.clients:
+            client.start(self._on_event)
+
+    @classmethod
+    def from_clients(cls, clients: Sequence[CoreClient], **kwargs: Any) -> AsyncLLM:
+        """An ``AsyncLLM`` over already-built clients (``router``, ``metrics``, ``tokenizer``, ``on_dead``)."""
+        return cls(clients=clients, **kwargs)
 
     # ---- caller side ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -105,12 +126,19 @@ class AsyncLLM:
         params = sampling_params or SamplingParams(output_kind=RequestOutputKind.DELTA)
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:  # the loop cannot exit between this check and the enqueue
+        with self._lock:  # a client that dies after this sees the stream and fails it
             if self.errored is not None:
                 raise self._dead_error()
-            if self._stopping.is_set() or self._closed:
+            if self._stopping:
                 raise RuntimeError("the engine loop is not running (shut down)")
-            self._commands.put(("add", request_id, (prompt, params, priority), stream))
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
+            index = self._route(request_id, prompt)
+            self._streams[request_id] = stream
+            self._where[request_id] = index
+            self.num_routed[index] += 1
+            self._routed_since[index] += 1
+        self.clients[index].send(AddRequest(request_id, prompt, params, priority))
         finished = False
         try:
             while True:
@@ -128,28 +156,46 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread); its stream gets a final ``finish_reason="abort"`` output."""
-        self._commands.put(("abort", request_id, None, None))
+        with self._lock:
+            index = self._where.get(request_id)
+        if index is not None and self._alive[index]:
+            self.clients[index].send(AbortRequests([request_id]))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Abort every in-flight request (each stream gets its final output) and stop the loop thread."""
-        self._stopping.set()
-        self._commands.put(("stop", "", None, None))
-        self._thread.join(timeout_s)
+        """Abort every in-flight request (each stream gets its final output) and stop the cores; with
+        ``timeout_s=0`` only ask them to stop (a signal handler)."""
+        with self._lock:
+            self._stopping = True
+        for client in self.clients:
+            client.shutdown(timeout_s)
+        if timeout_s > 0:
+            with self._lock:  # a core that could not say goodbye: its callers must not wait forever
+                streams, self._streams = list(self._streams.values()), {}
+                self._where.clear()
+            for stream in streams:
+                stream.put(RuntimeError("the engine loop is shut down"))
 
     @property
     def ready(self) -> bool:
-        """True once the start-up work (``startup``) is done and requests are served."""
-        return self._ready.is_set()
+        """True once every live core finished its start-up work (``startup``) and requests are served."""
+        return self._ready_at is not None
 
     @property
     def startup_s(self) -> float:
         """Seconds the start-up work has run so far (its whole time once :attr:`ready`)."""
-        return (self._ready_at if self._ready.is_set() else time.monotonic()) - self._t0
+        return (self._ready_at if self._ready_at is not None else time.monotonic()) - self._t0
 
     @property
     def is_running(self) -> bool:
-        """True while the loop thread is alive and not shutting down."""
-        return self._thread.is_alive() and not self._stopping.is_set()
+        """True while a core serves and the front is not shutting down."""
+        return not self._stopping and self.errored is None and any(self._alive)
+
+    def replica_alive(self) -> list[bool]:
+        """Per data-parallel replica (in replica order), whether it still serves (from the cores' publications)."""
+        with self._lock:
+            if self._stats:
+                return [self._stats[k].alive and self._alive[self._client_of(k)] for k in sorted(self._stats)]
+            return list(self._alive)
 
     async def __aenter__(self) -> AsyncLLM:
         return self
@@ -157,7 +203,121 @@ class AsyncLLM:
     async def __aexit__(self, *exc: Any) -> None:
         await asyncio.to_thread(self.shutdown)
 
-    # ---- loop thread -----------------------------------------------------------------
+    # ---- routing ---------------------------------------------------------------------
+    def _route(self, request_id: str, prompt: str | list[int]) -> int:
+        """The client index for a new request (under the lock): the router's choice among live replicas."""
+        if len(self.clients) == 1:
+            return 0
+        if isinstance(prompt, str):
+            token_ids = list(self.tokenizer(prompt).input_ids) if self.tokenizer is not None else []
+        else:
+            token_ids = list(prompt)
+        states = [self._replica_state(i) for i in range(len(self.clients))]
+        choice = self.router.route(request_id, token_ids, states)
+        if not (0 <= choice < len(self.clients) and self._alive[choice]):
+            raise RuntimeError(f"router {getattr(self.router, 'name', self.router)!r} chose replica {choice!r}, "
+                               "which is not an alive one")
+        return choice
+
+    def _replica_state(self, index: int) -> ReplicaState:
+        """Client ``index``'s load as routers see it: its last publication plus what was routed since."""
+        stats = self._stats.get(self.clients[index].replica_id)
+        if stats is None:
+            return ReplicaState(index, num_waiting_reqs=self._routed_since[index], alive=self._alive[index])
+        return ReplicaState(index, num_waiting_reqs=stats.num_waiting_reqs + self._routed_since[index],
+                            num_running_reqs=stats.num_running_reqs, kv_cache_usage=stats.kv_cache_usage,
+                            alive=self._alive[index] and stats.alive, published_s=self._published_s[index])
+
+    def _client_of(self, replica_id: int) -> int:
+        for i, client in enumerate(self.clients):
+            if client.replica_id == replica_id:
+                return i
+        return 0  # an in-process data-parallel front: one client, several replica ids
+
+    # ---- client threads ---------------------------------------------------------------
+    def _on_event(self, replica_id: int, event: EngineCoreOutputs) -> None:
+        """Every event batch of a core (see the module docstring)."""
+        index = self._client_of(replica_id)
+        with self._lock:
+            self._apply_stats(index, event.stats)
+            for rejected in event.rejected:
+                stream = self._pop(rejected.request_id)
+                if stream is not None:
+                    stream.put(EngineDeadError(rejected.message) if rejected.engine_dead
+                               else ValueError(rejected.message))
+            for output in event.outputs:
+                self._dispatch(index, output)
+            if event.event == "ready":
+                self._ready[index] = True
+                if self._ready_at is None and all(r or not a for r, a in zip(self._ready, self._alive)):
+                    self._ready_at = time.monotonic()
+            elif event.event == "stopped":
+                self.summaries[index] = event.summary
+                self._alive[index] = False
+            elif event.event in ("dead", "failed") and self._alive[index]:
+                self._replica_died(index, event.message or event.event)
+
+    def _apply_stats(self, index: int, stats: list[ReplicaStats]) -> None:
+        if not stats:
+            return
+        self._published_s[index] = time.monotonic() - self._t0
+        self._routed_since[index] = 0
+        for item in stats:
+            if len(self.clients) > 1:  # the front counts what it routed; an in-process front counts its own
+                item = msgspec.structs.replace(item, num_routed=self.num_routed[index])
+            self._stats[item.replica_id] = item
+            if self.metrics is not None:
+                self.metrics.observe_stats(item)
+
+    def _pop(self, request_id: str) -> _Stream | None:
+        self._where.pop(request_id, None)
+        return self._streams.pop(request_id, None)
+
+    def _dispatch(self, index: int, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if output.finished:
+            self._pop(output.request_id)
+            if self.router is not None and len(self.clients) > 1:
+                self.router.on_request_finished(output.request_id, index)
+            if self.metrics is not None:
+                self.metrics.observe_finished(output)
+        if stream is None:
+            return
+        if not stream.put(output) and not output.finished:  # its caller's loop is gone: stop computing it
+            self._pop(output.request_id)
+            self.clients[index].send(AbortRequests([output.request_id]))
+
+    def _replica_died(self, index: int, message: str) -> None:
+        """Client ``index``'s core died: fail its requests; the front dies with its last replica."""
+        self._alive[index] = False
+        for replica_id, stats in list(self._stats.items()):  # its last word: gone (routers, /metrics, /health)
+            if self._client_of(replica_id) == index:
+                routed = self.num_routed[index] if len(self.clients) > 1 else stats.num_routed
+                self._stats[replica_id] = msgspec.structs.replace(stats, alive=False, num_routed=routed)
+                if self.metrics is not None:
+                    self.metrics.observe_stats(self._stats[replica_id])
+        live = [i for i, ok in enumerate(self._alive) if ok]
+        if live and not self._stopping:
+            logger.error("data-parallel replica %d died (%s); its in-flight requests fail, replicas %s keep serving",
+                         self.clients[index].replica_id, message, live)
+            for request_id in [r for r, i in self._where.items() if i == index]:
+                self._pop(request_id).put(EngineDeadError(f"data-parallel replica {index} died ({message}); "
+                                                          "retry the request: the other replicas serve"))
+            if self.router is not None:
+                self.router.on_replica_removed(index)
+            return
+        if self._stopping and not live:
+            return
+        core = getattr(self.clients[index], "core", None)  # in-process: the exception itself
+        self.errored = getattr(core, "dead", None) or EngineDeadError(message)
+        streams, self._streams = list(self._streams.values()), {}
+        self._where.clear()
+        logger.error("the engine died (%s): every in-flight request fails with EngineDeadError", message)
+        for stream in streams:
+            stream.put(self._dead_error())
+        if self.on_dead is not None:
+            self.on_dead(self.errored)
+
     def _dead_error(self) -> EngineDeadError:
         exc = self.errored
         error = EngineDeadError(f"the engine died ({type(exc).__name__}: {exc}); its state is unknown, every "
@@ -165,105 +325,3 @@ class AsyncLLM:
                                 "to restart it)")
         error.__cause__ = exc
         return error
-
-    def _run(self) -> None:
-        try:
-            if self._startup is not None:
-                self._startup()
-            self._ready_at = time.monotonic()
-            self._ready.set()
-            while not self._stopping.is_set():
-                busy = self.engine.has_unfinished_requests()
-                self._drain(block=not busy)
-                if not busy:  # a worker lost while idle kills the loop too (so /health turns 503)
-                    self.engine.check_health()
-                if self.engine.has_unfinished_requests() and not self._stopping.is_set():
-                    with self._watchdog.step():
-                        outputs = self.engine.step()
-                    if self.errored is not None:  # the watchdog gave up on this step meanwhile
-                        return
-                    self._dispatch(outputs)
-        except BaseException as exc:  # noqa: BLE001 - reported to every waiting stream
-            logger.exception("engine loop died: every in-flight request fails with EngineDeadError")
-            self._die(exc)
-            return
-        finally:
-            self._watchdog.close()
-        with self._lock:
-            self._closed = True
-            self._drain(block=False)
-        self._dispatch(self.engine.abort_request(list(self._streams)))
-
-    def _die(self, exc: BaseException) -> None:
-        """Fail every in-flight request and every queued one with ``EngineDeadError``, then ``on_dead`` (once)."""
-        with self._lock:
-            if self.errored is not None:
-                return
-            self.errored = exc
-            self._closed = True
-            streams = list(self._streams.values())
-            self._streams.clear()
-            while True:  # commands queued before the loop died: their callers wait on these streams
-                try:
-                    kind, _, _, stream = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if kind == "add":
-                    streams.append(stream)
-        for stream in streams:
-            stream.put(self._dead_error())
-        if self.on_dead is not None:
-            self.on_dead(exc)
-
-    def _hung(self, seconds: float, stack: str) -> None:
-        """The watchdog's verdict on a step past ``engine.watchdog_timeout_s``: log where it hangs, kill the loop."""
-        limit = self._watchdog.timeout_s
-        logger.error("engine step running for %.0f s (engine.watchdog_timeout_s=%g): hung; the loop thread is at:\n%s",
-                     seconds, limit, stack)
-        self._die(TimeoutError(f"an engine step made no progress for {limit:g} s (engine.watchdog_timeout_s); "
-                               "a plugin hook or the forward hangs (its stack is in the log)"))
-
-    def _drain(self, block: bool) -> None:
-        """Apply queued commands; when ``block``, wait (idle) for the first one."""
-        try:
-            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._apply(*command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _apply(self, kind: str, request_id: str, payload: Any, stream: _Stream | None) -> None:
-        if kind == "add":
-            prompt, params, priority = payload
-            if request_id in self._streams:
-                stream.put(ValueError(f"request_id {request_id!r} is already in use; use a unique id"))
-                return
-            try:
-                self.engine.add_request(request_id, prompt, params, priority=priority)
-            except Exception as exc:  # noqa: BLE001 - add_request changes nothing before it raises
-                if isinstance(exc, EngineDeadError):  # the engine's fault, not the request's: 503, not 400
-                    stream.put(exc)
-                    return
-                if not isinstance(exc, ValueError):
-                    logger.exception("add_request(%r) raised; the request is rejected", request_id)
-                    exc = ValueError(f"request rejected: {type(exc).__name__}: {exc}")
-                stream.put(exc)
-                return
-            self._streams[request_id] = stream
-        elif kind == "abort":
-            self._dispatch(self.engine.abort_request(request_id))
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            if output.finished:
-                del self._streams[output.request_id]
-            if not stream.put(output) and not output.finished:  # its caller's loop is gone: stop computing it
-                del self._streams[output.request_id]
-                self.engine.abort_request(output.request_id)

@@ -156,31 +156,31 @@ def serving_in_thread(cfg: DictConfig, engine: Any, name: str) -> Iterator[tuple
     import uvicorn
 
     from framework.engine.async_llm import AsyncLLM
+    from framework.engine.core import engine_facts
     from framework.entrypoints.server.app import build_app
     from framework.entrypoints.server.launch import server_state
     from framework.entrypoints.server.metrics import ServerMetrics
 
     engine.maybe_compile(None)  # as a server: open-ended work (engine.compile=auto compiles now)
-    llm = AsyncLLM(engine)
-    metrics = ServerMetrics(engine, name)
-    state = server_state(cfg, engine, llm, name, metrics, api_key=None)  # loopback only: no key
+    metrics = ServerMetrics(name, engine.config.data_parallel_size)
+    llm = AsyncLLM(engine, metrics=metrics)
+    state = server_state(cfg, engine_facts(engine), engine.tokenizer, llm, name, metrics, api_key=None)  # no key
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="servelab-eval-server", daemon=True)
-    with registry.registered(metrics, name="servelab-server-metrics"):
-        thread.start()
-        try:
-            deadline = time.monotonic() + SERVER_START_S
-            while not server.started:
-                if not thread.is_alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"the evaluation server did not start on 127.0.0.1:{port}")
-                time.sleep(0.05)
-            yield f"http://127.0.0.1:{port}", state
-        finally:
-            server.should_exit = True
-            thread.join(30)
-            llm.shutdown()
-            engine.shutdown()
+    thread.start()
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the evaluation server did not start on 127.0.0.1:{port}")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        llm.shutdown()
+        engine.shutdown()
 
 
 def run_eval(cfg: DictConfig, engine: Any, engine_config: EngineConfig, tasks: list[str | dict[str, Any]],

@@ -301,8 +301,8 @@ def build_app(state: ServerState) -> FastAPI:
         if not state.llm.ready:  # vLLM's readiness: 503 until the engine serves (requests queue meanwhile)
             return _error(RequestError(f"compiling: the engine is compiling the model ({state.llm.startup_s:.0f} s "
                                        "so far); requests sent now wait until it is ready", 503))
-        alive = getattr(state.llm.engine, "alive", None)  # data-parallel replicas: serving, but some may be dead
-        if alive is not None and not all(alive):
+        alive = state.llm.replica_alive()  # data-parallel replicas: serving, but some may be dead
+        if len(alive) > 1 and not all(alive):
             return JSONResponse({"status": "degraded", "data_parallel_size": len(alive),
                                  "alive_replicas": [i for i, ok in enumerate(alive) if ok],
                                  "dead_replicas": [i for i, ok in enumerate(alive) if not ok]}, status_code=200)

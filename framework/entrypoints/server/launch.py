@@ -78,14 +78,7 @@ def build_server_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
         ValueError, FileNotFoundError: from ``build_engine``, or an engine whose clock is not real time
             (``executor=sim`` with ``clock=virtual``).
     """
-    try:
-        import uvicorn  # noqa: F401
-
-        import framework.entrypoints.server.app  # noqa: F401
-        import framework.entrypoints.server.metrics  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(f"mode=serve needs the serve extra ({exc}); install it with "
-                          "pip install -e '.[serve]' 'torch==2.13.0'") from exc
+    _check_serve_extra()
     from framework.engine.builder import build_engine
     from framework.metrics.collector import MetricsCollector
 
@@ -99,21 +92,96 @@ def build_server_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
     return engine
 
 
-def server_state(cfg: DictConfig, engine: Any, llm: AsyncLLM, name: str, metrics: Any, api_key: str | None) -> Any:
-    """The routes' shared ``ServerState`` for a built engine and its ``AsyncLLM`` (``cfg.server.chat_template``)."""
+def server_state(cfg: DictConfig, facts: Any, tokenizer: Any, llm: AsyncLLM, name: str, metrics: Any,
+                 api_key: str | None) -> Any:
+    """The routes' shared ``ServerState`` for an engine's facts (``EngineFacts``) and its ``AsyncLLM``
+    (``cfg.server.chat_template``)."""
     from framework.entrypoints.server.serving import ServerState
 
-    return ServerState(llm=llm, model_name=name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
-                       tokenizer=engine.tokenizer, supports_structured_outputs=engine.structured_output is not None,
+    return ServerState(llm=llm, model_name=name, max_model_len=facts.max_model_len, vocab_size=facts.vocab_size,
+                       tokenizer=tokenizer, supports_structured_outputs=facts.supports_structured_outputs,
                        chat_template=load_chat_template(cfg.server.get("chat_template")), api_key=api_key,
                        metrics=metrics)
+
+
+def replica_cpus(data_parallel_size: int) -> list[list[int] | None]:
+    """Each data-parallel replica's CPUs: the CPUs this process may use, split into ``data_parallel_size``
+    disjoint contiguous sets (one replica keeps them all and its threads unpinned: None)."""
+    if data_parallel_size <= 1 or not hasattr(os, "sched_getaffinity"):
+        return [None] * data_parallel_size
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < data_parallel_size:  # more replicas than CPUs: they share, round-robin
+        return [[cpus[i % len(cpus)]] for i in range(data_parallel_size)]
+    per = len(cpus) // data_parallel_size
+    return [cpus[i * per:(i + 1) * per] for i in range(data_parallel_size)]
+
+
+def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metrics: Any) -> tuple[AsyncLLM, Any, Any]:
+    """The ``AsyncLLM`` front of a server, its engine facts and tokenizer.
+
+    ``server.engine_process=true`` (default): ``parallel.data_parallel_size`` engine-core processes (each pinned to
+    its share of the CPUs, each possibly tensor-parallel), a router when there are several, the tokenizer loaded
+    here. ``false``: the engine (an in-process data-parallel front when ``data_parallel_size > 1``) on a thread of
+    this process.
+
+    Raises:
+        ValueError, FileNotFoundError, ImportError: the config is refused (a core's build, or the clock check).
+    """
+    from framework.engine.core import engine_facts
+
+    if not cfg.server.get("engine_process", True):
+        engine = build_server_engine(cfg, engine_config)
+        llm = AsyncLLM(engine, on_dead=on_dead, startup=lambda: engine.maybe_compile(None), metrics=metrics)
+        return llm, engine_facts(engine), engine.tokenizer
+    import dataclasses
+
+    from framework.engine.core_client import MPCoreClient
+    from framework.worker.model_loader import load_tokenizer
+
+    _check_serve_extra()
+    tokenizer, _ = load_tokenizer(engine_config.model, engine_config.tokenizer)
+    n = engine_config.data_parallel_size
+    router = (registry.create("router", engine_config.router, seed=engine_config.seed,
+                              **engine_config.plugin_params("router")) if n > 1 else None)
+    one = dataclasses.replace(engine_config, data_parallel_size=1)
+    metrics_kwargs = {"slo_ttft_ms": cfg.slo.ttft_ms, "slo_tpot_ms": cfg.slo.tpot_ms,
+                      "max_records": SERVER_METRICS_RECORDS}
+    clients = [MPCoreClient(one, replica_id=i, cpus=cpus, metrics_kwargs=metrics_kwargs)
+               for i, cpus in enumerate(replica_cpus(n))]
+    llm = AsyncLLM.from_clients(clients, router=router, metrics=metrics, tokenizer=tokenizer, on_dead=on_dead)
+    try:
+        facts = [client.wait_for_hello() for client in clients][0]
+        if not facts.realtime_clock:  # clients wait in wall time; a simulated clock that jumps cannot serve them
+            raise ValueError(f"mode=serve needs an engine clock that follows wall time; executor="
+                             f"{engine_config.executor} runs a virtual one: set executor.params.clock=realtime")
+    except BaseException:
+        llm.shutdown(timeout_s=10)
+        raise
+    if n > 1:
+        logger.info("data parallel: %d engine-core processes (CPUs %s), router=%s", n,
+                    [c.cpus for c in clients], engine_config.router)
+    return llm, facts, tokenizer
+
+
+def _check_serve_extra() -> None:
+    """Raises ImportError naming the pip command when the ``serve`` extra is missing."""
+    try:
+        import msgspec  # noqa: F401
+        import uvicorn  # noqa: F401
+        import zmq  # noqa: F401
+
+        import framework.entrypoints.server.app  # noqa: F401
+        import framework.entrypoints.server.metrics  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"mode=serve needs the serve extra ({exc}); install it with "
+                          "pip install -e '.[serve]' 'torch==2.13.0'") from exc
 
 
 def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     """Serve ``engine_config`` over HTTP until SIGINT/SIGTERM; returns the engine's metrics summary.
 
     Reads ``cfg.server`` (``host``, ``port``, ``api_key``, ``served_model_name``, ``chat_template``,
-    ``log_level``) and ``cfg.slo`` (goodput SLOs of the summary).
+    ``log_level``, ``engine_process``) and ``cfg.slo`` (goodput SLOs of the summary).
 
     Raises:
         SystemExit: a configuration mistake, before the port is bound: the ``serve`` extra is not
@@ -121,8 +189,6 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
             (``framework/entrypoints/config_errors.py``).
         EngineDeadError: the engine died while serving (after the server shut down; exit non-zero).
     """
-    with exit_on_config_error():
-        engine = build_server_engine(cfg, engine_config)
     import uvicorn
 
     from framework.entrypoints.server.app import build_app
@@ -131,31 +197,35 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     name = server_cfg.get("served_model_name") or engine_config.model
     server: Any = None
 
-    def on_dead(exc: BaseException) -> None:  # loop thread: stop serving, force it if connections linger
+    def on_dead(exc: BaseException) -> None:  # a client thread: stop serving, force it if connections linger
         logger.error("the engine died (%s: %s); shutting the server down", type(exc).__name__, exc)
         if server is None:  # died before the server existed: serve() stops it before it runs
             return
         server.should_exit = True
         threading.Timer(DEAD_SHUTDOWN_S, lambda: setattr(server, "force_exit", True)).start()
 
-    # engine.compile=auto|true: a server's work is open-ended, so it compiles now, on the loop thread while
-    # uvicorn already answers /health with 503 "compiling" (requests sent meanwhile wait)
-    llm = AsyncLLM(engine, on_dead=on_dead, startup=lambda: engine.maybe_compile(None))
-    metrics = ServerMetrics(engine, name)
-    state = server_state(cfg, engine, llm, name, metrics, api_key=resolve_api_key(server_cfg.get("api_key")))
+    # engine.compile=auto|true: a server's work is open-ended, so each core compiles at start, while uvicorn
+    # already answers /health with 503 "compiling" (requests sent meanwhile wait)
+    metrics = ServerMetrics(name, engine_config.data_parallel_size)
+    with exit_on_config_error():
+        llm, facts, tokenizer = start_front(cfg, engine_config, on_dead, metrics)
+    state = server_state(cfg, facts, tokenizer, llm, name, metrics, api_key=resolve_api_key(server_cfg.get("api_key")))
     config = uvicorn.Config(build_app(state), host=server_cfg.host, port=int(server_cfg.port),
                             log_level=server_cfg.get("log_level", "info"), timeout_graceful_shutdown=30)
     server = _uvicorn_server(config, on_exit=lambda: llm.shutdown(timeout_s=0))
     if llm.errored is not None:  # died before the server existed
         server.should_exit = True
-    logger.info("serving %s at http://%s:%s/v1 (auth %s)", name, server_cfg.host, server_cfg.port,
-                "on" if state.api_key else "off")
-    with registry.registered(metrics, name="servelab-server-metrics"):
-        try:
-            server.run()
-        finally:
-            llm.shutdown()
+    logger.info("serving %s at http://%s:%s/v1 (auth %s, engine core %s)", name, server_cfg.host, server_cfg.port,
+                "on" if state.api_key else "off",
+                "in-process" if llm.engine is not None else f"in {len(llm.clients)} process(es)")
+    try:
+        server.run()
+    finally:
+        llm.shutdown()
     if llm.errored is not None:
         raise EngineDeadError(f"the engine died while serving ({type(llm.errored).__name__}: {llm.errored}); "
                               "exiting non-zero so that a supervisor restarts the server") from llm.errored
-    return engine.metrics.summary()
+    if llm.engine is not None:
+        return llm.engine.metrics.summary()
+    summaries = [llm.summaries.get(i) or {} for i in range(len(llm.clients))]
+    return summaries[0] if len(summaries) == 1 else {"data_parallel_size": len(summaries), "replicas": summaries}

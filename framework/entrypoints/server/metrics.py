@@ -1,8 +1,10 @@
 """Prometheus metrics of the server: vLLM's ``vllm:*`` set under the ``servelab:`` prefix.
 
-Fed by the engine's lifecycle hooks (``on_step_end``, ``on_request_finished``), which run on the
-engine-loop thread; ``prometheus_client`` metrics are thread-safe, and each update is a few
-additions, so the loop is not stalled. Every metric carries the ``model_name`` label, as vLLM's.
+Fed by the API front (:class:`~framework.engine.async_llm.AsyncLLM`) from what the engine cores publish with every
+step (:class:`~framework.engine.core_messages.ReplicaStats`: load and cumulative counters) and from each request's
+final output, so the same metrics come out whether the engine core runs in this process or its own. Updates run on
+the front's client threads; ``prometheus_client`` metrics are thread-safe. Every metric carries the ``model_name``
+label, as vLLM's.
 
 Differences from vLLM, by design: TTFT/ITL/queue-time histograms are observed when a request
 finishes (from its ``RequestMetrics``), not as each token arrives; ``prompt_tokens`` counts a
@@ -13,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from framework.core.outputs import RequestOutput, SchedulerStats
-from framework.hookspecs import hookimpl
+from framework.core.outputs import RequestOutput
+from framework.engine.core_messages import ReplicaStats
 
 PREFIX = "servelab:"
 # histogram buckets, seconds (vLLM's defaults, shortened at the top end)
@@ -29,8 +31,8 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 class ServerMetrics:
     """The server's Prometheus metrics, in their own ``CollectorRegistry`` (several apps per process work).
 
-    Register the object as a pluggy plugin (``registry.registered(metrics)``) so the engine's
-    lifecycle hooks feed it. Metric names (``servelab:`` + vLLM's name):
+    Pass it as ``AsyncLLM(..., metrics=...)``: the front calls :meth:`observe_stats` and :meth:`observe_finished`.
+    Metric names (``servelab:`` + vLLM's name):
 
     * gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (fraction of
       KV blocks in use, [0, 1], as vLLM despite the name);
@@ -45,14 +47,13 @@ class ServerMetrics:
       ``replica_kv_cache_usage_perc``, ``replica_num_requests_routed`` carry a ``replica`` label.
 
     Args:
-        engine: the engine whose scheduler and KV allocator the gauges read (on its loop thread only).
         model_name: value of the ``model_name`` label.
+        data_parallel_size: replicas behind the front; the per-replica gauges exist when it is > 1.
     """
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, model_name: str, data_parallel_size: int = 1) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        self.engine = engine
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
@@ -82,9 +83,9 @@ class ServerMetrics:
         self.queue = histogram("request_queue_time_seconds", "Time waiting before first scheduled, s.", _E2E_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds", "Time per output token after the first, s.",
                               _ITL_BUCKETS)
-        self._prefix_seen = (0, 0)  # (queries, hits) tokens already counted
-        self.replicas = getattr(engine, "replicas", None)  # a data-parallel front's engines, else None
-        if self.replicas is not None:
+        self._last: dict[int, ReplicaStats] = {}  # replica id -> its previous publication (counter deltas)
+        self.data_parallel_size = data_parallel_size
+        if data_parallel_size > 1:
             def per_replica(name: str, doc: str) -> Any:
                 return Gauge(PREFIX + "replica_" + name, doc, ["model_name", "replica"], registry=self.registry)
 
@@ -101,49 +102,30 @@ class ServerMetrics:
 
         return generate_latest(self.registry)
 
-    def _refresh(self) -> None:
-        """Read queue sizes, KV usage and prefix-cache totals from the engine (loop thread only)."""
-        if self.replicas is not None:
-            queries, hits = self._refresh_replicas()
-        else:
-            scheduler = self.engine.scheduler
-            stats = scheduler.kv.stats()
-            self.running.set(len(scheduler.running))
-            self.waiting.set(scheduler.num_waiting)
-            self.kv_usage.set(stats.usage)
-            queries, hits = stats.prefix_queries_tokens, stats.prefix_hits_tokens
-        self.prefix_queries.inc(max(0, queries - self._prefix_seen[0]))
-        self.prefix_hits.inc(max(0, hits - self._prefix_seen[1]))
-        self._prefix_seen = (max(queries, self._prefix_seen[0]), max(hits, self._prefix_seen[1]))
-
-    def _refresh_replicas(self) -> tuple[int, int]:
-        """Per-replica gauges and the summed ones; returns the prefix-cache (queries, hits) tokens summed."""
-        states = self.engine.replica_states()
-        live = [s for s in states if s.alive]
-        for state in states:
-            replica = (self.model_name, str(state.replica_id))
-            self.replica_gauges["alive"].labels(*replica).set(1 if state.alive else 0)
-            self.replica_gauges["running"].labels(*replica).set(state.num_running_reqs)
-            self.replica_gauges["waiting"].labels(*replica).set(state.num_waiting_reqs)
-            self.replica_gauges["kv_usage"].labels(*replica).set(state.kv_cache_usage)
-            self.replica_gauges["routed"].labels(*replica).set(self.engine.num_routed[state.replica_id])
+    def observe_stats(self, stats: ReplicaStats) -> None:
+        """One replica's publication: counters grow by what it added since its previous one, gauges are set
+        (summed over live replicas)."""
+        last = self._last.get(stats.replica_id)
+        for counter, field in ((self.generation_tokens, "num_generated_tokens"), (self.preemptions, "num_preemptions"),
+                               (self.prefix_queries, "prefix_queries_tokens"), (self.prefix_hits, "prefix_hits_tokens")):
+            delta = getattr(stats, field) - (getattr(last, field) if last is not None else 0)
+            if delta > 0:
+                counter.inc(delta)
+        self._last[stats.replica_id] = stats
+        live = [s for s in self._last.values() if s.alive]
         self.running.set(sum(s.num_running_reqs for s in live))
         self.waiting.set(sum(s.num_waiting_reqs for s in live))
         self.kv_usage.set(sum(s.kv_cache_usage for s in live) / len(live) if live else 0.0)
-        stats = [r.kv_allocator.stats() for r in self.replicas]
-        return sum(s.prefix_queries_tokens for s in stats), sum(s.prefix_hits_tokens for s in stats)
+        if self.data_parallel_size > 1:
+            replica = (self.model_name, str(stats.replica_id))
+            self.replica_gauges["alive"].labels(*replica).set(1 if stats.alive else 0)
+            self.replica_gauges["running"].labels(*replica).set(stats.num_running_reqs)
+            self.replica_gauges["waiting"].labels(*replica).set(stats.num_waiting_reqs)
+            self.replica_gauges["kv_usage"].labels(*replica).set(stats.kv_cache_usage)
+            self.replica_gauges["routed"].labels(*replica).set(stats.num_routed)
 
-    @hookimpl
-    def on_step_end(self, stats: SchedulerStats) -> None:
-        """Per step: generated tokens, preemptions, gauges."""
-        self.generation_tokens.inc(stats.num_generated_tokens)
-        self.preemptions.inc(stats.num_preemptions)
-        self._refresh()
-
-    @hookimpl
-    def on_request_finished(self, output: RequestOutput) -> None:
-        """Per finished request: success counter, prompt tokens, latency histograms, gauges (blocks
-        are already freed, so an idle server shows ``kv_cache_usage_perc`` 0)."""
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Per finished request: success counter, prompt tokens, latency histograms."""
         reason = output.outputs[0].finish_reason if output.outputs else "abort"
         self._success.labels(self.model_name, reason or "abort").inc()
         m = output.metrics
@@ -155,4 +137,3 @@ class ServerMetrics:
                     hist.observe(value)
             for gap in m.itl_s:
                 self.itl.observe(gap)
-        self._refresh()

@@ -16,6 +16,7 @@ from framework import LLM, hookimpl, registry
 from framework.core.faults import EngineDeadError
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.async_llm import AsyncLLM
+from framework.engine.core_messages import AddRequest
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
@@ -28,18 +29,19 @@ async def _first(llm: AsyncLLM) -> None:
 def test_loop_dying_between_check_and_enqueue_fails_the_caller(make_llm, monkeypatch):
     llm = make_llm(attention="torch")
     engine = AsyncLLM(llm.engine)
-    put = engine._commands.put
+    client = engine.clients[0]
+    send = client.send
 
-    def racing_put(item, *args, **kwargs):
-        if item[0] == "add":  # generate checked the loop: now it dies (an idle health check fails)...
+    def racing_send(command):
+        if isinstance(command, AddRequest):  # generate registered the request: now the core dies (idle check)...
             def lost():
                 raise EngineDeadError("worker lost (simulated)")
 
             monkeypatch.setattr(llm.engine, "check_health", lost)
             time.sleep(1.5)  # ... before the command is queued (the idle loop re-checks every 0.5 s)
-        put(item, *args, **kwargs)
+        send(command)
 
-    monkeypatch.setattr(engine._commands, "put", racing_put)
+    monkeypatch.setattr(client, "send", racing_send)
     try:
         with pytest.raises(EngineDeadError, match="worker lost"):
             asyncio.run(asyncio.wait_for(_first(engine), 20))  # before the fix: waits forever
@@ -83,7 +85,7 @@ def test_watchdog_fails_every_request_when_a_hook_hangs(caplog):
         engine = AsyncLLM(llm.engine, on_dead=dead.append)
         t0 = time.monotonic()
         try:
-            with caplog.at_level(logging.ERROR, logger="framework.engine.async_llm"), \
+            with caplog.at_level(logging.ERROR, logger="framework.engine"), \
                     pytest.raises(EngineDeadError, match="watchdog_timeout_s"):
                 asyncio.run(asyncio.wait_for(_first(engine), 20))
             detected_s = time.monotonic() - t0

@@ -101,8 +101,9 @@ def dying_forward(self, input_ids, *args):
         raise RuntimeError("injected forward fault")
     return forward(self, input_ids, *args)
 ModelRunner._forward = dying_forward
-from framework.entrypoints.cli import main
-sys.exit(main(["serve", *sys.argv[1:]]))
+if __name__ == "__main__":  # the engine-core process (spawned) re-imports this file as __mp_main__: patched too
+    from framework.entrypoints.cli import main
+    sys.exit(main(["serve", *sys.argv[1:]]))
 """
 
 
@@ -111,7 +112,9 @@ def test_forward_fault_fails_in_flight_requests_and_exits_nonzero(tmp_path):
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, "model=stories260K", f"server.port={port}",
+    launcher = tmp_path / "launch_dying.py"
+    launcher.write_text(LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(launcher), "model=stories260K", f"server.port={port}",
                              "tracker=none", "grammar=none", "server.log_level=warning", "engine.compile=false",  # not about compiling
                              f"hydra.run.dir={tmp_path / 'run'}"],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -28,16 +28,15 @@ CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.cont
 @pytest.fixture(scope="module")
 def served():
     """``(app, engine)``: a short-context engine (max_model_len 64 bounds every generated request's work)."""
-    from framework import LLM, registry
+    from framework import LLM
 
     engine = LLM(model=STORIES, max_model_len=64, num_blocks=64).engine
-    llm = AsyncLLM(engine)
-    metrics = ServerMetrics(engine, "tiny")
+    metrics = ServerMetrics("tiny")
+    llm = AsyncLLM(engine, metrics=metrics)
     state = ServerState(llm=llm, model_name="tiny", max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                         tokenizer=engine.tokenizer, supports_structured_outputs=True, chat_template=TEMPLATE,
                         metrics=metrics)
-    with registry.registered(metrics, name="fuzz-metrics"):
-        yield build_app(state), engine
+    yield build_app(state), engine
     llm.shutdown()
     assert_all_blocks_free(engine)
 

@@ -40,7 +40,9 @@ def test_tp2_server_serves_then_exits_nonzero_when_a_worker_dies(tmp_path):
         want = LLM(model=STORIES, max_model_len=192).generate([STORY_PROMPTS[0]],
                                                               SamplingParams(temperature=0.0, max_tokens=12))
         assert resp["choices"][0]["text"] == want[0].outputs[0].text
-        workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        cores = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(cores) == 1  # the engine core process, whose executor started the two ranks
+        workers = [c for c in cores[0].children() if "spawn_main" in " ".join(c.cmdline())]
         assert len(workers) == 2
         statuses: list[int] = []
         inflight = threading.Thread(target=lambda: statuses.append(httpx.post(

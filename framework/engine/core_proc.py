@@ -1,0 +1,153 @@
+"""The engine core in a process of its own (vLLM V1's ``EngineCoreProc``): :func:`run_engine_core` is its entry.
+
+The process builds its engine from the config it is given (one data-parallel replica: its own scheduler, KV cache
+and executor, which may start tensor-parallel workers of its own), then runs :class:`~framework.engine.core.
+EngineCore` on its main thread. Two I/O threads keep serialization off that thread, as vLLM's do: the input thread
+receives msgpack commands from the front's PUSH socket and queues them; the output thread encodes each
+``EngineCoreOutputs`` and sends it (ZMQ copies happen while the loop thread runs the next forward, which releases
+the GIL).
+
+Life cycle, as seen by the front: ``hello`` (the engine is built; its facts), ``ready`` (start-up work done, e.g.
+the compile warm-up), step outputs..., then ``stopped`` (after a shutdown command; exit status 0) or ``dead``
+(exit status 1). A build that refuses the config sends ``failed`` with the message and exits 2. The process also
+stops when its parent (the API process) is gone, so a killed server leaves no engine core behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from typing import Any
+
+from framework.config import EngineConfig
+from framework.engine.core_messages import (
+    CommandEncoder,
+    EngineCoreOutputs,
+    OutputsEncoder,
+    Shutdown,
+)
+
+logger = logging.getLogger(__name__)
+
+PARENT_CHECK_S = 1.0  # seconds between two checks that the API process still exists
+DEAD_EXIT_S = 5.0  # seconds a dead core waits for its last events to leave before it exits anyway
+EXIT_DEAD, EXIT_FAILED = 1, 2  # exit statuses: the engine died / the build refused the config
+
+
+def pin_cpus(cpus: list[int] | None) -> None:
+    """Pin this process to ``cpus`` (a data-parallel replica's share of the machine) and use one torch thread
+    per CPU; None leaves the affinity and thread count alone."""
+    if not cpus:
+        return
+    import torch
+
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+
+
+def run_engine_core(config: EngineConfig, replica_id: int, input_address: str, output_address: str,
+                    cpus: list[int] | None = None, log_level: int = logging.INFO,
+                    metrics_kwargs: dict[str, Any] | None = None) -> None:
+    """Build one engine and serve it over ZMQ until shut down; the body of an engine-core process.
+
+    Args:
+        config: the replica's config (``data_parallel_size=1``; its executor may be tensor-parallel).
+        replica_id: this core's data-parallel rank (its stats carry it).
+        input_address, output_address: the front's bound ZMQ addresses (``ipc://...``): commands come from the
+            first (PULL), events go to the second (PUSH).
+        cpus: the CPUs to pin to (:func:`pin_cpus`), or None.
+        log_level: the front's logging level, applied to this process's root logger.
+        metrics_kwargs: ``MetricsCollector`` arguments (SLOs, ``max_records``).
+
+    Exits with 0 after a shutdown, :data:`EXIT_DEAD` when the engine died, :data:`EXIT_FAILED` when the build
+    refused the config.
+    """
+    import zmq
+
+    logging.basicConfig(level=log_level, format=f"%(asctime)s [core {replica_id}] %(levelname)s %(name)s: %(message)s")
+    pin_cpus(cpus)
+    context = zmq.Context()
+    inputs, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    inputs.connect(input_address)
+    outputs.connect(output_address)
+    encoder = OutputsEncoder()
+    out_queue: queue.Queue = queue.Queue()
+    sender = threading.Thread(target=_send_loop, args=(outputs, encoder, out_queue), name="core-output", daemon=True)
+    sender.start()
+    status = _serve(config, replica_id, inputs, out_queue, metrics_kwargs or {})
+    out_queue.put(None)  # flush what is queued, then the sender ends
+    sender.join(10.0)
+    outputs.close(linger=2000)
+    inputs.close(linger=0)
+    context.term()
+    os._exit(status)  # noqa: SLF001 - no atexit/finalizers of half-dead worker state after a fault
+
+
+def _serve(config: EngineConfig, replica_id: int, inputs: Any, out_queue: queue.Queue,
+           metrics_kwargs: dict[str, Any]) -> int:
+    """Build, announce, run the core; returns the process's exit status."""
+    from framework.engine.builder import build_engine
+    from framework.engine.core import EngineCore, engine_facts
+    from framework.entrypoints.config_errors import CONFIG_ERRORS
+    from framework.metrics.collector import MetricsCollector
+
+    try:
+        engine = build_engine(config, metrics=MetricsCollector(**metrics_kwargs), defer_compile=True)
+    except CONFIG_ERRORS as exc:
+        out_queue.put(EngineCoreOutputs(event="failed", message=str(exc), error_type=type(exc).__name__))
+        return EXIT_FAILED
+    except BaseException as exc:  # noqa: BLE001 - reported to the front, which exits non-zero
+        logger.exception("building the engine failed")
+        out_queue.put(EngineCoreOutputs(event="failed", message=f"{type(exc).__name__}: {exc}",
+                                        error_type=type(exc).__name__))
+        return EXIT_FAILED
+    out_queue.put(EngineCoreOutputs(event="hello", facts=engine_facts(engine)))
+
+    def emit(event: EngineCoreOutputs) -> None:
+        out_queue.put(event)
+        if event.event == "dead":  # a hung step never returns to run(): exit once the event is on its way
+            threading.Timer(DEAD_EXIT_S, lambda: (out_queue.put(None), os._exit(EXIT_DEAD))).start()
+
+    core = EngineCore(engine, emit=emit, startup=lambda: engine.maybe_compile(None), replica_id=replica_id)
+    receiver = threading.Thread(target=_receive_loop, args=(inputs, core, os.getppid()), name="core-input",
+                                daemon=True)
+    receiver.start()
+    try:
+        core.run()
+    finally:
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - the process is ending; the workers die with it
+            logger.exception("engine shutdown failed")
+    return EXIT_DEAD if core.dead is not None else 0
+
+
+def _receive_loop(inputs: Any, core: Any, parent_pid: int) -> None:
+    """Input thread: decode commands into the core's queue; a shutdown when the parent is gone."""
+    decoder = CommandEncoder()
+    while True:
+        if inputs.poll(int(PARENT_CHECK_S * 1000)):
+            try:
+                command = decoder.decode(inputs.recv())
+            except Exception:  # noqa: BLE001 - a malformed frame must not kill the core
+                logger.exception("dropping a malformed command frame")
+                continue
+            core.put(command)
+            if isinstance(command, Shutdown):
+                return
+        elif os.getppid() != parent_pid:
+            logger.error("the API process (pid %d) is gone; shutting the engine core down", parent_pid)
+            core.put(Shutdown())
+            return
+
+
+def _send_loop(outputs: Any, encoder: OutputsEncoder, out_queue: queue.Queue) -> None:
+    """Output thread: encode and send every event until the ``None`` sentinel."""
+    while True:
+        item = out_queue.get()
+        if item is None:
+            return
+        outputs.send(encoder.encode(item), copy=False)
