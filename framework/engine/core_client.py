@@ -165,10 +165,7 @@ class MPCoreClient(CoreClient):
             return self.facts
         failure = self._failure
         message = failure.message if failure is not None else f"the engine core process exited ({self.process.exitcode})"
-        error_type = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
-                      "ImportError": ImportError, "ModuleNotFoundError": ImportError}.get(
-                          failure.error_type if failure is not None else "", RuntimeError)
-        raise error_type(message)
+        raise _config_error(failure.error_type if failure is not None else "")(message)
 
     def send(self, command: CoreCommand) -> None:
         """Encode and push the command (dropped once the client is closed)."""
@@ -235,3 +232,15 @@ class MPCoreClient(CoreClient):
             if event.event == "failed":
                 self._failure = event
             self._terminal.set()
+
+
+def _config_error(names: str) -> type[Exception]:
+    """The exception class the front raises for a core's failed build whose exception's classes (most derived
+    first, comma-separated) are ``names``: the first that is a configuration mistake the entry points report as
+    such (``config_errors.CONFIG_ERRORS``), else ``RuntimeError``."""
+    from framework import registry
+
+    known = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "ImportError": ImportError,
+             "ModuleNotFoundError": ImportError, "PluginConflictError": registry.PluginConflictError,
+             "PluginVersionError": registry.PluginVersionError}
+    return next((known[n] for n in names.split(",") if n in known), RuntimeError)

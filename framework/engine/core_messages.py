@@ -92,7 +92,7 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     stats: list[ReplicaStats] = []  # one per replica the core owns (several for an in-process data-parallel front)
     event: str | None = None  # None | "hello" | "ready" | "failed" | "dead" | "stopped"
     message: str = ""  # "failed"/"dead": what happened, naming the fix where there is one
-    error_type: str = ""  # "failed": the exception's class name (ValueError, FileNotFoundError...)
+    error_type: str = ""  # "failed": the exception's class names, most derived first, comma-separated
     facts: EngineFacts | None = None  # "hello"
     summary: dict[str, Any] | None = None  # "stopped": the core's metrics summary
 

@@ -91,18 +91,15 @@ def _serve(config: EngineConfig, replica_id: int, inputs: Any, out_queue: queue.
     """Build, announce, run the core; returns the process's exit status."""
     from framework.engine.builder import build_engine
     from framework.engine.core import EngineCore, engine_facts
-    from framework.entrypoints.config_errors import CONFIG_ERRORS
     from framework.metrics.collector import MetricsCollector
 
     try:
         engine = build_engine(config, metrics=MetricsCollector(**metrics_kwargs), defer_compile=True)
-    except CONFIG_ERRORS as exc:
-        out_queue.put(EngineCoreOutputs(event="failed", message=str(exc), error_type=type(exc).__name__))
-        return EXIT_FAILED
-    except BaseException as exc:  # noqa: BLE001 - reported to the front, which exits non-zero
-        logger.exception("building the engine failed")
-        out_queue.put(EngineCoreOutputs(event="failed", message=f"{type(exc).__name__}: {exc}",
-                                        error_type=type(exc).__name__))
+    except BaseException as exc:  # noqa: BLE001 - reported to the front (a config error exits it with the message)
+        if not isinstance(exc, (ValueError, FileNotFoundError, ImportError)):
+            logger.exception("building the engine failed")
+        out_queue.put(EngineCoreOutputs(event="failed", message=str(exc),  # its classes, most derived first
+                                        error_type=",".join(c.__name__ for c in type(exc).__mro__)))
         return EXIT_FAILED
     out_queue.put(EngineCoreOutputs(event="hello", facts=engine_facts(engine)))
 
