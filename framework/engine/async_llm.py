@@ -55,6 +55,12 @@ class _Stream:
         return True
 
 
+def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    """On a caller's loop: hand each output to its stream's queue."""
+    for stream, output in items:
+        stream.queue.put_nowait(output)
+
+
 class AsyncLLM:
     """Asynchronous generation over engine cores; thread-safe, many concurrent ``generate`` calls.
 
@@ -245,8 +251,16 @@ class AsyncLLM:
                 if stream is not None:
                     stream.put(EngineDeadError(rejected.message) if rejected.engine_dead
                                else ValueError(rejected.message))
+            batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
             for output in event.outputs:
-                self._dispatch(index, output)
+                self._dispatch(index, output, batches)
+            for loop, items in batches.items():  # one wake-up of each caller loop per step, not one per request
+                try:
+                    loop.call_soon_threadsafe(_deliver, items)
+                except RuntimeError:  # "Event loop is closed": those callers are gone, stop computing for them
+                    for _stream, output in items:
+                        if not output.finished and self._pop(output.request_id) is not None:
+                            self.clients[index].send(AbortRequests([output.request_id]))
             if event.event == "ready":
                 self._ready[index] = True
                 if self._ready_at is None and all(r or not a for r, a in zip(self._ready, self._alive)):
@@ -273,7 +287,9 @@ class AsyncLLM:
         self._where.pop(request_id, None)
         return self._streams.pop(request_id, None)
 
-    def _dispatch(self, index: int, output: RequestOutput) -> None:
+    def _dispatch(self, index: int, output: RequestOutput,
+                  batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]]) -> None:
+        """Bookkeeping of one output (under the lock); its delivery joins its caller loop's batch."""
         stream = self._streams.get(output.request_id)
         if output.finished:
             self._pop(output.request_id)
@@ -281,11 +297,8 @@ class AsyncLLM:
                 self.router.on_request_finished(output.request_id, index)
             if self.metrics is not None:
                 self.metrics.observe_finished(output)
-        if stream is None:
-            return
-        if not stream.put(output) and not output.finished:  # its caller's loop is gone: stop computing it
-            self._pop(output.request_id)
-            self.clients[index].send(AbortRequests([output.request_id]))
+        if stream is not None:
+            batches.setdefault(stream.loop, []).append((stream, output))
 
     def _replica_died(self, index: int, message: str) -> None:
         """Client ``index``'s core died: fail its requests; the front dies with its last replica."""
