@@ -64,8 +64,7 @@ def launch(system: str, args: argparse.Namespace, port: int, model_path: str) ->
     env.update(VLLM_ENV)
     env.pop("PYTHONPATH", None)
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-           "--served-model-name", SERVED_NAME, "--port", str(port), "--dtype", args.dtype, "--max-model-len", "1024",
-           "--disable-log-requests"] + (["--enforce-eager"] if system == "vllm-eager" else [])
+           "--served-model-name", SERVED_NAME, "--port", str(port), "--dtype", args.dtype, "--max-model-len", "1024"] + (["--enforce-eager"] if system == "vllm-eager" else [])
     return cmd, env
 
 

@@ -36,8 +36,10 @@ def server(tmp_path_factory):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SERVELAB_API_KEY": KEY}
     # engine.compile=false: under the default (auto) a server compiles at start-up; not what this tests
+    # the engine core runs in its own process (server.engine_process=true, the default); scheduler=priority: the
+    # request's priority crosses the process boundary (equal priorities schedule first-come first-served)
     cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "engine.compile=false", f"server.port={port}",
-           "tracker=none",
+           "tracker=none", "scheduler=priority",
            f"server.chat_template={tmp / 'chat.jinja'}", "server.log_level=warning", f"hydra.run.dir={tmp / 'run'}"]
     log = open(tmp / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -168,6 +170,17 @@ def test_64_concurrent_streams_a_third_disconnect(server, offline):
     raw = httpx.post(server["base"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                      json={"prompt": "Once", "max_tokens": 3, "stream": True})
     assert raw.text.rstrip().endswith("data: [DONE]")
+
+
+def test_structured_output_and_priority_cross_the_engine_core_boundary(server):
+    client = _client(server)
+    choices = ["yes", "no", "maybe"]
+    texts = [client.completions.create(model="stories260K", prompt=p, max_tokens=8, temperature=1.0, seed=i,
+                                       extra_body={"structured_outputs": {"choice": choices}, "priority": -i}
+                                       ).choices[0].text for i, p in enumerate(PROMPTS[:3])]
+    assert all(t in choices for t in texts), texts
+    with pytest.raises(openai.BadRequestError, match="priority"):  # checked API-side, before the core
+        client.completions.create(model="stories260K", prompt=PROMPTS[0], max_tokens=2, extra_body={"priority": "high"})
 
 
 def test_non_streaming_client_disconnect_aborts(server):
