@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from framework import registry
 from framework.core.faults import EngineDeadError
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
@@ -53,6 +54,17 @@ class _Stream:
         except RuntimeError:  # "Event loop is closed": never let a vanished caller kill the engine loop
             return False
         return True
+
+
+def _replay_hooks(event: EngineCoreOutputs) -> None:
+    """A core process's lifecycle hooks, called again in this process (its plugins: a run's tracker)."""
+    if event.event == "hello" and event.facts is not None:
+        registry.call_hook("on_engine_start", config=event.facts.config)
+    for stats in event.step_stats:
+        registry.call_hook("on_step_end", stats=stats)
+    for output in event.outputs:
+        if output.finished:
+            registry.call_hook("on_request_finished", output=output)
 
 
 def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
@@ -244,6 +256,8 @@ class AsyncLLM:
     def _on_event(self, replica_id: int, event: EngineCoreOutputs) -> None:
         """Every event batch of a core (see the module docstring)."""
         index = self._client_of(replica_id)
+        if self.clients[index].replays_hooks:
+            _replay_hooks(event)
         with self._lock:
             self._apply_stats(index, event.stats)
             for rejected in event.rejected:

@@ -79,11 +79,15 @@ class EngineCore:
         startup: run once on the loop thread before any request (a server's compile warm-up); commands queue
             meanwhile; ``ready`` is emitted after it. An exception in it kills the core like one in a step.
         replica_id: the first replica id this core's stats carry (its data-parallel rank).
+        step_stats: returns (and forgets) the ``on_step_end`` stats seen since its previous call; they ride on
+            the next event (a core process forwards its lifecycle hooks this way).
     """
 
     def __init__(self, engine: Any, emit: Callable[[EngineCoreOutputs], None],
-                 startup: Callable[[], Any] | None = None, replica_id: int = 0) -> None:
+                 startup: Callable[[], Any] | None = None, replica_id: int = 0,
+                 step_stats: Callable[[], list[Any]] | None = None) -> None:
         self.engine, self.emit, self.replica_id = engine, emit, replica_id
+        self._step_stats = step_stats
         self._startup = startup
         self._commands: queue.Queue = queue.Queue()
         self._in_flight: set[str] = set()  # request ids added and not yet finished (loop thread)
@@ -140,7 +144,8 @@ class EngineCore:
                 self._in_flight.discard(output.request_id)
         if outputs or rejected:
             self.emit(EngineCoreOutputs(outputs=outputs, rejected=rejected or [],
-                                        stats=replica_stats(self.engine, self.replica_id)))
+                                        stats=replica_stats(self.engine, self.replica_id),
+                                        step_stats=self._step_stats() if self._step_stats is not None else []))
 
     def _drain(self, block: bool) -> None:
         """Apply queued commands; when ``block``, wait (idle) for the first one."""

@@ -43,10 +43,13 @@ class CoreClient(ABC):
     Attributes:
         replica_id: the data-parallel rank of the core (its first replica's id).
         facts: the engine's facts once it is built (``hello``), else None.
+        replays_hooks: the core runs in another process, so the front replays its lifecycle hooks
+            (``on_engine_start``, ``on_step_end``, ``on_request_finished``) for this process's plugins.
     """
 
     replica_id: int = 0
     facts: EngineFacts | None = None
+    replays_hooks: bool = False
 
     @abstractmethod
     def start(self, on_event: OnEvent) -> None:
@@ -112,6 +115,8 @@ class MPCoreClient(CoreClient):
         cpus: CPUs to pin the process to, or None.
         metrics_kwargs: ``MetricsCollector`` arguments for the core.
     """
+
+    replays_hooks = True
 
     def __init__(self, config: Any, replica_id: int = 0, cpus: list[int] | None = None,
                  metrics_kwargs: dict[str, Any] | None = None) -> None:

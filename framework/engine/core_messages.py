@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from framework.core.outputs import RequestOutput
+from framework.core.outputs import RequestOutput, SchedulerStats
 from framework.core.sampling_params import SamplingParams
 
 
@@ -90,6 +90,9 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     outputs: list[RequestOutput] = []
     rejected: list[RejectedRequest] = []
     stats: list[ReplicaStats] = []  # one per replica the core owns (several for an in-process data-parallel front)
+    # the core process's ``on_step_end`` hook calls since the previous event, replayed by the front so that plugins
+    # registered in the API process (a run's tracker) see them
+    step_stats: list[SchedulerStats] = []
     event: str | None = None  # None | "hello" | "ready" | "failed" | "dead" | "stopped"
     message: str = ""  # "failed"/"dead": what happened, naming the fix where there is one
     error_type: str = ""  # "failed": the exception's class names, most derived first, comma-separated

@@ -28,6 +28,7 @@ from framework.engine.core_messages import (
     OutputsEncoder,
     Shutdown,
 )
+from framework.hookspecs import hookimpl
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +90,13 @@ def run_engine_core(config: EngineConfig, replica_id: int, input_address: str, o
 def _serve(config: EngineConfig, replica_id: int, inputs: Any, out_queue: queue.Queue,
            metrics_kwargs: dict[str, Any]) -> int:
     """Build, announce, run the core; returns the process's exit status."""
+    from framework import registry
     from framework.engine.builder import build_engine
     from framework.engine.core import EngineCore, engine_facts
     from framework.metrics.collector import MetricsCollector
 
+    forwarder = HookForwarder()
+    registry.plugin_manager().register(forwarder, name="engine-core-hook-forwarder")
     try:
         engine = build_engine(config, metrics=MetricsCollector(**metrics_kwargs), defer_compile=True)
     except BaseException as exc:  # noqa: BLE001 - reported to the front (a config error exits it with the message)
@@ -108,7 +112,8 @@ def _serve(config: EngineConfig, replica_id: int, inputs: Any, out_queue: queue.
         if event.event == "dead":  # a hung step never returns to run(): exit once the event is on its way
             threading.Timer(DEAD_EXIT_S, lambda: (out_queue.put(None), os._exit(EXIT_DEAD))).start()
 
-    core = EngineCore(engine, emit=emit, startup=lambda: engine.maybe_compile(None), replica_id=replica_id)
+    core = EngineCore(engine, emit=emit, startup=lambda: engine.maybe_compile(None), replica_id=replica_id,
+                      step_stats=forwarder.drain)
     receiver = threading.Thread(target=_receive_loop, args=(inputs, core, os.getppid()), name="core-input",
                                 daemon=True)
     receiver.start()
@@ -120,6 +125,28 @@ def _serve(config: EngineConfig, replica_id: int, inputs: Any, out_queue: queue.
         except Exception:  # noqa: BLE001 - the process is ending; the workers die with it
             logger.exception("engine shutdown failed")
     return EXIT_DEAD if core.dead is not None else 0
+
+
+class HookForwarder:
+    """Collects this process's ``on_step_end`` calls for the front to replay (``EngineCoreOutputs.step_stats``);
+    ``on_request_finished`` needs no forwarding (the front sees every finished output), ``on_engine_start``
+    rides on ``hello`` (``EngineFacts.config``)."""
+
+    def __init__(self) -> None:
+        self._stats: list[Any] = []
+        self._lock = threading.Lock()
+
+    @hookimpl
+    def on_step_end(self, stats: Any) -> None:
+        """Keep the step's stats until the next event."""
+        with self._lock:
+            self._stats.append(stats)
+
+    def drain(self) -> list[Any]:
+        """The stats collected since the previous call."""
+        with self._lock:
+            out, self._stats = self._stats, []
+        return out
 
 
 def _receive_loop(inputs: Any, core: Any, parent_pid: int) -> None:

@@ -16,7 +16,7 @@ import time
 import pytest
 from helpers import STORIES, STORY_PROMPTS, resources_gone
 
-from framework import LLM, registry
+from framework import LLM, hookimpl, registry
 from framework.config import EngineConfig
 from framework.core.faults import EngineDeadError
 from framework.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -83,10 +83,31 @@ def _wait_ready(llm: AsyncLLM, timeout_s: float = 120) -> None:
         time.sleep(0.05)
 
 
+class _Observer:
+    """A plugin of this process (as a run's tracker is): the core process's lifecycle hooks reach it."""
+
+    def __init__(self) -> None:
+        self.started, self.steps, self.finished = [], [], []
+
+    @hookimpl
+    def on_engine_start(self, config):
+        self.started.append(config)
+
+    @hookimpl
+    def on_step_end(self, stats):
+        self.steps.append(stats)
+
+    @hookimpl
+    def on_request_finished(self, output):
+        self.finished.append(output.request_id)
+
+
 def test_one_core_process_serves_like_the_offline_engine():
     prompts = STORY_PROMPTS[:4]
     want = _offline(prompts)
-    llm = _front()
+    observer = _Observer()
+    with registry.registered(observer, name="test-observer"):
+        llm = _front()
     pids = [c.process.pid for c in llm.clients]
     try:
         _wait_ready(llm)
@@ -103,7 +124,8 @@ def test_one_core_process_serves_like_the_offline_engine():
                 break  # leaving the stream aborts the request
             return got
 
-        assert asyncio.run(run()) == want
+        with registry.registered(observer, name="test-observer"):
+            assert asyncio.run(run()) == want
         deadline = time.monotonic() + 10  # the abort's blocks come back: the core publishes an empty cache
         while llm._stats[0].num_running_reqs or llm._stats[0].kv_cache_usage:
             assert time.monotonic() < deadline, llm._stats[0]
@@ -112,6 +134,8 @@ def test_one_core_process_serves_like_the_offline_engine():
         llm.shutdown()
     assert resources_gone(pids)
     assert llm.summaries[0]["num_requests"] >= len(prompts)  # the core's metrics summary came back at shutdown
+    assert len(observer.started) == 1 and observer.started[0]["model"] == STORIES
+    assert sum(s.num_generated_tokens for s in observer.steps) >= 4 * 12 and len(observer.finished) >= 4
 
 
 def test_two_core_processes_behind_a_router_answer_each_request_once():
