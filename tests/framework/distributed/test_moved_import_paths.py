@@ -13,6 +13,7 @@ MOVED = [  # (old module, new module, names)
     ("framework.worker.parallel_layers", "framework.distributed.communication_op",
      ["set_communicator", "all_reduce", "all_gather_last_dim", "gather_last_dim_to_driver", "shm_all_reduce",
       "shm_all_gather", "DRIVER_RANK"]),
+    ("framework.worker.worker", "framework.distributed.parallel_state", ["DISTRIBUTED_TIMEOUT_S"]),
 ]
 
 
