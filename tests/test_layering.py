@@ -12,10 +12,11 @@ FRAMEWORK = REPO / "framework"
 # rank of each top-level module / package of framework/; a module may import ranks <= its own
 RANKS = {
     "config": 0, "known_warnings": 0, "registry": 0, "hookspecs": 0, "interfaces": 0, "core": 0,
-    "worker": 1, "metrics": 1, "workloads": 1, "testing": 1, "sim": 1,
-    "executor": 2,
-    "engine": 3,
-    "entrypoints": 4,
+    "distributed": 1,
+    "worker": 2, "metrics": 2, "workloads": 2, "testing": 2, "sim": 2,
+    "executor": 3,
+    "engine": 4,
+    "entrypoints": 5,
 }
 
 

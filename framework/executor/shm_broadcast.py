@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
-from framework.worker.shm_communicator import attach_shared_memory, memory_fence
+from framework.distributed.shm_communicator import attach_shared_memory, memory_fence
 
 _I64 = 8
 #: seconds a reader waits for the rest of a message once its first chunk arrived (the writer

@@ -300,7 +300,9 @@ def load_tp_model(model: str, dtype: str, device: str, tp_rank: int, tp_size: in
     """Load this rank's shard of ``model`` (see :func:`framework.worker.model_loader.resolve_model_path`).
 
     Runs in every rank of a TP group with ``torch.distributed`` initialised (gloo on CPU, nccl on
-    CUDA; the default group is the TP group). The model is built on ``meta``, sharded by its plan,
+    CUDA); the layers get their group from :func:`framework.distributed.parallel_state.get_tp_group`
+    (the worker made it; otherwise ``ensure_model_parallel_initialized`` makes the world the TP
+    group, with torch.distributed's collectives). The model is built on ``meta``, sharded by its plan,
     and only this rank's slices are read from the safetensors files. ``tp_size == 1`` is
     :func:`~framework.worker.model_loader.load_model`.
 
@@ -314,7 +316,7 @@ def load_tp_model(model: str, dtype: str, device: str, tp_rank: int, tp_size: in
         hidden states are whole (replicated) on every rank; ``config`` is the full model's.
 
     Raises:
-        RuntimeError: ``torch.distributed`` is not initialised, or its default group does not match
+        RuntimeError: ``torch.distributed`` is not initialised, or the TP group does not match
             ``tp_rank``/``tp_size``.
         ValueError: ``tp_problems`` is not empty (names the valid sizes), unknown ``dtype``.
         FileNotFoundError: the folder holds no ``*.safetensors`` weights, or one lacks a tensor.
@@ -328,10 +330,14 @@ def load_tp_model(model: str, dtype: str, device: str, tp_rank: int, tp_size: in
         return load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation)
     import torch.distributed as dist
 
+    from framework.distributed.parallel_state import ensure_model_parallel_initialized
+
     if not dist.is_initialized():
         raise RuntimeError("load_tp_model needs torch.distributed initialised (the executor's worker does it)")
     if (dist.get_rank(), dist.get_world_size()) != (tp_rank, tp_size):
         raise RuntimeError(f"default process group is rank {dist.get_rank()} of {dist.get_world_size()}, "
                            f"asked for tp_rank={tp_rank} of tp_size={tp_size}")
-    return load_sharded_model(model, getattr(torch, dtype), torch.device(device), tp_rank, tp_size,
-                              attn_implementation, group_name=dist.group.WORLD.group_name)
+    # a group the worker did not make (tests, scripts) keeps torch.distributed's collectives, as before issue 49
+    group = ensure_model_parallel_initialized(tp_size, torch.device(device).type, communicator="torch_distributed")
+    return load_sharded_model(model, getattr(torch, dtype), torch.device(device), group.rank_in_group, tp_size,
+                              attn_implementation, group_name=group.group_name)

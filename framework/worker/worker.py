@@ -13,10 +13,8 @@ attention backend (this rank's heads), KV and swap tensors, ``torch.compile`` gr
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +26,14 @@ from framework.config import EngineConfig
 from framework.core.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout
 from framework.core.outputs import ModelRunnerOutput
 from framework.core.step_message import StepMessage
+from framework.distributed.parallel_state import (
+    DISTRIBUTED_TIMEOUT_S,
+    GroupCoordinator,
+    destroy_distributed_environment,
+    destroy_model_parallel,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from framework.interfaces import AttentionBackend, AttentionLayerSpec
 from framework.worker.compile import CompileStats
 from framework.worker.cpu_malloc import tune_malloc
@@ -43,16 +49,12 @@ logger = logging.getLogger(__name__)
 
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
                                                    "fp8_e4m3": torch.float8_e4m3fn}
-#: torch.distributed's and the shared-memory communicator's timeout, seconds: only a backstop. The
-#: executor's deadlines (``framework.executor.deadlines``: heartbeats, the step deadline) find a lost rank
-#: first and kill the group; this must outlast a compile warm-up, during which one rank may wait in a
-#: collective for another that still compiles (~130 s per graph cold at TP=2), hence at least the
-#: executor's ``compile_timeout_s``.
-DISTRIBUTED_TIMEOUT_S = 1800
 
 
 def distributed_timeout_s(config: EngineConfig) -> float:
-    """:data:`DISTRIBUTED_TIMEOUT_S`, or the executor's ``compile_timeout_s`` when that is longer."""
+    """:data:`~framework.distributed.parallel_state.DISTRIBUTED_TIMEOUT_S`, or the executor's
+    ``compile_timeout_s`` when that is longer: the timeout must outlast a compile warm-up, during which
+    one rank may wait in a collective for another that still compiles (~130 s per graph cold at TP=2)."""
     return max(float(DISTRIBUTED_TIMEOUT_S), float(config.executor_params.get("compile_timeout_s") or 0))
 
 
@@ -135,17 +137,27 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.kv_cache_layout: KVCacheLayout | None = None
         self.keep_hidden_states = False
-        self.num_local_ranks = 1  # ranks of this group on this host (they share its RAM); set by init_device
-        self.communicator: Any = None  # the ShmCommunicator when parallel.communicator chose it (init_device)
+        self.tp_group: GroupCoordinator | None = None  # world_size > 1: this rank's TP group (init_device)
 
     @property
     def is_driver_rank(self) -> bool:
         """True on rank 0, the rank that samples and replies."""
         return self.rank == 0
 
+    @property
+    def num_local_ranks(self) -> int:
+        """Ranks of this rank's group on this host (they share its RAM); 1 for a one-rank engine."""
+        return self.tp_group.num_local_ranks if self.tp_group is not None else 1
+
+    @property
+    def communicator(self) -> Any:
+        """The group's shared-memory communicator when ``parallel.communicator`` chose it, else ``None``."""
+        return self.tp_group.communicator if self.tp_group is not None else None
+
     def init_device(self) -> None:
         """Threads (``parallel.num_threads_per_rank``; default cores / ranks in a process of its own)
-        and, for more than one rank, ``torch.distributed`` (gloo on CPU, NCCL on CUDA)."""
+        and, for more than one rank, the TP group (``framework.distributed.parallel_state``:
+        torch.distributed with gloo on CPU, NCCL on CUDA, and the ``parallel.communicator``)."""
         threads = self.config.num_threads_per_rank or (default_num_threads(self.world_size) if self.own_process else 0)
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
@@ -153,39 +165,11 @@ class Worker:
         if device.type == "cuda":  # rank r on cuda:r; a Ray actor sees only its own GPU (index 0)
             torch.cuda.set_device(device.index if device.index is not None else self.rank % torch.cuda.device_count())
         if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                    init_method=self.distributed_init_method, rank=self.rank,
-                                    world_size=self.world_size,
-                                    timeout=datetime.timedelta(seconds=distributed_timeout_s(self.config)))
-            hosts: list[str | None] = [None] * self.world_size
-            dist.all_gather_object(hosts, socket.gethostname())
-            self.num_local_ranks = hosts.count(socket.gethostname())
-            self._init_communicator(device)
-
-    def _init_communicator(self, device: torch.device) -> None:
-        """``parallel.communicator``: the shared-memory collectives when every rank is a CPU rank of
-        this host (``auto``, ``shm``), else torch.distributed's (gloo / NCCL).
-
-        Raises:
-            RuntimeError: ``communicator=shm`` with ranks on several hosts (names the fix).
-        """
-        import torch.distributed as dist
-
-        from framework.worker import parallel_layers
-        from framework.worker.shm_communicator import ShmCommunicator
-
-        choice = self.config.communicator
-        one_host = self.num_local_ranks == self.world_size
-        if choice == "shm" and not one_host:
-            raise RuntimeError(f"parallel.communicator=shm needs every rank on one host; {self.num_local_ranks} of "
-                               f"{self.world_size} are on this one: use parallel.communicator=torch_distributed")
-        if choice == "torch_distributed" or device.type != "cpu" or not one_host:
-            return
-        self.communicator = ShmCommunicator(self.rank, self.world_size, dist.group.WORLD,
-                                            timeout_s=distributed_timeout_s(self.config))
-        parallel_layers.set_communicator(dist.group.WORLD.group_name, self.communicator)
+            timeout_s = distributed_timeout_s(self.config)
+            init_distributed_environment(self.world_size, self.rank, self.distributed_init_method,
+                                         backend="nccl" if device.type == "cuda" else "gloo", timeout_s=timeout_s)
+            self.tp_group = initialize_model_parallel(self.world_size, device.type, self.config.communicator,
+                                                      timeout_s=timeout_s)
 
     def load_model(self) -> None:
         """Load this rank's weights (quantized, prepacked), build its attention backend for its
@@ -252,7 +236,7 @@ class Worker:
     def enable_collective_timing(self) -> None:
         """Time every collective this rank calls from now on (benchmarks:
         ``experiments/bench_parallel.py``): the tensor-parallel layers' all-reduces and all-gathers
-        (``framework.worker.parallel_layers``, wait included; shared-memory or torch.distributed),
+        (as ``framework.worker.parallel_layers`` calls them, wait included; shared-memory or torch.distributed),
         the LM head's gather to the driver, and any other ``torch.distributed`` call. Read with :meth:`collective_times`. Wall time of the call:
         exact for gloo (synchronous), a lower bound for NCCL (asynchronous). Eager forwards only:
         inside a compiled decoder the collectives are graph nodes and go uncounted."""
@@ -320,16 +304,8 @@ class Worker:
         """Nothing to check in-process: a rank that answers is alive."""
 
     def shutdown(self) -> None:
-        """Release the shared-memory communicator, leave the process group (more than one rank)."""
+        """Release the TP group's communicator and leave the process group (more than one rank)."""
         if self.world_size > 1:
-            import torch.distributed as dist
-
-            from framework.worker import parallel_layers
-
-            if self.communicator is not None:
-                if dist.is_initialized():
-                    parallel_layers.set_communicator(dist.group.WORLD.group_name, None)
-                self.communicator.close()
-                self.communicator = None
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            destroy_model_parallel()
+            destroy_distributed_environment()
+            self.tp_group = None

@@ -42,8 +42,8 @@ def _rank(rank: int, world: int, port: int, queue: mp.Queue, case: str) -> None:
     try:
         import torch.distributed as dist
 
-        from framework.worker import parallel_layers
-        from framework.worker.shm_communicator import ShmCommunicator
+        from framework.distributed import communication_op
+        from framework.distributed.shm_communicator import ShmCommunicator
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -64,10 +64,10 @@ def _rank(rank: int, world: int, port: int, queue: mp.Queue, case: str) -> None:
             out["gather"] = (gathered is None) if rank != 1 else all(torch.equal(a, b) for a, b in zip(gathered, everyone))
             out["num_calls"] = comm.num_calls
             group = dist.group.WORLD.group_name
-            parallel_layers.set_communicator(group, comm)
+            communication_op.set_communicator(group, comm)
 
             def f(x: torch.Tensor) -> torch.Tensor:
-                return parallel_layers.all_gather_last_dim(parallel_layers.all_reduce(x * 2, group) + 1, group)
+                return communication_op.all_gather_last_dim(communication_op.all_reduce(x * 2, group) + 1, group)
 
             x = _inputs(rank, (4, 8), torch.float32)
             compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
