@@ -112,15 +112,16 @@ class MPCoreClient(CoreClient):
     Args:
         config: the replica's ``EngineConfig`` (``data_parallel_size=1``).
         replica_id: its data-parallel rank.
-        cpus: CPUs to pin the process to, or None.
+        data_parallel_size: replicas behind the front (with several, each core pins itself to its share of the
+            CPUs: ``framework.distributed.parallel_state.replica_cpus``).
         metrics_kwargs: ``MetricsCollector`` arguments for the core.
     """
 
     replays_hooks = True
 
-    def __init__(self, config: Any, replica_id: int = 0, cpus: list[int] | None = None,
+    def __init__(self, config: Any, replica_id: int = 0, data_parallel_size: int = 1,
                  metrics_kwargs: dict[str, Any] | None = None) -> None:
-        self.config, self.replica_id, self.cpus = config, replica_id, cpus
+        self.config, self.replica_id, self.data_parallel_size = config, replica_id, data_parallel_size
         self.metrics_kwargs = metrics_kwargs or {}
         self.process: Any = None
         self._hello = threading.Event()
@@ -145,7 +146,7 @@ class MPCoreClient(CoreClient):
         self._events.bind(output_address)
         self.process = mp.get_context("spawn").Process(
             target=run_engine_core, name=f"servelab-engine-core-{self.replica_id}",
-            args=(self.config, self.replica_id, input_address, output_address, self.cpus,
+            args=(self.config, self.replica_id, input_address, output_address, self.data_parallel_size,
                   logging.getLogger().getEffectiveLevel(), self.metrics_kwargs))
         self.process.start()  # not a daemon: its executor may start worker processes of its own
         self._reader = threading.Thread(target=self._read, args=(on_event,), name=f"core-reader-{self.replica_id}",

@@ -37,20 +37,21 @@ DEAD_EXIT_S = 5.0  # seconds a dead core waits for its last events to leave befo
 EXIT_DEAD, EXIT_FAILED = 1, 2  # exit statuses: the engine died / the build refused the config
 
 
-def pin_cpus(cpus: list[int] | None) -> None:
-    """Pin this process to ``cpus`` (a data-parallel replica's share of the machine) and use one torch thread
-    per CPU; None leaves the affinity and thread count alone."""
-    if not cpus:
-        return
-    import torch
+def join_data_parallel(replica_id: int, data_parallel_size: int) -> None:
+    """Record this process as replica ``replica_id`` of ``data_parallel_size``
+    (``framework.distributed.parallel_state``); with several replicas, pin it to its share of the CPUs (before
+    any thread or TP rank starts, so they inherit it) and use one torch thread per CPU."""
+    from framework.distributed import parallel_state
 
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
+    group = parallel_state.initialize_data_parallel(replica_id, data_parallel_size, pin=data_parallel_size > 1)
+    if data_parallel_size > 1:
+        import torch
+
+        torch.set_num_threads(len(group.cpus))
 
 
 def run_engine_core(config: EngineConfig, replica_id: int, input_address: str, output_address: str,
-                    cpus: list[int] | None = None, log_level: int = logging.INFO,
+                    data_parallel_size: int = 1, log_level: int = logging.INFO,
                     metrics_kwargs: dict[str, Any] | None = None) -> None:
     """Build one engine and serve it over ZMQ until shut down; the body of an engine-core process.
 
@@ -59,7 +60,7 @@ def run_engine_core(config: EngineConfig, replica_id: int, input_address: str, o
         replica_id: this core's data-parallel rank (its stats carry it).
         input_address, output_address: the front's bound ZMQ addresses (``ipc://...``): commands come from the
             first (PULL), events go to the second (PUSH).
-        cpus: the CPUs to pin to (:func:`pin_cpus`), or None.
+        data_parallel_size: replicas behind the front (:func:`join_data_parallel`).
         log_level: the front's logging level, applied to this process's root logger.
         metrics_kwargs: ``MetricsCollector`` arguments (SLOs, ``max_records``).
 
@@ -69,7 +70,6 @@ def run_engine_core(config: EngineConfig, replica_id: int, input_address: str, o
     import zmq
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s [core {replica_id}] %(levelname)s %(name)s: %(message)s")
-    pin_cpus(cpus)
     context = zmq.Context()
     inputs, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     inputs.connect(input_address)
@@ -78,7 +78,7 @@ def run_engine_core(config: EngineConfig, replica_id: int, input_address: str, o
     out_queue: queue.Queue = queue.Queue()
     sender = threading.Thread(target=_send_loop, args=(outputs, encoder, out_queue), name="core-output", daemon=True)
     sender.start()
-    status = _serve(config, replica_id, inputs, out_queue, metrics_kwargs or {})
+    status = _serve(config, replica_id, data_parallel_size, inputs, out_queue, metrics_kwargs or {})
     out_queue.put(None)  # flush what is queued, then the sender ends
     sender.join(10.0)
     outputs.close(linger=2000)
@@ -87,7 +87,7 @@ def run_engine_core(config: EngineConfig, replica_id: int, input_address: str, o
     os._exit(status)  # noqa: SLF001 - no atexit/finalizers of half-dead worker state after a fault
 
 
-def _serve(config: EngineConfig, replica_id: int, inputs: Any, out_queue: queue.Queue,
+def _serve(config: EngineConfig, replica_id: int, data_parallel_size: int, inputs: Any, out_queue: queue.Queue,
            metrics_kwargs: dict[str, Any]) -> int:
     """Build, announce, run the core; returns the process's exit status."""
     from framework import registry
@@ -98,6 +98,7 @@ def _serve(config: EngineConfig, replica_id: int, inputs: Any, out_queue: queue.
     forwarder = HookForwarder()
     registry.plugin_manager().register(forwarder, name="engine-core-hook-forwarder")
     try:
+        join_data_parallel(replica_id, data_parallel_size)  # before torch's threads and any TP rank start
         engine = build_engine(config, metrics=MetricsCollector(**metrics_kwargs), defer_compile=True)
     except BaseException as exc:  # noqa: BLE001 - reported to the front (a config error exits it with the message)
         if not isinstance(exc, (ValueError, FileNotFoundError, ImportError)):

@@ -104,23 +104,11 @@ def server_state(cfg: DictConfig, facts: Any, tokenizer: Any, llm: AsyncLLM, nam
                        metrics=metrics)
 
 
-def replica_cpus(data_parallel_size: int) -> list[list[int] | None]:
-    """Each data-parallel replica's CPUs: the CPUs this process may use, split into ``data_parallel_size``
-    disjoint contiguous sets (one replica keeps them all and its threads unpinned: None)."""
-    if data_parallel_size <= 1 or not hasattr(os, "sched_getaffinity"):
-        return [None] * data_parallel_size
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < data_parallel_size:  # more replicas than CPUs: they share, round-robin
-        return [[cpus[i % len(cpus)]] for i in range(data_parallel_size)]
-    per = len(cpus) // data_parallel_size
-    return [cpus[i * per:(i + 1) * per] for i in range(data_parallel_size)]
-
-
 def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metrics: Any) -> tuple[AsyncLLM, Any, Any]:
     """The ``AsyncLLM`` front of a server, its engine facts and tokenizer.
 
     ``server.engine_process=true`` (default): ``parallel.data_parallel_size`` engine-core processes (each pinned to
-    its share of the CPUs, each possibly tensor-parallel), a router when there are several, the tokenizer loaded
+    its share of the CPUs, ``parallel_state.replica_cpus``; each possibly tensor-parallel), a router when there are several, the tokenizer loaded
     here. ``false``: the engine (an in-process data-parallel front when ``data_parallel_size > 1``) on a thread of
     this process.
 
@@ -146,8 +134,7 @@ def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metr
     one = dataclasses.replace(engine_config, data_parallel_size=1)
     metrics_kwargs = {"slo_ttft_ms": cfg.slo.ttft_ms, "slo_tpot_ms": cfg.slo.tpot_ms,
                       "max_records": SERVER_METRICS_RECORDS}
-    clients = [MPCoreClient(one, replica_id=i, cpus=cpus, metrics_kwargs=metrics_kwargs)
-               for i, cpus in enumerate(replica_cpus(n))]
+    clients = [MPCoreClient(one, replica_id=i, data_parallel_size=n, metrics_kwargs=metrics_kwargs) for i in range(n)]
     llm = AsyncLLM.from_clients(clients, router=router, metrics=metrics, tokenizer=tokenizer, on_dead=on_dead)
     try:
         facts = [client.wait_for_hello() for client in clients][0]
@@ -158,8 +145,10 @@ def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metr
         llm.shutdown(timeout_s=10)
         raise
     if n > 1:
+        from framework.distributed.parallel_state import replica_cpus
+
         logger.info("data parallel: %d engine-core processes (CPUs %s), router=%s", n,
-                    [c.cpus for c in clients], engine_config.router)
+                    [list(replica_cpus(i, n)) for i in range(n)], engine_config.router)
     return llm, facts, tokenizer
 
 

@@ -68,7 +68,7 @@ def _offline(prompts: list[str]) -> list[list[int]]:
 
 
 def _front(n: int = 1, router: str = "round_robin", **kwargs) -> AsyncLLM:
-    clients = [MPCoreClient(CONFIG, replica_id=i) for i in range(n)]
+    clients = [MPCoreClient(CONFIG, replica_id=i, data_parallel_size=n) for i in range(n)]
     llm = AsyncLLM.from_clients(clients, router=registry.create("router", router, seed=0) if n > 1 else None,
                                 **kwargs)
     for client in clients:
