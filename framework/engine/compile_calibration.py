@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,19 +121,21 @@ class CompilePlanner:
         steps = "eager and compiled measured here" if compiled else "eager measured here, compiled prior"
         return CompileCosts(warm_up, source, eager, compiled, steps)
 
-    def decide(self, planned_output_tokens: int | None, planned_requests: int, generated_tokens: int,
-               make_idle: Callable[[], bool]) -> CompileDecision:
-        """The ``auto`` decision for the work about to start (``decide_compile``), measuring eager decode
-        steps first when the record has none and ``make_idle()`` succeeds (it drops the prefix cache and
-        says whether no request holds a KV block: the dummy steps write K/V into blocks 0, 1, ...)."""
-        if planned_output_tokens is None:
+    def decide(self, planned_budgets: Sequence[int] | None, past_steps: Mapping[int, int],
+               make_idle: Callable[[], bool], repeats: int = 1) -> CompileDecision:
+        """The ``auto`` decision for the work about to start (``decide_compile``: ``planned_budgets`` are its
+        requests' output-token budgets, ``None`` for a server, run ``repeats`` times; ``past_steps`` batch
+        size -> decode steps run eagerly so far), measuring eager decode steps first when the record has none and
+        ``make_idle()`` succeeds (it drops the prefix cache and says whether no request holds a KV
+        block: the dummy steps write K/V into blocks 0, 1, ...)."""
+        if planned_budgets is None:
             return decide_compile("auto", None)
         record = self.load()
         if not record.get("eager_step_ms") and make_idle():
             record["eager_step_ms"] = self.measure_steps()
             self.save(record)
-        return decide_compile("auto", planned_output_tokens, planned_requests, self.costs(record),
-                              self.config.max_num_seqs, generated_tokens)
+        return decide_compile("auto", planned_budgets, self.costs(record), self.config.max_num_seqs, past_steps,
+                              repeats)
 
     def measure_steps(self) -> dict[str, float]:
         """Decode step times at the calibration batch sizes on every rank (rank 0's), ms."""
