@@ -185,6 +185,28 @@ def test_planner_measures_once_and_keeps_the_warm_up(tmp_path, monkeypatch):
     assert other.path != planner.path and other.load() == {}
 
 
+class BusyThenQuietExecutor(FakeExecutor):
+    """Answers each set of ``times`` in turn (the last one again after that)."""
+
+    def __init__(self, *sets):
+        super().__init__(sets[0])
+        self.sets = list(sets)
+
+    def collective_rpc(self, method, args=(), unique_reply_rank=None):
+        self.times = self.sets[min(self.calls, len(self.sets) - 1)]
+        return super().collective_rpc(method, args, unique_reply_rank)
+
+
+def test_planner_measures_again_when_a_larger_batch_stepped_faster(tmp_path, monkeypatch):
+    from framework.engine import compile_calibration
+
+    monkeypatch.setattr(compile_calibration, "calibration_dir", lambda: tmp_path)
+    planner = CompilePlanner(EngineConfig(model=STORIES), BusyThenQuietExecutor({1: 505.0, 64: 92.0}, {1: 30.0, 64: 95.0}))
+    assert planner.measure_steps() == {"1": 30.0, "64": 92.0} and planner.executor.calls == 2  # the fastest of each
+    stuck = CompilePlanner(EngineConfig(model=STORIES), BusyThenQuietExecutor({1: 505.0, 64: 92.0}))
+    assert stuck.measure_steps() == {"1": 505.0, "64": 92.0} and stuck.executor.calls == 3  # kept after 3 tries
+
+
 @pytest.mark.parametrize(("value", "mode"), [(True, "true"), (False, "false"), ("auto", "auto"), ("false", "false")])
 def test_config_normalizes_the_mode(value, mode):
     assert EngineConfig(model="m", compile=value).compile == mode
