@@ -23,11 +23,14 @@ Before every throughput and batch-1 generate both engines drop their prefix cach
 and the batch-1 prompt is prefilled, not found in the cache (until the eighth pass it was cached).
 ``ratio`` = servelab / vLLM (tok/s), vLLM / servelab (ms/token), i.e. > 1 means servelab is faster,
 for each servelab mode (``--servelab-modes default,eager,compiled``) against each vLLM mode.
-``default`` is ``LLM(model)`` as a user gets it (``dtype="auto"``, ``compile="auto"``), told the whole
-run's output-token budget up front (``LLMEngine.maybe_compile``, as ``run.py`` tells it its workload),
-so ``engine.compile=auto`` compiles, before anything is timed, exactly when that budget passes the
-break-even; ``eager`` and ``compiled`` force ``--dtype`` and ``compile=False``/``True``. vLLM's
-``compiled`` mode is its default.
+``default`` is ``LLM(model)`` as a user gets it (``dtype="auto"``, ``compile="auto"``), told the
+throughput generate's output-token budgets and the number of repeats up front
+(``LLMEngine.maybe_compile(out_lens, repeats)``, as ``run.py`` tells it its workload), so
+``engine.compile=auto`` compiles, before anything is timed, exactly when that work passes the
+break-even; each later generate is told its budgets again before its timer starts (what the generate
+itself would tell the engine), so a compile the decode steps run so far make pay (the batch-1 part)
+stays outside the timings too. ``eager`` and ``compiled`` force ``--dtype`` and
+``compile=False``/``True``. vLLM's ``compiled`` mode is its default.
 
 Both engines get the same ``enable_prefix_caching`` (``--prefix-caching``, default ``on``: both
 engines' default; up to the seventh pass vLLM ran with its default and servelab with it off). The
@@ -195,11 +198,14 @@ def servelab_llm(model: str, dtype: str, attention: str, prefix_caching: bool, c
         token ids)`` on it (greedy, ``ignore_eos``).
     """
     from framework import LLM, SamplingParams
+    from framework.engine.compile_policy import output_budget
 
     llm = LLM(model=model, dtype=dtype, attention=attention, enable_prefix_caching=prefix_caching, compile=compile)
 
     def generate(ps: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+        # engine.compile=auto decides (and compiles) here, outside the timing; generate's own call then agrees
+        llm.engine.maybe_compile([output_budget(n, p, llm.engine.max_model_len) for p, n in zip(ps, lens)])
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
@@ -215,7 +221,8 @@ def start_servelab(model: str, prompts: list[list[int]], out_lens: list[int], ar
                    mode: str = "eager") -> tuple[Any, Any]:
     """servelab's ``LLM`` in this process, warmed up (:func:`servelab_llm`): ``mode`` ``eager`` /
     ``compiled`` (``--dtype``, engine.compile false / true) or ``default`` (``dtype`` and ``compile``
-    ``auto``; the engine is told the run's whole output-token budget before the repeats).
+    ``auto``; the engine is told the run's throughput budgets and repeats up front, and each generate's
+    budgets before it is timed).
 
     Returns:
         ``(run_repeat, engine)``: a function doing one :func:`one_repeat` on it, and its ``LLMEngine``.
@@ -223,7 +230,10 @@ def start_servelab(model: str, prompts: list[list[int]], out_lens: list[int], ar
     dtype, compile = ("auto", "auto") if mode == "default" else (args.dtype, mode == "compiled")
     llm, generate = servelab_llm(model, dtype, args.attention, args.prefix_caching == "on", compile, prompts)
     if mode == "default":
-        llm.engine.maybe_compile(args.repeats * sum(out_lens), len(out_lens))
+        from framework.engine.compile_policy import output_budget
+
+        max_len = llm.engine.max_model_len
+        llm.engine.maybe_compile([output_budget(n, p, max_len) for p, n in zip(prompts, out_lens)], repeats=args.repeats)
     return (lambda: one_repeat(generate, prompts, out_lens, args.batch1_tokens,
                                llm.engine.scheduler.kv.reset_prefix_cache)), llm.engine
 

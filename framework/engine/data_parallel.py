@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
+from collections.abc import Sequence
 
 from framework.config import EngineConfig
 from framework.core.clock import Clock
@@ -207,12 +207,14 @@ class DataParallelEngine:
         """Token ids of ``prompt`` (``LLMEngine.tokenize``)."""
         return self.replicas[0].tokenize(prompt)
 
-    def maybe_compile(self, planned_output_tokens: int | None, planned_requests: int = 1) -> CompileDecision:
-        """``LLMEngine.maybe_compile`` on every live replica, each with its share of the planned work; returns
-        the first replica's decision."""
-        n = max(len(self.live_replicas()), 1)
-        share = None if planned_output_tokens is None else math.ceil(planned_output_tokens / n)
-        decisions = [r.maybe_compile(share, math.ceil(planned_requests / n)) for r in self.live_replicas()]
+    def maybe_compile(self, planned_budgets: Sequence[int] | None, repeats: int = 1) -> CompileDecision:
+        """``LLMEngine.maybe_compile`` on every live replica, each with its share of the planned work (the
+        output-token budgets dealt round-robin, as a balanced router spreads requests); returns the first
+        replica's decision."""
+        live = self.live_replicas()
+        n = max(len(live), 1)
+        decisions = [r.maybe_compile(None if planned_budgets is None else list(planned_budgets)[i::n], repeats)
+                     for i, r in enumerate(live)]
         return decisions[0] if decisions else self.replicas[0].compile_decision
 
     def check_health(self) -> None:

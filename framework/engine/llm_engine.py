@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from collections.abc import Sequence
 from numbers import Integral
 from typing import Any
 
@@ -68,6 +70,8 @@ class LLMEngine:
         self._compiling: dict[str, Request] = {}
         self.parallel = ParallelRequests()  # n > 1 requests and their sequences
         self._compile_checked = False  # maybe_compile ran once (its first eager verdict is logged at INFO)
+        # decode steps run eagerly so far, by batch size (requests sampled in the step): auto's past saving
+        self._eager_steps: Counter[int] = Counter()
         # the ranks compiled at start-up (engine.compile=true; a server's build defers it to maybe_compile)
         stats = executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
         self._decoder_compiled = bool(stats.enabled)
@@ -210,22 +214,26 @@ class LLMEngine:
         return self._to_caller(self._fail_all(error))
 
     # ---- compilation ------------------------------------------------------------------
-    def maybe_compile(self, planned_output_tokens: int | None, planned_requests: int = 1) -> CompileDecision:
+    def maybe_compile(self, planned_budgets: Sequence[int] | None, repeats: int = 1) -> CompileDecision:
         """``engine.compile=auto``: compile the decoder now if the work about to start is expected to save
         more than the compile costs on this machine (``framework/engine/compile_policy.py``, numbers from
         ``framework/engine/compile_calibration.py``); engines built with ``true``/``false``, or compiled
         already, keep their decision.
 
         Entry points call it before adding a batch of requests: ``LLM.generate`` with the call's
-        ``max_tokens`` budget and number of requests, the offline runner with its workload's, the server
-        with ``None``. The warm-up (and the first decision's eager step measurement) writes dummy K/V,
-        so the prefix cache is dropped first; while a request holds KV blocks the compile is put off to
-        the next call (reason logged).
+        requests' output-token budgets, the offline runner with its workload's, the server with
+        ``None``. The saving counts the decode steps those budgets run (batch shrinking as requests
+        finish, ``compile_policy.decode_schedule``) plus the steps this engine ran eagerly so far. The
+        warm-up (and the first decision's eager step measurement) writes dummy K/V, so the prefix cache
+        is dropped first; while a request holds KV blocks the compile is put off to the next call
+        (reason logged).
 
         Args:
-            planned_output_tokens: output-token budget of the work about to start, tokens; ``None``
-                for open-ended work (a server).
-            planned_requests: requests in that work (its decode batch size, capped by ``max_num_seqs``).
+            planned_budgets: output-token budget of each request of the work about to start, tokens
+                (``compile_policy.output_budget``; ``n`` samples count ``n`` times); ``None`` for
+                open-ended work (a server).
+            repeats: that work runs this many times in a row (a benchmark's repeats; a loop of ``generate``
+                calls that cannot say so up front is caught by the steps run so far).
 
         Returns:
             The decision in force (also in ``metrics.json`` as ``compile_reason``, ``compile_estimate``).
@@ -240,8 +248,7 @@ class LLMEngine:
         if self.config.compile == "true":  # deferred by the build (a server compiles while answering /health)
             decision = CompileDecision(True, "engine.compile=true: compiled before the first request")
         else:  # measuring steps writes dummy K/V too: only on an engine made idle (prefix cache dropped)
-            decision = self.compile_planner.decide(planned_output_tokens, planned_requests,
-                                                   self.metrics.num_generated_tokens, self._make_idle)
+            decision = self.compile_planner.decide(planned_budgets, self._eager_steps, self._make_idle, repeats)
         if decision.compile and not self._make_idle():
             decision = CompileDecision(False, "engine.compile=auto: compile put off, requests still hold KV "
                                               "blocks (the warm-up writes dummy K/V)", decision.estimate)
@@ -487,6 +494,8 @@ class LLMEngine:
             num_accepted_tokens=sum(runner_out.num_accepted_tokens.values()), draft_s=draft_s,
         )
         self.num_steps += 1
+        if updated and not self._decoder_compiled:
+            self._eager_steps[len(updated)] += 1
         self.metrics.observe_step(stats)
         if sched_out.scheduled_spec_decode_tokens:
             self.metrics.observe_draft_positions(sched_out.scheduled_spec_decode_tokens, runner_out.num_accepted_tokens)

@@ -14,6 +14,7 @@ from framework.core.faults import EngineDeadError
 from framework.core.outputs import CompletionOutput, RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.builder import build_engine
+from framework.engine.compile_policy import output_budget
 from framework.engine.llm_engine import LLMEngine
 from framework.engine.watchdog import StepWatchdog
 
@@ -95,7 +96,8 @@ class LLM:
         for p in params:
             p.validate()
         max_len = self.engine.max_model_len
-        self.engine.maybe_compile(sum(p.n * min(p.max_tokens or max_len, max_len) for p in params), len(params))
+        self.engine.maybe_compile([output_budget(p.max_tokens, self._unpack(prompt)[1], max_len, self.engine.tokenize)
+                                   for prompt, p in zip(prompts, params) for _ in range(p.n)])
         # only final outputs are kept here: don't build per-step outputs (vLLM's LLM does the same)
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
 

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
+from framework.engine.compile_policy import output_budget
 from framework.workloads.workload import WorkloadItem
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def run_workload(engine: Any, items: list[WorkloadItem], default_sampling: Sampl
                  progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run ``items`` through ``engine`` until every request finished.
 
-    Before the run, ``engine.maybe_compile`` sees the workload's output-token budget (``engine.compile=auto``
+    Before the run, ``engine.maybe_compile`` sees each request's output-token budget (``engine.compile=auto``
     compiles here when it passes the break-even; the warm-up is reported as ``compile_s``, outside
     ``duration_s``). Items arrive at ``run start + arrival_time_s`` (``None`` = at start; the loop sleeps while the
     engine is idle and the next arrival lies ahead). Time is the engine's clock (``engine.clock``): wall time,
@@ -74,8 +75,10 @@ def run_workload(engine: Any, items: list[WorkloadItem], default_sampling: Sampl
     labels = engine.metrics.run_labels  # simulated, sim_profile: on every record
     num_rejected = 0
     max_len = engine.max_model_len
-    engine.maybe_compile(sum(min(item.max_tokens or default_sampling.max_tokens or max_len, max_len) for item in items),
-                         len(items))
+    engine.maybe_compile([output_budget(default_sampling.max_tokens if item.max_tokens is None else item.max_tokens,
+                                        item.prompt_token_ids if item.prompt_token_ids is not None else item.prompt,
+                                        max_len, engine.tokenize)
+                          for item in items for _ in range(default_sampling.n)])
     clock = engine.clock  # wall time, or a simulator's virtual time (idle waits jump over)
     t0 = clock.now()
     with _progress(progress, len(items)) as advance:

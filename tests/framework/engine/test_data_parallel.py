@@ -106,3 +106,14 @@ def test_simulated_replicas_run_on_virtual_time_and_cache_aware_routing_hits_the
     assert rr["simulated"] and rr["data_parallel_size"] == 3
     assert sum(r["num_routed"] for r in rr["replicas"]) == 32
     assert cache["prefix_cache_hit_rate"] > rr["prefix_cache_hit_rate"]
+
+
+def test_compile_budgets_are_dealt_round_robin_to_the_replicas(monkeypatch):
+    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router="round_robin")
+    told = {0: [], 1: []}
+    for i, replica in enumerate(llm.engine.replicas):
+        monkeypatch.setattr(replica, "maybe_compile",
+                            lambda budgets, repeats=1, i=i, r=replica: told[i].append((budgets, repeats)) or r.compile_decision)
+    llm.engine.maybe_compile([1, 2, 3, 4, 5], repeats=2)
+    llm.engine.maybe_compile(None)
+    assert told == {0: [([1, 3, 5], 2), (None, 1)], 1: [([2, 4], 2), (None, 1)]}

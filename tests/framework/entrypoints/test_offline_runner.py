@@ -24,12 +24,14 @@ class FakeEngine:
         self.metrics = MetricsCollector()
         self.active: dict[str, dict] = {}
         self.added: list[tuple[str, object, SamplingParams, int, float]] = []
-        self.planned: list[int | None] = []  # what maybe_compile was told, before any request
+        self.planned: list[list[int] | None] = []  # the budgets maybe_compile was told, before any request
 
-    def maybe_compile(self, planned_output_tokens, planned_requests=1):
+    def maybe_compile(self, planned_budgets, repeats=1):
         assert not self.added, "compile decided after requests were added"
-        self.planned.append(planned_output_tokens)
-        self.planned_requests = planned_requests
+        self.planned.append(planned_budgets)
+
+    def tokenize(self, prompt):
+        return [ord(c) for c in prompt]
 
     def add_request(self, request_id, prompt, sampling_params, priority=0, arrival_time=None, client_id=None):
         ids = prompt if isinstance(prompt, list) else [ord(c) for c in prompt]
@@ -68,7 +70,7 @@ def test_records_in_input_order_with_rejections(caplog):
              WorkloadItem("c", prompt=None, prompt_token_ids=[5, 6], priority=2)]
     records, summary = run_workload(engine, items, SamplingParams(temperature=0.0, max_tokens=2), progress=False)
     assert [r["request_id"] for r in records] == ["a", "b", "c"]
-    assert engine.planned == [3 + 2 + 2] and engine.planned_requests == 3  # the budget, told once before the run
+    assert engine.planned == [[3, 2, 2]]  # each request's budget, told once before the run
     a, b, c = records
     assert a["token_ids"] == [7, 7, 7] and a["finish_reason"] == "length" and a["error"] is None
     assert a["metrics"]["num_output_tokens"] == 3 and a["text"] == "xxx" and a["prompt"] == "hi"

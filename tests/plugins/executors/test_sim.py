@@ -211,7 +211,7 @@ def test_compile_auto_keeps_a_simulated_engine_on_its_profile(tmp_path):
     """engine.compile=auto on executor=sim measures nothing and compiles nothing: the step times are the
     profile's (a real engine's auto would time eager decode steps on the rank)."""
     engine = _engine(tmp_path, compile="auto")
-    decision = engine.maybe_compile(10**9, 64)
+    decision = engine.maybe_compile([4096] * 64)
     assert decision.compile is False and "simulates the model" in decision.reason
     assert engine.metrics.compile_stats.current().active is False
     engine.shutdown()
