@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from framework.core.request import Request
-from framework.worker.sampler import Sampler, apply_logit_bias, apply_min_tokens, apply_penalties
+from framework.worker.sampler import Sampler, apply_logit_bias, apply_min_tokens, apply_penalties, inverse_cdf_sample
 
 
 @dataclass
@@ -149,7 +149,7 @@ class RejectionSampler:
             q: (k, vocab) float32 draft probabilities, or None (one-hot on the drafts).
 
         Randomness comes from the request's generator when seeded (k uniforms, then one
-        exponential race), else from the engine generator, so seeded runs are reproducible.
+        inverse-CDF draw), else from the engine generator, so seeded runs are reproducible.
         """
         k = len(drafts)
         gen = request.generator if request.generator is not None else self.sampler.generator
@@ -172,8 +172,7 @@ class RejectionSampler:
             dist = residual
         else:
             dist = p_cpu[k]
-        race = torch.empty(dist.shape[0]).exponential_(generator=gen).clamp_min_(torch.finfo(torch.float32).tiny)
-        token = int((dist / race).argmax())
+        token = int(inverse_cdf_sample(dist.unsqueeze(0), torch.rand(1, dtype=torch.float64, generator=gen))[0])
         return drafts[:a] + [token]
 
     @staticmethod

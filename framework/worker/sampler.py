@@ -7,8 +7,11 @@ Pipeline, vectorized over the batch (only per-request loops, never per-token one
 2. ``min_tokens``: mask the stop ids while a request is too short; ``logit_bias``: add each request's biases;
 3. repetition / presence / frequency penalties;
 4. greedy rows: argmax;
-5. random rows: temperature, min-p, top-k, top-p, then an exponential race (``argmax(p / q)``,
-   ``q ~ Exp(1)``), which lets seeded rows draw ``q`` from their own generator.
+5. random rows: temperature, min-p, top-k, top-p, then inverse-CDF sampling (:func:`inverse_cdf_sample`: one
+   uniform per row against the row's cumulative probabilities), which lets seeded rows draw their uniform from
+   their own generator. vLLM's exponential race (``argmax(p / q)``, ``q ~ Exp(1)``) draws one random number per
+   vocabulary entry, and ATen draws them serially from a ``torch.Generator`` (~19 ns each here): 23 ms per
+   step for 25 rows of SmolLM2's 49,152 ids, against 1.8 ms for the cumulative sums.
 
 The semantics reference throughout is vLLM (``vllm/v1/sample/sampler.py``,
 ``vllm/v1/sample/ops/topk_topp_sampler.py``, ``vllm/model_executor/layers/utils.py``).
@@ -79,6 +82,23 @@ def greedy_argmax(logits: torch.Tensor) -> list[int]:
         within = blocks[torch.arange(rows, device=chunk.device), first].argmax(dim=1)
         out.append(first * block + within)
     return torch.cat(out).tolist()
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse-transform sampling: the first id whose cumulative probability exceeds
+    ``u * total`` (the method of ``torch.multinomial`` with one draw; Devroye, *Non-Uniform Random Variate
+    Generation*, 1986, Sec. 2.1). Ids of probability 0 are never chosen.
+
+    Args:
+        probs: (num_rows, vocab) non-negative weights (need not sum to 1), any float dtype.
+        u: (num_rows,) float64 uniforms in [0, 1), on ``probs.device``.
+
+    Returns:
+        (num_rows,) int64 token ids on ``probs.device``.
+    """
+    cdf = probs.double().cumsum(dim=1)  # float64: the tail of a 150k-id vocabulary keeps its mass
+    ids = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    return ids.clamp_max_(probs.shape[1] - 1)
 
 
 def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -312,14 +332,13 @@ class Sampler:
         return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Temperature, min-p, top-k/top-p and an exponential race over every row.
+        """Temperature, min-p, top-k/top-p and inverse-CDF sampling over every row.
 
-        Greedy rows run with temperature 1 and draw no random numbers; the caller overwrites their
+        Greedy rows run with temperature 1 and draw no random number; the caller overwrites their
         result. Returns (num_reqs,) int64 token ids on ``logits.device``.
         """
         probs = self.processed_probs(logits, requests)
-        q = self._exponential(requests, probs.shape[1]).to(probs.device)
-        return (probs / q).argmax(dim=1)
+        return inverse_cdf_sample(probs, self._uniform(requests).to(probs.device))
 
     def processed_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Probabilities after temperature, min-p and top-k/top-p (greedy rows: temperature 1).
@@ -347,24 +366,20 @@ class Sampler:
                                        self._param(params, "top_p", device))
         return logits.softmax(dim=1)
 
-    def _exponential(self, requests: list[Request], vocab: int) -> torch.Tensor:
-        """(num_reqs, vocab) float32 CPU ``Exp(1)`` draws for the exponential race.
+    def _uniform(self, requests: list[Request]) -> torch.Tensor:
+        """(num_reqs,) float64 CPU ``U[0, 1)`` draws, one per random row.
 
-        Argmax of ``p_i / q_i`` with ``q_i ~ Exp(1)`` picks ``i`` with probability ``p_i`` (the
-        Gumbel-max trick in another guise; vLLM's ``random_sample``). Seeded rows draw from their
-        own generator, one row at a time, so their tokens do not depend on the rest of the batch;
-        unseeded random rows draw from the engine generator in one call; greedy rows draw nothing.
+        Seeded rows draw from their own generator, so their tokens do not depend on the rest of the
+        batch; unseeded random rows draw from the engine generator in one call; greedy rows draw nothing.
         """
-        q = torch.ones(len(requests), vocab, dtype=torch.float32)
-        unseeded = [i for i, r in enumerate(requests)
-                    if r.generator is None and not r.sampling_params.greedy]
+        u = torch.zeros(len(requests), dtype=torch.float64)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None and not r.sampling_params.greedy]
         if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self.generator)
+            u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=self.generator)
         for i, request in enumerate(requests):
             if request.generator is not None and not request.sampling_params.greedy:
-                q[i].exponential_(generator=request.generator)
-        # exponential_ can return exactly 0 in float32; keep the division finite
-        return q.clamp_min_(torch.finfo(torch.float32).tiny)
+                u[i] = torch.rand(1, dtype=torch.float64, generator=request.generator)
+        return u
 
     @staticmethod
     def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, token_ids: list[int],

@@ -285,3 +285,18 @@ def test_extreme_but_valid_parameters_sample_allowed_tokens() -> None:
 def test_float32_overflowing_parameters_are_refused(kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_inverse_cdf_sample_follows_the_weights_and_never_picks_a_zero():
+    from framework.worker.sampler import inverse_cdf_sample
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]])
+    edges = torch.tensor([0.0, 0.4999, 0.5, 0.7999, 0.8, 0.999999], dtype=torch.float64)
+    picked = inverse_cdf_sample(probs.expand(len(edges), -1), edges).tolist()
+    assert picked == [1, 1, 3, 3, 4, 4]  # interval boundaries; ids of weight 0 never come out
+    g = torch.Generator().manual_seed(0)
+    n = 40_000
+    draws = inverse_cdf_sample(probs.expand(n, -1), torch.rand(n, dtype=torch.float64, generator=g))
+    freq = torch.bincount(draws, minlength=6).double() / n
+    assert torch.allclose(freq, probs[0].double(), atol=0.01), freq  # 4-sigma at n = 40k is ~0.01
+    assert inverse_cdf_sample(torch.tensor([[2.0, 6.0]]), torch.tensor([0.3], dtype=torch.float64)).item() == 1
