@@ -97,7 +97,8 @@ def run_hf(args: argparse.Namespace, tasks_dir: Path) -> tuple[dict, dict, float
     t0 = time.perf_counter()
     out = lm_eval.simple_evaluate(
         model="hf", model_args={"pretrained": resolve_model_path(args.model), "dtype": args.dtype, "device": "cpu"},
-        tasks=list(TASKS), task_manager=TaskManager(include_path=str(tasks_dir)), batch_size=args.hf_batch_size,
+        tasks=list(TASKS), task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),  # local only
+        batch_size=args.hf_batch_size,
         log_samples=True, random_seed=1234, numpy_random_seed=1234, torch_random_seed=1234, fewshot_random_seed=1234)
     wall = time.perf_counter() - t0
     samples = {(t, s["doc_id"]): json.loads(json.dumps(s["resps"])) for t, rows in out["samples"].items() for s in rows}

@@ -18,6 +18,8 @@ if "TRITON_INTERPRET" not in os.environ and not __import__("torch").cuda.is_avai
 
 from helpers import STORIES, assert_all_blocks_free  # noqa: E402
 
+pytest_plugins = ["xdist_schedule"]  # file order and isolation under pytest-xdist (tests/xdist_schedule.py)
+
 XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if "PYTEST_XDIST_WORKER" in os.environ:  # pytest -n N: N test processes share the cores
     os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // XDIST_WORKERS))  # and subprocesses
@@ -31,38 +33,13 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-@pytest.fixture(autouse=True)
-def xdist_isolation(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Under pytest-xdist, a test marked ``isolated`` (it checks machine-wide state such as ``/dev/shm``, or
-    timing on the scale of seconds: heartbeats, deadlines)
-    runs while no other test does: a readers-writer lock over two files shared by the test processes
-    (every test holds the main lock shared, an isolated one exclusively; the turnstile lets a waiting
-    isolated test in before new shared holders, so it cannot starve). Serial runs skip it."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        yield
-        return
-    import fcntl
-    import tempfile
-    from pathlib import Path
-
-    base = Path(tempfile.gettempdir()) / f"servelab-xdist-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}"
-    exclusive = request.node.get_closest_marker("isolated") is not None
-    with open(f"{base}.turnstile", "a+") as turnstile, open(f"{base}.lock", "a+") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``gpu``-marked tests without CUDA, naming what they would check."""
+    """Order the test files for pytest-xdist (``xdist_schedule.order_files``); skip ``gpu``-marked tests
+    without CUDA, naming what they would check."""
     import torch
+    from xdist_schedule import order_files
 
+    order_files(items)
     if torch.cuda.is_available():
         return
     for item in items:

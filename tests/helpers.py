@@ -8,6 +8,11 @@ REPO = Path(__file__).resolve().parents[1]
 STORIES = str(REPO / "models" / "stories260K")
 STORIES_DRAFT = str(REPO / "models" / "stories260K-draft")
 STORIES_EAGLE = str(REPO / "models" / "stories260K-eagle")  # EAGLE-1 head for stories260K (experiments/train_eagle.py)
+#: ``run.py`` override for a subprocess run (``attention=torch_paged``, the default) whose subject is not the attention
+#: kernel: the kernel runs eagerly instead of being compiled at start-up, ~5 s of dynamo and inductor per process on
+#: 2 cores. The compiled kernel keeps its tests: ``tests/plugins/attention/test_torch_paged.py``, the compile tests
+#: and the README's commands as a user types them (``tests/test_first_screen.py``).
+EAGER_KERNEL = "attention.params.compile=false"
 
 
 def make_random_weight_model(path, tokenizer_from: str = STORIES, seed: int = 0) -> str:

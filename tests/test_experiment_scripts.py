@@ -11,7 +11,7 @@ import json
 import sys
 
 import pytest
-from helpers import REPO, STORIES
+from helpers import EAGER_KERNEL, REPO, STORIES
 
 from framework import LLM, SamplingParams
 
@@ -228,7 +228,7 @@ def test_soak_serving_smoke(tmp_path, capsys):
     out = tmp_path / "soak.json"
     result = soak_serving.main(["--model", "stories260K", "--duration-s", "4", "--concurrency", "4",
                                 "--burst-every-s", "2", "--burst-size", "8", "--max-tokens", "12",
-                                "--json-out", str(out), "--", "engine.compile=false"])  # eager: not a compile test
+                                "--json-out", str(out), "--", "engine.compile=false", EAGER_KERNEL])  # eager: not a compile test
     assert result["ok"], result
     assert result["num_requests"] > 0 and result["outcomes"]["unexpected"] == 0 and out.is_file()
     assert "rss_growth_mib_per_1k_requests" in json.loads(out.read_text())

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import STORIES
+from helpers import EAGER_KERNEL, STORIES
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "servelab-plugin-example"
@@ -30,7 +30,7 @@ def test_example_package_installs_runs_passes_conformance_and_uninstalls_cleanly
     pip("install", "--no-deps", "--no-build-isolation", str(EXAMPLE))
     try:
         proc = run("run.py", "model=stories260K", "scheduler=lifo", "kv_cache=peak_paged", "tracker=none",
-                   "workload.limit=3", "sampling.max_tokens=4", f"hydra.run.dir={tmp_path / 'run'}")
+                   "workload.limit=3", "sampling.max_tokens=4", EAGER_KERNEL, f"hydra.run.dir={tmp_path / 'run'}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         record = json.loads((tmp_path / "run" / "run_record.json").read_text())
         assert record["plugins"]["scheduler"]["name"] == "lifo"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import EAGER_KERNEL
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Once upon a time", "The little dog ran to the park and", "Lily wanted to play with her friend Tom."]
 
@@ -15,7 +17,7 @@ PROMPTS = ["Once upon a time", "The little dog ran to the park and", "Lily wante
 def run_cli(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_SILENT": "true"}
     env.pop("WANDB_MODE", None)  # the tracker's mode comes from the config
-    return subprocess.run([sys.executable, "run.py", *overrides], cwd=REPO, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "run.py", EAGER_KERNEL, *overrides], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import EAGER_KERNEL
 from wandb_offline import offline_run_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 GRID = ("model=stories260K", "scheduler=fcfs,priority", "engine.max_num_seqs=2,8", "sampling.max_tokens=8",
-        "workload.limit=3")
+        "workload.limit=3", EAGER_KERNEL)
 
 
 def servelab(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -29,10 +30,17 @@ def token_ids(run_dir: Path) -> list[list[int]]:
     return [json.loads(line)["token_ids"] for line in (run_dir / "outputs.jsonl").read_text().splitlines()]
 
 
-def check_results(sweep: Path, num_jobs: int = 4, swept: tuple[str, ...] = ("scheduler.name", "engine.max_num_seqs")) -> None:
-    """``servelab results`` on a sweep: one row per job (``num_jobs``), the swept keys as columns."""
-    proc = servelab("results", str(sweep), "--plot", "prefix_cache_hit_rate")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def check_results(sweep: Path, num_jobs: int = 4, swept: tuple[str, ...] = ("scheduler.name", "engine.max_num_seqs"),
+                  cli: bool = True) -> None:
+    """``servelab results`` on a sweep (``cli=False``: its ``main`` in this process, the command's start-up
+    being checked once already): one row per job (``num_jobs``), the swept keys as columns."""
+    if cli:
+        proc = servelab("results", str(sweep), "--plot", "prefix_cache_hit_rate")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        from framework.metrics.results import main as results_main
+
+        assert results_main([str(sweep), "--plot", "prefix_cache_hit_rate"]) == 0
     out = sweep / "results"
     header = (out / "results.csv").read_text().splitlines()[0].split(",")
     assert header[:1 + len(swept)] == ["job", *swept] and "output_throughput" in header
@@ -72,11 +80,11 @@ def test_joblib_launcher_sweep_with_tensor_parallel_jobs(tmp_path):
     (their spawn must not inherit loky's start method); ~55 s here."""
     sweep = tmp_path / "sweep"
     proc = servelab("-m", "model=stories260K", "scheduler=fcfs,priority", "parallel.tensor_parallel_size=2",
-                    "sampling.max_tokens=4", "workload.limit=3", "tracker=none", "hydra/launcher=joblib",
+                    "sampling.max_tokens=4", "workload.limit=3", "tracker=none", "hydra/launcher=joblib", EAGER_KERNEL,
                     "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in sweep.iterdir() if (p / "metrics.json").is_file()) == ["0", "1"]
-    check_results(sweep, num_jobs=2, swept=("scheduler.name",))
+    check_results(sweep, num_jobs=2, swept=("scheduler.name",), cli=False)
 
 
 def test_results_on_a_missing_dir_fails_clearly(tmp_path):
@@ -94,4 +102,4 @@ def test_local_ray_launcher_sweep(tmp_path):
     proc = servelab("-m", *GRID, "tracker=none", "hydra/launcher=ray", f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in sweep.iterdir() if (p / "metrics.json").is_file()) == ["0", "1", "2", "3"]
-    check_results(sweep)
+    check_results(sweep, cli=False)

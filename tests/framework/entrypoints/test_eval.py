@@ -14,7 +14,7 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("fastapi")
-from helpers import REPO, STORIES  # noqa: E402
+from helpers import EAGER_KERNEL, REPO, STORIES  # noqa: E402
 
 from framework.entrypoints.eval import flat_scores, local_task_configs, resolve_tasks  # noqa: E402
 
@@ -26,7 +26,7 @@ def run_servelab_eval(tmp_path, *overrides: str) -> tuple[dict, dict]:
     """``servelab eval`` as a user runs it; returns (metrics.json, resps by (task, doc_id))."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "framework.entrypoints.cli", "eval", "engine.compile=false", "tracker=none",
+    cmd = [sys.executable, "-m", "framework.entrypoints.cli", "eval", "engine.compile=false", EAGER_KERNEL, "tracker=none",
            f"eval.tasks=[{','.join(TASKS)}]", f"hydra.run.dir={run_dir}", *overrides]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -44,7 +44,8 @@ def run_hf(model_path: str) -> tuple[dict, dict]:
 
     configs = local_task_configs([REPO / "data" / "eval_tasks"])
     out = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": model_path, "dtype": "float32", "device": "cpu"},
-                                  tasks=[configs[t] for t in TASKS], task_manager=TaskManager(), batch_size=1,
+                                  tasks=[configs[t] for t in TASKS], task_manager=TaskManager(include_defaults=False),
+                                  batch_size=1,
                                   log_samples=True, random_seed=1234, numpy_random_seed=1234, torch_random_seed=1234,
                                   fewshot_random_seed=1234)
     samples = {(task, s["doc_id"]): s["resps"] for task, rows in out["samples"].items() for s in rows}
@@ -111,7 +112,7 @@ def test_sweep_reports_accuracy_beside_throughput(tmp_path):
 
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "framework.entrypoints.cli", "eval", "-m", "kv_cache=paged,radix",
-           f"model.path={STORIES}", "engine.compile=false", "tracker=none", "eval.tasks=[servelab_mc]", "eval.limit=4",
+           f"model.path={STORIES}", "engine.compile=false", EAGER_KERNEL, "tracker=none", "eval.tasks=[servelab_mc]", "eval.limit=4",
            f"hydra.sweep.dir={sweep}"]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
                           capture_output=True, text=True, timeout=600)

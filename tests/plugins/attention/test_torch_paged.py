@@ -103,18 +103,22 @@ def test_random_batches_match_reference(spec, gqa, bs, seed):
 
 
 def test_size_rule_picks_the_path():
-    """Decodes go in place from ``min_paged_decodes`` of them; chunks never unless ``paged_prefill``."""
-    args = (4, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"))
+    """Decodes go in place from ``min_paged_decodes`` of them; chunks never unless ``paged_prefill`` (the
+    metadata only: no kernel is compiled)."""
+    def backend(**kwargs) -> TorchPagedAttentionBackend:
+        return TorchPagedAttentionBackend(4, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"), compile=False,
+                                          **kwargs)
+
     spec, tables, slots = [(5, 1), (3, 1), (0, 3)], [[0, 1], [2], [3]], [5, 3 + 8, 12, 13, 14]
     common = _common(spec, tables, slots, 4)
-    step = TorchPagedAttentionBackend(*args, min_paged_decodes=2).build_metadata(common)
+    step = backend(min_paged_decodes=2).build_metadata(common)
     assert step.num_paged_tokens == 2 and step.paged.kv.num_partitions.shape[0] == 2 and step.reference is not None
-    step = TorchPagedAttentionBackend(*args, min_paged_decodes=3).build_metadata(common)
+    step = backend(min_paged_decodes=3).build_metadata(common)
     assert step.num_paged_tokens == 0 and step.paged is None
-    step = TorchPagedAttentionBackend(*args, paged_prefill=True).build_metadata(common)
+    step = backend(paged_prefill=True).build_metadata(common)
     assert step.num_paged_tokens == 5 and step.reference is None
     with pytest.raises(ValueError, match="min_paged_decodes"):
-        TorchPagedAttentionBackend(*args, min_paged_decodes=0)
+        backend(min_paged_decodes=0)
 
 
 def test_compiled_matches_reference_without_recompiles():
@@ -139,7 +143,7 @@ def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
         raise RuntimeError("no C++ compiler")
 
     backend = TorchPagedAttentionBackend(4, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"),
-                                         paged_prefill=True)
+                                         compile=False, paged_prefill=True)  # any kernel but the eager one may fail
     monkeypatch.setattr(backend, "_fn", broken)
     spec, tables, slots = [(0, 3)], [[0]], [0, 1, 2]
     cache = torch.zeros(backend.get_kv_cache_shape(2))

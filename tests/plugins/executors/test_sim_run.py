@@ -9,10 +9,10 @@ import os
 import subprocess
 import sys
 
-from helpers import REPO
+from helpers import EAGER_KERNEL, REPO
 from sim_helpers import linear_profile
 
-COMMON = ["model=stories260K", "engine.compile=false", "workload=random", "workload.num_prompts=6",
+COMMON = ["model=stories260K", "engine.compile=false", EAGER_KERNEL, "workload=random", "workload.num_prompts=6",
           "workload.input_len_max=64", "workload.output_len_max=24", "sampling.ignore_eos=true", "ui=none"]
 
 

@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 psutil = pytest.importorskip("psutil")
-from helpers import REPO, STORIES, STORY_PROMPTS, free_port, resources_gone, wait_healthy  # noqa: E402
+from helpers import EAGER_KERNEL, REPO, STORIES, STORY_PROMPTS, free_port, resources_gone, wait_healthy  # noqa: E402
 
 MODEL = "stories260K"  # the served model name (model.path of conf/model/stories260K.yaml)
 
@@ -38,7 +38,7 @@ def test_two_replicas_serve_and_survive_one_replica_dying(tmp_path):
 
     port = free_port()
     cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "parallel.data_parallel_size=2",
-           "router=round_robin", "executor=mp", "engine.compile=false", f"server.port={port}", "tracker=none",
+           "router=round_robin", "executor=mp", "engine.compile=false", EAGER_KERNEL, f"server.port={port}", "tracker=none",
            "server.log_level=warning", f"hydra.run.dir={tmp_path / 'run'}"]
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,

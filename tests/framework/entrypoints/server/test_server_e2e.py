@@ -20,7 +20,7 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from helpers import REPO, STORIES, STORY_PROMPTS, free_port  # noqa: E402
+from helpers import EAGER_KERNEL, REPO, STORIES, STORY_PROMPTS, free_port  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 KEY = "test-key"
@@ -38,8 +38,8 @@ def server(tmp_path_factory):
     # engine.compile=false: under the default (auto) a server compiles at start-up; not what this tests
     # the engine core runs in its own process (server.engine_process=true, the default); scheduler=priority: the
     # request's priority crosses the process boundary (equal priorities schedule first-come first-served)
-    cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "engine.compile=false", f"server.port={port}",
-           "tracker=none", "scheduler=priority",
+    cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "engine.compile=false", EAGER_KERNEL,
+           f"server.port={port}", "tracker=none", "scheduler=priority",
            f"server.chat_template={tmp / 'chat.jinja'}", "server.log_level=warning", f"hydra.run.dir={tmp / 'run'}"]
     log = open(tmp / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from helpers import REPO, STORY_PROMPTS, assert_all_blocks_free, free_port, wait_healthy  # noqa: E402
+from helpers import EAGER_KERNEL, REPO, STORY_PROMPTS, assert_all_blocks_free, free_port, wait_healthy  # noqa: E402
 
 from framework import registry  # noqa: E402
 from framework.engine.async_llm import AsyncLLM  # noqa: E402
@@ -116,6 +116,7 @@ def test_forward_fault_fails_in_flight_requests_and_exits_nonzero(tmp_path):
     launcher.write_text(LAUNCHER)
     proc = subprocess.Popen([sys.executable, str(launcher), "model=stories260K", f"server.port={port}",
                              "tracker=none", "grammar=none", "server.log_level=warning", "engine.compile=false",  # not about compiling
+                             EAGER_KERNEL,
                              f"hydra.run.dir={tmp_path / 'run'}"],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -17,7 +17,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 psutil = pytest.importorskip("psutil")
-from helpers import REPO, STORIES, STORY_PROMPTS, free_port, wait_healthy  # noqa: E402
+from helpers import EAGER_KERNEL, REPO, STORIES, STORY_PROMPTS, free_port, wait_healthy  # noqa: E402
 
 
 @pytest.mark.isolated
@@ -27,7 +27,7 @@ def test_tp2_server_serves_then_exits_nonzero_when_a_worker_dies(tmp_path):
 
     port, shm_before = free_port(), set(os.listdir("/dev/shm"))
     cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "parallel.tensor_parallel_size=2",
-           "executor=mp", "engine.compile=false", f"server.port={port}", "tracker=none", "server.log_level=warning",
+           "executor=mp", "engine.compile=false", EAGER_KERNEL, f"server.port={port}", "tracker=none", "server.log_level=warning",
            f"hydra.run.dir={tmp_path / 'run'}"]
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,

@@ -1,0 +1,108 @@
+"""How the suite shares two pytest-xdist workers (``pytest -n 2 --dist loadfile``; a pytest plugin loaded by
+``tests/conftest.py``).
+
+* Order: xdist hands whole test files to the workers in collection order (``--no-loadscope-reorder`` in
+  pyproject's addopts; xdist would otherwise order files by their number of tests). Files holding ``isolated``
+  tests come first, so that those tests wait on each other rather than on a minute-long test of the other
+  worker; then the longest files by ``tests/durations.json`` (longest processing time first: a long file
+  handed out last keeps one worker busy while the other idles). A file missing from it counts as
+  ``UNKNOWN_FILE_S``.
+* Isolation: a test marked ``isolated`` (it checks machine-wide state such as ``/dev/shm``, or timing on the
+  scale of seconds: heartbeats, deadlines) runs while no other test does: a readers-writer lock over two files
+  shared by the test processes (every test holds the main lock shared, an isolated one exclusively; the
+  turnstile lets a waiting isolated test in before new shared holders, so it cannot starve). Consecutive
+  isolated tests of one worker keep the exclusive lock, waiting once. Serial runs take no lock.
+* ``--store-durations``: each test file's seconds (setup + call + teardown of its tests, as the run measured
+  them) are merged into ``tests/durations.json``; refresh it after adding or changing slow tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from collections.abc import Generator
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+DURATIONS = Path(__file__).with_name("durations.json")
+UNKNOWN_FILE_S = 10.0  # a file not in tests/durations.json yet: about the suite's median file
+_file_seconds: dict[str, float] = defaultdict(float)
+_held: dict[str, IO[str]] = {}  # "mode" -> "exclusive"/"shared" marker file, "lock" and "turnstile" handles
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--store-durations", action="store_true",
+                     help="merge each test file's seconds of this run into tests/durations.json")
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _isolated(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("isolated") is not None
+
+
+def order_files(items: list[pytest.Item]) -> None:
+    """Sort ``items`` in place: files with isolated tests first, then by recorded seconds, longest first; the
+    tests of a file keep their order (a stable sort on a per-file key)."""
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    with_isolated = {_file(item.nodeid) for item in items if _isolated(item)}
+    items.sort(key=lambda item: (_file(item.nodeid) not in with_isolated,
+                                 -seconds.get(_file(item.nodeid), UNKNOWN_FILE_S)))
+
+
+def _acquire(exclusive: bool) -> None:
+    import fcntl
+    import tempfile
+
+    base = Path(tempfile.gettempdir()) / f"servelab-xdist-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}"
+    turnstile, lock = open(f"{base}.turnstile", "a+"), open(f"{base}.lock", "a+")
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    finally:
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+    _held.update(lock=lock, turnstile=turnstile, exclusive=exclusive)
+
+
+def _release() -> None:
+    import fcntl
+
+    fcntl.flock(_held["lock"], fcntl.LOCK_UN)
+    _held["lock"].close()
+    _held["turnstile"].close()
+    _held.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    """Hold the isolation lock over the test's setup, call and teardown (module fixtures included)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    exclusive = _isolated(item)
+    if not (_held and _held["exclusive"] and exclusive):  # an exclusive lock kept from the previous test
+        _acquire(exclusive)
+    try:
+        yield
+    finally:
+        if not (exclusive and _isolated(nextitem)):
+            _release()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _file_seconds[_file(report.nodeid)] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """``--store-durations`` (the xdist controller, or a serial run): merge this run's files into the file."""
+    config = session.config
+    if not config.getoption("store_durations") or hasattr(config, "workerinput") or not _file_seconds:
+        return
+    stored = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    stored.update({name: round(seconds, 1) for name, seconds in _file_seconds.items()})
+    DURATIONS.write_text(json.dumps(dict(sorted(stored.items(), key=lambda kv: -kv[1])), indent=0) + "\n")
