@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "experiments"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from serve_vs_vllm import stop_server  # noqa: E402
 from time_to_healthy import poll_health  # noqa: E402
 
 ROUTERS = "round_robin,random,power_of_two,least_loaded,cache_aware,prefix_score"
@@ -73,12 +73,7 @@ def cell(args: argparse.Namespace, layout: str, router: str | None, workload: st
         after = scrape(base)
         bench = json.loads(result_file.read_text())
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(proc, log)
 
     def delta(key: str) -> float:
         return sum(v - before.get(k, 0.0) for k, v in after.items() if k.split("{")[0] == key)

@@ -108,14 +108,19 @@ def run_system(system: str, args: argparse.Namespace, model_path: str, workdir: 
                 print(f"{system:16s} rate={rate:4s} #{repeat}: {keep['output_throughput']:.1f} tok/s, TTFT p50 "
                       f"{keep['median_ttft_ms']:.0f} ms, ITL p50 {keep['median_itl_ms']:.1f} ms", flush=True)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
-        log.close()
+        stop_server(proc, log)
     return results
+
+
+def stop_server(proc: subprocess.Popen, log: Any) -> None:
+    """SIGINT (a server's graceful stop), SIGKILL after 60 s; closes its log file."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+    log.close()
 
 
 def main() -> None:

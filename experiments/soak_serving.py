@@ -70,14 +70,20 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def serve_child(overrides: list[str]) -> int:
     """The server process: ``servelab serve`` with the faulty plugins registered."""
-    from framework import registry
     from framework.entrypoints.cli import main
-    from framework.testing import faulty_plugins
 
     signal.signal(signal.SIGUSR1, _malloc_trim)  # the driver measures live memory: freed heap back to the OS first
+    register_faulty_plugins()
+    return main(["serve", *overrides]) or 0
+
+
+def register_faulty_plugins() -> None:
+    """The faulty drafter/grammar/hook plugins of ``framework.testing.faulty_plugins``, in this process."""
+    from framework import registry
+    from framework.testing import faulty_plugins
+
     registry.plugin_manager().register(faulty_plugins, name="soak-faulty-plugins")
     registry.plugin_manager().register(faulty_plugins.FaultyObserver(every=HOOK_FAULT_EVERY), name="soak-faulty-hooks")
-    return main(["serve", *overrides]) or 0
 
 
 def _malloc_trim(signum: int, frame: Any) -> None:
@@ -190,3 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+
+
+if __name__ == "__mp_main__":  # the server's engine-core process (spawned from the serve child) needs them too
+    register_faulty_plugins()

@@ -76,8 +76,8 @@ class XGrammar(Grammar):
         try:
             if kind == "json":
                 return self._compiler.compile_json_schema(spec, any_whitespace=self.any_whitespace)
-            if kind == "json_object":
-                return self._compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # an object, as vLLM's xgrammar backend (the builtin grammar takes any value)
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace)
             if kind == "regex":
                 return self._compiler.compile_regex(spec)
             if kind == "choice":
