@@ -188,10 +188,14 @@ class RayExecutor(Executor):
 
     def _check_pings(self, pings: dict[int, tuple[Any, float]], method: str) -> None:
         """Keep one ping in flight per actor (``pings``: rank -> (ref, sent at)); an answered one is
-        replaced, one older than ``heartbeat_timeout_s`` makes the rank lost."""
+        replaced, one older than ``heartbeat_timeout_s`` makes the rank lost. During start-up only a dead
+        actor ends the wait early: an actor still being constructed (a worker process importing torch and
+        transformers, which holds the GIL for seconds on a loaded host) answers no ping until it exists, and
+        ``startup_timeout_s`` bounds that."""
         import ray
 
-        limit, now = self.deadlines.heartbeat_timeout_s, time.monotonic()
+        now = time.monotonic()
+        limit = float("inf") if method == "start-up" else self.deadlines.heartbeat_timeout_s
         for rank, actor in enumerate(self.actors):
             ref, sent = pings.get(rank, (None, now))
             if ref is not None:

@@ -67,8 +67,8 @@ def _offline(prompts: list[str]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _front(n: int = 1, router: str = "round_robin", **kwargs) -> AsyncLLM:
-    clients = [MPCoreClient(CONFIG, replica_id=i, data_parallel_size=n) for i in range(n)]
+def _front(n: int = 1, router: str = "round_robin", config: EngineConfig = CONFIG, **kwargs) -> AsyncLLM:
+    clients = [MPCoreClient(config, replica_id=i, data_parallel_size=n) for i in range(n)]
     llm = AsyncLLM.from_clients(clients, router=registry.create("router", router, seed=0) if n > 1 else None,
                                 **kwargs)
     for client in clients:
@@ -164,18 +164,26 @@ def test_two_core_processes_behind_a_router_answer_each_request_once():
 
 def test_a_killed_core_fails_its_requests_and_the_front_dies():
     dead: list[BaseException] = []
-    llm = _front(on_dead=dead.append)
+    # the whole context (510 new tokens), and the kill once the first token is back: the request is still
+    # running then (a fixed sleep raced a fast host, which finished a shorter request first)
+    llm = _front(on_dead=dead.append, config=dataclasses.replace(CONFIG, max_model_len=512))
     pid = llm.clients[0].process.pid
     try:
         _wait_ready(llm)
 
         async def run():
-            long = SamplingParams(max_tokens=2000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-            task = asyncio.ensure_future(_collect(llm, [1, 403], long))
-            await asyncio.sleep(0.5)
+            long = SamplingParams(max_tokens=510, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            stream = llm.generate([1, 403], long)
+            first = await asyncio.wait_for(stream.__anext__(), 20)
+            assert not first.finished
             os.kill(pid, signal.SIGKILL)
+
+            async def drain():
+                async for _ in stream:
+                    pass
+
             with pytest.raises(EngineDeadError, match="exited with status"):
-                await asyncio.wait_for(task, 20)
+                await asyncio.wait_for(drain(), 20)
             with pytest.raises(EngineDeadError):  # later requests fail at once
                 await asyncio.wait_for(_collect(llm, [1, 403]), 5)
 
