@@ -145,6 +145,21 @@ def wait_healthy(proc, base: str, log, timeout_s: float = 180.0) -> None:
         time.sleep(0.3)
 
 
+def mapped_shm(pids: list[int]) -> set[str]:
+    """The ``/dev/shm`` segments the live processes ``pids`` map now (names; unlinked ones included): what a
+    test checks is gone after those processes end, without comparing the whole folder, which other tests
+    running at the same time fill too."""
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        names |= {line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)") for line in maps.splitlines()
+                  if "/dev/shm/" in line}
+    return names
+
+
 def resources_gone(pids: list[int], shm_names: list[str] = (), within_s: float = 10.0) -> bool:
     """Every pid has exited (or is a zombie) and no named segment is left in /dev/shm, within ``within_s``."""
     import time

@@ -2,16 +2,16 @@
 ``tests/conftest.py``).
 
 * Order: xdist hands whole test files to the workers in collection order (``--no-loadscope-reorder`` in
-  pyproject's addopts; xdist would otherwise order files by their number of tests). Files holding ``isolated``
-  tests come first, so that those tests wait on each other rather than on a minute-long test of the other
-  worker; then the longest files by ``tests/durations.json`` (longest processing time first: a long file
-  handed out last keeps one worker busy while the other idles). A file missing from it counts as
-  ``UNKNOWN_FILE_S``.
+  pyproject's addopts; xdist would otherwise order files by their number of tests, which handed the
+  one-test, minute-long files out last). The longest files by ``tests/durations.json`` come first (longest
+  processing time first: a long file handed out last keeps one worker busy while the other idles); a file
+  missing from it counts as ``UNKNOWN_FILE_S``.
 * Isolation: a test marked ``isolated`` (it checks machine-wide state such as ``/dev/shm``, or timing on the
   scale of seconds: heartbeats, deadlines) runs while no other test does: a readers-writer lock over two files
   shared by the test processes (every test holds the main lock shared, an isolated one exclusively; the
   turnstile lets a waiting isolated test in before new shared holders, so it cannot starve). Consecutive
-  isolated tests of one worker keep the exclusive lock, waiting once. Serial runs take no lock.
+  isolated tests of one worker keep the exclusive lock, waiting once for the other worker's test to end (keep
+  a file's isolated tests next to each other). Serial runs take no lock.
 * ``--store-durations``: each test file's seconds (setup + call + teardown of its tests, as the run measured
   them) are merged into ``tests/durations.json``; refresh it after adding or changing slow tests.
 """
@@ -47,12 +47,10 @@ def _isolated(item: pytest.Item | None) -> bool:
 
 
 def order_files(items: list[pytest.Item]) -> None:
-    """Sort ``items`` in place: files with isolated tests first, then by recorded seconds, longest first; the
-    tests of a file keep their order (a stable sort on a per-file key)."""
+    """Sort ``items`` in place by their file's recorded seconds, longest first; the tests of a file keep their
+    order (a stable sort on a per-file key)."""
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-    with_isolated = {_file(item.nodeid) for item in items if _isolated(item)}
-    items.sort(key=lambda item: (_file(item.nodeid) not in with_isolated,
-                                 -seconds.get(_file(item.nodeid), UNKNOWN_FILE_S)))
+    items.sort(key=lambda item: -seconds.get(_file(item.nodeid), UNKNOWN_FILE_S))
 
 
 def _acquire(exclusive: bool) -> None:

@@ -57,8 +57,10 @@ def test_whole_batch(make_llm, smollm2_path, scheduler):
 
 
 def test_chunked_prefill_and_prefix_caching(make_llm, smollm2_path):
-    llm = make_llm(model=smollm2_path, dtype="float32", max_model_len=512, max_num_batched_tokens=24, long_prefill_token_threshold=16,
-                   block_size=8)
+    """Also ``torch_paged``'s SmolLM2 parity (GQA 9:3, head size 64; named, should the default change):
+    decodes of 8 or more requests in place, prefill chunks through the reference, prefix hits."""
+    llm = make_llm(model=smollm2_path, dtype="float32", attention="torch_paged", max_model_len=512,
+                   max_num_batched_tokens=24, long_prefill_token_threshold=16, block_size=8)
     _check(llm, smollm2_path, PROMPTS + [SYSTEM + p for p in PROMPTS[:6]])
     assert llm.engine.kv_allocator.stats().hit_rate > 0
 

@@ -2,7 +2,8 @@
 on mixed batches: decodes, first chunks and chunks with cached context, varied block sizes, block
 tables and GQA ratios, with every token in place (``paged_prefill``) and with the default split
 (decodes in place, chunks through the reference); its size rule picks the path it documents; and
-greedy engine output equals transformers."""
+greedy engine output equals transformers (SmolLM2's, chunked and prefix-cached:
+``tests/framework/engine/test_parity_smollm2.py::test_chunked_prefill_and_prefix_caching``)."""
 
 from __future__ import annotations
 
@@ -169,23 +170,6 @@ def test_engine_greedy_parity_chunked_preempted_prefix_cached(make_llm):
         assert out.outputs[0].token_ids == exp, f"prompt {i} diverged from transformers"
     summary = llm.engine.metrics.summary()
     assert summary["num_preemptions"] > 0
-
-
-@pytest.mark.slow
-def test_smollm2_greedy_parity_chunked_prefix_cached(make_llm):
-    """SmolLM2-135M (GQA 9:3, head size 64) float32 with torch_paged: chunked prefill and prefix-cache hits."""
-    from framework.worker.model_loader import resolve_model_path
-
-    path = resolve_model_path("smollm2")
-    llm = make_llm(model=path, dtype="float32", attention="torch_paged", max_model_len=512, max_num_batched_tokens=24,
-                   long_prefill_token_threshold=16, block_size=8)
-    tok = llm.get_tokenizer()
-    system = "You are a concise assistant. Answer in plain English and keep every answer short. "
-    prompts = ["What is the capital of France?", "Hi", "The quick brown fox", "Describe a cat."]
-    ids = [tok(p).input_ids for p in prompts + [system + p for p in prompts]]
-    outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=12))
-    for i, (out, exp) in enumerate(zip(outs, hf_greedy(path, ids, 12))):
-        assert out.outputs[0].token_ids == exp, f"prompt {i} diverged from transformers"
 
 
 def test_construction_compiles_so_the_first_large_step_does_not():

@@ -128,6 +128,15 @@ def test_unloadable_weights_show_the_workers_error(tmp_path):
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
+@pytest.mark.isolated
+@NEEDS_SMOLLM2
+def test_smollm2_tp2_is_refused_before_any_worker_starts():
+    shm_before, children_before = set(os.listdir("/dev/shm")), set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=r"(?s)num_attention_heads=9.*valid tensor_parallel_size values.*\[1, 3\]"):
+        LLM(model="smollm2", executor="mp", tensor_parallel_size=2)
+    assert set(multiprocessing.active_children()) <= children_before and set(os.listdir("/dev/shm")) <= shm_before
+
+
 SCRIPT = textwrap.dedent("""
     import sys
     sys.path[:0] = [{repo!r}]
@@ -183,15 +192,6 @@ def test_cuda_needs_one_gpu_per_rank(monkeypatch):
     (problem,) = MultiprocExecutor.validate(EngineConfig(model=STORIES, device="cuda:1", tensor_parallel_size=2))
     assert "use device=cuda (rank r runs on cuda:r" in problem
     assert MultiprocExecutor.validate(EngineConfig(model=STORIES, device="cuda", tensor_parallel_size=1)) == []
-
-
-@pytest.mark.isolated
-@NEEDS_SMOLLM2
-def test_smollm2_tp2_is_refused_before_any_worker_starts():
-    shm_before, children_before = set(os.listdir("/dev/shm")), set(multiprocessing.active_children())
-    with pytest.raises(ValueError, match=r"(?s)num_attention_heads=9.*valid tensor_parallel_size values.*\[1, 3\]"):
-        LLM(model="smollm2", executor="mp", tensor_parallel_size=2)
-    assert set(multiprocessing.active_children()) <= children_before and set(os.listdir("/dev/shm")) <= shm_before
 
 
 @pytest.mark.slow

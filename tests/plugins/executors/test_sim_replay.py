@@ -73,7 +73,8 @@ def _drive(engine, trace, decisions: list) -> tuple[list[float], dict]:
 @pytest.mark.parametrize("scheduler, kv_allocator", [("fcfs", "paged"), ("sjf", "radix")])
 def test_replaying_a_real_runs_step_times_reproduces_its_decisions(scheduler, kv_allocator, tmp_path):
     knobs = dict(model=STORIES, compile=False, scheduler=scheduler, kv_allocator=kv_allocator, max_model_len=128,
-                 num_blocks=12, max_num_batched_tokens=64)
+                 num_blocks=12, max_num_batched_tokens=64,
+                 attention_params={"compile": False})  # no start-up compile of the kernel: this test runs alone
     real = build_engine(EngineConfig(**knobs))
     real_decisions: list = []
     try:
