@@ -25,10 +25,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def ray_llm():
-    # a rank importing torch holds the GIL: on two loaded cores its start-up pings may wait past the default 10 s
-    # (no test here times the heartbeat; the isolated one below does, alone)
-    llm = LLM(executor="ray", tensor_parallel_size=2, executor_params={"num_cpus_per_worker": 0.5,
-                                                                       "heartbeat_timeout_s": 60}, **ENGINE)
+    llm = LLM(executor="ray", tensor_parallel_size=2, executor_params={"num_cpus_per_worker": 0.5}, **ENGINE)
     yield llm
     llm.engine.shutdown()
     assert not ray.is_initialized()  # the executor started the local cluster, so it stopped it
