@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pluggy
+
 REPO = Path(__file__).resolve().parents[1]
 STORIES = str(REPO / "models" / "stories260K")
 STORIES_DRAFT = str(REPO / "models" / "stories260K-draft")
@@ -177,3 +179,28 @@ def resources_gone(pids: list[int], shm_names: list[str] = (), within_s: float =
             return True
         time.sleep(0.1)
     return False
+
+
+_hookimpl = pluggy.HookimplMarker("servelab")  # framework.hookimpl, without importing torch here
+
+
+class HookRecorder:
+    """A lifecycle-hook plugin that records what the engine told it: ``started`` (the configs of
+    ``on_engine_start``), ``steps`` (``on_step_end`` stats), ``finished`` (request ids of ``on_request_finished``).
+    Register it with ``registry.registered(recorder)``."""
+
+    def __init__(self) -> None:
+        self.started, self.steps, self.finished = [], [], []
+
+    @_hookimpl
+    def on_engine_start(self, config):
+        self.started.append(config)
+
+    @_hookimpl
+    def on_step_end(self, stats):
+        self.steps.append(stats)
+
+    @_hookimpl
+    def on_request_finished(self, output):
+        self.finished.append(output.request_id)
+

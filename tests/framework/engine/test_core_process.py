@@ -14,9 +14,9 @@ import signal
 import time
 
 import pytest
-from helpers import STORIES, STORY_PROMPTS, resources_gone
+from helpers import STORIES, STORY_PROMPTS, HookRecorder, resources_gone
 
-from framework import LLM, hookimpl, registry
+from framework import LLM, registry
 from framework.config import EngineConfig
 from framework.core.faults import EngineDeadError
 from framework.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -83,29 +83,10 @@ def _wait_ready(llm: AsyncLLM, timeout_s: float = 120) -> None:
         time.sleep(0.05)
 
 
-class _Observer:
-    """A plugin of this process (as a run's tracker is): the core process's lifecycle hooks reach it."""
-
-    def __init__(self) -> None:
-        self.started, self.steps, self.finished = [], [], []
-
-    @hookimpl
-    def on_engine_start(self, config):
-        self.started.append(config)
-
-    @hookimpl
-    def on_step_end(self, stats):
-        self.steps.append(stats)
-
-    @hookimpl
-    def on_request_finished(self, output):
-        self.finished.append(output.request_id)
-
-
 def test_one_core_process_serves_like_the_offline_engine():
     prompts = STORY_PROMPTS[:4]
     want = _offline(prompts)
-    observer = _Observer()
+    observer = HookRecorder()
     with registry.registered(observer, name="test-observer"):
         llm = _front()
     pids = [c.process.pid for c in llm.clients]

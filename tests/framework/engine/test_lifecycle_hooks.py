@@ -3,28 +3,13 @@ once per request (the hooks trackers and the dashboard are fed by)."""
 
 from __future__ import annotations
 
-from framework import SamplingParams, hookimpl, registry
+from helpers import HookRecorder
 
-
-class Recorder:
-    def __init__(self) -> None:
-        self.started, self.steps, self.finished = [], [], []
-
-    @hookimpl
-    def on_engine_start(self, config):
-        self.started.append(config)
-
-    @hookimpl
-    def on_step_end(self, stats):
-        self.steps.append(stats)
-
-    @hookimpl
-    def on_request_finished(self, output):
-        self.finished.append(output.request_id)
+from framework import SamplingParams, registry
 
 
 def test_engine_calls_lifecycle_hooks(make_llm):
-    recorder = Recorder()
+    recorder = HookRecorder()
     with registry.registered(recorder):
         llm = make_llm()
         outputs = llm.generate(["Once upon a time", "The dog"], SamplingParams(max_tokens=3, ignore_eos=True))
