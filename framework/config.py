@@ -65,7 +65,7 @@ class EngineConfig:
     # decode CUDA graphs (framework/worker/cuda_graphs.py): True never captures; None (default) captures where it
     # can (CUDA, a backend with supports_cuda_graphs, one rank); False insists (refused before loading if it cannot)
     enforce_eager: bool | None = None
-    prepack_linears: str = "auto"  # auto | on | off: oneDNN-prepacked (and fused q/k/v, gate/up) CPU linears (auto: bf16/fp16)
+    prepack_linears: str = "auto"  # auto | on | off: oneDNN-prepacked (and fused q/k/v, gate/up) CPU linears (auto: CPU, unless compile_freezing)
     tune_malloc: bool = True  # CPU: glibc mallopt so large activations reuse heap memory instead of fresh page-faulted mmaps
     # an engine step (scheduling, plugins' hooks, the forward) running longer than this is hung: a server's
     # engine loop dies (503s, exit 1), an offline run dumps every thread's stack; above the executor's step deadline

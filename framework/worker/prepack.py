@@ -7,8 +7,12 @@ same reorder is what inductor's freezing does for compiled CPU graphs (``engine.
 and what IPEX calls weight prepacking; this applies it to the eager model: every plain
 ``nn.Linear`` becomes a :class:`PrepackedLinear` calling ``torch.ops.mkldnn._linear_pointwise``.
 
-``auto`` (the default) prepacks on CPU for bfloat16/float16 models run eagerly. float32 models keep
-ATen's kernels (their outputs are the transformers-parity reference), and quantized linears
+``auto`` (the default) prepacks every CPU model, float32 included, as vLLM's CPU backend does (its
+``dispatch_cpu_unquantized_gemm`` gives float32 linears oneDNN too): served float32 SmolLM2 under ``vllm bench
+serve`` went from 0.91-0.94x to 0.98-1.17x of ``vllm serve`` with it (docs/results.md, issue 49), and greedy
+outputs still equal transformers' token for token in every parity test (oneDNN's float32 GEMM rounds
+differently from ATen's in the last bits; ``engine.prepack_linears=off`` keeps ATen's kernels, the path
+transformers itself runs). Quantized linears
 (already replaced by a quant method) are untouched. With ``engine.compile`` the prepacked GEMM is
 the opaque op ``servelab::prepacked_linear`` (inductor cannot lower ``mkldnn._linear_pointwise`` on
 a weight it did not pack), so compiled graphs fuse the elementwise work around prepacked linears,
@@ -154,8 +158,8 @@ class PrepackedLinear(nn.Module):
 def should_prepack(mode: str, device: torch.device, dtype: torch.dtype, compile_freezing: bool = False) -> bool:
     """Whether ``engine.prepack_linears=<mode>`` applies to this model.
 
-    ``auto``: CPU, bfloat16/float16, and not ``engine.compile_freezing`` (inductor's freezing packs
-    the weights itself). Eager and compiled runs alike.
+    ``auto``: CPU (any float dtype) and not ``engine.compile_freezing`` (inductor's freezing packs the
+    weights itself). Eager and compiled runs alike.
 
     Raises:
         ValueError: unknown mode.
@@ -164,7 +168,7 @@ def should_prepack(mode: str, device: torch.device, dtype: torch.dtype, compile_
         raise ValueError(f"prepack_linears must be one of {MODES}, got {mode!r}")
     if mode == "off" or device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return mode == "on" or (dtype in (torch.bfloat16, torch.float16) and not compile_freezing)
+    return mode == "on" or (dtype in (torch.bfloat16, torch.float16, torch.float32) and not compile_freezing)
 
 
 def prepack_linears(model: nn.Module, compiled: bool = False) -> int:

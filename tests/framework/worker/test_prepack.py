@@ -60,7 +60,7 @@ def test_should_prepack_modes():
     cpu = torch.device("cpu")
     assert should_prepack("auto", cpu, torch.bfloat16)
     assert should_prepack("auto", cpu, torch.float16)
-    assert not should_prepack("auto", cpu, torch.float32)  # the parity reference path
+    assert should_prepack("auto", cpu, torch.float32)  # as vLLM's CPU backend (oneDNN for float32 too)
     assert not should_prepack("auto", cpu, torch.bfloat16, compile_freezing=True)  # inductor packs its own
     assert should_prepack("on", cpu, torch.float32)
     assert not should_prepack("off", cpu, torch.bfloat16)
