@@ -9,11 +9,10 @@ PROFILE=${1:-all}
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-# --no-compile: pip would byte-compile every file of every package it installs (torch, triton, transformers...);
-# Python compiles the modules a run imports on first import instead (README main job from a fresh clone, 2-core
-# EPYC: `bootstrap.sh core` 69.4 -> 52.2 s, the first run.py 28.6 -> 37.6 s, 98.0 -> 89.8 s in all). The venv's own
-# pip (Python 3.11's ensurepip: 23.x, PEP 660 editable installs) is new enough, so it is not upgraded first.
-PIP=(.venv/bin/python -m pip install -q --no-compile)
+# The venv's own pip (Python 3.11's ensurepip: 23.x, PEP 660 editable installs) is new enough: no self-upgrade first.
+# pip byte-compiles what it installs; that stays on: with PYTHONDONTWRITEBYTECODE set (as on this machine) nothing
+# else would ever write a .pyc, and every process would compile torch from source on import.
+PIP=(.venv/bin/python -m pip install -q)
 # torch is pinned in the same command so pip never resolves a different (CUDA) build by itself.
 # GPU users: install a CUDA torch into .venv first, e.g.
 #   .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
