@@ -181,6 +181,26 @@ def resources_gone(pids: list[int], shm_names: list[str] = (), within_s: float =
     return False
 
 
+def run_ranks(target, world: int, *args) -> dict[int, dict]:
+    """Run ``target(rank, world, port, queue, *args)`` in ``world`` spawned processes (a free rendezvous ``port``)
+    and collect what each put on ``queue`` as ``(rank, result dict)``; a rank that reported ``{"traceback": ...}``
+    fails the test with it."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, queue, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for rank, res in results.items():
+        assert "traceback" not in res, f"rank {rank}:\n{res['traceback']}"
+    return results
+
+
 _hookimpl = pluggy.HookimplMarker("servelab")  # framework.hookimpl, without importing torch here
 
 

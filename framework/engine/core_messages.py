@@ -100,41 +100,39 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     summary: dict[str, Any] | None = None  # "stopped": the core's metrics summary
 
 
-class CommandEncoder:
-    """msgpack codec of :data:`CoreCommand` (front side encodes, core side decodes)."""
+class MsgpackCodec:
+    """msgpack codec of one message type (msgspec's typed encoder and decoder).
 
-    def __init__(self) -> None:
+    Args:
+        message_type: what :meth:`decode` returns (a ``msgspec.Struct`` or a union of them).
+    """
+
+    def __init__(self, message_type: Any) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(CoreCommand)
+        self._decoder = msgspec.msgpack.Decoder(message_type)
 
-    def encode(self, command: CoreCommand) -> bytes:
-        """The wire bytes of ``command``."""
-        return self._encoder.encode(command)
+    def encode(self, message: Any) -> bytes:
+        """The wire bytes of ``message``."""
+        return self._encoder.encode(message)
 
-    def decode(self, data: bytes) -> CoreCommand:
-        """The command of ``data``.
+    def decode(self, data: bytes) -> Any:
+        """The message of ``data``.
 
         Raises:
-            msgspec.DecodeError: bytes that are not a command.
+            msgspec.DecodeError: bytes that are not a message of this codec's type.
         """
         return self._decoder.decode(data)
 
 
-class OutputsEncoder:
-    """msgpack codec of :class:`EngineCoreOutputs` (core side encodes, front side decodes)."""
+class CommandEncoder(MsgpackCodec):
+    """Codec of :data:`CoreCommand` (front side encodes, core side decodes)."""
 
     def __init__(self) -> None:
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        super().__init__(CoreCommand)
 
-    def encode(self, outputs: EngineCoreOutputs) -> bytes:
-        """The wire bytes of ``outputs``."""
-        return self._encoder.encode(outputs)
 
-    def decode(self, data: bytes) -> EngineCoreOutputs:
-        """The outputs of ``data``.
+class OutputsEncoder(MsgpackCodec):
+    """Codec of :class:`EngineCoreOutputs` (core side encodes, front side decodes)."""
 
-        Raises:
-            msgspec.DecodeError: bytes that are not an ``EngineCoreOutputs``.
-        """
-        return self._decoder.decode(data)
+    def __init__(self) -> None:
+        super().__init__(EngineCoreOutputs)

@@ -16,7 +16,7 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import run_ranks
 
 from framework.distributed import parallel_state as ps
 
@@ -73,18 +73,7 @@ def _rank(rank: int, world: int, port: int, queue: mp.Queue) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-    for rank, res in results.items():
-        assert "traceback" not in res, f"rank {rank}:\n{res['traceback']}"
-    return results
+    return run_ranks(_rank, 2)
 
 
 @pytest.mark.parametrize("communicator", ["auto", "torch_distributed"])

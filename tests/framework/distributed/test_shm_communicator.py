@@ -16,7 +16,7 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import run_ranks
 
 SLOT_BYTES = 4096
 
@@ -91,18 +91,7 @@ def _rank(rank: int, world: int, port: int, queue: mp.Queue, case: str) -> None:
 
 
 def _run(world: int, case: str) -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, queue, case)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-    for rank, res in results.items():
-        assert "traceback" not in res, f"rank {rank}:\n{res['traceback']}"
-    return results
+    return run_ranks(_rank, world, case)
 
 
 @pytest.fixture(scope="module")
