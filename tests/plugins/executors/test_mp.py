@@ -151,6 +151,33 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.isolated  # machine-wide /dev/shm and a 30 s exit deadline; next to the file's other isolated tests
+@pytest.mark.parametrize(("sig", "tp"), [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
+def test_signals_leave_no_worker_and_no_segment(tmp_path, sig, tp):
+    script = tmp_path / "serve_forever.py"
+    script.write_text(SCRIPT.format(repo=str(REPO), model=STORIES, tp=tp))
+    stderr = open(tmp_path / "stderr.log", "w+")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", str(script)], stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, cwd=tmp_path)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line
+        _, shm, *pids = line.split()
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGABRT)  # faulthandler prints every thread's stack
+            proc.wait(10)
+            stderr.seek(0)
+            pytest.fail(f"no exit 30 s after {sig!r}:\n{stderr.read()[-6000:]}")
+        assert _gone([int(p) for p in pids], shm)
+    finally:
+        proc.kill()
+        stderr.close()
+
+
 @pytest.mark.slow
 def test_eagle_on_a_compiled_target_over_two_ranks_with_recompute_preemption():
     """``engine.compile=true`` at TP=2: each rank compiles its shard's decoder with the shared-memory
@@ -221,24 +248,6 @@ def test_smollm2_tp3_greedy_parity_with_every_feature_at_once():
         assert outs[-1].outputs[0].token_ids == hf_grammar_greedy(llm, path, json_ids, so, 24)
     finally:
         llm.engine.shutdown()
-
-
-@pytest.mark.parametrize(("sig", "tp"), [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
-def test_signals_leave_no_worker_and_no_segment(tmp_path, sig, tp):
-    script = tmp_path / "serve_forever.py"
-    script.write_text(SCRIPT.format(repo=str(REPO), model=STORIES, tp=tp))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, cwd=tmp_path)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("READY"), line
-        _, shm, *pids = line.split()
-        time.sleep(0.5)
-        proc.send_signal(sig)
-        proc.wait(timeout=30)
-        assert _gone([int(p) for p in pids], shm)
-    finally:
-        proc.kill()
 
 
 def test_killed_worker_fails_every_request_within_seconds(mp_llm):
