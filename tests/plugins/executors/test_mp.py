@@ -157,8 +157,11 @@ def test_signals_leave_no_worker_and_no_segment(tmp_path, sig, tp):
     script = tmp_path / "serve_forever.py"
     script.write_text(SCRIPT.format(repo=str(REPO), model=STORIES, tp=tp))
     stderr = open(tmp_path / "stderr.log", "w+")  # noqa: SIM115 - closed below
+    # SIGINT's default disposition in the child: a suite started as a background job of a non-interactive shell
+    # (`cmd &`) inherits SIGINT ignored, the child too, and Python then installs no KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, "-X", "faulthandler", str(script)], stdout=subprocess.PIPE,
-                            stderr=stderr, text=True, cwd=tmp_path)
+                            stderr=stderr, text=True, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         assert line.startswith("READY"), line
