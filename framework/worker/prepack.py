@@ -9,7 +9,8 @@ and what IPEX calls weight prepacking; this applies it to the eager model: every
 
 ``auto`` (the default) prepacks every CPU model, float32 included, as vLLM's CPU backend does (its
 ``dispatch_cpu_unquantized_gemm`` gives float32 linears oneDNN too): served float32 SmolLM2 under ``vllm bench
-serve`` went from 0.91-0.94x to 0.98-1.17x of ``vllm serve`` with it (docs/results.md, issue 49), and greedy
+serve`` went from 0.91x / 0.94x of ``vllm serve`` (16 req/s / saturation) to 0.96x / 1.29x with it, one run each
+(docs/results.md, issue 49), and greedy
 outputs still equal transformers' token for token in every parity test (oneDNN's float32 GEMM rounds
 differently from ATen's in the last bits; ``engine.prepack_linears=off`` keeps ATen's kernels, the path
 transformers itself runs). Quantized linears
@@ -168,7 +169,7 @@ def should_prepack(mode: str, device: torch.device, dtype: torch.dtype, compile_
         raise ValueError(f"prepack_linears must be one of {MODES}, got {mode!r}")
     if mode == "off" or device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return mode == "on" or (dtype in (torch.bfloat16, torch.float16, torch.float32) and not compile_freezing)
+    return mode == "on" or (dtype.is_floating_point and not compile_freezing)
 
 
 def prepack_linears(model: nn.Module, compiled: bool = False) -> int:
