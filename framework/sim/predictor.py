@@ -139,9 +139,18 @@ class LinearStepModel(StepTimePredictor):
 def fit_coefficients(samples: Sequence[dict[str, float]], target: str) -> list[float]:
     """Least squares of ``basis . coef`` against ``samples[target]``, weighted by ``1 / target^2`` (relative
     error), every coefficient non-negative (scikit-learn's ``LinearRegression(positive=True)``, on columns
-    scaled to unit maximum for conditioning)."""
+    scaled to unit maximum for conditioning).
+
+    Raises:
+        ImportError: scikit-learn is not installed (the ``sim`` extra), naming the fix.
+    """
     import numpy as np
-    from sklearn.linear_model import LinearRegression
+
+    try:
+        from sklearn.linear_model import LinearRegression
+    except ImportError as err:
+        raise ImportError("fitting a step-time model (servelab profile, executor=sim on samples) needs scikit-learn, "
+                          "which the core install leaves out: pip install 'servelab[sim]'") from err
 
     x = np.array([basis(StepFeatures.from_dict(s)) for s in samples], dtype=np.float64)
     y = np.array([s[target] for s in samples], dtype=np.float64)

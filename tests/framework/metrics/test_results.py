@@ -67,3 +67,20 @@ def test_single_run_dir_uses_its_overrides_and_empty_dir_is_a_clear_error(tmp_pa
         collect(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="not found"):
         collect(tmp_path / "missing")
+
+
+def test_without_matplotlib_the_tables_are_written_and_the_warning_names_the_extra(tmp_path, monkeypatch, caplog):
+    import sys
+
+    from framework.metrics import results as results_module
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setattr(results_module, "_WARNED_NO_MATPLOTLIB", [])
+    make_sweep(tmp_path / "sweep", GRID)
+    with caplog.at_level("WARNING", logger="framework.metrics.results"):
+        results = write_report(tmp_path / "sweep")
+    out = tmp_path / "sweep" / "results"
+    assert (out / "results.csv").exists() and (out / "results.md").exists() and not list(out.glob("*.png"))
+    assert results.files["html"].exists()
+    assert [r.message for r in caplog.records if "servelab[plots]" in r.message] != []
+    assert sum("matplotlib" in r.message for r in caplog.records) == 1  # once, not once per plot

@@ -69,3 +69,12 @@ def test_a_profile_of_another_basis_is_refused():
     with pytest.raises(ValueError, match="re-measure it"):
         LinearStepModel.from_dict({"kind": "linear", "basis": ["const"], "step_coef": [1.0], "execute_coef": [1.0]},
                                   "x")
+
+
+def test_fitting_without_scikit_learn_names_the_sim_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sklearn.linear_model", None)
+    samples = [{**_random_features(random.Random(i)).as_dict(), "step_s": 0.05, "execute_s": 0.04} for i in range(80)]
+    with pytest.raises(ImportError, match=r"servelab\[sim\]"):
+        LinearStepModel.fit(samples)
