@@ -4,7 +4,12 @@
 machine and model (a JSON file under ``$SERVELAB_CACHE/compile/``, default ``~/.cache/servelab``),
 measures eager decode steps at :data:`~framework.engine.compile_policy.CALIBRATION_BATCH_SIZES` when the
 record has none (a few dummy steps: well under a second for SmolLM2), and after a compile it records
-the warm-up (cold, or from inductor's on-disk cache) and the compiled decode steps. The record's key
+the warm-up (cold, or from inductor's on-disk cache) and the compiled decode steps. The engine also reports
+every real all-decode step it runs (:meth:`CompilePlanner.observe_decode_step`): their mean time by batch size,
+eager and compiled, is kept in the record too, and scales the dummy steps' times to what this engine's real steps
+take (:meth:`CompilePlanner.costs`): a dummy step (one short context, no scheduler or sampler state) read
+75.8 / 53.7 ms eager / compiled at batch 64 where the W workload's real steps took 96-119 / 65-84 ms, so the
+dummy steps alone priced compiling's saving ~30% low on the 2-core EPYC. The record's key
 is the machine (CPU model name and cores, or the GPU; torch's version and threads) and the model (its
 folder and config, dtype, attention backend, quant method, KV cache dtype, TP degree), so a number
 measured for one never decides for another.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +36,17 @@ from framework.interfaces import Executor
 from framework.sim.profile import cpu_name
 
 logger = logging.getLogger(__name__)
+
+
+#: A batch size's real decode steps count once the engine has run this many of them (all runs together).
+MIN_OBSERVED_STEPS = 3
+#: Weight cap of a batch size's kept mean, steps: newer runs move it (a machine's speed drifts).
+MAX_OBSERVED_WEIGHT = 200
+#: Real-over-dummy step time factors outside these bounds are clamped (a step that shared the cores with another
+#: process must not make compiling look free or worthless).
+OBSERVED_FACTOR_BOUNDS = (0.5, 3.0)
+#: Real decode steps gathered in memory before an idle engine writes them to the record.
+FLUSH_EVERY_STEPS = 32
 
 
 def machine_description(device: str) -> str:
@@ -83,6 +100,9 @@ class CompilePlanner:
         digest = hashlib.sha256(f"{self.machine}|{model}|{model_config_json}".encode()).hexdigest()[:20]
         self.path = calibration_dir() / f"{digest}.json"
         self.model_description = model
+        # real all-decode steps not yet in the record: "eager"/"compiled" -> batch size -> [total ms, steps]
+        self._observed: dict[str, dict[int, list[float]]] = {"eager": {}, "compiled": {}}
+        self._num_observed = 0
 
     def load(self) -> dict[str, Any]:
         """The record (empty if there is none or it cannot be read)."""
@@ -102,9 +122,57 @@ class CompilePlanner:
         except OSError as err:
             logger.warning("engine.compile: could not save the compile calibration to %s (%s)", self.path, err)
 
+    def observe_decode_step(self, batch: int, execute_s: float, compiled: bool) -> None:
+        """Note one real step of the engine in which every scheduled request decoded one token (no prefill
+        chunk, draft or swap): ``batch`` requests, ``execute_s`` seconds in the executor (model step and
+        sampling); kept in memory until :meth:`flush_observed`."""
+        cell = self._observed["compiled" if compiled else "eager"].setdefault(int(batch), [0.0, 0])
+        cell[0] += execute_s * 1e3
+        cell[1] += 1
+        self._num_observed += 1
+
+    def flush_observed(self, force: bool = True) -> None:
+        """Merge the real steps observed since the last flush into the record's ``observed_step_ms``
+        (``mode -> batch size -> [mean ms, steps]``, each mean weighted by its steps, the kept weight capped at
+        :data:`MAX_OBSERVED_WEIGHT`); without ``force`` only once :data:`FLUSH_EVERY_STEPS` are pending (an
+        idle server writes the file at most that often)."""
+        if not self._num_observed or (not force and self._num_observed < FLUSH_EVERY_STEPS):
+            return
+        record = self.load()
+        observed = record.setdefault("observed_step_ms", {})
+        for mode, cells in self._observed.items():
+            table = observed.setdefault(mode, {})
+            for batch, (total_ms, steps) in cells.items():
+                old_ms, old_steps = table.get(str(batch), (0.0, 0))
+                mean = (old_ms * old_steps + total_ms) / (old_steps + steps)
+                table[str(batch)] = [round(mean, 3), int(min(old_steps + steps, MAX_OBSERVED_WEIGHT))]
+        self._observed = {"eager": {}, "compiled": {}}
+        self._num_observed = 0
+        self.save(record)
+
+    @staticmethod
+    def observed_factor(record: dict[str, Any], mode: str, dummy: dict[int, float]) -> tuple[float, int] | None:
+        """How much longer this engine's real all-decode steps took than the dummy steps measured at the same
+        batch sizes (interpolated) in ``mode`` (``"eager"``/``"compiled"``): the step-weighted geometric mean of
+        real / dummy over the batch sizes with at least :data:`MIN_OBSERVED_STEPS` steps, clamped to
+        :data:`OBSERVED_FACTOR_BOUNDS`, and the steps behind it; ``None`` without such steps or dummy steps."""
+        table = record.get("observed_step_ms", {}).get(mode, {})
+        if not dummy:
+            return None
+        cells = [(int(b), ms, n) for b, (ms, n) in table.items()
+                 if n >= MIN_OBSERVED_STEPS and ms > 0 and compile_policy.interpolate(dummy, int(b)) > 0]
+        if not cells:
+            return None
+        steps = sum(n for _, _, n in cells)
+        log_factor = sum(n * math.log(ms / compile_policy.interpolate(dummy, b)) for b, ms, n in cells) / steps
+        lo, hi = OBSERVED_FACTOR_BOUNDS
+        return min(max(math.exp(log_factor), lo), hi), steps
+
     def costs(self, record: dict[str, Any]) -> CompileCosts:
         """:class:`CompileCosts` from a record: the warm-up measured from inductor's cache when the cache
-        the record was measured with is still there, else the cold one, else the priors."""
+        the record was measured with is still there, else the cold one, else the priors; the dummy decode
+        steps' times scaled by :meth:`observed_factor` (eager by the eager steps', compiled by the compiled
+        steps' or, until a compiled engine ran real steps here, by the eager one)."""
         warm = record.get("warm_up_s", {})
         cache_there = record.get("inductor_cache_dir") == _inductor_cache_dir() and Path(_inductor_cache_dir()).is_dir()
         if cache_there and "cached" in warm:
@@ -119,6 +187,15 @@ class CompilePlanner:
         eager = {int(b): ms for b, ms in record.get("eager_step_ms", {}).items()}
         compiled = {int(b): ms for b, ms in record.get("compiled_step_ms", {}).items()}
         steps = "eager and compiled measured here" if compiled else "eager measured here, compiled prior"
+        eager_factor = self.observed_factor(record, "eager", eager)
+        compiled_factor = self.observed_factor(record, "compiled", compiled) or eager_factor
+        if eager_factor:
+            eager = {b: ms * eager_factor[0] for b, ms in eager.items()}
+            steps += f", x{eager_factor[0]:.2f} as {eager_factor[1]:,} real eager decode steps ran"
+        if compiled and compiled_factor:
+            compiled = {b: ms * compiled_factor[0] for b, ms in compiled.items()}
+            if compiled_factor is not eager_factor:
+                steps += f", compiled x{compiled_factor[0]:.2f} as {compiled_factor[1]:,} real compiled ones ran"
         return CompileCosts(warm_up, source, eager, compiled, steps)
 
     def decide(self, planned_budgets: Sequence[int] | None, past_steps: Mapping[int, int],

@@ -65,10 +65,10 @@ class CompileCosts:
         table = self.compiled_step_ms if compiled and self.compiled_step_ms else self.eager_step_ms
         if not table:
             return None
-        value = _interpolate(table, batch)
+        value = interpolate(table, batch)
         if compiled and not self.compiled_step_ms:
             lo, hi = min(PRIOR_COMPILED_OVER_EAGER), max(PRIOR_COMPILED_OVER_EAGER)
-            value *= _interpolate(PRIOR_COMPILED_OVER_EAGER, min(max(batch, lo), hi))
+            value *= interpolate(PRIOR_COMPILED_OVER_EAGER, min(max(batch, lo), hi))
         return value
 
     def step_saving_ms(self, batch: int) -> float | None:
@@ -82,8 +82,9 @@ class CompileCosts:
         return max(0.0, eager - self.step_ms(batch, compiled=True))
 
 
-def _interpolate(table: dict[int, float], x: int) -> float:
-    """Piecewise-linear value of ``table`` at ``x`` (constant for one point)."""
+def interpolate(table: Mapping[int, float], x: int) -> float:
+    """Piecewise-linear value of ``table`` (batch size -> ms) at ``x``: through the two nearest points,
+    extrapolated linearly past the ends (constant for one point)."""
     points = sorted(table.items())
     if len(points) == 1:
         return points[0][1]

@@ -238,6 +238,7 @@ class LLMEngine:
         Returns:
             The decision in force (also in ``metrics.json`` as ``compile_reason``, ``compile_estimate``).
         """
+        self.compile_planner.flush_observed()  # the real steps run so far count in this decision
         if self.config.compile == "false" or self._decoder_compiled:
             return self.compile_decision
         if self.metrics.run_labels.get("simulated"):  # step times are the profile's, compiled or not
@@ -323,6 +324,8 @@ class LLMEngine:
         for request, output in zip(updated, outputs[len(failed):]):
             if request.is_finished:
                 self._observe_finished(output)
+        if not self.scheduler.has_unfinished_requests():
+            self.compile_planner.flush_observed(force=False)
         return self._to_caller([o for o in outputs if o is not None])
 
     def _to_caller(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -336,6 +339,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the workers and the grammar compile threads; idempotent. Requests still in flight
         are not finished (abort them first)."""
+        self.compile_planner.flush_observed()
         self.executor.shutdown()
         if self.structured_output is not None:
             self.structured_output.shutdown()
@@ -496,6 +500,9 @@ class LLMEngine:
         self.num_steps += 1
         if updated and not self._decoder_compiled:
             self._eager_steps[len(updated)] += 1
+        if (num_decode == len(n) and not sched_out.scheduled_spec_decode_tokens and not stats.num_swap_out_blocks
+                and not stats.num_swap_in_blocks and self.clock.realtime):  # auto's real step times
+            self.compile_planner.observe_decode_step(num_decode, t2 - t1, self._decoder_compiled)
         self.metrics.observe_step(stats)
         if sched_out.scheduled_spec_decode_tokens:
             self.metrics.observe_draft_positions(sched_out.scheduled_spec_decode_tokens, runner_out.num_accepted_tokens)

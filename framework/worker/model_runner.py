@@ -203,7 +203,7 @@ class ModelRunner:
         ``num_reqs == 1``: a ``num_tokens``-token prefill at positions ``0..num_tokens-1`` (at most
         as many tokens as the cache has slots).
         ``num_reqs == num_tokens``: that many decodes, each at position ``2 * block_size`` of a
-        3-block table (the decoder is called with duck sizing off, so batch dims that happen to be
+        3-block table of its own (blocks ``3i..3i+2``; all share blocks 0-2 in a cache too small) (the decoder is called with duck sizing off, so batch dims that happen to be
         equal here, e.g. a traced backend's partition count and the batch size, still get separate
         symbols).
         """
@@ -218,13 +218,17 @@ class ModelRunner:
             num_blocks = min(3, self.num_blocks)
             ctx, q_lens = [(num_blocks - 1) * self.block_size] * num_reqs, [1] * num_reqs
             positions = torch.tensor(ctx, device=dev)
-            slots = positions  # blocks 0..num_blocks-1 in order: slot == position
+            # each request its own blocks where the cache has them (as in a real step, attention reads distinct
+            # K/V), else all share blocks 0..num_blocks-1; the new token at the start of the table's last block
+            rows = num_reqs if num_blocks * num_reqs <= self.num_blocks else 1
+            table = torch.arange(rows * num_blocks, **i32).view(rows, num_blocks).repeat(num_reqs // rows, 1)
+            slots = table[:, -1].long() * self.block_size
         seq_lens = [c + q for c, q in zip(ctx, q_lens)]
         num_decodes = sum(q == 1 for q in q_lens)
         common = CommonAttentionMetadata(
             query_start_loc=torch.tensor([0, *np.cumsum(q_lens).tolist()], **i32),
             seq_lens=torch.tensor(seq_lens, **i32), context_lens=torch.tensor(ctx, **i32),
-            block_table=torch.arange(num_blocks, **i32)[None].repeat(num_reqs, 1), slot_mapping=slots,
+            block_table=table if num_reqs > 1 else torch.arange(num_blocks, **i32)[None], slot_mapping=slots,
             query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, num_reqs=num_reqs, num_tokens=num_tokens,
             num_decodes=num_decodes, num_decode_tokens=num_decodes, max_query_len=max(q_lens),
             max_seq_len=max(seq_lens), block_size=self.block_size)

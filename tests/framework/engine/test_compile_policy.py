@@ -207,6 +207,55 @@ def test_planner_measures_again_when_a_larger_batch_stepped_faster(tmp_path, mon
     assert stuck.measure_steps() == {"1": 505.0, "64": 92.0} and stuck.executor.calls == 3  # kept after 3 tries
 
 
+def test_real_decode_steps_scale_the_dummy_steps(tmp_path, monkeypatch):
+    """Real all-decode steps 1.5x the dummy ones scale eager (and, until compiled steps ran, compiled) step times;
+    real compiled steps give compiled its own factor; thin batch sizes are ignored; junk is clamped."""
+    from framework.engine import compile_calibration
+
+    monkeypatch.setattr(compile_calibration, "calibration_dir", lambda: tmp_path)
+    monkeypatch.setattr(compile_calibration, "_inductor_cache_dir", lambda: str(tmp_path))
+    planner = CompilePlanner(EngineConfig(model=STORIES), FakeExecutor({1: 30.0, 64: 180.0}))
+    planner.save({"eager_step_ms": planner.measure_steps()})
+    for _ in range(10):
+        planner.observe_decode_step(64, 0.270, compiled=False)
+    planner.observe_decode_step(1, 9.0, compiled=False)  # one step of a batch size: too thin to count
+    planner.flush_observed(force=False)
+    assert "observed_step_ms" not in planner.load()  # 11 steps pending < FLUSH_EVERY_STEPS: not written yet
+    planner.flush_observed()
+    costs = planner.costs(planner.load())
+    assert costs.eager_step_ms == pytest.approx({1: 45.0, 64: 270.0})
+    assert "x1.50 as 10 real eager decode steps ran" in costs.step_source
+    assert costs.step_ms(64, compiled=True) == pytest.approx(0.75 * 270.0)  # prior ratio on the scaled eager
+    planner.executor.times = {1: 12.0, 64: 120.0}
+    planner.record_compile(CompileStats(enabled=True, active=True, compile_s=4.0, num_cache_misses=0))
+    costs = planner.costs(planner.load())
+    assert costs.compiled_step_ms == pytest.approx({1: 18.0, 64: 180.0})  # the eager factor, no compiled steps yet
+    for _ in range(5):
+        planner.observe_decode_step(64, 0.240, compiled=True)
+    planner.flush_observed()
+    costs = planner.costs(planner.load())
+    assert costs.compiled_step_ms == pytest.approx({1: 24.0, 64: 240.0}) and "compiled x2.00" in costs.step_source
+    assert costs.eager_step_ms == pytest.approx({1: 45.0, 64: 270.0})
+    record = planner.load()["observed_step_ms"]
+    assert record["eager"]["64"] == [270.0, 10] and record["compiled"]["64"] == [240.0, 5]
+    for _ in range(compile_calibration.MAX_OBSERVED_WEIGHT):  # a long loaded run: the mean moves, clamped at 3x
+        planner.observe_decode_step(64, 100.0, compiled=False)
+    planner.flush_observed()
+    assert planner.load()["observed_step_ms"]["eager"]["64"][1] == compile_calibration.MAX_OBSERVED_WEIGHT
+    assert planner.costs(planner.load()).eager_step_ms == pytest.approx({1: 90.0, 64: 540.0})
+
+
+def test_an_engine_reports_its_real_decode_steps(make_llm, tmp_path, monkeypatch):
+    from framework.engine import compile_calibration
+
+    monkeypatch.setattr(compile_calibration, "calibration_dir", lambda: tmp_path)
+    llm = make_llm(compile=False)
+    llm.generate(STORY_PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    llm.engine.maybe_compile([1])  # flushes what the call ran
+    eager = llm.engine.compile_planner.load()["observed_step_ms"]["eager"]
+    assert eager["3"][1] >= 9 and eager["3"][0] > 0  # 3 prompts: one prefill step, then decodes at batch 3
+
+
 @pytest.mark.parametrize(("value", "mode"), [(True, "true"), (False, "false"), ("auto", "auto"), ("false", "false")])
 def test_config_normalizes_the_mode(value, mode):
     assert EngineConfig(model="m", compile=value).compile == mode
@@ -239,6 +288,8 @@ def real_planner(monkeypatch, tmp_path):
     monkeypatch.setattr(compile_calibration.CompilePlanner, "decide", REAL_DECIDE)
     monkeypatch.setattr(compile_policy, "PRIOR_WARM_UP_S", {"cold": 1.0, "cached": 1.0})
     monkeypatch.setattr(ModelRunner, "time_decode_steps", lambda runner, sizes: {1: 30.0, 64: 180.0})
+    # the tiny model's real steps (~1 ms) would scale those numbers down: the fake ones stand
+    monkeypatch.setattr(compile_calibration.CompilePlanner, "observe_decode_step", lambda *args: None)
 
 
 def test_auto_compiles_before_the_call_that_pays(make_llm, real_planner, monkeypatch, caplog):
