@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from numbers import Integral
 from typing import Any
 
 from framework import registry
@@ -18,6 +17,7 @@ from framework.core.scheduler import Scheduler
 from framework.core.structured_output import StructuredOutputManager
 from framework.engine.compile_calibration import CompilePlanner
 from framework.engine.compile_policy import CompileDecision, startup_reason
+from framework.engine.draft_proposer import DraftProposer
 from framework.engine.parallel_sampling import ParallelRequests, ParentRequest, child_sampling_params
 from framework.interfaces import Drafter, EngineDeadError, Executor, ReplicaState
 from framework.metrics.collector import MetricsCollector, compute_request_metrics
@@ -85,6 +85,8 @@ class LLMEngine:
         self.faults = scheduler.faults  # one record of per-request failures for every per-request call site
         if structured_output is not None:
             structured_output.faults = self.faults
+        self.proposer = (DraftProposer(drafter, scheduler, self.faults, self.clock, vocab_size, self.max_model_len,
+                                       structured_output) if drafter is not None else None)
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -183,8 +185,8 @@ class LLMEngine:
         """Abort scheduler requests (``failures``: why some failed); their drafter state and matchers are
         dropped now. Returns their final outputs."""
         aborted = self.scheduler.abort_requests(ids, failures)
-        if self.drafter is not None and aborted:  # drop drafter state now, not at the next step
-            self._drafter_call("on_requests_freed", {r.request_id for r in aborted})
+        if self.proposer is not None and aborted:  # drop drafter state now, not at the next step
+            self.proposer.call("on_requests_freed", {r.request_id for r in aborted})
         for request in aborted:
             if self.structured_output is not None:
                 self.structured_output.discard(request.request_id)
@@ -314,7 +316,7 @@ class LLMEngine:
         self._advance_grammars(updated)
         failed += self._abort_failed()  # detokenizer/stop checker or grammar matcher failed on the new tokens
         t3 = self.clock.now()
-        draft_s = self._propose_drafts(sched_out, runner_out, updated) if self.drafter is not None else 0.0
+        draft_s = self.proposer.propose(sched_out, runner_out, updated) if self.proposer is not None else 0.0
         failed += self._abort_failed()  # the drafter failed on a request
         gone = {o.request_id for o in failed}
         updated = [r for r in updated if r.request_id not in gone]
@@ -413,64 +415,6 @@ class LLMEngine:
                 self.scheduler.abort_requests([request.request_id])
                 self.structured_output.discard(request.request_id)
                 request.status = RequestStatus.FINISHED_STOPPED
-
-    def _propose_drafts(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request]) -> float:
-        """Hand the drafter the step's target hidden states (when it asked for them), tell it which
-        requests left, then draft for running requests in their decode phase (all tokens but the
-        last computed). Drafts are capped so that verifying them can reach neither
-        ``max_model_len`` nor ``max_tokens``, and cut to the prefix the request's grammar accepts
-        (structured outputs). Returns the drafter time, seconds."""
-        t0 = self.clock.now()
-        if runner_out.hidden_states is not None:
-            self._drafter_call("observe_hidden_states", runner_out.hidden_states)
-        # finished this step (length/stop/grammar) or preempted; aborts are told in abort_request
-        gone = (sched_out.preempted_req_ids | sched_out.finished_req_ids
-                | {r.request_id for r in updated if r.is_finished})
-        if gone:
-            self._drafter_call("on_requests_freed", gone)
-        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
-        if decoding:
-            drafts = self._drafts(decoding)
-            for request in decoding:
-                max_tokens = request.sampling_params.max_tokens or self.max_model_len
-                room = min(self.max_model_len - request.num_tokens, max_tokens - request.num_output_tokens) - 1
-                draft = list(drafts.get(request.request_id, ()))[:max(room, 0)]
-                if self.structured_output is not None and draft:
-                    draft = self.structured_output.valid_draft_prefix(request.request_id, draft)
-                request.spec_token_ids = draft
-        return self.clock.now() - t0
-
-    def _drafts(self, requests: list[Request]) -> dict[str, list[int]]:
-        """``drafter.propose(requests)``, with faults kept to the request they belong to: when the batched call
-        raises, each request is proposed for alone and only those whose own call raises fail (their error
-        names the drafter); a draft token outside ``[0, vocab_size)`` fails its request too (it would index
-        out of the embedding table in the next forward)."""
-        what = f"drafter {self.drafter.name!r}"
-        try:
-            drafts = dict(self.drafter.propose(requests))
-        except Exception:  # noqa: BLE001 - find the culprit(s) below
-            drafts = {}
-            for request in requests:
-                with self.faults.guard(request.request_id, what):
-                    drafts.update(self.drafter.propose([request]))
-        for request in requests:
-            with self.faults.guard(request.request_id, what):
-                draft = list(drafts.get(request.request_id) or ())
-                bad = [t for t in draft if not (isinstance(t, Integral) and 0 <= t < self.vocab_size)]
-                if bad:
-                    raise ValueError(f"proposed token id {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
-                drafts[request.request_id] = draft
-        return {rid: d for rid, d in drafts.items() if not self.faults.failed(rid)}
-
-    def _drafter_call(self, method: str, arg: Any) -> None:
-        """A drafter bookkeeping call that belongs to no single request (``observe_hidden_states``,
-        ``on_requests_freed``): an exception is logged and the step goes on (at worst later drafts are worse;
-        drafts never change outputs, the target verifies them)."""
-        try:
-            getattr(self.drafter, method)(arg)
-        except Exception:  # noqa: BLE001 - see the docstring
-            logger.exception("drafter %r raised in %s; continuing (drafts are verified, outputs are unaffected)",
-                             self.drafter.name, method)
 
     def _observe_step(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request],
                       times: tuple[float, float, float, float], draft_s: float = 0.0) -> None:

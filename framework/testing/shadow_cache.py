@@ -177,7 +177,7 @@ def fake_runner(out: SchedulerOutput, token_of: Callable[[Request], int],
 
 def propose_drafts(scheduler: Scheduler, k: int, rng: random.Random) -> None:
     """A fake drafter: give each running request in its decode phase up to ``k`` random draft
-    tokens, capped like ``LLMEngine._propose_drafts`` (never past ``max_model_len`` or ``max_tokens``)."""
+    tokens, capped like ``DraftProposer.propose`` (framework/engine/draft_proposer.py) (never past ``max_model_len`` or ``max_tokens``)."""
     for r in scheduler.running:
         if r.num_computed_tokens != r.num_tokens - 1:
             continue
