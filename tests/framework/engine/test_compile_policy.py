@@ -289,7 +289,7 @@ def real_planner(monkeypatch, tmp_path):
     monkeypatch.setattr(compile_policy, "PRIOR_WARM_UP_S", {"cold": 1.0, "cached": 1.0})
     monkeypatch.setattr(ModelRunner, "time_decode_steps", lambda runner, sizes: {1: 30.0, 64: 180.0})
     # the tiny model's real steps (~1 ms) would scale those numbers down: the fake ones stand
-    monkeypatch.setattr(compile_calibration.CompilePlanner, "observe_decode_step", lambda *args: None)
+    monkeypatch.setattr(compile_calibration.CompilePlanner, "observe_decode_step", lambda *args, **kwargs: None)
 
 
 def test_auto_compiles_before_the_call_that_pays(make_llm, real_planner, monkeypatch, caplog):
