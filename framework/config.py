@@ -74,8 +74,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool):
             self.compile = "true" if self.compile else "false"
-        if self.executor == "auto":  # as vLLM's ParallelConfig: one rank in-process, several in processes
-            self.executor = "uniproc" if self.tensor_parallel_size == 1 else "mp"
+        if self.executor == "auto":  # as vLLM's ParallelConfig: one rank in-process, several in processes; CPU
+            # data-parallel replicas in one process (offline LLM) put their ranks in worker processes pinned to
+            # disjoint cores, so that the replicas compute at once (framework/engine/data_parallel.py)
+            one_process = self.tensor_parallel_size == 1 and (self.data_parallel_size == 1
+                                                              or not self.device.startswith("cpu"))
+            self.executor = "uniproc" if one_process else "mp"
         self.validate()
 
     def validate(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import warnings
 from collections.abc import Iterator
 from importlib import metadata
@@ -46,6 +47,7 @@ OPTIONAL_KINDS = ("drafter", "quant", "grammar", "tracker")
 _plugin_manager: pluggy.PluginManager | None = None
 _sources: dict[int, tuple[str, str]] = {}  # id(plugin object) -> (distribution, version) of entry-point plugins
 _failed_hooks: set[tuple[str, str]] = set()  # (plugin name, hook) whose failure was logged with a traceback
+_HOOK_LOCK = threading.RLock()  # one lifecycle hook call at a time (a hook may call another)
 logger = logging.getLogger(__name__)
 
 
@@ -115,8 +117,15 @@ def call_hook(name: str, **kwargs: Any) -> None:
     must neither kill the engine loop nor hide the hook from the other observers. So each implementation
     is called on its own; an exception is swallowed and logged once per plugin and hook (an error with the
     plugin's name and the traceback; later ones at debug level, so a hook failing every step does not
-    flood the log). Hook wrappers are not supported for lifecycle hooks (they fail the same way).
+    flood the log). Hook wrappers are not supported for lifecycle hooks (they fail the same way). Calls are
+    serialized process-wide (data-parallel replicas of one process step on threads of their own; observers such as
+    trackers need not be thread-safe).
     """
+    with _HOOK_LOCK:
+        _call_hook(name, kwargs)
+
+
+def _call_hook(name: str, kwargs: dict[str, Any]) -> None:
     for impl in reversed(getattr(plugin_manager().hook, name).get_hookimpls()):
         try:
             if impl.hookwrapper or impl.wrapper:

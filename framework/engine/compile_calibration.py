@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -116,7 +117,7 @@ class CompilePlanner:
         record.update(machine=self.machine, model=self.model_description, updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp = self.path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # replicas may save at once
             tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
             tmp.replace(self.path)
         except OSError as err:

@@ -9,9 +9,14 @@ scheduler, KV cache and executor (so each may be tensor-parallel), and a router 
   :class:`~framework.interfaces.router.ReplicaState` (read from the replica's scheduler at that moment: the
   in-process replicas publish their load continuously), and queues the request there; the router learns of its
   finish (``on_request_finished``).
-* **Stepping.** ``step`` steps one busy replica: the one whose clock reads earliest (``executor=sim``'s virtual
-  clocks: a discrete-event loop over simulated replicas, each advancing by its own predicted step times), or, on
-  the wall clock, the one stepped least recently (round-robin over busy replicas).
+* **Stepping.** On the wall clock with replicas whose ranks run outside this process (``executor=mp``, which
+  ``executor=auto`` picks for CPU replicas, or ``ray``), ``step`` steps every busy replica at once, each on a thread
+  of its own: a replica's step waits on its worker processes with the GIL released, so the replicas compute
+  concurrently, each on its own cores (:func:`build_data_parallel_engine` pins each replica's workers to
+  ``parallel_state.replica_cpus``, as the server pins its engine-core processes). Otherwise ``step`` steps one busy
+  replica: the one whose clock reads earliest (``executor=sim``'s virtual clocks: a discrete-event loop over
+  simulated replicas, each advancing by its own predicted step times), or, on the wall clock with in-process ranks
+  (``uniproc``, which cannot compute concurrently in one process), the one stepped least recently.
 * **Failures.** A replica whose step raises is dead: its in-flight requests end with the error
   (``finish_reason="abort"``, ``error`` set), the router is told (``on_replica_removed``) and never sees it alive
   again, the others keep serving. Only when every replica is dead does ``step`` raise ``EngineDeadError``.
@@ -19,15 +24,19 @@ scheduler, KV cache and executor (so each may be tensor-parallel), and a router 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from framework.config import EngineConfig
 from framework.core.clock import Clock
 from framework.core.faults import EngineDeadError
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import SamplingParams
+from framework.distributed.parallel_state import replica_cpus
 from framework.engine.compile_policy import CompileDecision
 from framework.engine.dp_metrics import DataParallelMetrics
 from framework.engine.llm_engine import LLMEngine
@@ -86,6 +95,9 @@ class DataParallelEngine:
         self.tokenizer, self.vocab_size, self.eos_token_ids = first.tokenizer, first.vocab_size, first.eos_token_ids
         self.max_model_len, self.structured_output = first.max_model_len, first.structured_output
         self.clock = DataParallelClock(self)
+        # step the busy replicas at once: their ranks compute in worker processes (the driver waits, GIL released)
+        self.concurrent = self.clock.realtime and all(r.executor.driver_model() is None for r in replicas)
+        self._pool = ThreadPoolExecutor(len(replicas), "servelab-dp") if self.concurrent and len(replicas) > 1 else None
         metrics.clock = self.clock
         metrics.run_labels = first.metrics.run_labels
         self.metrics = DataParallelMetrics(metrics, self)
@@ -153,29 +165,43 @@ class DataParallelEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        """Step one busy replica (see the module docstring); a replica that fails is removed and its in-flight
-        requests come back finished with its error.
+        """Step every busy replica at once, or one of them (see the module docstring); a replica that fails is
+        removed and its in-flight requests come back finished with its error.
 
         Raises:
-            EngineDeadError: the last live replica died (``outputs`` holds its requests' final outputs).
+            EngineDeadError: the last live replica died (``outputs`` holds the step's outputs, its requests' final
+                ones among them).
         """
         busy = [i for i, r in enumerate(self.replicas) if self.alive[i] and r.has_unfinished_requests()]
         if not busy:
             return []
-        i = min(busy, key=lambda k: (0.0 if self.clock.realtime else self.replicas[k].clock.now(),
-                                     self._last_stepped[k]))
-        self._num_steps += 1
-        self._last_stepped[i] = self._num_steps
-        try:
-            outputs = self.replicas[i].step()
-        except Exception as exc:  # noqa: BLE001 - the replica's state is unknown: it is dead, the others go on
-            outputs = self._remove(i, exc)
+        if self._pool is None or len(busy) == 1:
+            busy = [min(busy, key=lambda k: (0.0 if self.clock.realtime else self.replicas[k].clock.now(),
+                                             self._last_stepped[k]))]
+        for i in busy:
+            self._num_steps += 1
+            self._last_stepped[i] = self._num_steps
+        if len(busy) == 1:
+            results = [self._step_replica(busy[0])]
+        else:
+            results = list(self._pool.map(self._step_replica, busy))
+        outputs: list[RequestOutput] = []
+        for i, (stepped, exc) in zip(busy, results):
+            outputs += stepped if exc is None else self._remove(i, exc)
         self._finished(outputs)
         if not any(self.alive):
-            error = EngineDeadError(f"every data-parallel replica is dead (the last: replica {i})")
+            error = EngineDeadError(f"every data-parallel replica is dead (the last: replica {busy[-1]})")
             error.outputs = outputs
             raise error
         return outputs
+
+    def _step_replica(self, i: int) -> tuple[list[RequestOutput], Exception | None]:
+        """Replica ``i``'s step: its outputs, or the exception it raised (its state is then unknown: the caller
+        removes it, on the caller's thread)."""
+        try:
+            return self.replicas[i].step(), None
+        except Exception as exc:  # noqa: BLE001 - the replica is dead, the others go on
+            return [], exc
 
     def _remove(self, i: int, exc: BaseException) -> list[RequestOutput]:
         """Mark replica ``i`` dead after its step raised ``exc``; returns its in-flight requests' final outputs."""
@@ -232,6 +258,8 @@ class DataParallelEngine:
         """Shut every replica down; idempotent."""
         for replica in self.replicas:
             replica.shutdown()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 def build_data_parallel_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
@@ -248,17 +276,38 @@ def build_data_parallel_engine(config: EngineConfig, metrics: MetricsCollector |
     metrics = metrics or MetricsCollector()
     router = registry.create("router", config.router, seed=config.seed, **config.plugin_params("router"))
     one = dataclasses.replace(config, data_parallel_size=1)
+    n = config.data_parallel_size
     replicas: list[LLMEngine] = []
     try:
-        for _ in range(config.data_parallel_size):
-            replicas.append(build_engine(one, MetricsCollector(slo_ttft_ms=metrics.slo_ttft_ms,
-                                                               slo_tpot_ms=metrics.slo_tpot_ms,
-                                                               max_records=metrics.max_records),
-                                         defer_compile=defer_compile))
+        for i in range(n):
+            with _pinned(replica_cpus(i, n) if one.executor == "mp" and one.device.startswith("cpu") else None):
+                replicas.append(build_engine(one, MetricsCollector(slo_ttft_ms=metrics.slo_ttft_ms,
+                                                                   slo_tpot_ms=metrics.slo_tpot_ms,
+                                                                   max_records=metrics.max_records),
+                                             defer_compile=defer_compile))
     except BaseException:
         for replica in replicas:
             replica.shutdown()
         raise
     front = dataclasses.replace(replicas[0].config, data_parallel_size=config.data_parallel_size)
-    logger.info("data parallel: %d replicas, router=%s", len(replicas), config.router)
+    pinned = one.executor == "mp" and one.device.startswith("cpu")
+    logger.info("data parallel: %d replicas, router=%s%s", len(replicas), config.router,
+                f", each replica's ranks in worker processes on CPUs {[list(replica_cpus(i, n)) for i in range(n)]}"
+                if pinned else "")
     return DataParallelEngine(front, replicas, router, metrics)
+
+
+@contextlib.contextmanager
+def _pinned(cpus: tuple[int, ...] | None) -> Iterator[None]:
+    """Run the block with the calling thread's CPU affinity set to ``cpus`` (``None``: unchanged), restored after:
+    the worker processes a replica's executor starts meanwhile inherit it, and their ranks split those cores
+    among themselves (``parallel.num_threads_per_rank=0``)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -131,7 +131,10 @@ def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metr
     n = engine_config.data_parallel_size
     router = (registry.create("router", engine_config.router, seed=engine_config.seed,
                               **engine_config.plugin_params("router")) if n > 1 else None)
-    one = dataclasses.replace(engine_config, data_parallel_size=1)
+    # each core process is one replica: executor=auto resolves again there (uniproc for one rank)
+    requested = cfg.get("executor", {}).get("name", "auto")
+    one = dataclasses.replace(engine_config, data_parallel_size=1,
+                              executor="auto" if requested == "auto" else engine_config.executor)
     metrics_kwargs = {"slo_ttft_ms": cfg.slo.ttft_ms, "slo_tpot_ms": cfg.slo.tpot_ms,
                       "max_records": SERVER_METRICS_RECORDS}
     clients = [MPCoreClient(one, replica_id=i, data_parallel_size=n, metrics_kwargs=metrics_kwargs) for i in range(n)]

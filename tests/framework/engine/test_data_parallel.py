@@ -4,6 +4,7 @@ only its own requests; with ``executor=sim`` a discrete-event loop over simulate
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -20,6 +21,9 @@ from framework.workloads.synthetic import apply_arrivals, shared_prefix_workload
 
 PROMPTS = [[(7 * i + j) % 400 + 3 for j in range(4 + 3 * i)] for i in range(8)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+# routing and failure semantics are the same whichever way replicas step: these tests take turns in one process
+# (executor=auto's worker processes cost seconds per replica to start; one test below runs them)
+UNIPROC = "uniproc"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,8 @@ def reference():
 
 @pytest.mark.parametrize("router", ["round_robin", "cache_aware", "prefix_score"])
 def test_two_replicas_answer_each_request_once_with_one_engines_outputs(reference, router):
-    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router=router)
+    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router=router,
+              executor=UNIPROC)
     assert isinstance(llm.engine, DataParallelEngine) and len(llm.engine.replicas) == 2
     outputs = llm.generate(PROMPTS, GREEDY)
     assert [o.request_id for o in outputs] == [str(i) for i in range(len(PROMPTS))]
@@ -48,8 +53,42 @@ def test_two_replicas_answer_each_request_once_with_one_engines_outputs(referenc
     assert [r["num_requests"] for r in summary["replicas"]] == llm.engine.num_routed
 
 
+def test_cpu_replicas_compute_at_once_each_in_worker_processes_on_its_own_cores(reference):
+    """Offline CPU replicas (``executor=auto``): each replica's rank in a worker process pinned to its
+    ``replica_cpus`` (this process's affinity untouched), and one front step steps every busy replica."""
+    from framework.distributed.parallel_state import replica_cpus
+    from framework.testing.fault_injection import worker_pid
+
+    mine = os.sched_getaffinity(0)
+    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router="round_robin",
+              executor="auto")
+    engine = llm.engine
+    assert [r.config.executor for r in engine.replicas] == ["mp", "mp"] and engine.concurrent
+    assert os.sched_getaffinity(0) == mine
+    pids = [r.executor.collective_rpc(worker_pid)[0] for r in engine.replicas]
+    assert [os.sched_getaffinity(pid) for pid in pids] == [set(replica_cpus(i, 2)) for i in range(2)]
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    engine.add_request("b", PROMPTS[1], GREEDY)  # round robin: one on each replica
+    assert {o.request_id for o in engine.step()} == {"a", "b"}  # both replicas stepped in one front step
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+    assert [outputs["a"], outputs["b"]] == reference[:2]
+    # a replica whose step raises on its pool thread fails only its own request; the other one finishes
+    engine.replicas[1].step = lambda: (_ for _ in ()).throw(RuntimeError("injected fault in replica 1"))
+    engine.add_request("c", PROMPTS[2], GREEDY)
+    engine.add_request("d", PROMPTS[3], GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.alive == [True, False] and "replica 1 died" in done["d"].error and done["c"].error is None
+    assert list(done["c"].outputs[0].token_ids) == reference[2]
+    engine.shutdown()
+
+
 def test_a_dead_replica_fails_only_its_requests_and_is_never_chosen_again(reference):
-    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router="round_robin")
+    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router="round_robin",
+              executor=UNIPROC)
     doomed = llm.engine.replicas[1]
     real_step = doomed.step
 
@@ -72,7 +111,8 @@ def test_a_dead_replica_fails_only_its_requests_and_is_never_chosen_again(refere
 
 
 def test_the_last_replica_dying_kills_the_engine():
-    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router="round_robin")
+    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router="round_robin",
+              executor=UNIPROC)
     for replica in llm.engine.replicas:
         replica.step = lambda: (_ for _ in ()).throw(RuntimeError("boom"))
     with pytest.raises(EngineDeadError):
@@ -109,7 +149,8 @@ def test_simulated_replicas_run_on_virtual_time_and_cache_aware_routing_hits_the
 
 
 def test_compile_budgets_are_dealt_round_robin_to_the_replicas(monkeypatch):
-    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router="round_robin")
+    llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router="round_robin",
+              executor=UNIPROC)
     told = {0: [], 1: []}
     for i, replica in enumerate(llm.engine.replicas):
         monkeypatch.setattr(replica, "maybe_compile",

@@ -4,6 +4,8 @@ engine in ``build_engine``'s call order; a lost worker fails every in-flight req
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers import STORIES
 
@@ -94,6 +96,11 @@ def test_a_lost_worker_fails_every_request_and_the_engine(recording):
 def test_auto_resolves_by_rank_count_and_uniproc_refuses_two_ranks():
     assert EngineConfig(model=STORIES).executor == "uniproc"
     assert EngineConfig(model=STORIES, tensor_parallel_size=2).executor == "mp"
+    # CPU data-parallel replicas in one process: their ranks in worker processes (they compute at once); a server's
+    # engine-core process (one replica) resolves auto again for itself; CUDA replicas stay in-process
+    front = EngineConfig(model=STORIES, data_parallel_size=2)
+    assert front.executor == "mp" and EngineConfig(model=STORIES, data_parallel_size=2, device="cuda").executor == "uniproc"
+    assert dataclasses.replace(front, data_parallel_size=1, executor="auto").executor == "uniproc"
     with pytest.raises(ValueError, match="executor=uniproc runs one rank"):
         validate_plugins(EngineConfig(model=STORIES, executor="uniproc", tensor_parallel_size=2))
     with pytest.raises(registry.UnknownPluginError, match=r"mp, (ray, )?sim, uniproc"):
