@@ -277,10 +277,11 @@ def build_data_parallel_engine(config: EngineConfig, metrics: MetricsCollector |
     router = registry.create("router", config.router, seed=config.seed, **config.plugin_params("router"))
     one = dataclasses.replace(config, data_parallel_size=1)
     n = config.data_parallel_size
+    pinned = one.executor == "mp" and one.device.startswith("cpu")  # each replica's workers on its own cores
     replicas: list[LLMEngine] = []
     try:
         for i in range(n):
-            with _pinned(replica_cpus(i, n) if one.executor == "mp" and one.device.startswith("cpu") else None):
+            with _pinned(replica_cpus(i, n) if pinned else None):
                 replicas.append(build_engine(one, MetricsCollector(slo_ttft_ms=metrics.slo_ttft_ms,
                                                                    slo_tpot_ms=metrics.slo_tpot_ms,
                                                                    max_records=metrics.max_records),
@@ -290,7 +291,6 @@ def build_data_parallel_engine(config: EngineConfig, metrics: MetricsCollector |
             replica.shutdown()
         raise
     front = dataclasses.replace(replicas[0].config, data_parallel_size=config.data_parallel_size)
-    pinned = one.executor == "mp" and one.device.startswith("cpu")
     logger.info("data parallel: %d replicas, router=%s%s", len(replicas), config.router,
                 f", each replica's ranks in worker processes on CPUs {[list(replica_cpus(i, n)) for i in range(n)]}"
                 if pinned else "")
