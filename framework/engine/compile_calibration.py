@@ -157,15 +157,15 @@ class CompilePlanner:
         batch sizes (interpolated) in ``mode`` (``"eager"``/``"compiled"``): the step-weighted geometric mean of
         real / dummy over the batch sizes with at least :data:`MIN_OBSERVED_STEPS` steps, clamped to
         :data:`OBSERVED_FACTOR_BOUNDS`, and the steps behind it; ``None`` without such steps or dummy steps."""
-        table = record.get("observed_step_ms", {}).get(mode, {})
         if not dummy:
             return None
-        cells = [(int(b), ms, n) for b, (ms, n) in table.items()
-                 if n >= MIN_OBSERVED_STEPS and ms > 0 and compile_policy.interpolate(dummy, int(b)) > 0]
+        table = record.get("observed_step_ms", {}).get(mode, {})
+        cells = [(ms / base, n) for b, (ms, n) in table.items()
+                 if n >= MIN_OBSERVED_STEPS and ms > 0 and (base := compile_policy.interpolate(dummy, int(b))) > 0]
         if not cells:
             return None
-        steps = sum(n for _, _, n in cells)
-        log_factor = sum(n * math.log(ms / compile_policy.interpolate(dummy, b)) for b, ms, n in cells) / steps
+        steps = sum(n for _, n in cells)
+        log_factor = sum(n * math.log(ratio) for ratio, n in cells) / steps
         lo, hi = OBSERVED_FACTOR_BOUNDS
         return min(max(math.exp(log_factor), lo), hi), steps
 

@@ -203,9 +203,9 @@ class ModelRunner:
         ``num_reqs == 1``: a ``num_tokens``-token prefill at positions ``0..num_tokens-1`` (at most
         as many tokens as the cache has slots).
         ``num_reqs == num_tokens``: that many decodes, each at position ``2 * block_size`` of a
-        3-block table of its own (blocks ``3i..3i+2``; all share blocks 0-2 in a cache too small) (the decoder is called with duck sizing off, so batch dims that happen to be
-        equal here, e.g. a traced backend's partition count and the batch size, still get separate
-        symbols).
+        3-block table of its own (blocks ``3i..3i+2``; all share blocks 0-2 in a cache too small). The
+        decoder is called with duck sizing off, so batch dims that happen to be equal here (e.g. a traced
+        backend's partition count and the batch size) still get separate symbols.
         """
         dev = self.device
         i32 = {"dtype": torch.int32, "device": dev}
@@ -214,6 +214,7 @@ class ModelRunner:
             num_blocks, ctx, q_lens = -(-num_tokens // self.block_size), [0], [num_tokens]
             positions = torch.arange(num_tokens, device=dev)
             slots = positions
+            table = torch.arange(num_blocks, **i32)[None]
         else:
             num_blocks = min(3, self.num_blocks)
             ctx, q_lens = [(num_blocks - 1) * self.block_size] * num_reqs, [1] * num_reqs
@@ -228,7 +229,7 @@ class ModelRunner:
         common = CommonAttentionMetadata(
             query_start_loc=torch.tensor([0, *np.cumsum(q_lens).tolist()], **i32),
             seq_lens=torch.tensor(seq_lens, **i32), context_lens=torch.tensor(ctx, **i32),
-            block_table=table if num_reqs > 1 else torch.arange(num_blocks, **i32)[None], slot_mapping=slots,
+            block_table=table, slot_mapping=slots,
             query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, num_reqs=num_reqs, num_tokens=num_tokens,
             num_decodes=num_decodes, num_decode_tokens=num_decodes, max_query_len=max(q_lens),
             max_seq_len=max(seq_lens), block_size=self.block_size)
