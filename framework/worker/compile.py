@@ -5,8 +5,9 @@ What is compiled are the decoder's layers (``framework/worker/compile_regions.py
 kind (the same code on different weights and KV caches: all 30 of SmolLM2) share one graph per step
 key, so a cold compile traces, lowers and builds one layer instead of the whole stack (SmolLM2 bf16,
 2-core CPU: ~390 s for the whole decoder before, ~20 s for its three layer graphs now, a few seconds
-from inductor's on-disk cache). The embedding, the rotary tables, the final norm and the LM head run
-eagerly (the LM head on the sampled rows only). Attention inside a layer graph is the opaque custom
+from inductor's on-disk cache). The embedding, the rotary tables and the final norm run eagerly; the
+LM head runs on the sampled rows only, eagerly, except for one row (batch-1 decode, a lone prefill),
+which has a small compiled graph of its own (:meth:`CompiledDecoder.logits`). Attention inside a layer graph is the opaque custom
 op ``torch.ops.servelab.attention`` (``framework/worker/forward_context.py``), so the backend, its
 metadata and the paged KV cache stay outside dynamo; the layer's identity is a tensor argument of it.
 
@@ -16,7 +17,7 @@ with one token (batch-1 decode) has a graph of its own. When the attention backe
 the decoder with a ``servelab_graph`` keyword and get graphs of their own, with attention inside
 them. :meth:`CompiledDecoder.warm_up` therefore runs a prefill, a 1-token step and a decode step of
 many requests at start-up (:data:`WARM_UP_STEPS`; 2 graphs per layer kind for an opaque backend, 3
-for a traceable one): after it, every batch size reuses one of those graphs, and
+for a traceable one, plus the one-row LM head's): after it, every batch size reuses one of those graphs, and
 :class:`CompileStats` counts any later compilation as a recompile. In the 1-token graph the linears
 are traced GEMVs (``framework/worker/prepack.py``), so that graph is one stretch of generated code
 with no extern call.
@@ -49,7 +50,7 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
-from framework.worker.compile_regions import LayerGraphs, LayerHandle, decoder_layers, layer_kinds
+from framework.worker.compile_regions import LayerGraphs, LayerHandle, decoder_layers, layer_kinds, with_own_code
 from framework.worker.forward_context import GraphAttention
 from framework.worker.model_families import output_logits
 
@@ -183,6 +184,7 @@ class CompiledDecoder:
         self._step_key: tuple = ()  # this step's dispatch key: (num_tokens == 1, attention traced)
         self._expected_graphs = 0  # graphs the warm-up compiles (progress lines)
         self._t0 = time.perf_counter()
+        self._head: Callable[[torch.Tensor], torch.Tensor] | None = None  # the compiled one-row LM head
         try:
             self._install(kv_caches, layer_group, call_signatures)
         except ValueError as err:
@@ -215,6 +217,15 @@ class CompiledDecoder:
         self.stats.num_layer_kinds = self.graphs.num_kinds
         for i, layer in enumerate(layers):
             layer.forward = functools.partial(self._layer_forward, i)
+        if self.tensor_parallel:  # the eager head gathers the logits to the driver only: a compiled one
+            return                # all-gathers, and a rank whose head fell back would then deadlock the group
+        model = self.model
+
+        def head(rows: torch.Tensor) -> torch.Tensor:
+            return output_logits(model, rows)
+
+        self._head = torch.compile(with_own_code(head, "lm_head"), dynamic=False, fullgraph=True,
+                                   backend=functools.partial(self._backend, label="one-row LM head"))
 
     def _layer_forward(self, i: int, *args: Any, **kwargs: Any) -> Any:
         """Layer ``i``'s ``forward``: its kind's graph for this step (eagerly after a fallback)."""
@@ -233,19 +244,21 @@ class CompiledDecoder:
             self._fall_back(f"torch.compile failed ({type(err).__name__}: {err})")
             return type(layer).forward(layer, *args, **kwargs)
 
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        """Inductor, counting compiled graphs in ``stats.num_graphs`` and logging each one."""
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any], label: str | None = None) -> Any:
+        """Inductor, counting compiled graphs in ``stats.num_graphs`` and logging each one (``label``:
+        what the graph is, by default this step's layer graph)."""
         from torch._inductor.compile_fx import compile_fx
 
         self.stats.num_graphs += 1
-        step = ("1-token" if self._step_key[0] else "many-token") + (" traced-attention" if self._step_key[1] else "")
+        step = label or (("1-token" if self._step_key[0] else "many-token")
+                         + (" traced-attention" if self._step_key[1] else "") + " step")
         if self._warmed_up:  # the warm-up should have covered every step shape: say which one did not
-            logger.warning("engine.compile: recompiling after the warm-up (graph %d: %s step)",
+            logger.warning("engine.compile: recompiling after the warm-up (graph %d: %s)",
                            self.stats.num_graphs, step)
         compiled = compile_fx(gm, example_inputs,
                               config_patches={"freezing": self.freezing, **inductor_config(example_inputs)})
         if not self._warmed_up:
-            logger.info("engine.compile: graph %d of %d compiled (%s step), %.1f s so far", self.stats.num_graphs,
+            logger.info("engine.compile: graph %d of %d compiled (%s), %.1f s so far", self.stats.num_graphs,
                         self._expected_graphs, step, time.perf_counter() - self._t0)
         return compiled
 
@@ -256,6 +269,7 @@ class CompiledDecoder:
             for layer in self.graphs.layers:
                 vars(layer).pop("forward", None)  # the class's forward again
             self.graphs = None
+        self._head = None
         logger.warning("engine.compile: %s; running the model eagerly (same outputs, uncompiled speed)", reason)
 
     @property
@@ -283,10 +297,12 @@ class CompiledDecoder:
             self._fall_back(f"compiler unavailable ({type(err).__name__}: {err})")
             return
         self.stats.active = True
-        self._expected_graphs = self.stats.num_layer_kinds * (3 if traced_attention else 2)
-        logger.info("engine.compile: compiling %d graph(s): %d decoder layer kind(s) of %d layers x %d step shapes "
+        shapes = 3 if traced_attention else 2
+        self._expected_graphs = self.stats.num_layer_kinds * shapes + (self._head is not None)
+        logger.info("engine.compile: compiling %d graph(s): %d decoder layer kind(s) of %d layers x %d step shapes%s "
                     "(inductor's on-disk cache: %s)", self._expected_graphs, self.stats.num_layer_kinds,
-                    len(self.graphs.layers), self._expected_graphs // self.stats.num_layer_kinds, _inductor_cache_dir())
+                    len(self.graphs.layers), shapes, ", and the one-row LM head" if self._head is not None else "",
+                    _inductor_cache_dir())
         self._t0 = t0 = time.perf_counter()
         misses = counters["inductor"]["fxgraph_cache_miss"]
         for num_tokens, num_reqs in WARM_UP_STEPS:
@@ -316,9 +332,27 @@ class CompiledDecoder:
         """
         hidden = self.hidden_states(input_ids, position_ids, graph)
         if hidden is not None:
-            return output_logits(self.model, hidden[logits_index])
+            return self.logits(hidden[logits_index])
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                           logits_to_keep=logits_index).logits[0]
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits ``(num_rows, vocab_size)`` (model dtype) of decoder hidden states ``rows``
+        ``(num_rows, hidden_size)`` (``output_logits``): one row (batch-1 decode, a lone prefill) through
+        its own compiled graph, where the head is a traced GEMV (``framework/worker/prepack.py``) that
+        streams the weight at inductor's loop speed instead of oneDNN's one-row GEMM (SmolLM2 bf16, 2-core
+        CPU: batch-1 step 14.1 -> 13.6 ms, paired runs); more rows, under tensor parallelism (the eager
+        head gathers the logits to the driver rank only), or once the head's compile failed (a warning
+        says why; the layers stay compiled), eagerly.
+        """
+        if self._head is not None and rows.shape[0] == 1:
+            try:
+                return self._head(rows)
+            except Exception as err:  # noqa: BLE001 - a trace-time failure ran nothing (no collective under TP)
+                self._head = None
+                logger.warning("engine.compile: the one-row LM head did not compile (%s: %s); it runs eagerly",
+                               type(err).__name__, err)
+        return output_logits(self.model, rows)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       graph: GraphAttention | None = None) -> torch.Tensor | None:

@@ -134,8 +134,15 @@ def layer_entry(forward: Callable[..., Any], kind: int) -> Callable[..., Any]:
     def entry(layer: torch.nn.Module, handle: LayerHandle, args: tuple, kwargs: dict) -> Any:
         return forward(layer, *args, servelab_layer=handle, **kwargs)
 
-    code = entry.__code__.replace(co_name=f"decoder_layer_kind{kind}_{next(_ENTRY_IDS)}")
-    return types.FunctionType(code, entry.__globals__, code.co_name, None, entry.__closure__)
+    return with_own_code(entry, f"decoder_layer_kind{kind}")
+
+
+def with_own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """A copy of the function ``fn`` (same globals and closure) with a code object of its own, named
+    ``<name>_<n>``: dynamo keys its compiled graphs and guards by code object, so a copy made per
+    engine never shares (or counts against the recompile limit of) another engine's graphs."""
+    code = fn.__code__.replace(co_name=f"{name}_{next(_ENTRY_IDS)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 class LayerGraphs:

@@ -270,9 +270,10 @@ class ModelRunner:
         graph = self._graph_attention(metadata)
         if self.keep_hidden_states:  # decoder, then the LM head on the sampled rows only
             hidden = self.compiled.hidden_states(input_ids, positions, graph) if self.compiled is not None else None
-            if hidden is None:
-                hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=positions,
-                                                  use_cache=False).last_hidden_state[0]
+            if hidden is not None:
+                return self.compiled.logits(hidden[logits_index]), hidden
+            hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=positions,
+                                              use_cache=False).last_hidden_state[0]
             return output_logits(self.model, hidden[logits_index]), hidden
         if self.compiled is not None:
             return self.compiled(input_ids, positions, logits_index, graph), None
