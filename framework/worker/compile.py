@@ -76,6 +76,10 @@ INDUCTOR_CONFIG = {"assert_indirect_indexing": False, "size_asserts": False, "al
 #: context 190, 2-core CPU). float32 graphs keep ``off``: their outputs are compared token for token
 #: with transformers, and an FMA rounds once where eager rounds twice.
 REDUCED_PRECISION_CONFIG = {"cpp.enable_floating_point_contract_flag": "fast"}
+#: Bytes of LM head weight from which a one-row head is compiled (:meth:`CompiledDecoder.logits`): a
+#: compiled call costs ~30 us of guards and wrappers, which a head of a few MiB does not win back
+#: (SmolLM2's is 56 MiB in bf16, a 1B Llama's 0.5 GiB; the suite's tiny models stay eager).
+COMPILED_HEAD_MIN_BYTES = 16 << 20
 
 
 def inductor_config(example_inputs: Sequence[Any]) -> dict[str, Any]:
@@ -219,12 +223,14 @@ class CompiledDecoder:
             layer.forward = functools.partial(self._layer_forward, i)
         if self.tensor_parallel:  # the eager head gathers the logits to the driver only: a compiled one
             return                # all-gathers, and a rank whose head fell back would then deadlock the group
+        if sum(p.numel() * p.element_size() for p in head.parameters()) < COMPILED_HEAD_MIN_BYTES:
+            return
         model = self.model
 
-        def head(rows: torch.Tensor) -> torch.Tensor:
+        def one_row_logits(rows: torch.Tensor) -> torch.Tensor:
             return output_logits(model, rows)
 
-        self._head = torch.compile(with_own_code(head, "lm_head"), dynamic=False, fullgraph=True,
+        self._head = torch.compile(with_own_code(one_row_logits, "lm_head"), dynamic=False, fullgraph=True,
                                    backend=functools.partial(self._backend, label="one-row LM head"))
 
     def _layer_forward(self, i: int, *args: Any, **kwargs: Any) -> Any:
@@ -341,7 +347,8 @@ class CompiledDecoder:
         ``(num_rows, hidden_size)`` (``output_logits``): one row (batch-1 decode, a lone prefill) through
         its own compiled graph, where the head is a traced GEMV (``framework/worker/prepack.py``) that
         streams the weight at inductor's loop speed instead of oneDNN's one-row GEMM (SmolLM2 bf16, 2-core
-        CPU: batch-1 step 14.1 -> 13.6 ms, paired runs); more rows, under tensor parallelism (the eager
+        CPU: batch-1 step 14.1 -> 13.6 ms, paired runs); more rows, a head under
+        :data:`COMPILED_HEAD_MIN_BYTES`, under tensor parallelism (the eager
         head gathers the logits to the driver rank only), or once the head's compile failed (a warning
         says why; the layers stay compiled), eagerly.
         """
