@@ -7,8 +7,8 @@ key, so a cold compile traces, lowers and builds one layer instead of the whole 
 2-core CPU: ~390 s for the whole decoder before, ~20 s for its three layer graphs now, a few seconds
 from inductor's on-disk cache). The embedding, the rotary tables and the final norm run eagerly; the
 LM head runs on the sampled rows only, eagerly, except for one row (batch-1 decode, a lone prefill),
-which has a small compiled graph of its own (:meth:`CompiledDecoder.logits`). Attention inside a layer graph is the opaque custom
-op ``torch.ops.servelab.attention`` (``framework/worker/forward_context.py``), so the backend, its
+which has a small compiled graph of its own (:meth:`CompiledDecoder.logits`). Attention inside a
+layer graph is the opaque custom op ``torch.ops.servelab.attention`` (``framework/worker/forward_context.py``), so the backend, its
 metadata and the paged KV cache stay outside dynamo; the layer's identity is a tensor argument of it.
 
 ``num_tokens`` is dynamic in the graphs of more than one token; dynamo specialises size 1, so a step
@@ -347,15 +347,14 @@ class CompiledDecoder:
         ``(num_rows, hidden_size)`` (``output_logits``): one row (batch-1 decode, a lone prefill) through
         its own compiled graph, where the head is a traced GEMV (``framework/worker/prepack.py``) that
         streams the weight at inductor's loop speed instead of oneDNN's one-row GEMM (SmolLM2 bf16, 2-core
-        CPU: batch-1 step 14.1 -> 13.6 ms, paired runs); more rows, a head under
-        :data:`COMPILED_HEAD_MIN_BYTES`, under tensor parallelism (the eager
-        head gathers the logits to the driver rank only), or once the head's compile failed (a warning
-        says why; the layers stay compiled), eagerly.
+        CPU: batch-1 step 14.1 -> 13.6 ms, paired runs). Eagerly: more rows, a head under
+        :data:`COMPILED_HEAD_MIN_BYTES`, tensor parallelism (the eager head gathers the logits to the
+        driver rank only), or once the head's compile failed (a warning says why; the layers stay compiled).
         """
         if self._head is not None and rows.shape[0] == 1:
             try:
                 return self._head(rows)
-            except Exception as err:  # noqa: BLE001 - a trace-time failure ran nothing (no collective under TP)
+            except Exception as err:  # noqa: BLE001 - a failed trace ran nothing: the eager head gives the same logits
                 self._head = None
                 logger.warning("engine.compile: the one-row LM head did not compile (%s: %s); it runs eagerly",
                                type(err).__name__, err)

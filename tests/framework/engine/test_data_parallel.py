@@ -55,13 +55,15 @@ def test_two_replicas_answer_each_request_once_with_one_engines_outputs(referenc
 
 def test_cpu_replicas_compute_at_once_each_in_worker_processes_on_its_own_cores(reference):
     """Offline CPU replicas (``executor=auto``): each replica's rank in a worker process pinned to its
-    ``replica_cpus`` (this process's affinity untouched), and one front step steps every busy replica."""
+    ``replica_cpus`` (this process's affinity untouched), and one front step steps every busy replica,
+    with speculative decoding (ngram) and structured output running in each replica."""
+    from framework import StructuredOutputsParams
     from framework.distributed.parallel_state import replica_cpus
     from framework.testing.fault_injection import worker_pid
 
     mine = os.sched_getaffinity(0)
     llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router="round_robin",
-              executor="auto")
+              executor="auto", drafter="ngram", drafter_params={"num_speculative_tokens": 3}, grammar="xgrammar")
     engine = llm.engine
     assert [r.config.executor for r in engine.replicas] == ["mp", "mp"] and engine.concurrent
     assert os.sched_getaffinity(0) == mine
@@ -73,7 +75,11 @@ def test_cpu_replicas_compute_at_once_each_in_worker_processes_on_its_own_cores(
     outputs = {}
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
-    assert [outputs["a"], outputs["b"]] == reference[:2]
+    assert [outputs["a"], outputs["b"]] == reference[:2]  # greedy: speculation leaves the tokens as they were
+    choices = ["Once upon a time", "The little dog"]
+    constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(choice=choices))
+    outs = llm.generate([PROMPTS[4], PROMPTS[5]], [constrained, GREEDY])  # one on each replica, at once
+    assert outs[0].outputs[0].text in choices and list(outs[1].outputs[0].token_ids) == reference[5]
     # a replica whose step raises on its pool thread fails only its own request; the other one finishes
     engine.replicas[1].step = lambda: (_ for _ in ()).throw(RuntimeError("injected fault in replica 1"))
     engine.add_request("c", PROMPTS[2], GREEDY)
