@@ -33,6 +33,19 @@ def test_train_eagle_writes_a_usable_head(tmp_path, capsys):
     assert llm.engine.metrics.summary()["spec_num_draft_tokens"] > 0
 
 
+def test_bench_lm_head_pairs_the_compiled_and_the_eager_head(tmp_path):
+    """A compile test by nature (the compiled one-row head against the eager one): both modes run in each
+    round, tokens equal, the JSON carries the paired ratios."""
+    from experiments import bench_lm_head
+
+    out = tmp_path / "lm_head.json"
+    result = bench_lm_head.main(["--model", STORIES, "--dtype", "float32", "--prompt-len", "8", "--output-len", "4",
+                                 "--rounds", "2", "--min-head-bytes", "0", "--json-out", str(out)])
+    assert [r["mode"] for r in result["rounds"]] == ["compiled", "eager", "eager", "compiled"]
+    assert result["summary"]["same_tokens"] and len(result["summary"]["forward_ms"]["paired_eager_over_compiled"]) == 2
+    assert json.loads(out.read_text())["cpu"]
+
+
 def test_bench_families_reports_each_family_against_llama_and_transformers(tmp_path):
     """Tiny Llama- and Gemma-3-shaped random models (saved once in ``--model-dir``): both systems run,
     every output has its length, ours carries its ratios to the Llama row and to transformers."""
