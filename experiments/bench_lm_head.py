@@ -51,13 +51,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         RuntimeError: the engine has no compiled one-row head (a head below the threshold, tensor
             parallelism, or compilation fell back).
     """
-    from framework import LLM, SamplingParams
+    from framework import LLM
     from framework.worker import compile as compile_module
     from framework.worker import model_runner
 
+    threshold = compile_module.COMPILED_HEAD_MIN_BYTES
     if args.min_head_bytes is not None:
         compile_module.COMPILED_HEAD_MIN_BYTES = args.min_head_bytes
-    llm = LLM(model=args.model, dtype=args.dtype, compile=True)
+    try:
+        llm = LLM(model=args.model, dtype=args.dtype, compile=True)
+    finally:  # only this engine: later ones in the process (the suite's) keep the engine's rule
+        compile_module.COMPILED_HEAD_MIN_BYTES = threshold
     compiled = llm.engine.runner.compiled
     if compiled is None or compiled._head is None:
         raise RuntimeError("no compiled one-row LM head here (head under COMPILED_HEAD_MIN_BYTES, tensor "
@@ -72,6 +76,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return out
 
     model_runner.ModelRunner.execute_scheduled = timed
+    try:
+        return _rounds(args, llm, compiled, head, forward_s)
+    finally:
+        compiled._head = head
+        model_runner.ModelRunner.execute_scheduled = execute
+
+
+def _rounds(args: argparse.Namespace, llm: Any, compiled: Any, head: Any, forward_s: list[float]) -> dict[str, Any]:
+    """:func:`run`'s rounds on the built engine (``forward_s`` fills with each step's forward seconds)."""
+    from framework import SamplingParams
+
     prompt = [{"prompt_token_ids": [(17 * i) % 1000 + 100 for i in range(args.prompt_len)]}]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
@@ -92,8 +107,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for r in range(args.rounds):
         for mode in (("compiled", "eager") if r % 2 == 0 else ("eager", "compiled")):
             rounds.append({"round": r, **one(mode)})
-    compiled._head = head
-    model_runner.ModelRunner.execute_scheduled = execute
     summary: dict[str, Any] = {}
     for key in ("ms_per_token", "forward_ms"):
         by = {m: [x[key] for x in rounds if x["mode"] == m] for m in ("compiled", "eager")}

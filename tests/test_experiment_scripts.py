@@ -44,6 +44,9 @@ def test_bench_lm_head_pairs_the_compiled_and_the_eager_head(tmp_path):
     assert [r["mode"] for r in result["rounds"]] == ["compiled", "eager", "eager", "compiled"]
     assert result["summary"]["same_tokens"] and len(result["summary"]["forward_ms"]["paired_eager_over_compiled"]) == 2
     assert json.loads(out.read_text())["cpu"]
+    from framework.worker import compile as compile_module
+
+    assert compile_module.COMPILED_HEAD_MIN_BYTES == 16 << 20  # the override held for the script's engine only
 
 
 def test_bench_families_reports_each_family_against_llama_and_transformers(tmp_path):

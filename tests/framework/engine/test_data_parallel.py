@@ -92,6 +92,55 @@ def test_cpu_replicas_compute_at_once_each_in_worker_processes_on_its_own_cores(
     engine.shutdown()
 
 
+DRIVER = """
+import sys
+sys.path[:0] = [{repo!r}]
+from framework import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM(model={model!r}, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, executor="auto")
+    print("READY", *[r.executor.shm_name for r in llm.engine.replicas],
+          *[p for r in llm.engine.replicas for p in r.executor.worker_pids], flush=True)
+    while True:
+        llm.generate(["Once upon a time"] * 4, SamplingParams(max_tokens=50, ignore_eos=True))
+"""
+
+
+def test_a_killed_driver_leaves_no_replica_worker_and_no_segment(tmp_path):
+    """SIGKILL of the process holding offline replicas mid-generate: every replica's worker processes exit
+    (each executor's workers watch their parent) and unlink their shared-memory rings; nothing is left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from helpers import REPO
+
+    script = tmp_path / "dp_forever.py"
+    script.write_text(DRIVER.format(repo=str(REPO), model=STORIES))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, cwd=tmp_path)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line
+        _, shm_a, shm_b, *pids = line.split()
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 30  # generous: other tests load the CPUs meanwhile
+        while time.monotonic() < deadline:
+            alive = [p for p in pids if Path(f"/proc/{p}").exists()
+                     and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()]
+            left = [s for s in (shm_a, shm_b) if (Path("/dev/shm") / s).exists()]
+            if not alive and not left:
+                break
+            time.sleep(0.1)
+        assert not alive and not left, (alive, left)
+    finally:
+        proc.kill()
+
+
 def test_a_dead_replica_fails_only_its_requests_and_is_never_chosen_again(reference):
     llm = LLM(model=STORIES, compile=False, num_blocks=256, block_size=4, data_parallel_size=2, router="round_robin",
               executor=UNIPROC)
