@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,15 +28,6 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
-
-
-def cpu_name() -> str:
-    """``lscpu``'s model name (the platform's processor string where lscpu is missing)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -86,6 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _rounds(args: argparse.Namespace, llm: Any, compiled: Any, head: Any, forward_s: list[float]) -> dict[str, Any]:
     """:func:`run`'s rounds on the built engine (``forward_s`` fills with each step's forward seconds)."""
     from framework import SamplingParams
+    from framework.sim.profile import cpu_name
 
     prompt = [{"prompt_token_ids": [(17 * i) % 1000 + 100 for i in range(args.prompt_len)]}]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
