@@ -42,6 +42,11 @@ from torch import nn
 logger = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 LM_HEAD_BATCH_HINT = 64  # rows the LM head's packed layout is tuned for (see PrepackedLinear)
+#: Rows a decoder layer's packed layout is tuned for, by weight dtype (default 1: the decode GEMV).
+#: float32 takes 64: oneDNN's float32 layout for one row ran a SmolLM2 layer's GEMMs (q/k/v, o,
+#: gate, up, down) 1.24x (M=1), 1.59x (M=4), 1.43x (M=16) and 1.15x (M=64) slower than the layout
+#: for 64 rows (2-core AMD EPYC, medians of 30 alternating rounds); bfloat16 measured level (M=1 to 64).
+LAYER_BATCH_HINT = {torch.float32: 64}
 #: transformers MLP classes computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``.
 GATED_MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP"})
 
@@ -107,7 +112,8 @@ class PrepackedLinear(nn.Module):
 
     Args:
         linear: the layer to wrap; its weight is ``(out_features, in_features)`` in bf16/fp16/fp32.
-        batch_hint: rows oneDNN tunes the packed layout for (1: decode GEMV). The LM head gets 64:
+        batch_hint: rows oneDNN tunes the packed layout for; ``None``: :data:`LAYER_BATCH_HINT` of the
+            weight's dtype (1, the decode GEMV, except float32's 64). The LM head gets 64:
             its ``(64, 576) x (49152, 576)`` bf16 GEMM took 8.1 ms packed for 1 row and 5.5 ms
             packed for 64 here, with the same 1.6 ms at one row.
 
@@ -115,8 +121,10 @@ class PrepackedLinear(nn.Module):
         RuntimeError: oneDNN cannot reorder the weight (caller falls back to the plain layer).
     """
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 1) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int | None = None) -> None:
         super().__init__()
+        if batch_hint is None:
+            batch_hint = LAYER_BATCH_HINT.get(linear.weight.dtype, 1)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
@@ -191,7 +199,7 @@ def prepack_linears(model: nn.Module, compiled: bool = False) -> int:
         fused = _fuse_projections(model, fuse_mlp=not compiled)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         # a tensor-parallel LM head (framework/worker/parallel_layers.py) is the parent of its shard
-        packed = [(parent, name, PrepackedLinear(child, batch_hint=LM_HEAD_BATCH_HINT if head in (child, parent) else 1))
+        packed = [(parent, name, PrepackedLinear(child, batch_hint=LM_HEAD_BATCH_HINT if head in (child, parent) else None))
                   for parent in model.modules() for name, child in parent.named_children()
                   if type(child) is nn.Linear]
     except RuntimeError as err:
