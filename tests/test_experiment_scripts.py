@@ -49,6 +49,19 @@ def test_bench_lm_head_pairs_the_compiled_and_the_eager_head(tmp_path):
     assert compile_module.COMPILED_HEAD_MIN_BYTES == 16 << 20  # the override held for the script's engine only
 
 
+def test_bench_prepack_layout_times_every_hint_at_every_row_count(tmp_path):
+    """Every (dtype, rows) cell has each hint's time and its ratio to the first hint (1.0 for the first)."""
+    from experiments import bench_prepack_layout
+
+    out = tmp_path / "layout.json"
+    result = bench_prepack_layout.main(["--model", STORIES, "--rows", "1,3", "--rounds", "2", "--inner", "1",
+                                        "--json-out", str(out)])
+    assert [(c["dtype"], c["rows"]) for c in result["cells"]] == [
+        ("bfloat16", 1), ("bfloat16", 3), ("float32", 1), ("float32", 3)]
+    assert all(c["ratio_to_first"][1] == 1.0 and c["ms"][64] > 0 for c in result["cells"])
+    assert set(result["shapes"]) == {"qkv", "o", "gate", "up", "down"} and json.loads(out.read_text())["cpu"]
+
+
 def test_bench_families_reports_each_family_against_llama_and_transformers(tmp_path):
     """Tiny Llama- and Gemma-3-shaped random models (saved once in ``--model-dir``): both systems run,
     every output has its length, ours carries its ratios to the Llama row and to transformers."""
