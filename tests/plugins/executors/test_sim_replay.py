@@ -39,9 +39,22 @@ def _trace(seed: int = 0) -> list[tuple[str, float, list[int], int]]:
     return trace
 
 
-def _drive(engine, trace, decisions: list) -> tuple[list[float], dict]:
-    """Run ``trace`` to completion; returns each step's duration on the engine's clock and the final metrics."""
+def _drive(engine, trace, decisions: list, forwards: list | None = None) -> tuple[list[float], dict]:
+    """Run ``trace`` to completion; returns each step's duration on the engine's clock and the final metrics.
+    ``forwards``, when given, collects each step's ``execute_model`` seconds on the same clock (0 for a step
+    that scheduled nothing)."""
     schedule = engine.scheduler.schedule
+    if forwards is not None:
+        execute_model = engine.executor.execute_model
+
+        def timed_execute_model(*args, **kwargs):
+            start = engine.clock.now()
+            try:
+                return execute_model(*args, **kwargs)
+            finally:
+                forwards[-1] += engine.clock.now() - start
+
+        engine.executor.execute_model = timed_execute_model
 
     def recording_schedule():
         out = schedule()
@@ -65,6 +78,8 @@ def _drive(engine, trace, decisions: list) -> tuple[list[float], dict]:
             engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                                arrival_time=t0 + arrival)
         iteration_time = now
+        if forwards is not None:
+            forwards.append(0.0)
         metrics.update({o.request_id: o.metrics for o in engine.step() if o.finished})
     durations.append(clock.now() - t0 - iteration_time)
     return durations, metrics
@@ -77,11 +92,14 @@ def test_replaying_a_real_runs_step_times_reproduces_its_decisions(scheduler, kv
                  attention_params={"compile": False})  # no start-up compile of the kernel: this test runs alone
     real = build_engine(EngineConfig(**knobs))
     real_decisions: list = []
+    forwards: list = []
     try:
-        durations, real_metrics = _drive(real, _trace(), real_decisions)
+        durations, real_metrics = _drive(real, _trace(), real_decisions, forwards)
         real_hit_rate = real.scheduler.kv.stats().hit_rate
     finally:
         real.shutdown()
+    assert len(forwards) == len(durations), "one forward per step"
+    bookkeeping = max(d - f for d, f in zip(durations, forwards, strict=True))
     assert any(preempted for _, preempted, _ in real_decisions), "the trace must preempt (KV pressure)"
     assert real_hit_rate > 0, "the trace must hit the prefix cache"
 
@@ -103,9 +121,10 @@ def test_replaying_a_real_runs_step_times_reproduces_its_decisions(scheduler, kv
         assert (s.num_cached_tokens, s.num_preemptions, s.num_output_tokens) == (
             m.num_cached_tokens, m.num_preemptions, m.num_output_tokens)
         # the real clock stamps inside a step (after scheduling, after the forward), the replayed one at the
-        # iteration's reading and at the step's end: latencies agree to within a step's bookkeeping
+        # iteration's reading and at the step's end: latencies agree to within the real run's longest
+        # bookkeeping (a step's time outside its forward: ~1 ms, more when the machine stalls the process)
         for name in ("queue_s", "ttft_s", "e2e_s", "tpot_s"):
-            assert getattr(s, name) == pytest.approx(getattr(m, name), abs=2e-3), (rid, name)
+            assert getattr(s, name) == pytest.approx(getattr(m, name), abs=bookkeeping + 1e-4), (rid, name)
 
 
 def test_a_diverging_replay_names_the_cause(tmp_path):
