@@ -32,18 +32,14 @@ sys.path.insert(0, str(REPO_ROOT))
 
 
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
-    """``{name: (in_features, out_features)}`` of one decoder layer's GEMMs, from the model's config.
+    """``{name: (in_features, out_features)}`` of one decoder layer's GEMMs, from the model's config
+    (``model_loader.load_model_config``, whose errors it raises)."""
+    from framework.worker.model_loader import load_model_config
 
-    Raises:
-        FileNotFoundError: the model resolves to no folder with a ``config.json``.
-    """
-    from framework.worker.model_loader import resolve_model_path
-
-    cfg = json.loads((Path(resolve_model_path(model)) / "config.json").read_text())
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    kv = cfg.get("num_key_value_heads", heads)
+    cfg = load_model_config(model).get_text_config()
+    hidden, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
     return {"qkv": (hidden, (heads + 2 * kv) * head_dim), "o": (heads * head_dim, hidden),
             "gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}
 
@@ -52,7 +48,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every (dtype, rows) cell (see the module docstring).
 
     Returns:
-        ``{"cpu", "args", "shapes", "cells": [{"dtype", "rows", "ms": {hint: median}, "ratio_to_first": {hint: x}}]}``.
+        ``{"cpu", "args", "shapes", "hints", "cells": [{"dtype", "rows", "ms": {hint: median},
+        "ratio_to_first": {hint: x}}]}``.
     """
     from framework.sim.profile import cpu_name
 
@@ -77,7 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ms = {h: statistics.median(v) for h, v in times.items()}
             cells.append({"dtype": dtype_name, "rows": rows, "ms": ms,
                           "ratio_to_first": {h: ms[h] / ms[hints[0]] for h in hints}})
-    return {"cpu": cpu_name(), "args": vars(args), "shapes": shapes, "cells": cells}
+    return {"cpu": cpu_name(), "args": vars(args), "shapes": shapes, "hints": hints, "cells": cells}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -92,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     result = run(args)
-    hints = [int(h) for h in args.hints.split(",")]
+    hints = result["hints"]
     print(f"cpu: {result['cpu']}; {args.model} layer GEMMs {result['shapes']}; {torch.get_num_threads()} threads")
     print(f"{'dtype':<10}{'rows':>6}" + "".join(f"{f'hint {h} ms':>13}{'ratio':>7}" for h in hints))
     for c in result["cells"]:
