@@ -229,7 +229,7 @@ class MetricsCollector:
             ``compile_mode`` (auto|true|false) and ``compile_reason`` (the decision, see
             ``framework.engine.compile_policy``), and once the decoder was compiled ``compile``,
             ``compile_active``, ``compile_s`` (warm-up seconds), ``compile_num_graphs_warmup``,
-            ``compile_num_recompiles`` (graphs compiled after the warm-up), ``compile_fallback`` (see
+            ``compile_num_recompiles`` (graphs compiled after the warm-up), ``compile_fallback``, ``compile_layer_stack`` (see
             ``framework.worker.compile.CompileStats``), the executor's ``run_labels`` (``simulated``,
             ``sim_profile``: every run has them, a simulated one says where its step times came from),
             step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time,

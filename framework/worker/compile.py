@@ -44,7 +44,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -102,6 +102,9 @@ class CompileStats:
     num_layer_kinds: int = 0  # decoder layer kinds, each compiled once per step shape (compile_regions.py)
     num_cache_misses: int = 0  # warm-up graphs inductor generated and built afresh (0: all from its on-disk cache)
     fallback_reason: str | None = None  # why the run went eager ("ExcType: message"); None if it did not
+    #: per step key ("1-token traced-attention"...): "stacked" (compile_regions.LayerGraphs runs the layers as one
+    #: loop of graph calls, framework/worker/layer_stack.py) or "per layer: <why>"; filled as each key's first step runs
+    layer_stack: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_recompiles(self) -> int:
@@ -111,11 +114,11 @@ class CompileStats:
     def as_dict(self) -> dict[str, Any]:
         """Flat ``metrics.json`` keys: ``compile``, ``compile_active``, ``compile_s``,
         ``compile_num_graphs_warmup``, ``compile_num_layer_kinds``, ``compile_num_cache_misses``,
-        ``compile_num_recompiles``, ``compile_fallback``."""
+        ``compile_num_recompiles``, ``compile_fallback``, ``compile_layer_stack``."""
         return {"compile": self.enabled, "compile_active": self.active, "compile_s": self.compile_s,
                 "compile_num_layer_kinds": self.num_layer_kinds, "compile_num_cache_misses": self.num_cache_misses,
                 "compile_num_graphs_warmup": self.num_graphs_warmup, "compile_num_recompiles": self.num_recompiles,
-                "compile_fallback": self.fallback_reason}
+                "compile_fallback": self.fallback_reason, "compile_layer_stack": dict(self.layer_stack)}
 
 
 def _inductor_cache_dir() -> str:
@@ -219,6 +222,7 @@ class CompiledDecoder:
         self.decoder = decoder
         self.graphs = LayerGraphs(layers, kinds, handles, self._backend)
         self.stats.num_layer_kinds = self.graphs.num_kinds
+        self.stats.layer_stack = self.graphs.layer_stack
         for i, layer in enumerate(layers):
             layer.forward = functools.partial(self._layer_forward, i)
         if self.tensor_parallel:  # the eager head gathers the logits to the driver only: a compiled one

@@ -27,13 +27,16 @@ bytecode directly, without dynamo's frame evaluation and guard checks, as vLLM's
 dispatches to its compiled code. Those were ~60 us per layer call, 1.8 ms of a 15 ms SmolLM2 batch-1
 decode step; the dispatch key is what the guards would have told apart in a run (the token dim is
 dynamic in the graphs of more than one token, and the fingerprint fixes everything else a layer's
-trace reads).
+trace reads). After one step of a key has been watched, its later steps run every layer's graph from
+layer 0's call, the other layers passing their input through (``framework/worker/layer_stack.py``),
+where the model's layer loop does nothing but chain its layers.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,6 +44,10 @@ from typing import Any
 
 import torch
 from torch.fx.experimental import _config as fx_config
+
+from framework.worker.layer_stack import DirectCall, LayerStack, StackProbe, direct_call, hooks_set
+
+logger = logging.getLogger(__name__)
 
 _ENTRY_IDS = itertools.count()
 #: Module attributes that differ between layers without changing their code: left out of the fingerprint.
@@ -160,9 +167,17 @@ class LayerGraphs:
         self.layers, self.kinds, self.handles = layers, list(kinds), list(handles)
         first = {kind: i for i, kind in reversed(list(enumerate(kinds)))}
         self._entries = {kind: layer_entry(type(layers[i]).forward, kind) for kind, i in first.items()}
-        self._compiled = {kind: torch.compile(entry, backend=backend, dynamic=None, fullgraph=True)
+        self._backend = backend
+        self._compiled = {kind: torch.compile(entry, backend=self._recording_backend, dynamic=None, fullgraph=True)
                           for kind, entry in self._entries.items()}
         self._graphs: dict[tuple, Callable[..., Any]] = {}
+        self._recorded: DirectCall | None = None  # the graph the backend compiled last
+        self._direct: dict[tuple, DirectCall] = {}  # (kind, key) -> its graph without dynamo
+        self._probes: dict[tuple, StackProbe] = {}  # step key -> the step being watched
+        self._stacks: dict[tuple, LayerStack | None] = {}  # step key -> its stack (None: per layer)
+        self._passing: LayerStack | None = None  # this step ran stacked: later layers pass through
+        #: per step key in words, ``"stacked"`` or why its layers are called one by one (``metrics.json``)
+        self.layer_stack: dict[str, str] = {}
 
     @property
     def num_kinds(self) -> int:
@@ -183,10 +198,53 @@ class LayerGraphs:
         Raises:
             Exception: whatever dynamo or inductor raise while compiling (the caller falls back).
         """
+        if i == 0:
+            self._passing = None
+            stack = self._stacks.get(key)
+            if stack is not None and not hooks_set(self.layers):  # a hook set since must see every layer
+                out = stack(args, kwargs)
+                self._passing = stack
+                return out
+        elif self._passing is not None:
+            return self._passing.pass_through(args, kwargs)
         fn = self._graphs.get((self.kinds[i], key))
         if fn is None:
             return self._compile(i, key, args, kwargs)
-        return fn(self.layers[i], self.handles[i], args, kwargs)
+        out = fn(self.layers[i], self.handles[i], args, kwargs)
+        if key not in self._stacks:
+            self._watch(i, key, args, kwargs, out)
+        return out
+
+    def _watch(self, i: int, key: tuple, args: tuple, kwargs: dict, out: Any) -> None:
+        """Feed the step key's :class:`~framework.worker.layer_stack.StackProbe` (once every kind has a
+        direct call for ``key``); when its step is complete, decide the key's stack."""
+        if not all((kind, key) in self._direct for kind in set(self.kinds)):
+            if all((kind, key) in self._graphs for kind in set(self.kinds)):
+                self._decide(key, "a layer graph was compiled before this engine (no direct call)", None)
+            return
+        probe = self._probes.setdefault(key, StackProbe(len(self.layers)))
+        if not probe.record(i, args, kwargs, out):
+            return
+        calls = {kind: self._direct[(kind, key)] for kind in set(self.kinds)}
+        reason, stack = probe.why_not(
+            self.layers, lambda form: LayerStack(self.layers, self.kinds, self.handles, calls, form))
+        self._decide(key, reason, stack)
+
+    def _decide(self, key: tuple, reason: str | None, stack: LayerStack | None) -> None:
+        self._probes.pop(key, None)
+        self._stacks[key] = stack
+        self.layer_stack[_key_name(key)] = "stacked" if reason is None else f"per layer: {reason}"
+        if reason is None:
+            logger.info("engine.compile: %s steps run the %d layers as one loop of graph calls", _key_name(key),
+                        len(self.layers))
+        else:
+            logger.info("engine.compile: %s steps call the layers one by one: %s", _key_name(key), reason)
+
+    def _recording_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        """The backend, keeping what :class:`~framework.worker.layer_stack.DirectCall` needs of its graph."""
+        fn = self._backend(gm, example_inputs)
+        self._recorded = direct_call(gm, fn)
+        return fn
 
     def _compile(self, i: int, key: tuple, args: tuple, kwargs: dict) -> Any:
         """Run layer ``i`` through ``torch.compile``, compiling its kind for ``key``, and keep the
@@ -201,6 +259,7 @@ class LayerGraphs:
                 captured.append(new)
 
         handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
+        self._recorded = None
         try:
             # duck sizing off: two dynamic dims that happen to be equal here (e.g. a traced backend's
             # partition count and the batch size) must not share a symbol
@@ -213,7 +272,14 @@ class LayerGraphs:
                                                            entry.__closure__)
         else:  # dynamo had a graph for these inputs already: keep calling through its guards
             self._graphs[(kind, key)] = self._compiled[kind]
+        if captured and self._recorded is not None:
+            self._direct[(kind, key)] = self._recorded
         return out
+
+
+def _key_name(key: tuple) -> str:
+    """A step key in words (the log's)."""
+    return ("1-token" if key[0] else "many-token") + (" traced-attention" if key[1] else "")
 
 
 def mark_token_dim(args: tuple, kwargs: dict) -> None:

@@ -84,6 +84,34 @@ def test_parity_and_no_recompiles_over_mixed_lengths(compiled_llm):
     assert summary["compile"] and summary["compile_active"]
     assert summary["compile_num_recompiles"] == 0, "a step shape recompiled after the warm-up"
     assert summary["compile_num_graphs_warmup"] == 3 and summary["compile_s"] > 0
+    # every step key ran stacked after its first step (layer_stack.py): the parity above covers both paths
+    assert summary["compile_layer_stack"] == {"many-token": "stacked", "1-token traced-attention": "stacked",
+                                              "many-token traced-attention": "stacked"}
+
+
+def test_stacked_steps_run_the_layers_from_layer_0(compiled_llm, monkeypatch):
+    """In a stacked step layer 0's call runs every layer's graph and the later layers hand their input
+    back; a forward hook set on a layer makes the steps run per layer again (the hook sees every
+    layer's real output), and both give transformers' tokens."""
+    from framework.worker import layer_stack
+
+    stacked, passed = [], []
+    call, pass_through = layer_stack.LayerStack.__call__, layer_stack.LayerStack.pass_through
+    monkeypatch.setattr(layer_stack.LayerStack, "__call__", lambda self, *a: stacked.append(1) or call(self, *a))
+    monkeypatch.setattr(layer_stack.LayerStack, "pass_through",
+                        lambda self, *a: passed.append(1) or pass_through(self, *a))
+    assert_greedy_parity(compiled_llm, [STORY_PROMPTS[2]], max_tokens=6)
+    num_layers = compiled_llm.engine.runner.model.config.num_hidden_layers
+    assert stacked and len(passed) == (num_layers - 1) * len(stacked)
+    layer = compiled_llm.engine.runner.model.model.layers[1]
+    seen: list[torch.Tensor] = []
+    handle = layer.register_forward_hook(lambda module, args, out: seen.append(out is args[0]))
+    try:
+        stacked.clear()
+        assert_greedy_parity(compiled_llm, [STORY_PROMPTS[2]], max_tokens=6)
+    finally:
+        handle.remove()
+    assert not stacked and seen and not any(seen)  # every step called layer 1 for real
 
 
 def test_a_large_lm_head_gets_a_one_row_graph(monkeypatch):

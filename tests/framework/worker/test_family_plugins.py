@@ -36,7 +36,8 @@ def test_compiled_engine_traces_every_feature(family, make_llm, monkeypatch):
     and Gemma's final softcap after the decoder): dynamo traces each layer kind whole (fullgraph) with
     windows, softcaps, sinks, NoPE layers, MoE and MLA's padded value heads, layers of one kind share
     its graphs (the layer index and KV cache are data), and the engine still equals transformers with
-    no recompile. Inductor's code generation is replaced by running the traced FX graphs (tens of
+    no recompile, with each step's layers run as one loop of graph calls where the model's loop only chains
+    them. Inductor's code generation is replaced by running the traced FX graphs (tens of
     seconds less per family here); ``test_compile.py`` covers inductor itself."""
     import torch._inductor.compile_fx as inductor
 
@@ -47,6 +48,10 @@ def test_compiled_engine_traces_every_feature(family, make_llm, monkeypatch):
     assert summary["compile_active"] and summary["compile_num_recompiles"] == 0, summary
     stats = llm.engine.runner.compile_stats
     assert stats.num_graphs_warmup == 3 * stats.num_layer_kinds  # prefill, 1-token, traced decode per kind
+    # the layers of each step run as one loop of graph calls (layer_stack.py), except Gemma 3's: its loop
+    # hands each layer the rotary tables of its type, so the layers do not all get layer 0's arguments
+    expected = "per layer: layer 2 gets other keyword arguments" if family == "gemma3" else "stacked"
+    assert len(stats.layer_stack) == 3 and all(v.startswith(expected) for v in stats.layer_stack.values()), stats.layer_stack
 
 
 @pytest.mark.parametrize(("family", "drafter"), [("gpt_oss", "draft_model"), ("gemma2", "eagle")])
