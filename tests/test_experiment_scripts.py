@@ -49,6 +49,19 @@ def test_bench_lm_head_pairs_the_compiled_and_the_eager_head(tmp_path):
     assert compile_module.COMPILED_HEAD_MIN_BYTES == 16 << 20  # the override held for the script's engine only
 
 
+def test_bench_layer_stack_pairs_stacked_and_per_layer_steps(tmp_path):
+    """A compile test by nature (the stacked layer loop against per-layer graph calls): both modes run in
+    each round, tokens equal, the JSON carries the paired ratios and each step key's stack decision."""
+    from experiments import bench_layer_stack
+
+    out = tmp_path / "layer_stack.json"
+    result = bench_layer_stack.main(["--model", STORIES, "--dtype", "float32", "--prompt-len", "8",
+                                     "--output-len", "4", "--rounds", "2", "--json-out", str(out)])
+    assert [r["mode"] for r in result["rounds"]] == ["stacked", "per_layer", "per_layer", "stacked"]
+    assert result["summary"]["same_tokens"] and len(result["summary"]["forward_ms"]["paired_per_layer_over_stacked"]) == 2
+    assert result["layer_stack"]["1-token traced-attention"] == "stacked" and json.loads(out.read_text())["cpu"]
+
+
 def test_bench_prepack_layout_times_every_hint_at_every_row_count(tmp_path):
     """Every (dtype, rows) cell has each hint's time and its ratio to the first hint (1.0 for the first)."""
     from experiments import bench_prepack_layout

@@ -176,6 +176,8 @@ class LayerGraphs:
         self._probes: dict[tuple, StackProbe] = {}  # step key -> the step being watched
         self._stacks: dict[tuple, LayerStack | None] = {}  # step key -> its stack (None: per layer)
         self._passing: LayerStack | None = None  # this step ran stacked: later layers pass through
+        #: run the stacks built (False: every step calls its layers one by one, for an A/B of the stack)
+        self.stack_enabled = True
         #: per step key in words, ``"stacked"`` or why its layers are called one by one (``metrics.json``)
         self.layer_stack: dict[str, str] = {}
 
@@ -201,7 +203,7 @@ class LayerGraphs:
         if i == 0:
             self._passing = None
             stack = self._stacks.get(key)
-            if stack is not None and not hooks_set(self.layers):  # a hook set since must see every layer
+            if stack is not None and self.stack_enabled and not hooks_set(self.layers):  # a hook set since must see every layer
                 out = stack(args, kwargs)
                 self._passing = stack
                 return out
