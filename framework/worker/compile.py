@@ -51,7 +51,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from framework.worker.compile_regions import LayerGraphs, LayerHandle, decoder_layers, layer_kinds, with_own_code
-from framework.worker.forward_context import GraphAttention
+from framework.worker.forward_context import GraphAttention, prepared_mask
 from framework.worker.model_families import output_logits
 
 logger = logging.getLogger(__name__)
@@ -344,7 +344,7 @@ class CompiledDecoder:
         if hidden is not None:
             return self.logits(hidden[logits_index])
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                          logits_to_keep=logits_index).logits[0]
+                          attention_mask=prepared_mask(input_ids.device), logits_to_keep=logits_index).logits[0]
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """The LM head's logits ``(num_rows, vocab_size)`` (model dtype) of decoder hidden states ``rows``
@@ -374,7 +374,7 @@ class CompiledDecoder:
         extra = {} if graph is None else {"servelab_graph": graph}
         self._step_key = (input_ids.shape[1] == 1, graph is not None)
         return self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                            **extra).last_hidden_state[0]
+                            attention_mask=prepared_mask(input_ids.device), **extra).last_hidden_state[0]
 
     def agree_across_ranks(self) -> None:
         """Tensor parallelism, after :meth:`warm_up` on every rank: when any rank of the default

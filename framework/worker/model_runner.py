@@ -28,7 +28,7 @@ from framework.core.structured_output import apply_token_bitmask
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from framework.worker.compile import CompiledDecoder, CompileStats
 from framework.worker.cuda_graphs import CUDAGraphOptions, DecodeCUDAGraphs
-from framework.worker.forward_context import ForwardContext, GraphAttention, forward_context
+from framework.worker.forward_context import ForwardContext, GraphAttention, forward_context, prepared_mask
 from framework.worker.input_batch import InputBatch
 from framework.worker.model_families import output_logits
 from framework.worker.prepack import unfuse_gated_mlps
@@ -272,13 +272,13 @@ class ModelRunner:
             hidden = self.compiled.hidden_states(input_ids, positions, graph) if self.compiled is not None else None
             if hidden is not None:
                 return self.compiled.logits(hidden[logits_index]), hidden
-            hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=positions,
-                                              use_cache=False).last_hidden_state[0]
+            hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                              attention_mask=prepared_mask(input_ids.device)).last_hidden_state[0]
             return output_logits(self.model, hidden[logits_index]), hidden
         if self.compiled is not None:
             return self.compiled(input_ids, positions, logits_index, graph), None
         return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                          logits_to_keep=logits_index).logits[0], None
+                          attention_mask=prepared_mask(input_ids.device), logits_to_keep=logits_index).logits[0], None
 
     @property
     def kv_cache_bytes(self) -> int:
