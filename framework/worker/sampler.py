@@ -45,6 +45,10 @@ MAX_LOGIT = 1e30
 GREEDY_ROWS_PER_CHUNK = 32
 #: Vocabulary columns per block of :func:`greedy_argmax`'s two-stage argmax.
 GREEDY_COLUMNS_PER_BLOCK = 1024
+#: Fewer rows than this take one float32 ``argmax`` (:func:`greedy_argmax`): the two-stage argmax's
+#: ~10 small ops cost more than the slow argmax saves (one bf16 row of 49152 right after a decode step,
+#: 2-core CPU: ~120 us against ~260 us; at 8 rows the two stages win).
+GREEDY_TWO_STAGE_MIN_ROWS = 8
 
 
 def greedy_argmax(logits: torch.Tensor) -> list[int]:
@@ -57,7 +61,8 @@ def greedy_argmax(logits: torch.Tensor) -> list[int]:
     and reduced in two stages: the block maxima, the first block holding the row's maximum, then
     the argmax inside that block only. That is the first index of the maximum, as ``argmax``
     (NaN counts as the maximum in both stages, as in ``argmax``). ``[64, 49152]`` bf16: 1.55 ms
-    with per-chunk ``argmax`` -> 0.38 ms. Vocabularies of at most one block take plain ``argmax``.
+    with per-chunk ``argmax`` -> 0.38 ms. Vocabularies of at most one block, and fewer than
+    :data:`GREEDY_TWO_STAGE_MIN_ROWS` rows, take plain ``argmax`` of the float32 rows.
 
     Args:
         logits: (num_reqs, vocab) any float dtype, any device; not modified.
@@ -66,7 +71,7 @@ def greedy_argmax(logits: torch.Tensor) -> list[int]:
         num_reqs token ids.
     """
     vocab, block = logits.shape[1], GREEDY_COLUMNS_PER_BLOCK
-    if vocab <= block:
+    if vocab <= block or logits.shape[0] < GREEDY_TWO_STAGE_MIN_ROWS:
         return torch.cat([chunk.float().argmax(dim=1) for chunk in logits.split(GREEDY_ROWS_PER_CHUNK)]).tolist()
     num_blocks = -(-vocab // block)
     out = []
