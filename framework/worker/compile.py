@@ -53,7 +53,15 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
-from framework.worker.compile_regions import LayerGraphs, LayerHandle, decoder_layers, layer_kinds, with_own_code
+from framework.worker.compile_regions import (
+    LayerGraphs,
+    LayerHandle,
+    WeakBackend,
+    decoder_layers,
+    layer_kinds,
+    step_key_name,
+    with_own_code,
+)
 from framework.worker.forward_context import GraphAttention, prepared_mask
 from framework.worker.model_families import output_logits
 
@@ -238,7 +246,7 @@ class CompiledDecoder:
             return output_logits(model, rows)
 
         self._head = torch.compile(with_own_code(one_row_logits, "lm_head"), dynamic=False, fullgraph=True,
-                                   backend=functools.partial(self._backend, label="one-row LM head"))
+                                   backend=WeakBackend(self._backend, label="one-row LM head"))
 
     def _layer_forward(self, i: int, *args: Any, **kwargs: Any) -> Any:
         """Layer ``i``'s ``forward``: its kind's graph for this step (eagerly after a fallback)."""
@@ -263,8 +271,7 @@ class CompiledDecoder:
         from torch._inductor.compile_fx import compile_fx
 
         self.stats.num_graphs += 1
-        step = label or (("1-token" if self._step_key[0] else "many-token")
-                         + (" traced-attention" if self._step_key[1] else "") + " step")
+        step = label or f"{step_key_name(self._step_key)} step"
         if self._warmed_up:  # the warm-up should have covered every step shape: say which one did not
             logger.warning("engine.compile: recompiling after the warm-up (graph %d: %s)",
                            self.stats.num_graphs, step)

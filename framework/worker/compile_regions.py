@@ -38,6 +38,7 @@ import enum
 import itertools
 import logging
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -144,6 +145,34 @@ def layer_entry(forward: Callable[..., Any], kind: int) -> Callable[..., Any]:
     return with_own_code(entry, f"decoder_layer_kind{kind}")
 
 
+class WeakBackend:
+    """A ``torch.compile`` backend that calls a bound method through a weak reference.
+
+    Dynamo keeps every backend it is given in a module-global registry for the life of the process
+    (``torch._dynamo.eval_frame.cached_backends``), so a bound method passed as the backend kept its
+    engine -- the model's weights and the whole KV cache -- alive after the engine was dropped (1 GiB
+    of KV per compiled stories260K engine: a test worker that built a dozen reached 14.7 GB and was
+    killed). The registry now holds this small object only.
+
+    Args:
+        method: the bound method to call as ``method(gm, example_inputs, **kwargs)``.
+        kwargs: keyword arguments added to every call (``label=...``).
+
+    Raises:
+        RuntimeError: (when called) the method's object is gone, so nothing can run the graph anyway.
+    """
+
+    def __init__(self, method: Callable[..., Any], **kwargs: Any) -> None:
+        self._method = weakref.WeakMethod(method)
+        self._kwargs = kwargs
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        method = self._method()
+        if method is None:
+            raise RuntimeError("the engine that owns this torch.compile backend is gone")
+        return method(gm, example_inputs, **self._kwargs)
+
+
 def with_own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """A copy of the function ``fn`` (same globals and closure) with a code object of its own, named
     ``<name>_<n>``: dynamo keys its compiled graphs and guards by code object, so a copy made per
@@ -168,7 +197,8 @@ class LayerGraphs:
         first = {kind: i for i, kind in reversed(list(enumerate(kinds)))}
         self._entries = {kind: layer_entry(type(layers[i]).forward, kind) for kind, i in first.items()}
         self._backend = backend
-        self._compiled = {kind: torch.compile(entry, backend=self._recording_backend, dynamic=None, fullgraph=True)
+        self._compiled = {kind: torch.compile(entry, backend=WeakBackend(self._recording_backend), dynamic=None,
+                                              fullgraph=True)
                           for kind, entry in self._entries.items()}
         self._graphs: dict[tuple, Callable[..., Any]] = {}
         self._recorded: DirectCall | None = None  # the graph the backend compiled last
@@ -187,7 +217,9 @@ class LayerGraphs:
         return len(self._entries)
 
     def run(self, i: int, key: tuple, args: tuple, kwargs: dict) -> Any:
-        """Layer ``i``'s forward through its kind's graph for step ``key`` (compiled at first use).
+        """Layer ``i``'s forward through its kind's graph for step ``key`` (compiled at first use); once
+        ``key`` has a :class:`~framework.worker.layer_stack.LayerStack`, layer 0's call runs every layer and
+        the later layers' calls return their input.
 
         Args:
             i: the layer index.
@@ -203,7 +235,8 @@ class LayerGraphs:
         if i == 0:
             self._passing = None
             stack = self._stacks.get(key)
-            if stack is not None and self.stack_enabled and not hooks_set(self.layers):  # a hook set since must see every layer
+            # a forward hook set since the probe must see every layer's real call
+            if stack is not None and self.stack_enabled and not hooks_set(self.layers):
                 out = stack(args, kwargs)
                 self._passing = stack
                 return out
@@ -235,12 +268,12 @@ class LayerGraphs:
     def _decide(self, key: tuple, reason: str | None, stack: LayerStack | None) -> None:
         self._probes.pop(key, None)
         self._stacks[key] = stack
-        self.layer_stack[_key_name(key)] = "stacked" if reason is None else f"per layer: {reason}"
+        self.layer_stack[step_key_name(key)] = "stacked" if reason is None else f"per layer: {reason}"
         if reason is None:
-            logger.info("engine.compile: %s steps run the %d layers as one loop of graph calls", _key_name(key),
+            logger.info("engine.compile: %s steps run the %d layers as one loop of graph calls", step_key_name(key),
                         len(self.layers))
         else:
-            logger.info("engine.compile: %s steps call the layers one by one: %s", _key_name(key), reason)
+            logger.info("engine.compile: %s steps call the layers one by one: %s", step_key_name(key), reason)
 
     def _recording_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         """The backend, keeping what :class:`~framework.worker.layer_stack.DirectCall` needs of its graph."""
@@ -279,8 +312,9 @@ class LayerGraphs:
         return out
 
 
-def _key_name(key: tuple) -> str:
-    """A step key in words (the log's)."""
+def step_key_name(key: tuple) -> str:
+    """A step key ``(num_tokens == 1, attention traced)`` in words, as logs and ``metrics.json`` name it
+    (``"1-token traced-attention"``, ``"many-token"``...)."""
     return ("1-token" if key[0] else "many-token") + (" traced-attention" if key[1] else "")
 
 

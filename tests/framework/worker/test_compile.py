@@ -5,8 +5,10 @@ attention custom op's contract, and the fallback to eager when the compiler is u
 
 from __future__ import annotations
 
+import gc
 import logging
 import tempfile
+import weakref
 from pathlib import Path
 
 import pytest
@@ -146,6 +148,12 @@ def test_engines_keep_their_own_graphs(compiled_llm):
         assert_greedy_parity(llm, STORY_PROMPTS[:3], max_tokens=8)
     assert other.engine.runner.compile_stats.num_recompiles == 0
     assert compiled_llm.engine.runner.compile_stats.num_recompiles == before
+    # dynamo keeps every backend for the process's life (eval_frame.cached_backends): the engine's must not keep
+    # its model and KV cache alive once the engine is dropped (compile_regions.WeakBackend)
+    model = weakref.ref(other.engine.runner.model)
+    del other, llm
+    gc.collect()
+    assert model() is None
 
 
 def test_structured_output_adds_no_recompile(compiled_llm):
