@@ -18,10 +18,7 @@ Example (2-core CPU, SmolLM2-135M bf16; the seventh session's numbers are in doc
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +28,7 @@ MODES = ("stacked", "per_layer")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The paired rounds (see the module docstring).
+    """The paired rounds (see the module docstring; ``experiments/_paired_batch1.py``).
 
     Returns:
         ``{"cpu", "args", "layer_stack", "rounds": [{"round", "mode", "ms_per_token", "forward_ms"}...],
@@ -41,82 +38,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         RuntimeError: the engine's compilation fell back to eager, or no step key was stacked (the
             model's loop does more than chain its layers: ``layer_stack`` says why).
     """
-    from framework import LLM, SamplingParams
-    from framework.sim.profile import cpu_name
-    from framework.worker import model_runner
+    from experiments._paired_batch1 import paired_rounds
+    from framework import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, compile=True)
     compiled = llm.engine.runner.compiled
     if compiled is None or compiled.graphs is None:
         raise RuntimeError("the engine is not compiled (compilation fell back to eager: see its log)")
     graphs = compiled.graphs
-    prompt = [{"prompt_token_ids": [(17 * i) % 1000 + 100 for i in range(args.prompt_len)]}]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    forward_s: list[float] = []
-    execute = model_runner.ModelRunner.execute_scheduled
 
-    def timed(runner: Any, so: Any) -> Any:
-        out = execute(runner, so)
-        forward_s.append(out.forward_s)
-        return out
-
-    tokens: dict[str, list[int]] = {}
-
-    def one(mode: str) -> dict[str, Any]:
+    def set_mode(mode: str) -> None:
         graphs.stack_enabled = mode == "stacked"
-        llm.engine.scheduler.kv.reset_prefix_cache()  # the prompt is prefilled every time
-        forward_s.clear()
-        t0 = time.perf_counter()
-        out = llm.generate(prompt, params)[0].outputs[0]
-        seconds = time.perf_counter() - t0
-        tokens.setdefault(mode, list(out.token_ids))
-        return {"mode": mode, "ms_per_token": 1000 * seconds / len(out.token_ids),
-                "forward_ms": 1000 * statistics.median(forward_s[1:] or forward_s)}
 
-    model_runner.ModelRunner.execute_scheduled = timed
     try:
-        one("stacked")  # warm: the first generate compiles nothing more but watches each step key once
-        if not any(v == "stacked" for v in graphs.layer_stack.values()):
-            raise RuntimeError(f"no step key runs stacked: {graphs.layer_stack}")
-        rounds = []
-        for r in range(args.rounds):
-            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                rounds.append({"round": r, **one(mode)})
+        result = paired_rounds(llm, MODES, set_mode, args)
     finally:
-        model_runner.ModelRunner.execute_scheduled = execute
         graphs.stack_enabled = True
-    summary: dict[str, Any] = {}
-    for key in ("ms_per_token", "forward_ms"):
-        by = {m: [x[key] for x in rounds if x["mode"] == m] for m in MODES}
-        summary[key] = {m: statistics.median(v) for m, v in by.items()}
-        summary[key]["paired_per_layer_over_stacked"] = [p / s for s, p in zip(by["stacked"], by["per_layer"],
-                                                                                 strict=True)]
-    summary["same_tokens"] = tokens["stacked"] == tokens["per_layer"]
-    return {"cpu": cpu_name(), "args": vars(args), "layer_stack": dict(graphs.layer_stack), "rounds": rounds,
-            "summary": summary}
+    if not any(v == "stacked" for v in graphs.layer_stack.values()):
+        raise RuntimeError(f"no step key runs stacked: {graphs.layer_stack}")
+    return {"cpu": result["cpu"], "args": vars(args), "layer_stack": dict(graphs.layer_stack),
+            "rounds": result["rounds"], "summary": result["summary"]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse ``argv``, run, print the table, write ``--json-out``; returns the result."""
+    from experiments._paired_batch1 import add_request_args, report
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--json-out", default=None)
+    add_request_args(p, rounds=10)
     args = p.parse_args(argv)
     result = run(args)
-    s = result["summary"]
-    print(f"cpu: {result['cpu']}; model {args.model} {args.dtype}, prompt {args.prompt_len}, {args.output_len} tokens")
     print(f"layer stack: {result['layer_stack']}")
-    for key in ("ms_per_token", "forward_ms"):
-        paired = " ".join(f"{x:.3f}" for x in s[key]["paired_per_layer_over_stacked"])
-        print(f"{key:<13} stacked {s[key]['stacked']:.2f}  per layer {s[key]['per_layer']:.2f}  "
-              f"paired per-layer/stacked: {paired}")
-    print(f"same tokens: {s['same_tokens']}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    report(result, args, MODES)
     return result
 
 

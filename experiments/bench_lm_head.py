@@ -19,30 +19,28 @@ Example (2-core CPU, SmolLM2-135M bf16; the fifth session's numbers are in docs/
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+MODES = ("compiled", "eager")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The paired rounds (see the module docstring).
+    """The paired rounds (see the module docstring; ``experiments/_paired_batch1.py``).
 
     Returns:
-        ``{"cpu", "args", "rounds": [{"mode", "ms_per_token", "forward_ms"}...], "summary"}``.
+        ``{"cpu", "args", "rounds": [{"round", "mode", "ms_per_token", "forward_ms"}...], "summary"}``.
 
     Raises:
         RuntimeError: the engine has no compiled one-row head (a head below the threshold, tensor
             parallelism, or compilation fell back).
     """
+    from experiments._paired_batch1 import paired_rounds
     from framework import LLM
     from framework.worker import compile as compile_module
-    from framework.worker import model_runner
 
     threshold = compile_module.COMPILED_HEAD_MIN_BYTES
     if args.min_head_bytes is not None:
@@ -56,78 +54,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError("no compiled one-row LM head here (head under COMPILED_HEAD_MIN_BYTES, tensor "
                            "parallelism, or compilation fell back): pass --min-head-bytes 0 for a tiny model")
     head = compiled._head
-    forward_s: list[float] = []
-    execute = model_runner.ModelRunner.execute_scheduled
 
-    def timed(runner: Any, so: Any) -> Any:
-        out = execute(runner, so)
-        forward_s.append(out.forward_s)
-        return out
+    def set_mode(mode: str) -> None:
+        compiled._head = head if mode == "compiled" else None
 
-    model_runner.ModelRunner.execute_scheduled = timed
     try:
-        return _rounds(args, llm, compiled, head, forward_s)
+        result = paired_rounds(llm, MODES, set_mode, args)
     finally:
         compiled._head = head
-        model_runner.ModelRunner.execute_scheduled = execute
-
-
-def _rounds(args: argparse.Namespace, llm: Any, compiled: Any, head: Any, forward_s: list[float]) -> dict[str, Any]:
-    """:func:`run`'s rounds on the built engine (``forward_s`` fills with each step's forward seconds)."""
-    from framework import SamplingParams
-    from framework.sim.profile import cpu_name
-
-    prompt = [{"prompt_token_ids": [(17 * i) % 1000 + 100 for i in range(args.prompt_len)]}]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    tokens: dict[str, list[int]] = {}
-
-    def one(mode: str) -> dict[str, Any]:
-        compiled._head = head if mode == "compiled" else None
-        llm.engine.scheduler.kv.reset_prefix_cache()  # the prompt is prefilled every time
-        forward_s.clear()
-        t0 = time.perf_counter()
-        out = llm.generate(prompt, params)[0].outputs[0]
-        seconds = time.perf_counter() - t0
-        tokens.setdefault(mode, list(out.token_ids))
-        return {"mode": mode, "ms_per_token": 1000 * seconds / len(out.token_ids),
-                "forward_ms": 1000 * statistics.median(forward_s[1:] or forward_s)}
-
-    one("compiled")  # warm: the first generate pays one-off costs
-    rounds = []
-    for r in range(args.rounds):
-        for mode in (("compiled", "eager") if r % 2 == 0 else ("eager", "compiled")):
-            rounds.append({"round": r, **one(mode)})
-    summary: dict[str, Any] = {}
-    for key in ("ms_per_token", "forward_ms"):
-        by = {m: [x[key] for x in rounds if x["mode"] == m] for m in ("compiled", "eager")}
-        summary[key] = {m: statistics.median(v) for m, v in by.items()}
-        summary[key]["paired_eager_over_compiled"] = [e / c for c, e in zip(by["compiled"], by["eager"], strict=True)]
-    summary["same_tokens"] = tokens["compiled"] == tokens["eager"]
-    return {"cpu": cpu_name(), "args": vars(args), "rounds": rounds, "summary": summary}
+    return {"cpu": result["cpu"], "args": vars(args), "rounds": result["rounds"], "summary": result["summary"]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse ``argv``, run, print the table, write ``--json-out``; returns the result."""
+    from experiments._paired_batch1 import add_request_args, report
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=6)
+    add_request_args(p, rounds=6)
     p.add_argument("--min-head-bytes", type=int, default=None,
                    help="override COMPILED_HEAD_MIN_BYTES (0 compiles any head, e.g. a tiny model's)")
-    p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     result = run(args)
-    s = result["summary"]
-    print(f"cpu: {result['cpu']}; model {args.model} {args.dtype}, prompt {args.prompt_len}, {args.output_len} tokens")
-    for key in ("ms_per_token", "forward_ms"):
-        paired = " ".join(f"{x:.3f}" for x in s[key]["paired_eager_over_compiled"])
-        print(f"{key:<13} compiled head {s[key]['compiled']:.2f}  eager head {s[key]['eager']:.2f}  "
-              f"paired eager/compiled: {paired}")
-    print(f"same tokens: {s['same_tokens']}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    report(result, args, MODES)
     return result
 
 
