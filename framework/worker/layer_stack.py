@@ -109,6 +109,9 @@ def _hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor | None:
 class LayerStack:
     """Runs all decoder layers of one step key as a loop of direct graph calls (module docstring).
 
+    The layers' weights, KV caches and handles are gathered once, here: a parameter or buffer replaced
+    on a layer afterwards (rather than updated in place) would not be seen, as with inductor freezing.
+
     Args:
         layers: the decoder's layers.
         kinds: each layer's kind.
