@@ -158,28 +158,27 @@ class LayerStack:
         """Every layer's forward in turn, from layer 0's call arguments; returns the last layer's output
         in the layers' form (layer 0's hidden states ``(1, num_tokens, hidden_size)`` in, the
         decoder's last layer's out, model dtype)."""
+        return _wrap(self._run(self._layers, args, kwargs), self.form)
+
+    def call_one(self, i: int, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Layer ``i`` alone through its direct call (the probe's check); its output hidden states."""
+        return self._run(self._layers[i:i + 1], args, kwargs)
+
+    def _run(self, layers: list[tuple[Callable[..., Any], int, list[Any]]], args: tuple, kwargs: dict) -> torch.Tensor:
+        """``layers`` (entries of ``self._layers``) in turn from the call's arguments: the per-step inputs
+        gathered once, the hidden states threaded through; the last one's output hidden states."""
         scope = {"args": args, "kwargs": kwargs}
         step = {kind: (gather(scope), positions, hidden)
                 for kind, (gather, positions, hidden) in self._per_step.items()}
         h = _hidden_arg(args, kwargs)
-        for fn, kind, template in self._layers:
+        for fn, kind, template in layers:
             values, positions, hidden = step[kind]
             inputs = list(template)
             for p, value in zip(positions, values):
                 inputs[p] = value
             inputs[hidden] = h
             h = fn(*inputs)[0]
-        return _wrap(h, self.form)
-
-    def call_one(self, i: int, args: tuple, kwargs: dict) -> torch.Tensor:
-        """Layer ``i`` alone through its direct call (the probe's check); its output hidden states."""
-        fn, kind, template = self._layers[i]
-        gather, positions, hidden = self._per_step[kind]
-        inputs = list(template)
-        for p, value in zip(positions, gather({"args": args, "kwargs": kwargs})):
-            inputs[p] = value
-        inputs[hidden] = _hidden_arg(args, kwargs)
-        return fn(*inputs)[0]
+        return h
 
     def pass_through(self, args: tuple, kwargs: dict) -> Any:
         """A later layer's result in a stacked step: its input, unchanged, in the layers' form."""
