@@ -40,6 +40,7 @@ import logging
 import types
 import weakref
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,9 +88,14 @@ def decoder_layers(decoder: torch.nn.Module, num_layers: int) -> torch.nn.Module
 
 
 def _constant(value: Any) -> Any:
-    """A hashable stand-in for one module attribute in a fingerprint."""
+    """A hashable stand-in for one module attribute in a fingerprint: by value for constants, tensors'
+    metadata, tuples and frozen dataclasses (value objects, such as a tensor-parallel projection's
+    ``Shard``: equal on every layer of a rank), by identity for any other object."""
     if isinstance(value, _CONSTANT_TYPES):
         return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen:
+        return (type(value).__qualname__, tuple((f.name, _constant(getattr(value, f.name)))
+                                                for f in dataclasses.fields(value)))
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype, type(value).__name__)
     if isinstance(value, (tuple, list)):

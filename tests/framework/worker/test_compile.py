@@ -18,7 +18,7 @@ from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, assert_all_blocks_fr
 from framework import LLM, SamplingParams
 from framework.engine.compile_calibration import CompilePlanner
 from framework.worker.compile import INDUCTOR_CONFIG, CompiledDecoder, inductor_config
-from framework.worker.compile_regions import layer_entry
+from framework.worker.compile_regions import layer_entry, layer_kinds
 from framework.worker.forward_context import ForwardContext, attention_op, forward_context, servelab_attention
 from framework.worker.prepack import PrepackedLinear
 
@@ -177,6 +177,25 @@ def test_layer_entry_has_a_code_object_of_its_own():
     first, second = layer_entry(forward, 0), layer_entry(forward, 0)
     assert first.__code__ is not second.__code__
     assert first(torch.nn.Identity(), 1.0, (torch.ones(2),), {}).tolist() == [2.0, 2.0]
+
+
+def test_layers_with_equal_value_attributes_share_a_kind():
+    """A frozen dataclass attribute (a tensor-parallel projection's ``Shard``) is compared by value,
+    so the layers of a rank are one kind; any other object (a per-layer cache) splits kinds."""
+    from framework.worker.parallel_layers import Shard
+
+    def layer(shard, obj=None):
+        m = torch.nn.Linear(4, 4)
+        m.shard, m.state = shard, obj
+        return m
+
+    shared = object()
+    equal = torch.nn.ModuleList([layer(Shard(0, 0, 2, 2), shared) for _ in range(3)])
+    assert layer_kinds(equal, [None] * 3) == [0, 0, 0]
+    other_shard = torch.nn.ModuleList([layer(Shard(0, 0, 2, 2)), layer(Shard(0, 2, 4, 2))])
+    assert layer_kinds(other_shard, [None] * 2) == [0, 1]
+    own_object = torch.nn.ModuleList([layer(Shard(0, 0, 2, 2), object()) for _ in range(2)])
+    assert layer_kinds(own_object, [None] * 2) == [0, 1]
 
 
 def test_fma_contraction_only_for_reduced_precision_graphs():

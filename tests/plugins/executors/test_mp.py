@@ -183,9 +183,10 @@ def test_signals_leave_no_worker_and_no_segment(tmp_path, sig, tp):
 
 @pytest.mark.slow
 def test_eagle_on_a_compiled_target_over_two_ranks_with_recompute_preemption():
-    """``engine.compile=true`` at TP=2: each rank compiles its shard's decoder with the shared-memory
-    collectives inside the graph (``fullgraph``; traced ``torch_paged`` attention), both stay compiled
-    and compile nothing after the warm-up. EAGLE's head runs in the driver on the target's embedding
+    """``engine.compile=true`` at TP=2: each rank compiles its shard's decoder layer once for all 5 layers
+    (one layer kind: the sharded projections' ``Shard`` is a value, equal on every layer) with the
+    shared-memory collectives inside the graph (``fullgraph``; traced ``torch_paged`` attention), both
+    stay compiled and compile nothing after the warm-up. EAGLE's head runs in the driver on the target's embedding
     and LM head loaded there (whole); rank 0 ships the target's hidden states (whole on every rank,
     from the compiled decoder) back with each output. 12 blocks of 8 tokens cannot hold the four
     requests at once: recompute preemption. Greedy tokens equal transformers'."""
@@ -196,7 +197,8 @@ def test_eagle_on_a_compiled_target_over_two_ranks_with_recompute_preemption():
               drafter_params={"model": STORIES_EAGLE, "num_speculative_tokens": 3})
     try:
         warm = llm.engine.executor.collective_rpc("compile_stats")
-        assert all(s.active and s.fallback_reason is None and s.num_graphs >= 2 for s in warm), warm
+        assert all(s.active and s.fallback_reason is None and s.num_layer_kinds == 1 for s in warm), warm
+        assert [s.num_graphs_warmup for s in warm] == [3, 3], warm  # prefill, 1-token, traced decode
         tok = llm.get_tokenizer()
         ids = [tok(p).input_ids for p in STORY_PROMPTS[:4]]
         outs = llm.generate([{"prompt_token_ids": i} for i in ids],
