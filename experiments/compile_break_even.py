@@ -19,6 +19,9 @@ second one::
 
     .venv/bin/python experiments/compile_break_even.py --model smollm2 --batch-sizes 1,64 --threads 2 \\
         --json-out break_even.json
+    # tensor parallelism: every rank compiles one layer kind (per-rank kinds and graphs in the JSON)
+    .venv/bin/python experiments/compile_break_even.py --model smollm2 --dtype bfloat16 --tensor-parallel-size 3 \\
+        --batch-sizes 1 --output-len 24 --rounds 1
     # smoke (tiny model, seconds):
     .venv/bin/python experiments/compile_break_even.py --model models/stories260K --batch-sizes 1,4 \\
         --output-len 8 --input-len 16 --rounds 1
@@ -41,10 +44,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_llm(args: argparse.Namespace, compile: bool) -> Any:
-    """``LLM`` for the measurement: ``--model``/``--dtype``, prefix caching off, compiled or eager."""
+    """``LLM`` for the measurement: ``--model``/``--dtype``, prefix caching off, compiled or eager;
+    ``--tensor-parallel-size`` > 1 shards it over that many ``mp`` worker processes."""
     from framework import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, compile=compile, enable_prefix_caching=False)
+    parallel = ({"executor": "mp", "tensor_parallel_size": args.tensor_parallel_size}
+                if args.tensor_parallel_size > 1 else {})
+    return LLM(model=args.model, dtype=args.dtype, compile=compile, enable_prefix_caching=False, **parallel)
+
+
+def rank_stats(llm: Any) -> list[Any]:
+    """Every rank's ``CompileStats`` (one for an in-process engine)."""
+    return llm.engine.executor.collective_rpc("compile_stats")
 
 
 def prompts_for(llm: Any, batch: int, input_len: int) -> list[list[int]]:
@@ -76,10 +87,15 @@ def child_warm_up(args: argparse.Namespace) -> dict[str, Any]:
     """In this (fresh) process: build the compiled engine; with ``--measure``, also time eager vs
     compiled per batch size. Returns the JSON the parent reads."""
     compiled = build_llm(args, compile=True)
-    stats = compiled.engine.runner.compile_stats
+    ranks = rank_stats(compiled)
+    stats = ranks[0]
     result: dict[str, Any] = {"warm_up_s": stats.compile_s, "graphs": stats.num_graphs_warmup,
-                              "active": stats.active, "fallback": stats.fallback_reason}
+                              "active": stats.active, "fallback": stats.fallback_reason,
+                              "ranks": [{"warm_up_s": s.compile_s, "layer_kinds": s.num_layer_kinds,
+                                         "graphs": s.num_graphs_warmup, "cache_misses": s.num_cache_misses}
+                                        for s in ranks]}
     if not args.measure:
+        compiled.engine.shutdown()
         return result
     eager = build_llm(args, compile=False)
     per_batch = {}
@@ -94,7 +110,9 @@ def child_warm_up(args: argparse.Namespace) -> dict[str, Any]:
                 runs[name].append(seconds_per_token(llm, prompts, args.output_len))
         per_batch[batch] = {name: statistics.median(v) for name, v in runs.items()} | {"rounds": runs}
     result["per_batch"] = per_batch
-    result["recompiles"] = compiled.engine.runner.compile_stats.num_recompiles
+    result["recompiles"] = max(s.num_recompiles for s in rank_stats(compiled))
+    for llm in (eager, compiled):
+        llm.engine.shutdown()
     return result
 
 
@@ -106,7 +124,8 @@ def run_child(args: argparse.Namespace, cache_dir: str, measure: bool) -> dict[s
     """
     argv = [sys.executable, __file__, "--child", "--model", args.model, "--dtype", args.dtype,
             "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--input-len", str(args.input_len),
-            "--output-len", str(args.output_len), "--rounds", str(args.rounds), "--threads", str(args.threads)]
+            "--output-len", str(args.output_len), "--rounds", str(args.rounds), "--threads", str(args.threads),
+            "--tensor-parallel-size", str(args.tensor_parallel_size)]
     if measure:
         argv.append("--measure")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "HF_HUB_OFFLINE": "1"}
@@ -139,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="alternating eager/compiled generates per batch size")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads in the children; 0 = default")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="> 1: executor=mp over that many ranks")
     p.add_argument("--json-out", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
@@ -156,10 +176,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cached = run_child(args, cache_dir, measure=True)
     table = break_even(cold, cached)
     print(f"model={args.model} dtype={args.dtype} input_len={args.input_len} output_len={args.output_len} "
-          f"rounds={args.rounds}")
+          f"rounds={args.rounds} tensor_parallel_size={args.tensor_parallel_size}")
     print(f"warm-up: cold {cold['warm_up_s']:.1f} s, cached {cached['warm_up_s']:.1f} s ({cold['graphs']} graphs; "
           f"{cached['recompiles']} recompiles while measuring)" + (f"; FELL BACK: {cold['fallback']}"
                                                                     if cold["fallback"] else ""))
+    if args.tensor_parallel_size > 1:
+        print("per rank, layer kinds / warm-up graphs / warm-up s cold, cached: " + "; ".join(
+            f"{c['layer_kinds']} / {c['graphs']} / {c['warm_up_s']:.1f}, {w['warm_up_s']:.1f}"
+            for c, w in zip(cold["ranks"], cached["ranks"], strict=True)))
     print(f"{'batch':>6}{'eager ms/tok':>14}{'compiled ms/tok':>17}{'saved ms/tok':>14}"
           f"{'break-even tokens cold':>24}{'cached':>10}")
     for batch, row in table.items():
