@@ -35,6 +35,7 @@ where the model's layer loop does nothing but chain its layers.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import logging
 import types
@@ -90,12 +91,21 @@ def decoder_layers(decoder: torch.nn.Module, num_layers: int) -> torch.nn.Module
 def _constant(value: Any) -> Any:
     """A hashable stand-in for one module attribute in a fingerprint: by value for constants, tensors'
     metadata, tuples and frozen dataclasses (value objects, such as a tensor-parallel projection's
-    ``Shard``: equal on every layer of a rank), by identity for any other object."""
+    ``Shard``: equal on every layer of a rank); functions by name; ``functools.partial`` by its function
+    and arguments; a method bound to a module by its function and the module's class (torchao's
+    quantization binds a partial ``extra_repr`` to every linear it converts); any other object by identity."""
     if isinstance(value, _CONSTANT_TYPES):
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen:
         return (type(value).__qualname__, tuple((f.name, _constant(getattr(value, f.name)))
                                                 for f in dataclasses.fields(value)))
+    if isinstance(value, types.MethodType):
+        owner = value.__self__
+        return ("method", _constant(value.__func__),
+                ("module", type(owner).__qualname__) if isinstance(owner, torch.nn.Module) else _constant(owner))
+    if isinstance(value, functools.partial):
+        return ("partial", _constant(value.func), _constant(value.args),
+                tuple(sorted((k, _constant(v)) for k, v in value.keywords.items())))
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype, type(value).__name__)
     if isinstance(value, (tuple, list)):
