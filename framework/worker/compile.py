@@ -224,8 +224,9 @@ class CompiledDecoder:
         layers = decoder_layers(decoder, self.model.config.get_text_config().num_hidden_layers)
         if any("forward" in vars(layer) for layer in layers):
             raise ValueError("a decoder layer's forward is already replaced on the instance")
-        extra = [(call_signatures[i] if i < len(call_signatures) else None, layer_group[i],
-                  i if self.freezing else None) for i in range(len(layers))]
+        # the KV cache group is not part of a kind: LayerGraphs hands each layer its group's inputs
+        extra = [(call_signatures[i] if i < len(call_signatures) else None, i if self.freezing else None)
+                 for i in range(len(layers))]
         kinds = layer_kinds(layers, extra)
         first: dict[int, int] = {}
         handles = [LayerHandle(torch.tensor(i), kv_caches[i], layer_group[i], first.setdefault(kind, i))

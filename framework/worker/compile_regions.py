@@ -9,8 +9,8 @@ and ~390 s of a cold compile went to it on 2 cores. Compiled per layer, the work
 * :func:`decoder_layers` finds the repeated layers (the ``nn.ModuleList`` of ``num_hidden_layers``);
 * :func:`layer_kinds` groups them by a structural fingerprint (:func:`layer_fingerprint`: module
   classes, their non-tensor attributes, parameter shapes and dtypes, the attention call spec the
-  backend was built with, the KV cache group), so layers that differ in anything a trace could bake
-  in -- a sliding window, a softcap, a quantized projection -- never share a graph;
+  backend was built with), so layers that differ in anything a trace could bake in -- a sliding
+  window, a softcap, a quantized projection -- never share a graph;
 * :func:`layer_entry` gives each kind a function with a code object of its own (dynamo keeps its
   graphs and guards per code object), which calls the layer class's ``forward`` with the layer's
   :class:`LayerHandle` as the keyword ``servelab_layer``.
@@ -67,7 +67,7 @@ class LayerHandle:
 
     index: torch.Tensor  # () int64 on the CPU: the layer index, read by the opaque attention op at run time
     kv_cache: torch.Tensor  # the layer's KV cache (backend.get_kv_cache_shape): a traced attention's graph input
-    group: int  # the layer's KV cache group (a constant of its kind): which traced inputs it attends with
+    group: int  # the layer's KV cache group: LayerGraphs passes the layer its group's view of the step's traced inputs
     spec_layer: int  # the first layer of its kind: whose attention spec a call is checked against while tracing
 
 
@@ -136,8 +136,8 @@ def layer_kinds(layers: torch.nn.ModuleList, extra: list[Any]) -> list[int]:
 
     Args:
         layers: the decoder's layers (:func:`decoder_layers`).
-        extra: one hashable per layer that also tells kinds apart (the attention call spec and KV
-            cache group; the layer's own id when weights are frozen into its graph).
+        extra: one hashable per layer that also tells kinds apart (the attention call spec; the
+            layer's own id when weights are frozen into its graph).
 
     Returns:
         ``(num_layers,)`` kind ids, numbered in order of first appearance from 0.
@@ -260,8 +260,8 @@ class LayerGraphs:
             return self._passing.pass_through(args, kwargs)
         fn = self._graphs.get((self.kinds[i], key))
         if fn is None:
-            return self._compile(i, key, args, kwargs)
-        out = fn(self.layers[i], self.handles[i], args, kwargs)
+            return self._compile(i, key, args, group_view(kwargs, self.handles[i].group))
+        out = fn(self.layers[i], self.handles[i], args, group_view(kwargs, self.handles[i].group))
         if key not in self._stacks:
             self._watch(i, key, args, kwargs, out)
         return out
@@ -278,7 +278,7 @@ class LayerGraphs:
             return
         calls = {kind: self._direct[(kind, key)] for kind in set(self.kinds)}
         reason, stack = probe.why_not(
-            self.layers, lambda form: LayerStack(self.layers, self.kinds, self.handles, calls, form))
+            self.layers, lambda form: LayerStack(self.layers, self.kinds, self.handles, calls, form, group_view))
         self._decide(key, reason, stack)
 
     def _decide(self, key: tuple, reason: str | None, stack: LayerStack | None) -> None:
@@ -326,6 +326,18 @@ class LayerGraphs:
         if captured and self._recorded is not None:
             self._direct[(kind, key)] = self._recorded
         return out
+
+
+def group_view(kwargs: dict, group: int) -> dict:
+    """A layer's call keywords as its compiled graph takes them: ``servelab_graph`` (the step's traced
+    attention state, when attention is traced) narrowed to the layer's KV cache group
+    (:meth:`GraphAttention.for_group <framework.worker.forward_context.GraphAttention.for_group>`), so
+    the graph reads its inputs from the same place in every group and layers of one type in several
+    groups (Gemma 3, gpt-oss) are one kind. ``kwargs`` itself when nothing changes."""
+    graph = kwargs.get("servelab_graph")
+    if graph is None or graph.group_inputs is None:
+        return kwargs
+    return {**kwargs, "servelab_graph": graph.for_group(group)}
 
 
 def step_key_name(key: tuple) -> str:

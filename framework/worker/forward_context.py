@@ -73,6 +73,15 @@ class GraphAttention:
         """The traced inputs of KV cache group ``group``."""
         return self.inputs if self.group_inputs is None else self.group_inputs[group]
 
+    def for_group(self, group: int) -> GraphAttention:
+        """This step's state as one layer of KV cache group ``group`` sees it: ``inputs`` are the group's,
+        and no per-group or per-layer lists. A compiled layer given this view reads its attention
+        inputs from one place whatever its group (``servelab_graph.inputs``), so layers of one type in
+        several groups share a graph (``compile_regions.LayerGraphs``); ``self`` when there is one group."""
+        if self.group_inputs is None:
+            return self
+        return GraphAttention(self.backend, self.kv_caches, self.group_inputs[group])
+
 
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("servelab_forward_context", default=None)
 
@@ -132,8 +141,11 @@ def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         features = call_features(graph.backend, layer_idx, query, key, scaling, window, softcap, sinks)
         if handle is None:
             layer, kv_cache, inputs = layer_idx, graph.kv_caches[layer_idx], graph.inputs_of(layer_idx)
-        else:  # the layer's identity is data: one graph serves every layer of its kind
-            layer, kv_cache, inputs = handle.index, handle.kv_cache, graph.inputs_of_group(handle.group)
+        else:  # the layer's identity is data: one graph serves every layer of its kind, whatever its group
+            if graph.group_inputs is not None:
+                raise RuntimeError("a compiled layer is given its KV cache group's view of the step "
+                                   "(GraphAttention.for_group), not every group's inputs")
+            layer, kv_cache, inputs = handle.index, handle.kv_cache, graph.inputs
         out = graph.backend.traceable_forward(layer, query[0].transpose(0, 1), key[0].transpose(0, 1),
                                               value[0].transpose(0, 1), kv_cache, inputs, **features).unsqueeze(0)
     elif handle is not None and torch.compiler.is_compiling():  # keep the backend call out of the graph

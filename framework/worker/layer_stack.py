@@ -11,7 +11,8 @@ weights have just flushed.
 :class:`LayerStack` removes most of it. When layer 0 is called, it runs every layer itself: each
 layer's graph is called directly with inputs gathered as dynamo's own sources say (the graph's
 placeholders carry them, :class:`DirectCall`): the layer's weights and handle once at build time,
-the call's other arguments (rotary tables, attention metadata, sizes) once per step, the hidden
+the call's other arguments (rotary tables, attention metadata, sizes) once per step and KV cache
+group, the hidden
 states threaded from one layer's output to the next. It returns the last layer's output, and the
 other layers, still called by transformers' loop, hand their input back unchanged
 (:meth:`LayerStack.pass_through`).
@@ -118,6 +119,9 @@ class LayerStack:
         handles: each layer's ``LayerHandle``.
         calls: per kind, the :class:`DirectCall` of its graph for this step key.
         form: the layers' output form (:func:`output_form`).
+        view: ``view(kwargs, group) -> kwargs``: the call's keywords as a layer of KV cache group
+            ``group`` (``handle.group``) is given them (``compile_regions.group_view``); the per-step
+            inputs are gathered once per kind and group. ``None``: every layer gets the call's own.
 
     Raises:
         ValueError: a graph input whose source is neither per layer nor per call, a graph with more
@@ -125,8 +129,10 @@ class LayerStack:
     """
 
     def __init__(self, layers: Sequence[torch.nn.Module], kinds: Sequence[int], handles: Sequence[Any],
-                 calls: dict[int, DirectCall], form: int) -> None:
+                 calls: dict[int, DirectCall], form: int,
+                 view: Callable[[dict, int], dict] | None = None) -> None:
         self.form = form
+        self._view = view
         self._per_step: dict[int, tuple[Callable[[dict], tuple], list[int], int]] = {}
         static: dict[int, tuple[Callable[[dict], tuple], list[int]]] = {}
         for kind, call in calls.items():
@@ -145,14 +151,14 @@ class LayerStack:
                 self._per_step[kind] = (_gatherer([call.sources[p] for p in step]), step, hidden[0])
             except SyntaxError as err:
                 raise ValueError(f"a source does not evaluate: {err}") from err
-        self._layers: list[tuple[Callable[..., Any], int, list[Any]]] = []
+        self._layers: list[tuple[Callable[..., Any], tuple[int, int], list[Any]]] = []
         for layer, kind, handle in zip(layers, kinds, handles, strict=True):
             call = calls[kind]
             gather, positions = static[kind]
             template: list[Any] = [None] * len(call.sources)
             for p, value in zip(positions, gather({"layer": layer, "handle": handle}), strict=True):
                 template[p] = value
-            self._layers.append((call.fn, kind, template))
+            self._layers.append((call.fn, (kind, getattr(handle, "group", 0)), template))
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         """Every layer's forward in turn, from layer 0's call arguments; returns the last layer's output
@@ -164,15 +170,20 @@ class LayerStack:
         """Layer ``i`` alone through its direct call (the probe's check); its output hidden states."""
         return self._run(self._layers[i:i + 1], args, kwargs)
 
-    def _run(self, layers: list[tuple[Callable[..., Any], int, list[Any]]], args: tuple, kwargs: dict) -> torch.Tensor:
+    def _run(self, layers: list[tuple[Callable[..., Any], tuple[int, int], list[Any]]], args: tuple,
+             kwargs: dict) -> torch.Tensor:
         """``layers`` (entries of ``self._layers``) in turn from the call's arguments: the per-step inputs
-        gathered once, the hidden states threaded through; the last one's output hidden states."""
-        scope = {"args": args, "kwargs": kwargs}
-        step = {kind: (gather(scope), positions, hidden)
-                for kind, (gather, positions, hidden) in self._per_step.items()}
+        gathered once per kind and KV cache group, the hidden states threaded through; the last one's
+        output hidden states."""
+        step: dict[tuple[int, int], tuple[tuple, list[int], int]] = {}
         h = _hidden_arg(args, kwargs)
-        for fn, kind, template in layers:
-            values, positions, hidden = step[kind]
+        for fn, kind_group, template in layers:
+            if kind_group not in step:
+                kind, group = kind_group
+                gather, positions, hidden = self._per_step[kind]
+                scope = {"args": args, "kwargs": kwargs if self._view is None else self._view(kwargs, group)}
+                step[kind_group] = (gather(scope), positions, hidden)
+            values, positions, hidden = step[kind_group]
             inputs = list(template)
             for p, value in zip(positions, values):
                 inputs[p] = value

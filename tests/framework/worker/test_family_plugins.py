@@ -24,9 +24,20 @@ from helpers import STORIES_EAGLE
 
 from framework import EngineConfig, SamplingParams, StructuredOutputsParams
 from framework.engine.builder import validate_plugins
+from framework.worker.compile_regions import decoder_layers, layer_fingerprint
 
 KERNEL = {"attention": "torch_paged",
           "attention_params": {"compile": False, "min_paged_decodes": 1, "paged_prefill": True}}
+
+
+def structure(layer) -> tuple:
+    """The layer's fingerprint without the ``forward`` the compiled engine set on it (one per layer)."""
+    forward = vars(layer).pop("forward", None)
+    try:
+        return layer_fingerprint(layer)
+    finally:
+        if forward is not None:
+            layer.forward = forward
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)
@@ -35,7 +46,7 @@ def test_compiled_engine_traces_every_feature(family, make_llm, monkeypatch):
     others through the ``servelab::attention`` op with the layer's features as arguments; the LM head
     and Gemma's final softcap after the decoder): dynamo traces each layer kind whole (fullgraph) with
     windows, softcaps, sinks, NoPE layers, MoE and MLA's padded value heads, layers of one kind share
-    its graphs (the layer index and KV cache are data), and the engine still equals transformers with
+    its graphs (the layer index, KV cache and KV cache group's inputs are data), and the engine still equals transformers with
     no recompile, with each step's layers run as one loop of graph calls where the model's loop only chains
     them. Inductor's code generation is replaced by running the traced FX graphs (tens of
     seconds less per family here); ``test_compile.py`` covers inductor itself."""
@@ -48,6 +59,11 @@ def test_compiled_engine_traces_every_feature(family, make_llm, monkeypatch):
     assert summary["compile_active"] and summary["compile_num_recompiles"] == 0, summary
     stats = llm.engine.runner.compile_stats
     assert stats.num_graphs_warmup == 3 * stats.num_layer_kinds  # prefill, 1-token, traced decode per kind
+    # one kind per structural variant of the layer (sliding / full, NoPE, dense / MoE...), not per KV cache
+    # group: two groups of sliding layers share their graphs
+    model = llm.engine.runner.model
+    layers = decoder_layers(model.get_decoder(), model.config.get_text_config().num_hidden_layers)
+    assert stats.num_layer_kinds == len({structure(layer) for layer in layers}), family
     # the layers of each step run as one loop of graph calls (layer_stack.py), except Gemma 3's: its loop
     # hands each layer the rotary tables of its type, so the layers do not all get layer 0's arguments
     expected = "per layer: layer 2 gets other keyword arguments" if family == "gemma3" else "stacked"
