@@ -51,6 +51,28 @@ def test_stack_gathers_inputs_by_source_and_threads_the_hidden_states():
     assert tuple_stack.pass_through((hidden,), {})[0] is hidden and tuple_stack.pass_through((hidden,), {})[1] is None
 
 
+def test_stack_gives_each_layer_its_kv_cache_groups_view():
+    """Layers of one kind in two KV cache groups: each gets the call's keywords as ``view`` narrows them
+    to its group (``compile_regions.group_view``), gathered once per group."""
+    layers, handles = layers_and_handles()
+    for handle, group in zip(handles, (1, 0, 1)):
+        handle.group = group
+    per_group = {0: torch.tensor(0.5), 1: torch.tensor(-2.0)}
+    views = []
+
+    def view(kwargs, group):
+        views.append(group)
+        return {**kwargs, "scale": per_group[group]}
+
+    stack = LayerStack(layers, [0, 0, 0], handles, {0: DirectCall(graph, SOURCES, 1)}, form=0, view=view)
+    hidden = torch.randn(1, 5, 4)
+    want = hidden
+    for layer, handle in zip(layers, handles):
+        want = graph(layer.weight, want, per_group[handle.group], handle.bias, 5)[0]
+    assert torch.equal(stack((hidden,), {"scale": torch.tensor(9.0)}), want)
+    assert views == [1, 0]  # once per group
+
+
 def test_stack_refuses_graphs_it_cannot_gather_or_chain():
     layers, handles = layers_and_handles()
     with pytest.raises(ValueError, match="neither the layer's nor the call's"):
