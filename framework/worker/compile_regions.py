@@ -34,6 +34,7 @@ where the model's layer loop does nothing but chain its layers.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import itertools
@@ -41,7 +42,6 @@ import logging
 import types
 import weakref
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 

@@ -69,10 +69,6 @@ class GraphAttention:
         """The traced inputs layer ``layer_idx`` attends with."""
         return self.inputs if self.layer_inputs is None else self.layer_inputs[layer_idx]
 
-    def inputs_of_group(self, group: int) -> Any:
-        """The traced inputs of KV cache group ``group``."""
-        return self.inputs if self.group_inputs is None else self.group_inputs[group]
-
     def for_group(self, group: int) -> GraphAttention:
         """This step's state as one layer of KV cache group ``group`` sees it: ``inputs`` are the group's,
         and no per-group or per-layer lists. A compiled layer given this view reads its attention

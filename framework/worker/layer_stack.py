@@ -12,8 +12,8 @@ weights have just flushed.
 layer's graph is called directly with inputs gathered as dynamo's own sources say (the graph's
 placeholders carry them, :class:`DirectCall`): the layer's weights and handle once at build time,
 the call's other arguments (rotary tables, attention metadata, sizes) once per step and KV cache
-group, the hidden states threaded from one layer's output to the next. It returns the last layer's output, and the
-other layers, still called by transformers' loop, hand their input back unchanged
+group, the hidden states threaded from one layer's output to the next. It returns the last layer's
+output, and the other layers, still called by transformers' loop, hand their input back unchanged
 (:meth:`LayerStack.pass_through`).
 
 That is only the same computation when the model's loop does nothing but chain its layers, so a
