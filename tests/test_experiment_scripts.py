@@ -207,6 +207,22 @@ def test_compile_break_even_divides_the_warm_up_by_the_saving():
     assert table[8]["break_even_tokens_cold"] is None
 
 
+
+def test_compile_break_even_shards_the_engine_with_tensor_parallel_size(monkeypatch):
+    """``--tensor-parallel-size 3`` builds ``executor=mp`` over three ranks (its children get the flag);
+    1 keeps the in-process engine."""
+    import argparse
+
+    import framework
+    from experiments import compile_break_even
+
+    built = []
+    monkeypatch.setattr(framework, "LLM", lambda **kwargs: built.append(kwargs))
+    for tp in (3, 1):
+        compile_break_even.build_llm(argparse.Namespace(model="m", dtype="auto", tensor_parallel_size=tp), compile=True)
+    assert built[0]["executor"] == "mp" and built[0]["tensor_parallel_size"] == 3 and built[0]["compile"] is True
+    assert "executor" not in built[1] and "tensor_parallel_size" not in built[1]
+
 EXPERIMENTS = REPO / "experiments"
 SCRIPTS = sorted(p.relative_to(EXPERIMENTS).as_posix() for p in EXPERIMENTS.rglob("*.py")
                  if not p.name.startswith("_"))  # _name.py: a module the scripts import, not a script
