@@ -42,7 +42,7 @@ def paired_rounds(llm: Any, modes: tuple[str, str], set_mode: Callable[[str], No
         mode the median and ``paired_<modes[1]>_over_<modes[0]>`` each round's ratio; ``same_tokens``.
     """
     from framework import SamplingParams
-    from framework.sim.profile import cpu_name
+    from framework.platform import cpu_name
     from framework.worker import model_runner
 
     prompt = [{"prompt_token_ids": [(17 * i) % 1000 + 100 for i in range(args.prompt_len)]}]

@@ -84,7 +84,7 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
     base = results[0]
-    from framework.sim.profile import cpu_name
+    from framework.platform import cpu_name
 
     print(f"{args.model} {args.dtype}, {args.num_prompts} x {args.prompt_len} -> {args.output_len}, "
           f"{os.cpu_count()} cores ({cpu_name()})")

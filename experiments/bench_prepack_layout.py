@@ -49,16 +49,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     Returns:
         ``{"cpu", "args", "shapes", "hints", "cells": [{"dtype", "rows", "ms": {hint: median},
-        "ratio_to_first": {hint: x}}]}``.
+        "ratio_to_first": {hint: x}}], "skipped": {dtype: why}}`` (``cpu``: model name and ISA flags; a dtype
+        oneDNN cannot pack on this CPU is skipped).
     """
-    from framework.sim.profile import cpu_name
+    from framework.platform import cpu_isa
+    from framework.worker.prepack import onednn_has_kernels
 
     torch.manual_seed(0)
     shapes = layer_shapes(args.model)
     hints = [int(h) for h in args.hints.split(",")]
-    cells = []
+    cells, skipped = [], {}
+    isa = cpu_isa()
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
+        if not onednn_has_kernels(dtype):  # e.g. bf16 on an AVX2-only CPU: oneDNN refuses to pack it
+            skipped[dtype_name] = f"oneDNN has no {dtype_name} path on {isa.summary()}"
+            continue
         weights = {n: torch.randn(out_f, in_f).to(dtype) for n, (in_f, out_f) in shapes.items()}
         packed = {h: {n: torch.ops.mkldnn._reorder_linear_weight(w, h) for n, w in weights.items()} for h in hints}
         for rows in (int(r) for r in args.rows.split(",")):
@@ -74,7 +80,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ms = {h: statistics.median(v) for h, v in times.items()}
             cells.append({"dtype": dtype_name, "rows": rows, "ms": ms,
                           "ratio_to_first": {h: ms[h] / ms[hints[0]] for h in hints}})
-    return {"cpu": cpu_name(), "args": vars(args), "shapes": shapes, "hints": hints, "cells": cells}
+    return {"cpu": isa.summary(), "args": vars(args), "shapes": shapes, "hints": hints, "cells": cells,
+            "skipped": skipped}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -95,6 +102,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for c in result["cells"]:
         print(f"{c['dtype']:<10}{c['rows']:>6}"
               + "".join(f"{c['ms'][h]:>13.3f}{c['ratio_to_first'][h]:>7.2f}" for h in hints))
+    for dtype_name, why in result["skipped"].items():
+        print(f"{dtype_name}: skipped ({why})")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
     return result

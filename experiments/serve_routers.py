@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    from framework.sim.profile import cpu_name
+    from framework.platform import cpu_name
 
     workdir = Path(tempfile.mkdtemp(prefix="serve-routers-"))
     rows = []

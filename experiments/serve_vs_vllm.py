@@ -140,7 +140,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="result JSON path")
     args = p.parse_args()
 
-    from framework.sim.profile import cpu_name
+    from framework.platform import cpu_name
     from framework.worker.model_loader import resolve_model_path
 
     model_path = str(resolve_model_path(args.model))

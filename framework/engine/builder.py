@@ -3,7 +3,8 @@
 The steps, in the order they run (each a function below, so a reader can follow one at a time):
 
 1. :func:`validate_plugins` — every plugin name resolves (before anything is read from disk), then
-   :func:`resolve_dtype` turns ``dtype="auto"`` into the checkpoint's dtype (``config.json`` only) and
+   :func:`resolve_dtype` turns ``dtype="auto"`` into the dtype the checkpoint runs in here (``config.json``'s,
+   float32 for a 16-bit checkpoint on a CPU without native 16-bit instructions: ``framework.platform``) and
    each class's ``validate(config)`` passes (device, dtype, block size, executor and rank count...).
 2. :func:`inspect_model` — ``config.json`` only: refuse pre-quantized checkpoints, resolve
    ``max_model_len``, read each layer's attention (:class:`ModelSpec`), let the attention backend
@@ -46,6 +47,7 @@ from framework.core.swap import SwapSpace
 from framework.engine.llm_engine import LLMEngine
 from framework.interfaces import AttentionLayerSpec, Drafter, Executor
 from framework.metrics.collector import MetricsCollector
+from framework.platform import DtypeChoice, choose_dtype
 from framework.worker.embeddings import load_embeddings
 from framework.worker.model_loader import load_tokenizer
 from framework.worker.tensor_parallel import rank_layout, tp_problems
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from framework.engine.data_parallel import DataParallelEngine
 
 logger = logging.getLogger(__name__)
+_SAID: set[str] = set()  # dtype decisions already logged by this process
 
 
 @dataclass
@@ -93,15 +96,29 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
     :class:`~framework.engine.data_parallel.DataParallelEngine` (that many engines, each built by this function,
     behind the router ``config.router``), which has the engine's interface.
     """
+    choice = dtype_choice(config)
+    if choice.reason not in _SAID:  # once per process (not again for each data-parallel replica)
+        _SAID.add(choice.reason)
+        if choice.emulated:
+            logger.warning("%s", choice.reason)
+        elif config.dtype == "auto":
+            logger.info("%s", choice.reason)
+    config = dataclasses.replace(config, dtype=choice.dtype)
     if config.data_parallel_size > 1:
         from framework.engine.data_parallel import build_data_parallel_engine
 
         validate_plugins(config)  # every name (the router's too) before the first replica loads
-        return build_data_parallel_engine(config, metrics, defer_compile)
+        engine = build_data_parallel_engine(config, metrics, defer_compile)
+        engine.metrics.front.model_info = {"dtype": choice.dtype, "dtype_reason": choice.reason}
+        return engine
     validate_plugins(config)
-    if config.dtype == "auto":
-        config = resolve_dtype(config)
-        logger.info("dtype=auto: %s (the checkpoint's config.json)", config.dtype)
+    engine = _build_one(config, metrics, defer_compile)
+    engine.metrics.model_info = {"dtype": choice.dtype, "dtype_reason": choice.reason}
+    return engine
+
+
+def _build_one(config: EngineConfig, metrics: MetricsCollector | None, defer_compile: bool) -> LLMEngine:
+    """Steps 2-8 for one replica (``config.dtype`` resolved, plugins validated)."""
     spec = inspect_model(config)
     layout = plan_kv_cache(config, spec)
     tokenizer, eos_token_ids = load_tokenizer(config.model, config.tokenizer)
@@ -121,22 +138,35 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
         raise
 
 
-def resolve_dtype(config: EngineConfig) -> EngineConfig:
-    """Step 1b: ``dtype="auto"`` -> the checkpoint's dtype (``config.json``'s ``dtype``, float32 when it
-    names none), as vLLM's ``dtype="auto"``: SmolLM2's folder runs in bfloat16, stories260K in float32.
-    Transformers parity is checked in float32: ask for it with ``dtype="float32"``.
+def dtype_choice(config: EngineConfig) -> DtypeChoice:
+    """Step 1b: the dtype the model runs in and why (``framework.platform.choose_dtype``): ``dtype="auto"``
+    takes the checkpoint's (``config.json``'s ``dtype``, float32 when it names none), as vLLM's
+    ``dtype="auto"``, except that a bf16/fp16 checkpoint runs in float32 on a CPU without native
+    instructions for it (AVX2-only, e.g. AMD Zen 3); an explicit dtype is kept (``emulated`` when the CPU
+    lacks its instructions). Transformers parity is checked in float32: ask for it with ``dtype="float32"``.
 
-    Returns:
-        ``config`` itself when its dtype is explicit, else a copy with the checkpoint's dtype.
+    Raises:
+        FileNotFoundError, ModuleNotFoundError: ``dtype="auto"`` and the model cannot be found
+            (see ``resolve_model_path``).
+    """
+    checkpoint = config.dtype
+    if config.dtype == "auto":
+        from framework.worker.model_loader import checkpoint_dtype, load_model_config
+
+        checkpoint = checkpoint_dtype(load_model_config(config.model))
+    return choose_dtype(config.dtype, checkpoint, config.device)
+
+
+def resolve_dtype(config: EngineConfig) -> EngineConfig:
+    """``config`` with its dtype resolved by :func:`dtype_choice` (``config`` itself when explicit: nothing
+    is read from disk then).
 
     Raises:
         FileNotFoundError, ModuleNotFoundError: the model cannot be found (see ``resolve_model_path``).
     """
     if config.dtype != "auto":
         return config
-    from framework.worker.model_loader import checkpoint_dtype, load_model_config
-
-    return dataclasses.replace(config, dtype=checkpoint_dtype(load_model_config(config.model)))
+    return dataclasses.replace(config, dtype=dtype_choice(config).dtype)
 
 
 def validate_plugins(config: EngineConfig) -> list[type | None]:

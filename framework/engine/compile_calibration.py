@@ -34,7 +34,7 @@ from framework.config import EngineConfig
 from framework.engine import compile_policy
 from framework.engine.compile_policy import CALIBRATION_BATCH_SIZES, CompileCosts, CompileDecision, decide_compile
 from framework.interfaces import Executor
-from framework.sim.profile import cpu_name
+from framework.platform import cpu_name
 
 logger = logging.getLogger(__name__)
 

@@ -124,6 +124,7 @@ class MetricsCollector:
         self.timeline: deque[dict[str, float]] = deque(maxlen=max_records)
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
         self.num_preemptions = 0
+        self.model_info: dict[str, Any] = {}  # set by build_engine: dtype, dtype_reason
         self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block,...}
         self.compile_stats: Any = None  # framework.worker.compile.CompileStats, set by build_engine; live (recompiles grow)
         self.compile_info: dict[str, Any] = {}  # compile_mode (auto|true|false), compile_reason: set by the engine
@@ -224,6 +225,7 @@ class MetricsCollector:
             ``peak_kv_cache_usage``, ``mean_kv_cache_usage``, ``mean_kv_cache_fragmentation``,
             ``peak_num_running_reqs`` / ``mean_num_running_reqs`` (concurrency),
             ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
+            ``dtype`` (the model's, resolved) and ``dtype_reason`` (why: ``framework.platform.choose_dtype``),
             ``kv_cache_dtype``, ``kv_cache_num_blocks``, ``kv_cache_bytes_per_block`` (bytes, the
             ``kv_cache_layers_per_block`` layers of a block), ``kv_cache_num_groups``, ``kv_cache_group_windows``,
             ``compile_mode`` (auto|true|false) and ``compile_reason`` (the decision, see
@@ -277,6 +279,7 @@ class MetricsCollector:
                    num_preemptions_recompute=self.num_preemptions - self.swap_totals["num_preemptions_swap"],
                    **self.swap_totals, num_steps=self.num_steps, step_s=total_step_s,
                    **self.kv_cache_info)
+        out.update(self.model_info)
         out.update(self.compile_info)
         out.update(self.run_labels)
         if self.compile_stats is not None and self.compile_stats.enabled:

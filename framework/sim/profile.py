@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.config import EngineConfig
+from framework.platform import cpu_name
 
 FORMAT = 1
 SOURCES = ("measured", "analytic")
@@ -92,19 +93,6 @@ def model_shape_hash(hf_config: Any) -> str:
     of the same model finds its profile and a different model never does."""
     shape = {name: getattr(hf_config, name, None) for name in SHAPE_FIELDS}
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def cpu_name() -> str:
-    """This machine's CPU model (``/proc/cpuinfo``'s ``model name``; the platform's processor elsewhere)."""
-    import platform
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def measured_device(config: EngineConfig, num_threads: int) -> str:

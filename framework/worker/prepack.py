@@ -164,11 +164,24 @@ class PrepackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+def onednn_has_kernels(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack and run ``dtype`` GEMMs on this CPU, as oneDNN itself decides (after
+    ``ONEDNN_MAX_CPU_ISA``): bf16 needs avx512bw/vl/dq or avx_ne_convert, fp16 avx512_fp16, amx_fp16 or
+    avx_ne_convert; float32 runs everywhere. On an AVX2-only CPU (AMD Zen 3) ``_reorder_linear_weight``
+    raises for bf16 ("bf16 path needs the cpu support avx_ne_convert or avx512bw ...")."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
 def should_prepack(mode: str, device: torch.device, dtype: torch.dtype, compile_freezing: bool = False) -> bool:
     """Whether ``engine.prepack_linears=<mode>`` applies to this model.
 
-    ``auto``: CPU (any float dtype) and not ``engine.compile_freezing`` (inductor's freezing packs the
-    weights itself). Eager and compiled runs alike.
+    ``auto``: CPU (any float dtype oneDNN has kernels for here: :func:`onednn_has_kernels`) and not
+    ``engine.compile_freezing`` (inductor's freezing packs the weights itself). Eager and compiled runs alike.
+    A dtype oneDNN cannot run on this CPU keeps ATen's linears, logged with the reason (a warning for ``on``).
 
     Raises:
         ValueError: unknown mode.
@@ -176,6 +189,13 @@ def should_prepack(mode: str, device: torch.device, dtype: torch.dtype, compile_
     if mode not in MODES:
         raise ValueError(f"prepack_linears must be one of {MODES}, got {mode!r}")
     if mode == "off" or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype.is_floating_point and not onednn_has_kernels(dtype):
+        from framework.platform import cpu_isa
+
+        (logger.warning if mode == "on" else logger.info)(
+            "prepack_linears=%s: %s GEMMs keep ATen's kernels: oneDNN has no %s path on %s",
+            mode, dtype, dtype, cpu_isa().summary())
         return False
     return mode == "on" or (dtype.is_floating_point and not compile_freezing)
 

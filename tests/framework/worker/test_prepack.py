@@ -13,15 +13,22 @@ from framework import LLM, SamplingParams
 from framework.worker.prepack import (
     FusedGatedMLP,
     PrepackedLinear,
+    onednn_has_kernels,
     prepack_linears,
     should_prepack,
     unfuse_gated_mlps,
 )
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn) on CPU")
+HAS_BF16 = torch.backends.mkldnn.is_available() and onednn_has_kernels(torch.bfloat16)
+needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="oneDNN has no bf16 path on this CPU (AVX2 only: no "
+                                "avx512bw/avx_ne_convert); dtype=auto runs bf16 checkpoints in float32 here")
+BF16 = pytest.param(torch.bfloat16, marks=needs_bf16)
+#: the 16-bit dtype the tests that are not about the dtype use: bf16 where oneDNN has kernels for it
+HALF = torch.bfloat16 if HAS_BF16 else torch.float32
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_prepacked_linear_matches_linear(dtype, rows):
     torch.manual_seed(0)
@@ -40,10 +47,12 @@ def test_layout_row_hint_follows_the_weight_dtype(monkeypatch):
     hints = []
     reorder = torch.ops.mkldnn._reorder_linear_weight
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, hint: hints.append(hint) or reorder(w, hint))
-    for dtype in (torch.float32, torch.bfloat16):
-        PrepackedLinear(torch.nn.Linear(32, 48).to(dtype))
-    PrepackedLinear(torch.nn.Linear(32, 48).to(torch.bfloat16), batch_hint=64)
-    assert hints == [64, 1, 64]
+    PrepackedLinear(torch.nn.Linear(32, 48))
+    PrepackedLinear(torch.nn.Linear(32, 48), batch_hint=1)
+    if HAS_BF16:
+        PrepackedLinear(torch.nn.Linear(32, 48).to(torch.bfloat16))
+        PrepackedLinear(torch.nn.Linear(32, 48).to(torch.bfloat16), batch_hint=64)
+    assert hints == [64, 1, 1, 64] if HAS_BF16 else [64, 1]
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -53,25 +62,25 @@ def test_compiled_one_row_is_a_traced_gemv(bias):
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
-    linear = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    linear = torch.nn.Linear(96, 160, bias=bias).to(HALF)
     layer = PrepackedLinear(linear)
     compiled = torch.compile(layer, dynamic=False)
     for rows, uses_onednn in ((1, False), (2, True)):
-        x = torch.randn(rows, 96).to(torch.bfloat16)
+        x = torch.randn(rows, 96).to(HALF)
         with torch.inference_mode():
             out, code = run_and_get_code(compiled, x)
             ref = linear(x)
         # the opaque op, or (traced through, in some test orders) the oneDNN call it wraps
         calls_onednn = any(op in "".join(code) for op in ("prepacked_linear.default(", "mkldnn._linear_pointwise.default("))
         assert calls_onednn == uses_onednn
-        assert out.shape == (rows, 160) and out.dtype == torch.bfloat16
+        assert out.shape == (rows, 160) and out.dtype == HALF
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_should_prepack_modes():
     cpu = torch.device("cpu")
-    assert should_prepack("auto", cpu, torch.bfloat16)
-    assert should_prepack("auto", cpu, torch.float16)
+    assert should_prepack("auto", cpu, torch.bfloat16) == onednn_has_kernels(torch.bfloat16)
+    assert should_prepack("auto", cpu, torch.float16) == onednn_has_kernels(torch.float16)
     assert should_prepack("auto", cpu, torch.float32)  # as vLLM's CPU backend (oneDNN for float32 too)
     assert not should_prepack("auto", cpu, torch.bfloat16, compile_freezing=True)  # inductor packs its own
     assert should_prepack("on", cpu, torch.float32)
@@ -79,6 +88,22 @@ def test_should_prepack_modes():
     assert not should_prepack("auto", torch.device("cuda"), torch.bfloat16)
     with pytest.raises(ValueError, match="prepack_linears"):
         should_prepack("always", cpu, torch.bfloat16)
+
+
+def test_a_dtype_onednn_cannot_run_here_keeps_aten_linears_and_says_why(monkeypatch, caplog):
+    """On an AVX2-only CPU oneDNN refuses bf16 weights: ``auto`` then keeps ATen's linears (logged with the
+    CPU's flags), ``on`` warns; float32 is still prepacked."""
+    from framework.worker import prepack
+
+    monkeypatch.setattr(prepack, "onednn_has_kernels", lambda dtype: dtype == torch.float32)
+    cpu = torch.device("cpu")
+    with caplog.at_level("INFO", logger="framework.worker.prepack"):
+        assert not should_prepack("auto", cpu, torch.bfloat16)
+        assert not should_prepack("on", cpu, torch.float16)
+        assert should_prepack("auto", cpu, torch.float32)
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == ["INFO", "WARNING"]
+    assert all("keep ATen's kernels: oneDNN has no" in message for _, message in said)
 
 
 def test_bad_mode_is_refused_before_loading():
@@ -89,13 +114,14 @@ def test_bad_mode_is_refused_before_loading():
 def test_tied_lm_head_keeps_sharing_the_embedding():
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=HALF)
     n = prepack_linears(model)
     assert n == 5 * 4 + 1  # fused qkv, o, fused gate_up, down per layer + the LM head
     assert isinstance(model.lm_head, PrepackedLinear)
     assert model.lm_head.weight is model.get_input_embeddings().weight
 
 
+@needs_bf16
 def test_engine_auto_prepacks_bf16_and_matches_unpacked_logits():
     """bf16 engine: linears are prepacked by default and the forward's logits equal the unpacked
     engine's within bf16 rounding; greedy text agrees on these prompts."""
@@ -126,7 +152,7 @@ def test_float32_on_keeps_transformers_parity():
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_projections_compute_the_unfused_model(dtype, compiled):
     """The fused q/k/v attention and gate/up MLP (eager; q/k/v only for ``compiled``) give the
