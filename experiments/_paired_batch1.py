@@ -16,7 +16,7 @@ from typing import Any
 def add_request_args(p: argparse.ArgumentParser, rounds: int) -> None:
     """The request and output options every paired script takes (``--model`` ... ``--json-out``)."""
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto: the dtype servelab's dtype=auto picks on this CPU (float32 for bf16 on AVX2 only)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=rounds)
@@ -42,7 +42,7 @@ def paired_rounds(llm: Any, modes: tuple[str, str], set_mode: Callable[[str], No
         mode the median and ``paired_<modes[1]>_over_<modes[0]>`` each round's ratio; ``same_tokens``.
     """
     from framework import SamplingParams
-    from framework.platform import cpu_name
+    from framework.platform import cpu_isa
     from framework.worker import model_runner
 
     prompt = [{"prompt_token_ids": [(17 * i) % 1000 + 100 for i in range(args.prompt_len)]}]
@@ -79,7 +79,7 @@ def paired_rounds(llm: Any, modes: tuple[str, str], set_mode: Callable[[str], No
         summary[key] = {m: statistics.median(v) for m, v in by.items()}
         summary[key][f"paired_{modes[1]}_over_{modes[0]}"] = [b / a for a, b in zip(by[modes[0]], by[modes[1]], strict=True)]
     summary["same_tokens"] = tokens[modes[0]] == tokens[modes[1]]
-    return {"cpu": cpu_name(), "rounds": rounds, "summary": summary}
+    return {"cpu": cpu_isa().summary(), "rounds": rounds, "summary": summary}
 
 
 def report(result: dict[str, Any], args: argparse.Namespace, modes: tuple[str, str]) -> None:

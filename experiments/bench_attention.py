@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--random-weights", action="store_true", help="a seeded random-weight copy of --model's architecture")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help="auto: the dtype servelab's dtype=auto picks on this CPU (float32 for bf16 on AVX2 only)")
     p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     p.add_argument("--backends", default="", help="comma-separated; default: every backend this device can run")
     p.add_argument("--batch-sizes", default="1,16,64,256")
@@ -223,6 +223,9 @@ def e2e_rows(name: str, graphs: bool, model: str, args: argparse.Namespace, devi
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print a table; return (and with ``--json-out`` save) the results."""
     args = parse_args(argv)
+    from experiments.bench_offline import bench_dtype
+
+    args.dtype = bench_dtype(args.model, args.dtype)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.backend_params = json.loads(args.backend_params)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)

@@ -139,7 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--window", type=int, default=512, help="Gemma 3's sliding window, tokens")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="auto: what dtype=auto runs a bf16 checkpoint in on this CPU (float32 on AVX2 only)")
     p.add_argument("--systems", default="ours,hf")
     p.add_argument("--compile", action="store_true", help="ours: engine.compile=true")
     p.add_argument("--model-dir", default=None, help="where the random-weight models are saved and reused "
@@ -150,6 +151,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0 = torch default")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
+    if args.dtype == "auto":
+        from framework.platform import choose_dtype
+
+        args.dtype = choose_dtype("auto", "bfloat16", "cpu").dtype
     if args.tiny:
         args.tokenizer = str(REPO_ROOT / "models" / "stories260K")
         args.window = min(args.window, 8)

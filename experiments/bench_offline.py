@@ -131,9 +131,30 @@ def load_workload(args: argparse.Namespace) -> tuple[str, Any, list[list[int]], 
     from framework.worker.model_loader import resolve_model_path
 
     path = resolve_model_path(args.model)
+    if getattr(args, "dtype", None) == "auto":
+        args.dtype = bench_dtype(args.model, "auto")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     prompts, out_lens = build_workload(tokenizer, load_texts(Path(args.prompts_file)), args)
     return path, tokenizer, prompts, out_lens
+
+
+def bench_dtype(model: str, dtype: str) -> str:
+    """``--dtype auto`` -> the dtype servelab's ``dtype=auto`` runs ``model`` in on this CPU
+    (``framework.platform.choose_dtype``: the checkpoint's, float32 for a 16-bit checkpoint on a CPU without
+    native 16-bit instructions), printed with the reason, so every system of a benchmark (vLLM and
+    transformers included) runs the dtype that is fast here; an explicit dtype is returned as is.
+
+    Raises:
+        FileNotFoundError, ModuleNotFoundError: ``auto`` and the model is not on this machine.
+    """
+    if dtype != "auto":
+        return dtype
+    from framework import EngineConfig
+    from framework.engine.builder import dtype_choice
+
+    choice = dtype_choice(EngineConfig(model=model))
+    print(f"--dtype auto: {choice.dtype} ({choice.reason})", flush=True)
+    return choice.dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,13 +367,15 @@ def code_state() -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
+    """Platform, Python, CPU (model name and its dtype-relevant ISA flags: ``framework.platform``), cores,
+    torch threads and library versions, for a benchmark's report."""
     import transformers
 
-    cpu = platform.processor()
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+    from framework.platform import cpu_isa
+
+    isa = cpu_isa()
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": isa.name,
+            "isa": isa.summary(), "isa_flags": sorted(isa.flags),
             "num_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__}
 
@@ -360,7 +383,9 @@ def machine_info() -> dict[str, Any]:
 def add_model_workload_args(p: argparse.ArgumentParser) -> None:
     """Model, workload and thread arguments shared by every script in ``experiments/``."""
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="every system's dtype; auto: the one servelab's dtype=auto picks on this CPU (float32 for a "
+                        "bf16 checkpoint on an AVX2-only CPU), resolved by load_workload")
     p.add_argument("--workload", default="fixed", choices=("fixed", "mixed"))
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128, help="fixed: every prompt's length; mixed: lengths "

@@ -63,7 +63,7 @@ def run_system(args: argparse.Namespace, name: str) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto: the dtype servelab's dtype=auto picks on this CPU (float32 for bf16 on AVX2 only)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=48)
@@ -73,6 +73,9 @@ def main() -> None:
     p.add_argument("--json-out", type=Path)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one system, print its JSON
     args = p.parse_args()
+    from experiments.bench_offline import bench_dtype
+
+    args.dtype = bench_dtype(args.model, args.dtype)
     if args.one:
         print("RESULT " + json.dumps(run_system(args, args.one)))
         return

@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/servelab-bench-parallel"))
     p.add_argument("--tiny", action="store_true", help="2-layer 64-wide model (smoke tests)")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="auto: what dtype=auto runs a bf16 checkpoint in on this CPU (float32 on AVX2 only)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
@@ -227,6 +228,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json-out", type=Path)
     p.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.dtype == "auto":
+        from framework.platform import choose_dtype
+
+        args.dtype = choose_dtype("auto", "bfloat16", "cpu").dtype
     if args.hf_worker:
         hf_worker(args)
         return {}

@@ -130,7 +130,7 @@ def run_hf(model: str, dtype: str, prompts: list[list[int]], output_len: int, k:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto: the dtype servelab's dtype=auto picks on this CPU (float32 for bf16 on AVX2 only)")
     p.add_argument("--workloads", default="chat,grounded")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--ks", default="1,2,4")
@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from experiments.bench_offline import bench_dtype
+
+    args.dtype = bench_dtype(args.model, args.dtype)
     from transformers import AutoTokenizer
 
     model = resolve_model(args.model)

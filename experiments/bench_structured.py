@@ -89,13 +89,16 @@ def bench_e2e(llm: LLM, prompts: list[str], max_tokens: int, constrained: bool) 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help="auto: the dtype servelab's dtype=auto picks on this CPU (float32 for bf16 on AVX2 only)")
     p.add_argument("--grammars", default="xgrammar,llguidance")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max positions")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
+    from experiments.bench_offline import bench_dtype
+
+    args.dtype = bench_dtype(args.model, args.dtype)
     base = ["Give a person record as JSON.", "Describe a city resident in JSON.", "Output a JSON profile."]
     prompts = [base[i % len(base)] + f" Person {i}." for i in range(args.num_prompts)]
     report = {"model": args.model, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "grammars": {}}

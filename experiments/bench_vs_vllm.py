@@ -76,7 +76,7 @@ def vllm_worker(job_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     job = json.loads(Path(job_path).read_text())
-    llm = LLM(model=job["model"], dtype="bfloat16", max_model_len=1024, enforce_eager=job["eager"], seed=0,
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=1024, enforce_eager=job["eager"], seed=0,
               enable_prefix_caching=job["prefix_caching"])
 
     def generate(prompts: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
@@ -183,7 +183,8 @@ def combine(repeats: list[dict[str, Any]]) -> dict[str, Any]:
 def start_vllm(model_path: str, prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace,
                eager: bool) -> PeerWorker:
     """A vLLM worker (eager or compiled) for these prompts, warmed up and ready for repeats."""
-    return PeerWorker(args, {"model": model_path, "prompts": prompts, "out_lens": out_lens, "eager": eager,
+    return PeerWorker(args, {"model": model_path, "dtype": args.dtype, "prompts": prompts, "out_lens": out_lens,
+                             "eager": eager,
                              "batch1_tokens": args.batch1_tokens, "prefix_caching": args.prefix_caching == "on"},
                       name=f"vllm_{'eager' if eager else 'compiled'}")
 
@@ -283,7 +284,7 @@ def summarize(name: str, res: dict[str, Any]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO_ROOT))
-    from experiments.bench_offline import add_model_workload_args, load_workload
+    from experiments.bench_offline import add_model_workload_args, load_workload, machine_info
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_workload_args(p)
@@ -310,7 +311,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         import torch
 
         torch.set_num_threads(args.threads)
-    model_path, _, prompts, out_lens = load_workload(args)
+    model_path, _, prompts, out_lens = load_workload(args)  # resolves --dtype auto
+    machine = machine_info()
+    print(f"cpu: {machine['isa']}; {machine['num_cpus']} cores; every system in {args.dtype} (servelab's "
+          "default mode: dtype=auto)", flush=True)
     modes = ["compiled"] if args.compile else [m for m in args.servelab_modes.split(",") if m]
     systems, engines, workers = {}, {}, []
     try:
@@ -359,7 +363,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"({' '.join(f'{x:.3f}' for x in pr['b1'])})")
     if args.json_out:
         reasons = {name: results[name]["compile_reason"] for name in engines}
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows, "servelab_compile": compiled,
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "machine": machine, "rows": rows,
+                                                   "servelab_compile": compiled,
                                                    "servelab_compile_reasons": reasons, "paired": paired}, indent=2))
     return rows
 

@@ -126,7 +126,9 @@ def stop_server(proc: subprocess.Popen, log: Any) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="servelab model alias (vLLM gets its local folder)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="every server's dtype; auto: the one servelab's dtype=auto picks on this CPU (float32 for "
+                        "a bf16 checkpoint on an AVX2-only CPU)")
     p.add_argument("--systems", default="servelab,servelab-inproc,vllm,vllm-eager")
     p.add_argument("--request-rates", default="16,inf", help="comma list of req/s; inf = saturation")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -140,12 +142,17 @@ def main() -> None:
     p.add_argument("--out", default=None, help="result JSON path")
     args = p.parse_args()
 
-    from framework.platform import cpu_name
+    from experiments.bench_offline import bench_dtype
+    from framework.platform import cpu_isa
     from framework.worker.model_loader import resolve_model_path
 
     model_path = str(resolve_model_path(args.model))
+    args.dtype = bench_dtype(args.model, args.dtype)
+    isa = cpu_isa()
+    print(f"cpu: {isa.summary()}; every server in {args.dtype}", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="serve-vs-vllm-"))
-    report: dict[str, Any] = {"cpu": cpu_name(), "dtype": args.dtype, "args": vars(args), "systems": {}}
+    report: dict[str, Any] = {"cpu": isa.name, "isa": isa.summary(), "dtype": args.dtype, "args": vars(args),
+                              "systems": {}}
     for system in args.systems.split(","):
         report["systems"][system] = run_system(system, args, model_path, workdir)
     for rate in args.request_rates.split(","):

@@ -171,7 +171,8 @@ def test_bench_vs_vllm_worker_failure_is_reported(tmp_path):
 
     from experiments import bench_vs_vllm
 
-    args = argparse.Namespace(vllm_python=sys.executable, workdir=str(tmp_path), batch1_tokens=2, prefix_caching="on")
+    args = argparse.Namespace(vllm_python=sys.executable, workdir=str(tmp_path), batch1_tokens=2, prefix_caching="on",
+                              dtype="float32")
     with pytest.raises(RuntimeError, match=r"(?s)vllm_compiled worker ended without READY.*No module named .vllm."):
         bench_vs_vllm.start_vllm("unused", [[1, 2]], [2], args, eager=False)
 
