@@ -196,7 +196,8 @@ def run_quiet_cell(recorder: StepRecorder, cell: Cell, rng: random.Random, tag: 
             kept = (share if share is not None else 0.0, samples)
         if share is None or share <= QUIET_FOREIGN_SHARE:
             break
-        logger.info("profile cell %s: other processes took %.0f%% of the CPUs; measuring it again", cell, 100 * share)
+        logger.info("profile cell %s: other processes took %.0f%% of the CPUs; measuring it again (attempt %d of %d)",
+                    cell, 100 * share, attempt + 2, MAX_ATTEMPTS)
     recorder.samples.extend(kept[1])
     return kept[0]
 
@@ -216,6 +217,33 @@ def measure_mask_cost(recorder: StepRecorder, rng: random.Random) -> float | Non
     return recorder.mask_s / recorder.mask_rows if recorder.mask_rows else None
 
 
+class Progress:
+    """A ``progress`` callback for :func:`measure_profile` that prints each cell done with the elapsed time
+    and an estimate of the time left (cells so far at their mean time), so a long profiling run on a slow
+    machine says where it is.
+
+    Args:
+        label: the line's prefix (e.g. ``"  profile"``).
+        emit: where lines go (default ``print`` with flush).
+    """
+
+    def __init__(self, label: str = "  profile", emit: Callable[[str], None] | None = None) -> None:
+        self.label = label
+        self.emit = emit or (lambda line: print(line, flush=True))
+        self._start: float | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        """Print ``done`` of ``total`` cells, elapsed seconds and the estimated seconds left."""
+        now = time.monotonic()
+        if self._start is None or done == 0:
+            self._start = now
+            self.emit(f"{self.label}: engine built and warmed up; measuring {total} cells")
+            return
+        elapsed = now - self._start
+        left = elapsed / done * (total - done)
+        self.emit(f"{self.label} cell {done}/{total}: {elapsed:.0f} s so far, ~{left:.0f} s left")
+
+
 def measure_profile(config: EngineConfig, grid: str = "default", seed: int = 0,
                     progress: Callable[[int, int], None] | None = None, passes: int = 1) -> StepProfile:
     """Build the real engine for ``config`` (its executor replaced by the real one), run the grid ``passes``
@@ -223,7 +251,8 @@ def measure_profile(config: EngineConfig, grid: str = "default", seed: int = 0,
     fit the predictor and return the profile (not saved).
 
     Args:
-        progress: called ``(cells done, cells)`` after each cell.
+        progress: called ``(cells done, cells)`` once the engine is built and warmed up (0 done), then after
+            each cell (see :class:`Progress`).
 
     Raises:
         ValueError: an unknown grid, or what ``build_engine`` raises for ``config``.
@@ -245,6 +274,8 @@ def measure_profile(config: EngineConfig, grid: str = "default", seed: int = 0,
     shares: list[float | None] = []
     try:
         run_cell(recorder, Cell(4, 64, (64,)), rng, "warmup", record=False)  # first steps pay allocations, page faults
+        if progress is not None:
+            progress(0, len(order))
         for i, cell in enumerate(order):
             shares.append(run_quiet_cell(recorder, cell, rng, f"cell{i}"))
             if progress is not None:

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         SystemExit: a configuration mistake (status 2, the message alone).
     """
-    from framework.engine.profiler import GRIDS, measure_profile, merge_profiles
+    from framework.engine.profiler import GRIDS, Progress, measure_profile, merge_profiles
     from framework.entrypoints.config_errors import exit_on_config_error
     from framework.entrypoints.hydra_config import engine_config_from_cfg
     from framework.sim.roofline import DEVICES, analytic_profile
@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"servelab profile: measuring {config.model} on this {config.device} with the real engine "
                   f"({len(GRIDS[args.grid])} cells)", flush=True)
-            profile = measure_profile(config, args.grid, args.seed, passes=args.passes,
-                                      progress=lambda i, n: print(f"  cell {i}/{n}", flush=True))
+            profile = measure_profile(config, args.grid, args.seed, passes=args.passes, progress=Progress("  "))
     path = profile.save(args.out or cache_path(profile))
     error = profile.predictor.get("held_out_mape")
     print(f"wrote {profile.source} profile {path}" + (f" (held-out step-time error {100 * error:.1f}%)"

@@ -222,12 +222,14 @@ class SimulatedDrafter(Drafter):
 
 def _measure_with_progress(config: EngineConfig) -> Any:
     """``profile=auto`` found no profile: measure one with the real engine, printing progress."""
-    from framework.engine.profiler import GRIDS, measure_profile
+    from framework.engine.profiler import GRIDS, Progress, measure_profile
+    from framework.platform import cpu_isa
 
-    print(f"executor=sim profile=auto: no profile of {config.model} on this machine with these engine settings; "
-          f"measuring one with the real engine ({len(GRIDS['default'])} cells, a few minutes), cached for later "
-          "runs", flush=True)
-    return measure_profile(config, "default", progress=lambda i, n: print(f"  profile cell {i}/{n}", flush=True))
+    print(f"executor=sim profile=auto: no profile of {config.model} on {cpu_isa().summary()} with these engine "
+          f"settings (dtype={config.dtype}); measuring one with the real engine ({len(GRIDS['default'])} cells, "
+          "minutes; each cell says when it is done), cached for later runs; `servelab profile` makes one ahead",
+          flush=True)
+    return measure_profile(config, "default", progress=Progress("  profile"))
 
 
 @hookimpl

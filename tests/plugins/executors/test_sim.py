@@ -170,7 +170,11 @@ def test_profile_auto_measures_once_and_caches(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(profiler.GRIDS, "default", profiler.GRIDS["quick"])  # keep the first-use measuring short
     config = EngineConfig(model=STORIES, compile=False, executor="sim", executor_params={"profile": "auto"})
     build_engine(config).shutdown()
-    assert "measuring one with the real engine" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "measuring one with the real engine" in out
+    cells = len(profiler.GRIDS["quick"])  # the run says where it is: once warmed up, then after each cell with an ETA
+    assert f"engine built and warmed up; measuring {cells} cells" in out
+    assert f"cell {cells}/{cells}: " in out and "s left" in out
     assert len(list((tmp_path / "profiles").glob("stories260K--cpu*.json"))) == 1
     build_engine(config).shutdown()
     assert "measuring" not in capsys.readouterr().out  # found in the cache
