@@ -96,6 +96,8 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
     :class:`~framework.engine.data_parallel.DataParallelEngine` (that many engines, each built by this function,
     behind the router ``config.router``), which has the engine's interface.
     """
+    for kind in PLUGIN_FIELDS:  # an unknown name is refused before anything is read from disk
+        registry.get_class(kind, getattr(config, kind))
     choice = dtype_choice(config)
     if choice.reason not in _SAID:  # once per process (not again for each data-parallel replica)
         _SAID.add(choice.reason)
@@ -143,7 +145,9 @@ def dtype_choice(config: EngineConfig) -> DtypeChoice:
     takes the checkpoint's (``config.json``'s ``dtype``, float32 when it names none), as vLLM's
     ``dtype="auto"``, except that a bf16/fp16 checkpoint runs in float32 on a CPU without native
     instructions for it (AVX2-only, e.g. AMD Zen 3); an explicit dtype is kept (``emulated`` when the CPU
-    lacks its instructions). Transformers parity is checked in float32: ask for it with ``dtype="float32"``.
+    lacks its instructions). A simulated analytic device (``executor=sim`` with ``profile=analytic:<gpu>``) is a
+    GPU: it keeps the checkpoint's dtype whatever this CPU has. Transformers parity is checked in float32: ask
+    for it with ``dtype="float32"``.
 
     Raises:
         FileNotFoundError, ModuleNotFoundError: ``dtype="auto"`` and the model cannot be found
@@ -154,7 +158,9 @@ def dtype_choice(config: EngineConfig) -> DtypeChoice:
         from framework.worker.model_loader import checkpoint_dtype, load_model_config
 
         checkpoint = checkpoint_dtype(load_model_config(config.model))
-    return choose_dtype(config.dtype, checkpoint, config.device)
+    profile = str(config.executor_params.get("profile", "")) if config.executor == "sim" else ""
+    device = "cuda" if profile.startswith("analytic:") else config.device  # a simulated GPU, not this CPU
+    return choose_dtype(config.dtype, checkpoint, device)
 
 
 def resolve_dtype(config: EngineConfig) -> EngineConfig:

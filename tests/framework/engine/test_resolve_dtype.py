@@ -132,3 +132,15 @@ def test_metrics_say_the_dtype_and_why(make_llm):
     summary = make_llm().engine.metrics.summary()
     assert summary["dtype"] == "float32"
     assert summary["dtype_reason"] == "dtype=auto: float32, the checkpoint's config.json"
+
+
+def test_a_simulated_gpu_keeps_the_checkpoint_dtype_on_any_cpu(fake_isa):
+    """``executor=sim profile=analytic:h100`` simulates a GPU: its KV pool is sized for bf16 even on an AVX2-only
+    host; a profile measured on this CPU (``profile=auto``) follows this CPU's rule."""
+    from helpers import REPO
+
+    fake_isa(AVX2)
+    llama = str(REPO / "models" / "llama-3-70b")
+    gpu = EngineConfig(model=llama, executor="sim", executor_params={"profile": "analytic:h100"})
+    assert dtype_choice(gpu).dtype == "bfloat16"
+    assert dtype_choice(EngineConfig(model=llama, executor="sim")).dtype == "float32"
