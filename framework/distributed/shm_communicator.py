@@ -23,57 +23,17 @@ driver process still run.
 from __future__ import annotations
 
 import os
-import sys
-import threading
 import time
-from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 import torch
 
+from framework.distributed.shm_segment import attach_shared_memory, memory_fence, owned_name, sweep_stale_segments
+
 SPIN_BEFORE_YIELD = 50  # counter reads before the waiting rank yields its core between reads
 _HEADER_BYTES = 64  # the ranks' int64 counters (room for 8 ranks; more get their own header size)
 _ALIGN = 64
-
-
-_fence_lock = threading.Lock()
-
-
-def memory_fence() -> None:
-    """A full memory barrier (a lock's acquire and release) between our shared-memory stores and the
-    store or load that publishes them to another process; a no-op on x86 in practice, needed on
-    weaker memory models (Arm)."""
-    with _fence_lock:
-        pass
-
-
-_attach_lock = threading.Lock()
-
-
-def attach_shared_memory(name: str) -> SharedMemory:
-    """Map an existing segment without registering it with this process's resource tracker (Python
-    3.13's ``SharedMemory(name, track=False)``): only its creator tracks it and unlinks it.
-
-    Why: processes spawned by ``multiprocessing`` share their parent's tracker, so an attachment that
-    registers and later unregisters the creator's name makes the creator's ``unlink`` unregister it a
-    second time, and the tracker prints ``KeyError: '/psm_...'`` with a traceback (every ``mp`` start
-    with two ranks did). A process with a tracker of its own (a Ray actor) would instead "clean up" a
-    segment it never owned at exit. Before 3.13 the registration is skipped for the duration of the
-    call (under a lock: attachments are start-up work).
-
-    Raises:
-        FileNotFoundError: no segment of that name (already unlinked).
-    """
-    if sys.version_info >= (3, 13):
-        return SharedMemory(name=name, track=False)
-    with _attach_lock:
-        register = resource_tracker.register
-        resource_tracker.register = lambda name, rtype: None
-        try:
-            return SharedMemory(name=name)
-        finally:
-            resource_tracker.register = register
 
 
 def _round_up(n: int, to: int) -> int:
@@ -85,7 +45,10 @@ class ShmCommunicator:
 
     Construct it on every rank of an initialised ``torch.distributed`` group (a collective call:
     rank 0 creates the segment, sends its name over the group, every rank attaches, and rank 0
-    removes the name at once, so nothing is left under ``/dev/shm`` even if a rank is killed).
+    removes the name at once, so nothing is left under ``/dev/shm`` once construction returned). The
+    name is an owned one (``framework.distributed.shm_segment.owned_name``: ``servelab_<pid>_...``) and
+    rank 0 first sweeps those of dead creators, so a group SIGKILLed between create and unlink leaves a
+    segment only until the next start.
 
     Args:
         rank: this rank in ``group``; world_size: the group's size (every rank on this host).
@@ -110,7 +73,8 @@ class ShmCommunicator:
         size = header + 2 * world_size * self.slot_bytes
         name = [None]
         if rank == 0:
-            self._shm = SharedMemory(create=True, size=size)
+            sweep_stale_segments()
+            self._shm = SharedMemory(create=True, size=size, name=owned_name("tp"))
             self._shm.buf[:header] = bytes(header)
             name = [self._shm.name]
         dist.broadcast_object_list(name, src=0, group=group)

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
+import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -29,11 +32,15 @@ from framework.engine.core_messages import (
     OutputsEncoder,
     Shutdown,
 )
+from framework.executor.child_process import spawned_by_main_thread
 
 logger = logging.getLogger(__name__)
 
 OnEvent = Callable[[int, EngineCoreOutputs], None]
 POLL_S = 0.2  # seconds the reader thread waits for a message before checking that the core process lives
+#: seconds :meth:`MPCoreClient.shutdown` waits for a core still building or compiling (it reads no command until
+#: its start-up work ends, which may take minutes) before it kills it; its ranks die with it
+STARTING_CORE_WAIT_S = 2.0
 TERMINAL_EVENTS = ("stopped", "dead", "failed")
 
 
@@ -104,7 +111,10 @@ class InprocCoreClient(CoreClient):
 
 class MPCoreClient(CoreClient):
     """An engine core in a spawned process (:func:`framework.engine.core_proc.run_engine_core`), over two ZMQ
-    ``ipc://`` sockets this side binds: PUSH for commands, PULL for events.
+    ``ipc://`` sockets this side binds: PUSH for commands, PULL for events. On Linux they live in the abstract
+    socket namespace (``ipc://@servelab-core-<pid>-...``): no file, so an API process killed outright leaves none
+    behind; elsewhere they are files in a temporary folder removed at :meth:`shutdown`. The core process dies with
+    this one (``framework.executor.child_process``).
 
     A reader thread decodes events and calls ``on_event``; when the process exits without a last event
     (killed, out of memory), the reader reports ``dead`` itself with the exit status.
@@ -125,12 +135,13 @@ class MPCoreClient(CoreClient):
         self.metrics_kwargs = metrics_kwargs or {}
         self.process: Any = None
         self._hello = threading.Event()
+        self._ready = threading.Event()  # start-up work done: the core reads commands
         self._failure: EngineCoreOutputs | None = None
         self._terminal = threading.Event()
         self._send_lock = threading.Lock()
         self._closing = False
         self._encoder = CommandEncoder()
-        self._dir = Path(tempfile.mkdtemp(prefix="servelab-core-"))
+        self._dir: Path | None = None  # the sockets' folder where there is no abstract namespace
 
     def start(self, on_event: OnEvent) -> None:
         """Bind the sockets, spawn the process, start the reader thread."""
@@ -141,13 +152,19 @@ class MPCoreClient(CoreClient):
         self._context = zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
         self._events = self._context.socket(zmq.PULL)
-        input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        if sys.platform.startswith("linux"):
+            prefix = f"ipc://@servelab-core-{os.getpid()}-{self.replica_id}-{secrets.token_hex(4)}"
+        else:
+            self._dir = Path(tempfile.mkdtemp(prefix="servelab-core-"))
+            prefix = f"ipc://{self._dir}/core"
+        input_address, output_address = f"{prefix}-input", f"{prefix}-output"
         self._commands.bind(input_address)
         self._events.bind(output_address)
         self.process = mp.get_context("spawn").Process(
             target=run_engine_core, name=f"servelab-engine-core-{self.replica_id}",
             args=(self.config, self.replica_id, input_address, output_address, self.data_parallel_size,
-                  logging.getLogger().getEffectiveLevel(), self.metrics_kwargs))
+                  logging.getLogger().getEffectiveLevel(), self.metrics_kwargs, os.getpid(),
+                  spawned_by_main_thread()))
         self.process.start()  # not a daemon: its executor may start worker processes of its own
         self._reader = threading.Thread(target=self._read, args=(on_event,), name=f"core-reader-{self.replica_id}",
                                         daemon=True)
@@ -181,16 +198,21 @@ class MPCoreClient(CoreClient):
                 self._commands.send(data, copy=False)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """See :meth:`CoreClient.shutdown`; the process is killed when it does not exit in time."""
+        """See :meth:`CoreClient.shutdown`; the process is killed when it does not exit in time, and after
+        :data:`STARTING_CORE_WAIT_S` when it is still building or compiling (it cannot read the command yet)."""
         if self.process is None:
             return
         if not self._terminal.is_set() and self.process.is_alive():
             self.send(Shutdown())
         if timeout_s <= 0:
             return
-        self.process.join(timeout_s)
+        starting = not self._ready.is_set()
+        self.process.join(min(timeout_s, STARTING_CORE_WAIT_S) if starting else timeout_s)
         if self.process.is_alive():
-            logger.warning("engine core %d did not stop in %.0f s; killing it", self.replica_id, timeout_s)
+            if starting:
+                logger.info("engine core %d is still starting; stopping it", self.replica_id)
+            else:
+                logger.warning("engine core %d did not stop in %.0f s; killing it", self.replica_id, timeout_s)
             self.process.kill()
             self.process.join(5.0)
         self._reader.join(timeout_s)
@@ -198,7 +220,8 @@ class MPCoreClient(CoreClient):
             if not self._closing:
                 self._closing = True
                 self._commands.close(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     @property
     def is_alive(self) -> bool:
@@ -234,6 +257,8 @@ class MPCoreClient(CoreClient):
         if event.event == "hello":
             self.facts = event.facts
             self._hello.set()
+        elif event.event == "ready":
+            self._ready.set()
         elif event.event in TERMINAL_EVENTS:
             if event.event == "failed":
                 self._failure = event

@@ -9,8 +9,11 @@ the GIL).
 
 Life cycle, as seen by the front: ``hello`` (the engine is built; its facts), ``ready`` (start-up work done, e.g.
 the compile warm-up), step outputs..., then ``stopped`` (after a shutdown command; exit status 0) or ``dead``
-(exit status 1). A build that refuses the config sends ``failed`` with the message and exits 2. The process also
-stops when its parent (the API process) is gone, so a killed server leaves no engine core behind.
+(exit status 1). A build that refuses the config sends ``failed`` with the message and exits 2. The process dies
+with its parent (the API process) at any moment, loading and compiling included: the kernel's parent-death
+signal and a watcher thread armed before anything is built (:mod:`framework.executor.child_process`; exit status
+:data:`~framework.executor.child_process.EXIT_PARENT_GONE`), so a server ended by any signal leaves no engine
+core behind; its tensor-parallel ranks die with it the same way.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from framework.engine.core_messages import (
     OutputsEncoder,
     Shutdown,
 )
+from framework.executor.child_process import avoid_named_semaphores, die_with_parent
 from framework.hookspecs import hookimpl
 
 logger = logging.getLogger(__name__)
 
-PARENT_CHECK_S = 1.0  # seconds between two checks that the API process still exists
+INPUT_POLL_MS = 1000  # the input thread's longest wait for a command, milliseconds
 DEAD_EXIT_S = 5.0  # seconds a dead core waits for its last events to leave before it exits anyway
 EXIT_DEAD, EXIT_FAILED = 1, 2  # exit statuses: the engine died / the build refused the config
 
@@ -52,7 +56,8 @@ def join_data_parallel(replica_id: int, data_parallel_size: int) -> None:
 
 def run_engine_core(config: EngineConfig, replica_id: int, input_address: str, output_address: str,
                     data_parallel_size: int = 1, log_level: int = logging.INFO,
-                    metrics_kwargs: dict[str, Any] | None = None) -> None:
+                    metrics_kwargs: dict[str, Any] | None = None, parent_pid: int | None = None,
+                    started_by_main_thread: bool = False) -> None:
     """Build one engine and serve it over ZMQ until shut down; the body of an engine-core process.
 
     Args:
@@ -63,13 +68,20 @@ def run_engine_core(config: EngineConfig, replica_id: int, input_address: str, o
         data_parallel_size: replicas behind the front (:func:`join_data_parallel`).
         log_level: the front's logging level, applied to this process's root logger.
         metrics_kwargs: ``MetricsCollector`` arguments (SLOs, ``max_records``).
+        parent_pid: the API process's pid (``None``: this process's parent now); the core dies with it.
+        started_by_main_thread: the API process started this one from its main thread (arms the kernel's
+            parent-death signal: ``framework.executor.child_process``).
 
     Exits with 0 after a shutdown, :data:`EXIT_DEAD` when the engine died, :data:`EXIT_FAILED` when the build
-    refused the config.
+    refused the config, ``EXIT_PARENT_GONE`` when the API process is gone.
     """
+    logging.basicConfig(level=log_level, format=f"%(asctime)s [core {replica_id}] %(levelname)s %(name)s: %(message)s")
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
+    die_with_parent(parent_pid, started_by_main_thread, name="core-parent-watch",  # before anything is built
+                    on_gone=lambda: logger.error("the API process (pid %d) is gone; the engine core exits", parent_pid))
+    avoid_named_semaphores()  # before the weights' progress bar
     import zmq
 
-    logging.basicConfig(level=log_level, format=f"%(asctime)s [core {replica_id}] %(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     inputs, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     inputs.connect(input_address)
@@ -115,8 +127,7 @@ def _serve(config: EngineConfig, replica_id: int, data_parallel_size: int, input
 
     core = EngineCore(engine, emit=emit, startup=lambda: engine.maybe_compile(None), replica_id=replica_id,
                       step_stats=forwarder.drain)
-    receiver = threading.Thread(target=_receive_loop, args=(inputs, core, os.getppid()), name="core-input",
-                                daemon=True)
+    receiver = threading.Thread(target=_receive_loop, args=(inputs, core), name="core-input", daemon=True)
     receiver.start()
     try:
         core.run()
@@ -150,11 +161,11 @@ class HookForwarder:
         return out
 
 
-def _receive_loop(inputs: Any, core: Any, parent_pid: int) -> None:
-    """Input thread: decode commands into the core's queue; a shutdown when the parent is gone."""
+def _receive_loop(inputs: Any, core: Any) -> None:
+    """Input thread: decode commands into the core's queue until a shutdown (a dead parent is the watcher's)."""
     decoder = CommandEncoder()
     while True:
-        if inputs.poll(int(PARENT_CHECK_S * 1000)):
+        if inputs.poll(INPUT_POLL_MS):
             try:
                 command = decoder.decode(inputs.recv())
             except Exception:  # noqa: BLE001 - a malformed frame must not kill the core
@@ -163,10 +174,6 @@ def _receive_loop(inputs: Any, core: Any, parent_pid: int) -> None:
             core.put(command)
             if isinstance(command, Shutdown):
                 return
-        elif os.getppid() != parent_pid:
-            logger.error("the API process (pid %d) is gone; shutting the engine core down", parent_pid)
-            core.put(Shutdown())
-            return
 
 
 def _send_loop(outputs: Any, encoder: OutputsEncoder, out_queue: queue.Queue) -> None:

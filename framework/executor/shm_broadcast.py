@@ -1,36 +1,41 @@
-"""One-writer, many-reader message ring in POSIX shared memory (vLLM's ``shm_broadcast.MessageQueue``,
+"""One-writer, many-reader message ring in shared memory (vLLM's ``shm_broadcast.MessageQueue``,
 nano-vllm's ``SharedMemory`` + ``Event``).
 
 The driver pickles each message once and copies it into the next chunk(s) of a ring of
 ``num_chunks`` chunks; every reader (worker rank) unpickles it straight from the shared buffer.
-Readers sleep on a per-reader ``multiprocessing.Semaphore`` (one release per chunk written), so an
-idle worker burns no CPU: on a 2-core machine spinning readers would steal the cores the forward
-needs. Flow control: each reader publishes in the segment how many chunks it has consumed; the
-writer reuses a chunk only once every reader is past it. A message longer than a chunk spans
-consecutive chunks, so message size is unbounded while the segment's size is fixed
+Readers sleep on a wake-up pipe of their own (the writer writes one byte per chunk; a reader blocks in
+``poll`` until a byte arrives), so an idle worker burns no CPU: on a 2-core machine spinning readers
+would steal the cores the forward needs. Flow control: each reader publishes in the segment how many
+chunks it has consumed; the writer reuses a chunk only once every reader is past it. A message longer
+than a chunk spans consecutive chunks, so message size is unbounded while the segment's size is fixed
 (``num_chunks * chunk_bytes``, 8 MiB by default).
 
 Layout: ``num_readers`` int64 "chunks consumed" counters, ``num_readers`` int64 heartbeats (the
 reader's last ``time.monotonic_ns()``, 0 before it attached: ``framework.executor.deadlines``), then
 per chunk an int64 message length and ``chunk_bytes`` of data.
 
-Lifetime: the writer :meth:`ShmBroadcast.unlink`\ s the name as soon as every reader attached (the
-executor does it when each rank reported ``attached``), so even a SIGKILL of the whole process group
-leaves nothing in ``/dev/shm``; the mappings live on until each process unmaps or exits. Readers
-attach untracked (``attach_shared_memory``): only the writer's resource tracker knows the segment.
+Lifetime: nothing of the ring has a name. The segment is a ``memfd``
+(:class:`~framework.distributed.shm_segment.AnonymousSegment`; an owned name removed once every reader
+attached where there is no ``memfd``) and the wake-ups are pipes, both passed to the readers as ``Process``
+arguments, so no crash of any process (a SIGKILL of the whole group included, which kills the
+``multiprocessing`` resource tracker too) can leave anything in ``/dev/shm``. Before, the readers slept
+on named POSIX semaphores (``/dev/shm/sem.mp-*``) that only the resource tracker removed. A reader also
+learns that the writer is gone without polling: its pipe reports end-of-file once no process holds the
+write end (:class:`WriterGoneError`; vLLM's workers watch a "death pipe" the same way).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
+import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
-from framework.distributed.shm_communicator import attach_shared_memory, memory_fence
+from framework.distributed.shm_segment import AnonymousSegment, Mapping, memory_fence
 
 _I64 = 8
 #: seconds a reader waits for the rest of a message once its first chunk arrived (the writer
@@ -44,72 +49,111 @@ class TornMessageError(RuntimeError):
     loudly); the executor then declares the rank lost."""
 
 
+class WriterGoneError(EOFError):
+    """A reader's wake-up pipe reached end-of-file: every process that could write the ring (the driver) has
+    exited or closed it, so no message will ever come."""
+
+
 @dataclass
 class RingHandle:
-    """What a reader process needs to attach (passed as a ``Process`` argument, so the semaphores
-    are inherited)."""
+    """What reader ``rank`` needs to attach; passed as a ``Process`` argument (the segment's descriptor and the
+    reader's pipe end are duplicated into the child)."""
 
-    name: str  # shared-memory segment name (under /dev/shm)
+    segment: AnonymousSegment  # the ring's memory
     num_readers: int
     chunk_bytes: int
     num_chunks: int
-    semaphores: list[Any]  # one multiprocessing.Semaphore per reader
+    wakeup: Any  # this reader's read end of its wake-up pipe (a multiprocessing Connection)
+    rank: int  # the reader's index
+
+    @property
+    def name(self) -> str | None:
+        """The segment's ``/dev/shm`` name while it has one (only where there is no ``memfd``), else None."""
+        return self.segment.name
 
 
 class ShmBroadcast:
-    """The ring; construct it in the writer, :meth:`attach` in each reader.
+    """The ring; construct it in the writer, hand :meth:`reader_handle` to each reader process and
+    :meth:`attach` there.
 
     Args:
         num_readers: reader processes (each receives every message).
         chunk_bytes: data bytes per chunk.
         num_chunks: chunks in the ring.
-        ctx: the multiprocessing context of the readers (``spawn``).
+        ctx: the multiprocessing context of the readers (``spawn``); it makes the wake-up pipes.
+
+    Raises:
+        OSError: the kernel refused the segment or the pipes (``ENOMEM``, ``EMFILE``).
     """
 
     def __init__(self, num_readers: int, chunk_bytes: int = 1 << 20, num_chunks: int = 8,
                  ctx: Any = None) -> None:
         ctx = ctx or mp.get_context("spawn")
-        size = 2 * num_readers * _I64 + num_chunks * (_I64 + chunk_bytes)
-        self.shm = SharedMemory(create=True, size=size)
-        self.shm.buf[:2 * num_readers * _I64] = bytes(2 * num_readers * _I64)
-        self.handle = RingHandle(self.shm.name, num_readers, chunk_bytes, num_chunks,
-                                 [ctx.Semaphore(0) for _ in range(num_readers)])
+        self.num_readers, self.chunk_bytes, self.num_chunks = num_readers, chunk_bytes, num_chunks
+        self.segment = AnonymousSegment(2 * num_readers * _I64 + num_chunks * (_I64 + chunk_bytes))
+        self._map: Mapping = self.segment.map()
+        pipes = [ctx.Pipe(duplex=False) for _ in range(num_readers)]  # (read end, write end) per reader
+        self._read_ends = [r for r, _ in pipes]
+        self._write_ends = [w for _, w in pipes]
         self.reader_rank: int | None = None
         self._seq = 0  # chunks written (writer) or read (reader)
-        self._owner = True  # the name still exists and this process removes it
+        self._pending = 0  # reader: wake-up bytes received and not yet used
+        self._wakeup_fd = -1  # reader: its own descriptor of its pipe's read end
+        self._poll: Any = None
+
+    def reader_handle(self, rank: int) -> RingHandle:
+        """What reader ``rank`` attaches with (pass it to its process before :meth:`forget_readers`)."""
+        return RingHandle(self.segment, self.num_readers, self.chunk_bytes, self.num_chunks, self._read_ends[rank],
+                          rank)
+
+    def forget_readers(self) -> None:
+        """Writer: close this process's copies of the readers' pipe ends once every reader process started, so
+        that a reader's exit makes :meth:`write` fail at once (``EPIPE``) rather than fill its pipe."""
+        for conn in self._read_ends:
+            conn.close()
 
     @classmethod
-    def attach(cls, handle: RingHandle, reader_rank: int) -> ShmBroadcast:
-        """The reader side of an existing ring (in the reader's process)."""
+    def attach(cls, handle: RingHandle) -> ShmBroadcast:
+        """The reader side of an existing ring (in the reader's process, or a thread of the writer's: tests).
+
+        Raises:
+            FileNotFoundError: the fallback segment's name is gone already.
+        """
         self = cls.__new__(cls)
-        self.shm = attach_shared_memory(handle.name)
-        self.handle = handle
-        self.reader_rank = reader_rank
-        self._seq = 0
-        self._owner = False
+        self.num_readers, self.chunk_bytes, self.num_chunks = handle.num_readers, handle.chunk_bytes, handle.num_chunks
+        self.segment = handle.segment
+        self._map = handle.segment.map()
+        self._read_ends, self._write_ends = [], []
+        self.reader_rank = handle.rank
+        self._seq = self._pending = 0
+        self._wakeup_fd = os.dup(handle.wakeup.fileno())  # its own: a reader in the writer's process shares the handle
+        self._poll = select.poll()
+        self._poll.register(self._wakeup_fd, select.POLLIN)
+        if not handle.segment.owned:  # a copy passed to this process: the mapping and the dup are all it needs
+            handle.segment.close()
+            handle.wakeup.close()
         return self
 
     # ---- layout ----------------------------------------------------------------------
     def _consumed(self) -> list[int]:
         """Chunks consumed by each reader."""
-        return list(self.shm.buf[:self.handle.num_readers * _I64].cast("q"))
+        return list(self._map.buf[:self.num_readers * _I64].cast("q"))
 
     def _chunk(self, seq: int) -> int:
         """Byte offset of chunk ``seq % num_chunks`` (its int64 length field)."""
-        h = self.handle
-        return 2 * h.num_readers * _I64 + (seq % h.num_chunks) * (_I64 + h.chunk_bytes)
+        return 2 * self.num_readers * _I64 + (seq % self.num_chunks) * (_I64 + self.chunk_bytes)
 
     # ---- heartbeats ------------------------------------------------------------------
     def beat(self) -> None:
         """Reader: publish that this reader's process is alive (any thread of it)."""
-        off = (self.handle.num_readers + self.reader_rank) * _I64
-        self.shm.buf[off:off + _I64].cast("q")[0] = time.monotonic_ns()
+        off = (self.num_readers + self.reader_rank) * _I64
+        self._map.buf[off:off + _I64].cast("q")[0] = time.monotonic_ns()
 
     def heartbeat_ages_s(self) -> list[float | None]:
         """Writer: seconds since each reader's last :meth:`beat` (``None``: it has not beaten yet)."""
-        n = self.handle.num_readers
+        n = self.num_readers
         now = time.monotonic_ns()
-        beats = self.shm.buf[n * _I64:2 * n * _I64].cast("q")
+        beats = self._map.buf[n * _I64:2 * n * _I64].cast("q")
         return [None if b == 0 else (now - b) / 1e9 for b in beats]
 
     # ---- writer ----------------------------------------------------------------------
@@ -120,25 +164,32 @@ class ShmBroadcast:
 
         Raises:
             TimeoutError: the ring stayed full for ``timeout_s`` seconds.
-            RuntimeError: ``alive()`` turned False while waiting (a reader died).
+            RuntimeError: ``alive()`` turned False while waiting, or a reader's pipe is closed (a reader died).
         """
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        h, buf = self.handle, self.shm.buf
-        for start in range(0, max(len(data), 1), h.chunk_bytes):
+        buf = self._map.buf
+        for start in range(0, max(len(data), 1), self.chunk_bytes):
             self._wait_for_room(timeout_s, alive)
             off = self._chunk(self._seq)
-            part = data[start:start + h.chunk_bytes]
+            part = data[start:start + self.chunk_bytes]
             buf[off:off + _I64].cast("q")[0] = len(data)
             buf[off + _I64:off + _I64 + len(part)] = part
             memory_fence()
-            for semaphore in h.semaphores:
-                semaphore.release()
+            self._wake()
             self._seq += 1
         return len(data)
 
+    def _wake(self) -> None:
+        """One wake-up byte to every reader (never blocks: a reader holds at most ``num_chunks`` unread)."""
+        try:
+            for conn in self._write_ends:
+                os.write(conn.fileno(), b"\x01")
+        except (BrokenPipeError, OSError) as exc:  # OSError: closed by close() on another thread
+            raise RuntimeError(f"a reader of the shared-memory ring died ({exc})") from None
+
     def _wait_for_room(self, timeout_s: float | None, alive: Callable[[], bool] | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._seq - min(self._consumed()) >= self.handle.num_chunks:
+        while self._seq - min(self._consumed()) >= self.num_chunks:
             if alive is not None and not alive():
                 raise RuntimeError("a reader of the shared-memory ring died")
             if deadline is not None and time.monotonic() > deadline:
@@ -146,32 +197,52 @@ class ShmBroadcast:
             time.sleep(50e-6)
 
     # ---- reader ----------------------------------------------------------------------
+    def _woken(self, timeout_s: float | None) -> bool:
+        """Reader: take one wake-up (a chunk is ready), waiting up to ``timeout_s`` seconds (None: forever).
+
+        Raises:
+            WriterGoneError: the pipe reached end-of-file (the writer's process is gone).
+        """
+        if self._pending == 0:
+            if not self._poll.poll(None if timeout_s is None else max(int(timeout_s * 1000), 0)):
+                return False
+            got = os.read(self._wakeup_fd, 4096)
+            if not got:
+                raise WriterGoneError(f"reader {self.reader_rank}: the ring's writer is gone")
+            self._pending = len(got)
+        self._pending -= 1
+        return True
+
     def read(self, timeout_s: float | None = None) -> Any:
         """The next message (blocks until the writer publishes one).
 
         Raises:
             TimeoutError: nothing arrived within ``timeout_s`` seconds (nothing was consumed).
+            WriterGoneError: the writer's process is gone (no message will come).
             TornMessageError: the rest of a message did not come within
                 :data:`REST_OF_MESSAGE_TIMEOUT_S` (this reader is out of step for good).
         """
-        h, buf = self.handle, self.shm.buf
-        semaphore = h.semaphores[self.reader_rank]
-        if not semaphore.acquire(timeout=timeout_s):
+        buf = self._map.buf
+        if not self._woken(timeout_s):
             raise TimeoutError("no message")
         off = self._chunk(self._seq)
         total = buf[off:off + _I64].cast("q")[0]
-        if total <= h.chunk_bytes:  # one chunk: unpickle in place, no copy
+        if total <= self.chunk_bytes:  # one chunk: unpickle in place, no copy
             obj = pickle.loads(buf[off + _I64:off + _I64 + total])
             self._consumed_one()
             return obj
         data = bytearray()
         while True:
-            take = min(h.chunk_bytes, total - len(data))
+            take = min(self.chunk_bytes, total - len(data))
             data += buf[off + _I64:off + _I64 + take]
             self._consumed_one()
             if len(data) == total:
                 return pickle.loads(data)
-            if not semaphore.acquire(timeout=REST_OF_MESSAGE_TIMEOUT_S):
+            try:
+                woken = self._woken(REST_OF_MESSAGE_TIMEOUT_S)
+            except WriterGoneError:
+                woken = False
+            if not woken:
                 raise TornMessageError(f"reader {self.reader_rank}: the writer stopped in the middle of a "
                                        f"{total}-byte message ({len(data)} bytes read, nothing more for "
                                        f"{REST_OF_MESSAGE_TIMEOUT_S:.0f} s); this reader is out of step")
@@ -180,23 +251,24 @@ class ShmBroadcast:
     def _consumed_one(self) -> None:
         self._seq += 1
         memory_fence()
-        self.shm.buf[self.reader_rank * _I64:(self.reader_rank + 1) * _I64].cast("q")[0] = self._seq
+        self._map.buf[self.reader_rank * _I64:(self.reader_rank + 1) * _I64].cast("q")[0] = self._seq
 
     # ---- lifetime --------------------------------------------------------------------
     def unlink(self) -> None:
-        """Writer: remove the name (``/dev/shm/<name>``) once every reader attached; the mappings stay.
+        """Writer: once every reader attached, drop what only served the start-up: the fallback segment's name
+        (a memfd never had one) and this process's copies of the readers' pipe ends. The mappings stay.
         Idempotent."""
-        if self._owner:
-            self._owner = False
-            try:
-                self.shm.unlink()
-            except FileNotFoundError:
-                pass
+        self.segment.forget_name()
+        self.forget_readers()
 
     def close(self) -> None:
-        """Unmap the segment in this process; the writer also unlinks it if it has not yet."""
-        try:
-            self.shm.close()
-        except BufferError:  # a memoryview still alive in this process: the mapping goes with it
-            pass
-        self.unlink()
+        """Unmap the segment in this process and close its pipe ends (readers then see end-of-file); the writer
+        also does :meth:`unlink` if it has not yet. Idempotent."""
+        self._map.close()
+        for conn in [*self._write_ends, *self._read_ends]:
+            conn.close()
+        if self._wakeup_fd >= 0:
+            os.close(self._wakeup_fd)
+            self._wakeup_fd = -1
+        if self.reader_rank is None:
+            self.segment.close()

@@ -1,14 +1,16 @@
 """A worker rank in its own process (vLLM's ``WorkerProc``): the driver-side handle and the process loop.
 
-The driver spawns one process per rank (``multiprocessing`` spawn context). Each attaches the
-shared-memory broadcast and starts its heartbeat thread (``attached``: the driver then unlinks the
-segment's name), builds its :class:`framework.worker.worker.Worker` (device, model shard, attention
+The driver spawns one process per rank (``multiprocessing`` spawn context). Each first arms its
+parent-death signal (:mod:`framework.executor.child_process`), attaches the shared-memory broadcast and
+starts its heartbeat thread (``attached``), builds its :class:`framework.worker.worker.Worker` (device, model shard, attention
 backend), reports ``ready`` (or its traceback) over its pipe, then loops: read the next call from the
 broadcast, run it, answer over its pipe when it is a replying rank. Every rank reads every call
 (they run the same forward); only the reply rank answers ``execute_model``, but any rank reports an
-error. A rank exits on ``shutdown``; its heartbeat thread ends the process within
-:data:`~framework.executor.deadlines.HEARTBEAT_INTERVAL_S` once the driver is gone (even while it
-loads weights or compiles), so a killed driver leaves no worker behind. A torn message in the ring
+error. A rank exits on ``shutdown``. When the driver dies, the rank goes with it at any moment: the
+kernel kills it (``PR_SET_PDEATHSIG``, Linux, a driver that started it from its main thread), its
+heartbeat thread ends the process within :data:`~framework.executor.deadlines.HEARTBEAT_INTERVAL_S`
+(even while it loads weights or compiles), and its ring reader sees its wake-up pipe close; a reply it
+cannot send to a dead driver ends it quietly (:data:`EXIT_DRIVER_GONE`). A torn message in the ring
 (:class:`~framework.executor.shm_broadcast.TornMessageError`) is fatal: the rank reports it and exits 1.
 """
 
@@ -22,13 +24,14 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from framework.executor.child_process import EXIT_PARENT_GONE, arm_parent_death_signal, avoid_named_semaphores
 from framework.executor.deadlines import HEARTBEAT_INTERVAL_S
-from framework.executor.shm_broadcast import RingHandle, ShmBroadcast, TornMessageError
+from framework.executor.shm_broadcast import RingHandle, ShmBroadcast, TornMessageError, WriterGoneError
 
 SHUTDOWN = "shutdown"  # the method name that ends the loop
 RING = "the step broadcast"  # what failed when a rank reports a torn message
 _POLL_S = 1.0  # seconds a read waits before checking again that the driver lives
-EXIT_DRIVER_GONE = 3  # exit code of a rank whose driver died
+EXIT_DRIVER_GONE = EXIT_PARENT_GONE  # exit code of a rank whose driver died
 
 
 def send(conn: Connection, kind: str, payload: Any) -> None:
@@ -65,7 +68,7 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stopped.is_set():
             if os.getppid() != self._parent_pid:
-                os._exit(EXIT_DRIVER_GONE)  # nothing to clean: the segment names are gone already
+                os._exit(EXIT_DRIVER_GONE)  # nothing to clean: nothing of the ring has a name
             self._reader.beat()
             self._stopped.wait(HEARTBEAT_INTERVAL_S)
 
@@ -76,19 +79,36 @@ class Heartbeat:
 
 
 def worker_main(config: dict[str, Any], rank: int, world_size: int, init_method: str | None,
-                ring: RingHandle, conn: Connection, parent_pid: int) -> None:
+                ring: RingHandle, conn: Connection, parent_pid: int, started_by_main_thread: bool = False) -> None:
     """Process entry point of one rank (runs in the spawned process).
 
     Args:
         config: ``EngineConfig.to_dict()`` (plain values).
         rank, world_size, init_method: the rank's place in ``torch.distributed``.
-        ring: the driver's broadcast ring, attached as reader ``rank``.
+        ring: the driver's broadcast ring, this rank's reader handle.
         conn: this rank's pipe to the driver (attached/ready/ok/error messages).
         parent_pid: the driver's pid; the process exits when it is no longer our parent.
+        started_by_main_thread: the driver started us from its main thread (arms ``PR_SET_PDEATHSIG``).
     """
+    if started_by_main_thread:
+        arm_parent_death_signal()  # first: the kernel kills us with the driver, even mid-compile
+    if os.getppid() != parent_pid:
+        os._exit(EXIT_DRIVER_GONE)  # the driver died before the signal was armed
+    avoid_named_semaphores()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the driver handles it
     try:
-        reader = ShmBroadcast.attach(ring, rank)
+        _run_rank(config, rank, world_size, init_method, ring, conn, parent_pid)
+    except (BrokenPipeError, ConnectionResetError, WriterGoneError):
+        if os.getppid() == parent_pid:
+            raise
+        os._exit(EXIT_DRIVER_GONE)  # the driver is gone: nobody to tell, no traceback for its terminal
+
+
+def _run_rank(config: dict[str, Any], rank: int, world_size: int, init_method: str | None, ring: RingHandle,
+              conn: Connection, parent_pid: int) -> None:
+    """Attach, build the worker, serve calls (see :func:`worker_main`)."""
+    try:
+        reader = ShmBroadcast.attach(ring)
     except BaseException:  # noqa: BLE001 - reported to the driver
         send(conn, "error", ("start-up", traceback.format_exc()))
         return
@@ -130,6 +150,8 @@ def serve_calls(worker: Any, reader: ShmBroadcast, conn: Connection, parent_pid:
             if os.getppid() != parent_pid:
                 return  # the driver died without shutting us down
             continue
+        except WriterGoneError:
+            return  # every write end of our wake-up pipe closed: the driver is gone
         if method == SHUTDOWN:
             return
         try:

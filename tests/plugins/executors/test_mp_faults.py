@@ -1,4 +1,5 @@
-"""``executor=mp`` under faults (issue 44): the ring's name is gone once every rank attached; calls from
+"""``executor=mp`` under faults (issue 44): nothing the driver or a rank maps in ``/dev/shm`` still has a name
+once the engine is up (the ring is a memfd, the communicator's name goes once every rank attached); calls from
 two threads do not interleave on the ring; a stopped rank is lost within the heartbeat timeout, a rank
 that hangs in a step within the step deadline, a control call within its own deadline; ``LLM.generate``
 shuts the workers down when a step fault kills the engine. Every failure leaves no process behind."""
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import STORIES, STORY_PROMPTS, resources_gone
+from helpers import STORIES, STORY_PROMPTS, mapped_shm, resources_gone
 
 from framework import LLM, SamplingParams
 from framework.interfaces import EngineDeadError
@@ -29,9 +30,14 @@ def tp2():
     llm.engine.shutdown()
 
 
-def test_the_ring_is_unlinked_once_every_rank_attached(tp2):
-    """Before: the name lived until shutdown, so a SIGKILL of the whole group left it in /dev/shm."""
-    assert not (Path("/dev/shm") / tp2.engine.executor.shm_name).exists()
+def test_nothing_the_engine_maps_has_a_name_once_it_is_up(tp2):
+    """A SIGKILL of the whole group (the resource tracker included) from now on leaves nothing in /dev/shm. Before,
+    each rank's wake-up was a named semaphore (``sem.mp-*``) until shutdown, and the ring a name until every rank
+    attached."""
+    executor = tp2.engine.executor
+    assert executor.shm_name is None  # the ring is a memfd
+    mapped = mapped_shm([os.getpid(), *executor.worker_pids])
+    assert mapped and not [n for n in mapped if (Path("/dev/shm") / n).exists()]  # the communicator's: unlinked
     assert len(tp2.generate(STORY_PROMPTS[:2], SamplingParams(max_tokens=4))) == 2  # the mappings still work
 
 

@@ -1,6 +1,8 @@
-"""A ``servelab serve`` killed outright (SIGKILL of the API process: no shutdown handler runs) leaves nothing behind:
-its engine-core process notices that its parent is gone and shuts down, taking its ``executor=mp`` worker and the
-shared-memory segments they mapped with it, while a request is streaming."""
+"""A ``servelab serve`` ended by a signal leaves nothing behind: killed outright (SIGKILL of the API process: no
+shutdown handler runs) while a request streams, and SIGTERMed while its engine core is still starting (before the
+API process has a handler). The engine core dies with the API process (the kernel's parent-death signal, a watcher
+thread armed before the build), its ``executor=mp`` worker with it, and no name the run created is left in
+``/dev/shm`` (the folder compared before and after)."""
 
 from __future__ import annotations
 
@@ -9,24 +11,33 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 psutil = pytest.importorskip("psutil")
-from helpers import EAGER_KERNEL, REPO, free_port, mapped_shm, resources_gone, wait_healthy  # noqa: E402
+from helpers import EAGER_KERNEL, REPO, free_port, wait_healthy  # noqa: E402
+
+from framework.testing.leftovers import shm_snapshot, wait_for_nothing_left  # noqa: E402
+
+
+def _server(tmp_path, port: int, *overrides: str) -> tuple[subprocess.Popen, object]:
+    cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "executor=mp", EAGER_KERNEL,
+           f"server.port={port}", "tracker=none", "server.log_level=warning", f"hydra.run.dir={tmp_path / 'run'}",
+           *overrides]
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - closed by the caller
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
+                            stderr=subprocess.STDOUT), log
 
 
 @pytest.mark.slow
+@pytest.mark.isolated  # compares the whole of /dev/shm
 def test_a_killed_server_leaves_no_engine_core_worker_or_segment(tmp_path):
     port = free_port()
-    cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "executor=mp", "engine.compile=false",
-           EAGER_KERNEL, f"server.port={port}", "tracker=none", "server.log_level=warning",
-           f"hydra.run.dir={tmp_path / 'run'}"]
-    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
-                            stderr=subprocess.STDOUT)
+    before = shm_snapshot()
+    proc, log = _server(tmp_path, port, "engine.compile=false")
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base, log)
@@ -34,8 +45,7 @@ def test_a_killed_server_leaves_no_engine_core_worker_or_segment(tmp_path):
         assert len(cores) == 1  # the engine core in its own process (server.engine_process=true, the default)
         workers = [w for w in cores[0].children() if "spawn_main" in " ".join(w.cmdline())]
         assert len(workers) == 1  # executor=mp's rank
-        pids = [p.pid for p in cores + workers]
-        segments = sorted(name for name in mapped_shm(pids) if name.startswith("psm_"))
+        pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]  # resource tracker too
 
         streaming = threading.Event()
 
@@ -55,8 +65,33 @@ def test_a_killed_server_leaves_no_engine_core_worker_or_segment(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         inflight.join(30)
-        # the core checks its parent every PARENT_CHECK_S; its shutdown stops the worker and unlinks the segments
-        assert resources_gone(pids, segments, within_s=20), [p for p in pids if psutil.pid_exists(p)]
+        assert wait_for_nothing_left(before, pids, within_s=10) == ([], [])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+@pytest.mark.isolated  # compares the whole of /dev/shm
+def test_a_server_sigtermed_while_its_core_starts_leaves_nothing(tmp_path):
+    """SIGTERM before uvicorn runs (the API process has no handler yet, so it just ends) while the engine core
+    builds its engine and would compile next (``engine.compile=true``). Before, the core went on building and
+    compiling as an orphan at full CPU (its only parent check was on the input thread, after the build, and it
+    compiled before reading the shutdown that check queued)."""
+    before = shm_snapshot()
+    proc, log = _server(tmp_path, free_port(), "engine.compile=true", "parallel.tensor_parallel_size=2")
+    try:
+        deadline, cores = time.monotonic() + 120, []
+        while not cores and time.monotonic() < deadline and proc.poll() is None:
+            cores = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+            time.sleep(0.05)
+        assert cores, "no engine core started"
+        time.sleep(1.0)  # the core imports and builds
+        pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        assert wait_for_nothing_left(before, pids, within_s=10) == ([], [])
     finally:
         if proc.poll() is None:
             proc.kill()
