@@ -102,7 +102,7 @@ def random_weight_copy(model: str, dtype: str, out_dir: Path) -> str:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     src = Path(resolve_model_path(model))
     if not (out_dir / "config.json").is_file():
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.backend_params = json.loads(args.backend_params)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     from framework import EngineConfig, registry
-    from framework.worker.model_loader import load_model_config
+    from framework.model_executor.model_loader import load_model_config
 
     model = args.model
     if args.random_weights:

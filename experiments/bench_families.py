@@ -76,7 +76,7 @@ def build_model(family: str, args: argparse.Namespace) -> tuple[str, int]:
     under ``--model-dir`` unless it is there; returns ``(folder, parameter count)``."""
     from transformers import AutoModelForCausalLM
 
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     shape = TINY_SHAPE if args.tiny else SHAPE
     folder = Path(args.model_dir) / f"{family}-{'tiny' if args.tiny else 'base'}-w{args.window}"
@@ -159,7 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.tokenizer = str(REPO_ROOT / "models" / "stories260K")
         args.window = min(args.window, 8)
     if args.model_dir is None:
-        from framework.worker.model_loader import servelab_cache_dir
+        from framework.model_executor.model_loader import servelab_cache_dir
 
         args.model_dir = str(servelab_cache_dir() / "bench_families")
     return args

@@ -1,4 +1,4 @@
-"""The layer stack (``framework/worker/layer_stack.py``) against per-layer calls, paired in one process.
+"""The layer stack (``framework/compilation/layer_stack.py``) against per-layer calls, paired in one process.
 
 One compiled engine (``engine.compile=true``) generates a batch-1 request (``--prompt-len`` prompt token
 ids, ``--output-len`` output tokens, greedy, ``ignore_eos``) in ``--rounds`` rounds; each round runs it

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """
     from experiments._paired_batch1 import paired_rounds
     from framework import LLM
-    from framework.worker import compile as compile_module
+    from framework.compilation import decoder as compile_module
 
     threshold = compile_module.COMPILED_HEAD_MIN_BYTES
     if args.min_head_bytes is not None:

@@ -128,7 +128,7 @@ def load_workload(args: argparse.Namespace) -> tuple[str, Any, list[list[int]], 
     """
     from transformers import AutoTokenizer
 
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     path = resolve_model_path(args.model)
     if getattr(args, "dtype", None) == "auto":
@@ -203,7 +203,7 @@ def run_ours(prompts: list[list[int]], out_lens: list[int], args: argparse.Names
 
 
 def _load_hf_model(args: argparse.Namespace) -> tuple[Any, Any, int]:
-    from framework.worker.model_loader import load_model
+    from framework.model_executor.model_loader import load_model
 
     loaded = load_model(args.model, dtype=args.dtype)  # transformers default attention (sdpa)
     tok = loaded.tokenizer
@@ -358,7 +358,7 @@ def code_state() -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    hot = ("framework/worker/model_runner.py", "plugins/attention/torch.py", "framework/worker/sampler.py", "framework/engine/llm_engine.py",
+    hot = ("framework/worker/model_runner.py", "plugins/attention/torch.py", "framework/sample/sampler.py", "framework/engine/llm_engine.py",
            "framework/core/scheduler.py")
     return {"commit": git("rev-parse", "--short", "HEAD"),
             "modified": [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()],
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     code = code_state()  # at start: the plugin modules are imported during this run
     if args.threads:
         torch.set_num_threads(args.threads)
-    from framework.worker.model_loader import load_model_config
+    from framework.model_executor.model_loader import load_model_config
 
     path, tokenizer, prompts, out_lens = load_workload(args)
     mc = load_model_config(args.model)

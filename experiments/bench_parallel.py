@@ -63,7 +63,7 @@ def make_model(folder: Path, tiny: bool, dtype: str) -> Path:
     tokenizer_src = REPO_ROOT / "models" / "stories260K"
     if not tiny:
         try:
-            from framework.worker.model_loader import resolve_model_path
+            from framework.model_executor.model_loader import resolve_model_path
 
             tokenizer_src = Path(resolve_model_path("smollm2"))
         except (ImportError, FileNotFoundError, ModuleNotFoundError):

@@ -1,7 +1,7 @@
 """oneDNN's packed-weight layout by row hint: one decoder layer's GEMMs at each row count, per dtype.
 
 ``torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)`` lays a weight out for a row count, and
-``framework/worker/prepack.py`` picks that hint per dtype (``LAYER_BATCH_HINT``). This measures the choice:
+``framework/model_executor/prepack.py`` picks that hint per dtype (``LAYER_BATCH_HINT``). This measures the choice:
 for each ``--dtypes`` and ``--rows`` value, the GEMMs of one decoder layer of ``--model`` (its config's
 shapes: fused q/k/v, o, gate, up, down, as a compiled many-token step runs them) with the weights packed
 for each ``--hints`` value, in ``--rounds`` rounds alternating the hints' order, so the machine's drift
@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO_ROOT))
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     """``{name: (in_features, out_features)}`` of one decoder layer's GEMMs, from the model's config
     (``model_loader.load_model_config``, whose errors it raises)."""
-    from framework.worker.model_loader import load_model_config
+    from framework.model_executor.model_loader import load_model_config
 
     cfg = load_model_config(model).get_text_config()
     hidden, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_to_first": {hint: x}}], "skipped": {dtype: why}}`` (``cpu``: model name and ISA flags; a dtype
         oneDNN cannot pack on this CPU is skipped).
     """
+    from framework.model_executor.prepack import onednn_has_kernels
     from framework.platform import cpu_isa
-    from framework.worker.prepack import onednn_has_kernels
 
     torch.manual_seed(0)
     shapes = layer_shapes(args.model)

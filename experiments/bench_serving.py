@@ -67,7 +67,7 @@ def load_items(workload: str, overrides: list[str], model: str) -> list[Workload
     from transformers import AutoTokenizer
 
     from framework.entrypoints.hydra_config import CONF_DIR
-    from framework.worker.model_loader import load_model_config, resolve_model_path
+    from framework.model_executor.model_loader import load_model_config, resolve_model_path
     from framework.workloads.workload import build_workload
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

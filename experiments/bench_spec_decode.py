@@ -54,9 +54,9 @@ GROUNDED_INSTRUCTION = "\n\nRepeat the passage above word for word, then continu
 
 def resolve_model(name: str) -> str:
     """A model alias (``smollm2``, ``stories260K``, ...) or folder -> local HF folder, via the engine's
-    own resolver (:func:`framework.worker.model_loader.resolve_model_path`), so transformers peers load the
+    own resolver (:func:`framework.model_executor.model_loader.resolve_model_path`), so transformers peers load the
     same weights offline."""
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     return resolve_model_path(name)
 

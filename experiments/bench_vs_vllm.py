@@ -199,7 +199,7 @@ def servelab_llm(model: str, dtype: str, attention: str, prefix_caching: bool, c
         token ids)`` on it (greedy, ``ignore_eos``).
     """
     from framework import LLM, SamplingParams
-    from framework.engine.compile_policy import output_budget
+    from framework.compilation.policy import output_budget
 
     llm = LLM(model=model, dtype=dtype, attention=attention, enable_prefix_caching=prefix_caching, compile=compile)
 
@@ -231,7 +231,7 @@ def start_servelab(model: str, prompts: list[list[int]], out_lens: list[int], ar
     dtype, compile = ("auto", "auto") if mode == "default" else (args.dtype, mode == "compiled")
     llm, generate = servelab_llm(model, dtype, args.attention, args.prefix_caching == "on", compile, prompts)
     if mode == "default":
-        from framework.engine.compile_policy import output_budget
+        from framework.compilation.policy import output_budget
 
         max_len = llm.engine.max_model_len
         llm.engine.maybe_compile([output_budget(n, p, max_len) for p, n in zip(prompts, out_lens)], repeats=args.repeats)

@@ -1,7 +1,7 @@
 """Where ``engine.compile`` pays: the warm-up, cold and cached, against the time it saves per token.
 
 ``engine.compile=auto`` compiles offline work when its expected saving exceeds the expected warm-up, from
-numbers it measures itself (``framework/engine/compile_calibration.py``). This measures the same
+numbers it measures itself (``framework/compilation/calibration.py``). This measures the same
 quantities end to end, on this machine, to check the rule's inputs and its priors:
 
 1. **warm-up, cold**: a fresh process with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` set to

@@ -92,7 +92,7 @@ def run_hf(args: argparse.Namespace, tasks_dir: Path) -> tuple[dict, dict, float
     from lm_eval.tasks import TaskManager
 
     from framework.entrypoints.eval import flat_scores
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     t0 = time.perf_counter()
     out = lm_eval.simple_evaluate(

@@ -60,7 +60,7 @@ def _timed_tok_s(llm: LLM, prompts: list[str], output_len: int) -> float:
 def _perplexity(args: argparse.Namespace, method: str, params: dict, tokenizer) -> float:
     from transformers import AutoModelForCausalLM
 
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=getattr(torch, args.dtype))
     if method != "none":

@@ -143,8 +143,8 @@ def main() -> None:
     args = p.parse_args()
 
     from experiments.bench_offline import bench_dtype
+    from framework.model_executor.model_loader import resolve_model_path
     from framework.platform import cpu_isa
-    from framework.worker.model_loader import resolve_model_path
 
     model_path = str(resolve_model_path(args.model))
     args.dtype = bench_dtype(args.model, args.dtype)

@@ -72,7 +72,7 @@ def launch(system: str, args: argparse.Namespace, cache_dir: Path, port: int) ->
         cmd = [str(REPO_ROOT / ".venv" / "bin" / "servelab"), "serve", f"model={args.model}",
                f"server.port={port}", "tracker=none"]
         return cmd, env
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     env.update(VLLM_ENV, VLLM_CACHE_ROOT=str(cache_dir / "vllm"))
     # ``vllm serve`` is this module behind vLLM's CLI, which reads the ``vllm`` distribution's version (the

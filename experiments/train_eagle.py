@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     from transformers import AutoTokenizer
 
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
     from plugins.spec_decode._eagle_head import EagleHead, save_head
 
     path = resolve_model_path(args.model)

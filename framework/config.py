@@ -58,11 +58,11 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # recompute | swap (KV blocks to a CPU swap space and back)
     swap_space_bytes: int = 0  # CPU swap space for preemption_mode=swap, bytes
     # auto | true | false (a bool is normalized): torch.compile (inductor) the decoder; auto compiles for a
-    # server and for offline work past the break-even (framework/engine/compile_policy.py); eager with a
+    # server and for offline work past the break-even (framework/compilation/policy.py); eager with a
     # warning if it cannot
     compile: bool | str = "auto"
     compile_freezing: bool = False  # inductor freezing: weights as constants, prepacked for oneDNN on CPU
-    # decode CUDA graphs (framework/worker/cuda_graphs.py): True never captures; None (default) captures where it
+    # decode CUDA graphs (framework/compilation/cuda_graphs.py): True never captures; None (default) captures where it
     # can (CUDA, a backend with supports_cuda_graphs, one rank); False insists (refused before loading if it cannot)
     enforce_eager: bool | None = None
     prepack_linears: str = "auto"  # auto | on | off: oneDNN-prepacked (and fused q/k/v, gate/up) CPU linears (auto: CPU, unless compile_freezing)

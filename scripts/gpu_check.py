@@ -68,7 +68,7 @@ def prepare(bundle: Path = BUNDLE) -> list[str]:
 
     import tomllib
 
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     site = bundle / "site"
     shutil.rmtree(bundle, ignore_errors=True)

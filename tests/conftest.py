@@ -51,13 +51,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def eager_unless_asked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """``engine.compile=auto`` stays eager in tests (``CompilePlanner.decide`` says so without
     measuring), so the suite does not compile as a test's tokens add up; compilation tests pass
-    ``compile=True``, and ``tests/framework/engine/test_compile_policy.py`` restores the planner. The
+    ``compile=True``, and ``tests/framework/compilation/test_policy.py`` restores the planner. The
     compile calibration records of this process and its subprocesses go to a temporary folder
     (``$SERVELAB_COMPILE_RECORDS``: steps timed on a loaded test machine must not become the user's
     numbers). Subprocess runs (``run.py``) keep the real rule: their workloads are far below any
     saving, and servers pass ``engine.compile=false``."""
-    from framework.engine import compile_calibration
-    from framework.engine.compile_policy import CompileDecision
+    from framework.compilation import calibration as compile_calibration
+    from framework.compilation.policy import CompileDecision
 
     eager = CompileDecision(False, "engine.compile=auto: eager (the test suite keeps auto eager, tests/conftest.py)")
     calibration = tmp_path_factory.mktemp("compile-calibration")

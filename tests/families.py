@@ -1,4 +1,4 @@
-"""Tiny random-weight models of every family servelab runs (``framework/worker/model_families.py``),
+"""Tiny random-weight models of every family servelab runs (``framework/model_executor/model_families.py``),
 for tests of any module (imported as ``families``; ``tests/`` is on pytest's pythonpath).
 
 :func:`tiny_model_dir` builds a family's model once per process from its transformers config class
@@ -205,7 +205,7 @@ def engine_for(family: str) -> dict[str, Any]:
     KV bytes, so 30 blocks would not force preemption (Mistral) or would not hold one request (SmolLM3's
     two full groups). It gets 1.25x the blocks one ``max_model_len`` request holds at most instead."""
     from framework.core.kv_cache_groups import KVCacheLayout, make_kv_cache_groups
-    from framework.worker.model_families import attention_layers
+    from framework.model_executor.model_families import attention_layers
 
     layers = attention_layers(tiny_config(family))
     layout = KVCacheLayout(make_kv_cache_groups(layers, release_sliding_blocks=True), len(layers))

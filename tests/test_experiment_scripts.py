@@ -44,7 +44,7 @@ def test_bench_lm_head_pairs_the_compiled_and_the_eager_head(tmp_path):
     assert [r["mode"] for r in result["rounds"]] == ["compiled", "eager", "eager", "compiled"]
     assert result["summary"]["same_tokens"] and len(result["summary"]["forward_ms"]["paired_eager_over_compiled"]) == 2
     assert json.loads(out.read_text())["cpu"]
-    from framework.worker import compile as compile_module
+    from framework.compilation import decoder as compile_module
 
     assert compile_module.COMPILED_HEAD_MIN_BYTES == 16 << 20  # the override held for the script's engine only
 
@@ -68,7 +68,7 @@ def test_bench_prepack_layout_times_every_hint_at_every_row_count(tmp_path):
     import torch
 
     from experiments import bench_prepack_layout
-    from framework.worker.prepack import onednn_has_kernels
+    from framework.model_executor.prepack import onednn_has_kernels
 
     out = tmp_path / "layout.json"
     result = bench_prepack_layout.main(["--model", STORIES, "--rows", "1,3", "--rounds", "2", "--inner", "1",

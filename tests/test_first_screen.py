@@ -17,7 +17,7 @@ import sys
 import pytest
 from helpers import REPO
 
-from framework.worker.model_loader import SMOLLM2_PACKAGE
+from framework.model_executor.model_loader import SMOLLM2_PACKAGE
 
 UNEXPECTED = re.compile(r"Traceback|warning", re.IGNORECASE)
 

@@ -62,7 +62,7 @@ def assert_greedy_like_transformers(model: str, dtype: str, prompts: list[list[i
     """
     from transformers import AutoModelForCausalLM
 
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype=getattr(torch, dtype)).cuda().eval()
     tol = 1e-3 if dtype == "float32" else HALF_TOLERANCE

@@ -13,10 +13,12 @@ FRAMEWORK = REPO / "framework"
 RANKS = {
     "config": 0, "known_warnings": 0, "platform": 0, "registry": 0, "hookspecs": 0, "interfaces": 0, "core": 0,
     "distributed": 1,
-    "worker": 2, "metrics": 2, "workloads": 2, "testing": 2, "sim": 2,
-    "executor": 3,
-    "engine": 4,
-    "entrypoints": 5,
+    "model_executor": 2, "sample": 2, "metrics": 2, "workloads": 2,
+    "compilation": 3, "sim": 3,
+    "worker": 4,
+    "executor": 5, "testing": 5,
+    "engine": 6,
+    "entrypoints": 7,
 }
 
 

@@ -114,10 +114,14 @@ def runner_logits(path: str, tp_rank: int, tp_size: int, attention: str = "torch
     from framework.core.sampling_params import SamplingParams
     from framework.core.scheduler import Scheduler
     from framework.core.stop import StopChecker
-    from framework.worker.forward_context import ForwardContext, forward_context, register_attention_implementation
+    from framework.model_executor.forward_context import (
+        ForwardContext,
+        forward_context,
+        register_attention_implementation,
+    )
+    from framework.model_executor.tensor_parallel import load_tp_model, rank_layout
+    from framework.sample.sampler import Sampler
     from framework.worker.model_runner import ModelRunner
-    from framework.worker.sampler import Sampler
-    from framework.worker.tensor_parallel import load_tp_model, rank_layout
 
     lm = load_tp_model(path, "float32", "cpu", tp_rank, tp_size, register_attention_implementation())
     layout, config = rank_layout(lm.config, tp_rank, tp_size), lm.config
@@ -146,8 +150,8 @@ def run_cases(tp_rank: int, tp_size: int, cases: list[dict[str, Any]]) -> dict[s
     ``transformers_tp``, ``runner``): load this rank's shard (float32, eager attention), then record logits and
     per-layer hidden states of one forward, a greedy continuation, the non-norm parameter bytes and
     each extra check's logits."""
-    from framework.worker.prepack import prepack_linears
-    from framework.worker.tensor_parallel import load_tp_model
+    from framework.model_executor.prepack import prepack_linears
+    from framework.model_executor.tensor_parallel import load_tp_model
 
     results = {}
     for case in cases:
@@ -187,7 +191,7 @@ def compile_agreement(model: torch.nn.Module, tp_rank: int, tp_size: int) -> dic
     """``CompiledDecoder.agree_across_ranks`` when only the last rank fell back (nothing compiles:
     the fallback is a stand-in), then a failing compiled layer call on a warmed-up TP rank. The
     model's layers get their class ``forward`` back at the end."""
-    from framework.worker.compile import CompiledDecoder
+    from framework.compilation.decoder import CompiledDecoder
 
     num_layers = model.config.num_hidden_layers
     kv_caches, groups = [torch.zeros(1)] * num_layers, [0] * num_layers

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 def capture_prefill_metadata(model: str, prompts: list[list[int]]) -> tuple[list[dict], dict]:
     """The ``CommonAttentionMetadata`` fields of each prefill step, and the model's attention shape."""
     from framework import LLM, SamplingParams
-    from framework.worker.model_loader import load_model_config
+    from framework.model_executor.model_loader import load_model_config
     from plugins.attention.torch_paged import TorchPagedAttentionBackend
 
     steps: list[dict] = []
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[int, list[float]]:
     from bench_offline import add_model_workload_args, build_workload, load_texts
     from transformers import AutoTokenizer
 
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_workload_args(p)

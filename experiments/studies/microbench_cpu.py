@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"one cache (L3) {r['l3']:7.0f} us/layer")
         return results
     if args.huge_pages:
-        from framework.worker.cpu_malloc import tune_malloc
+        from framework.model_executor.cpu_malloc import tune_malloc
 
         tune_malloc()  # as the engine: packed weights in the heap, not one mmap each (too small for a huge page)
     for rows in (int(m) for m in args.rows.split(",")):

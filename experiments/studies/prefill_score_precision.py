@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     from bench_offline import add_model_workload_args, build_workload, load_texts
     from transformers import AutoTokenizer
 
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_workload_args(p)

@@ -28,7 +28,7 @@ def make_kv_cache_groups(layers: Sequence[AttentionLayerSpec], release_sliding_b
     """KV cache groups of a model's layers (full-attention groups first, then windows ascending).
 
     Args:
-        layers: one spec per decoder layer (``framework.worker.model_families.attention_layers``).
+        layers: one spec per decoder layer (``framework.model_executor.model_families.attention_layers``).
         release_sliding_blocks: the KV allocator releases out-of-window blocks
             (``KVAllocator.supports_kv_cache_groups``); ``False`` gives one full-attention group of
             every layer (windowed layers then mask by position over full block tables).

@@ -252,7 +252,7 @@ class Scheduler:
     def _lookup(self, request: Request) -> tuple[list[int], int]:
         """Prefix-cache lookup for admission; a swapped-out request brings its own K/V back instead, and a
         request that asks for prompt logprobs reads no cache: its cached tokens' logits would be lost (it still
-        publishes its blocks; ``framework/worker/prompt_logprobs.py``)."""
+        publishes its blocks; ``framework/sample/prompt_logprobs.py``)."""
         if self.swap_space is not None and request.request_id in self.swap_space:
             return [], 0
         if request.sampling_params.prompt_logprobs is not None:

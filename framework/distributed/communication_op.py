@@ -1,6 +1,6 @@
 """The collectives of a tensor-parallel group, called by the group's name (vLLM's ``communication_op``).
 
-The tensor-parallel layers (``framework/worker/parallel_layers.py``) hold their group's
+The tensor-parallel layers (``framework/model_executor/parallel_layers.py``) hold their group's
 ``group_name`` (``ProcessGroup.group_name``: a string, so a compiled graph carries it as a constant)
 and call :func:`all_reduce`, :func:`all_gather_last_dim` and :func:`gather_last_dim_to_driver` with
 it. Each goes through the group's communicator: ``torch.distributed._functional_collectives`` (gloo

@@ -47,10 +47,10 @@ from framework.core.swap import SwapSpace
 from framework.engine.llm_engine import LLMEngine
 from framework.interfaces import AttentionLayerSpec, Drafter, Executor
 from framework.metrics.collector import MetricsCollector
+from framework.model_executor.embeddings import load_embeddings
+from framework.model_executor.model_loader import load_tokenizer
+from framework.model_executor.tensor_parallel import rank_layout, tp_problems
 from framework.platform import DtypeChoice, choose_dtype
-from framework.worker.embeddings import load_embeddings
-from framework.worker.model_loader import load_tokenizer
-from framework.worker.tensor_parallel import rank_layout, tp_problems
 
 if TYPE_CHECKING:
     from framework.engine.data_parallel import DataParallelEngine
@@ -155,7 +155,7 @@ def dtype_choice(config: EngineConfig) -> DtypeChoice:
     """
     checkpoint = config.dtype
     if config.dtype == "auto":
-        from framework.worker.model_loader import checkpoint_dtype, load_model_config
+        from framework.model_executor.model_loader import checkpoint_dtype, load_model_config
 
         checkpoint = checkpoint_dtype(load_model_config(config.model))
     profile = str(config.executor_params.get("profile", "")) if config.executor == "sim" else ""
@@ -219,7 +219,7 @@ def refuse_prequantized(model_config: Any) -> None:
 
 def inspect_model(config: EngineConfig) -> ModelSpec:
     """Step 2: read ``config.json``, resolve ``max_model_len``, describe each layer's attention
-    (``framework.worker.model_families.attention_layers``) and let the backend refuse the model.
+    (``framework.model_executor.model_families.attention_layers``) and let the backend refuse the model.
 
     Raises:
         ValueError: a pre-quantized checkpoint, ``max_model_len`` above the model's
@@ -229,8 +229,8 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
             names the backends that can), or a ``tensor_parallel_size`` the model cannot be sharded over
             (:func:`tensor_parallel_problems`).
     """
-    from framework.worker.model_families import attention_layers, family_of
-    from framework.worker.model_loader import load_model_config
+    from framework.model_executor.model_families import attention_layers, family_of
+    from framework.model_executor.model_loader import load_model_config
 
     mc = load_model_config(config.model)
     refuse_prequantized(mc)
@@ -422,7 +422,7 @@ def assemble(config: EngineConfig, scheduler: Scheduler, executor: Executor, tok
 
 
 class RankZeroCompileStats:
-    """Rank 0's :class:`~framework.worker.compile.CompileStats`, fetched afresh whenever the metrics
+    """Rank 0's :class:`~framework.compilation.decoder.CompileStats`, fetched afresh whenever the metrics
     read it (recompiles grow inside the worker; a worker process would otherwise leave the driver a
     stale copy). After the executor died, the last copy fetched."""
 

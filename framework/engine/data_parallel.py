@@ -31,13 +31,13 @@ import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from framework.compilation.policy import CompileDecision
 from framework.config import EngineConfig
 from framework.core.clock import Clock
 from framework.core.faults import EngineDeadError
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import SamplingParams
 from framework.distributed.parallel_state import replica_cpus
-from framework.engine.compile_policy import CompileDecision
 from framework.engine.dp_metrics import DataParallelMetrics
 from framework.engine.llm_engine import LLMEngine
 from framework.interfaces.router import ReplicaState, Router

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from framework import registry
+from framework.compilation.calibration import CompilePlanner
+from framework.compilation.policy import CompileDecision, startup_reason
 from framework.config import EngineConfig
 from framework.core.faults import RequestFailure
 from framework.core.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerStats
@@ -15,8 +17,6 @@ from framework.core.request import Request
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.structured_output import StructuredOutputManager
-from framework.engine.compile_calibration import CompilePlanner
-from framework.engine.compile_policy import CompileDecision, startup_reason
 from framework.engine.draft_proposer import DraftProposer
 from framework.engine.parallel_sampling import ParallelRequests, ParentRequest, child_sampling_params
 from framework.interfaces import Drafter, EngineDeadError, Executor, ReplicaState
@@ -218,8 +218,8 @@ class LLMEngine:
     # ---- compilation ------------------------------------------------------------------
     def maybe_compile(self, planned_budgets: Sequence[int] | None, repeats: int = 1) -> CompileDecision:
         """``engine.compile=auto``: compile the decoder now if the work about to start is expected to save
-        more than the compile costs on this machine (``framework/engine/compile_policy.py``, numbers from
-        ``framework/engine/compile_calibration.py``); engines built with ``true``/``false``, or compiled
+        more than the compile costs on this machine (``framework/compilation/policy.py``, numbers from
+        ``framework/compilation/calibration.py``); engines built with ``true``/``false``, or compiled
         already, keep their decision.
 
         Entry points call it before adding a batch of requests: ``LLM.generate`` with the call's

@@ -260,7 +260,7 @@ def measure_profile(config: EngineConfig, grid: str = "default", seed: int = 0,
     import torch
 
     from framework.engine.builder import build_engine
-    from framework.worker.model_loader import load_model_config
+    from framework.model_executor.model_loader import load_model_config
 
     if grid not in GRIDS:
         raise ValueError(f"unknown profile grid {grid!r}; valid: {', '.join(GRIDS)}")

@@ -229,7 +229,7 @@ def add_bos_token(setting: Any, tokenizer: Any) -> bool:
 
 
 def _model_folder(model: str) -> str:
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     return resolve_model_path(model)
 

@@ -9,12 +9,12 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from framework.compilation.policy import output_budget
 from framework.config import EngineConfig
 from framework.core.faults import EngineDeadError
 from framework.core.outputs import CompletionOutput, RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.builder import build_engine
-from framework.engine.compile_policy import output_budget
 from framework.engine.llm_engine import LLMEngine
 from framework.engine.watchdog import StepWatchdog
 
@@ -33,7 +33,7 @@ class LLM:
         scheduler, kv_allocator, attention, drafter, quant, grammar: plugin names (registry keys).
         compile: ``auto`` (default: the decoder is compiled before the first ``generate`` call that
             brings the output tokens -- generated so far plus the call's ``max_tokens`` budget -- to the
-            break-even, ``framework/engine/compile_policy.py``) | ``True`` (at construction) | ``False``.
+            break-even, ``framework/compilation/policy.py``) | ``True`` (at construction) | ``False``.
         **kwargs: any other ``EngineConfig`` field (``max_num_seqs``, ``max_num_batched_tokens``,
             ``block_size``, ``num_blocks``, ``kv_cache_memory_bytes``, ``enable_prefix_caching``,
             ``long_prefill_token_threshold``, ``max_model_len``, ``device``, ``seed``, ``*_params``).

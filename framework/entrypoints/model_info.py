@@ -1,6 +1,6 @@
 """``servelab models``: the decoder families servelab runs, what each needs and which backends run it.
 
-The rows are :data:`framework.worker.model_families.FAMILIES`; the backends column asks every
+The rows are :data:`framework.model_executor.model_families.FAMILIES`; the backends column asks every
 registered attention backend whether it has the features the family's checkpoints use (sliding
 window, softcap, sinks: ``supports_*``). Head sizes are checked per checkpoint when an engine is
 built (``validate_model``); MLA families need the value head size padded to the key head size. For
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from framework import registry
 from framework.interfaces.attention import FEATURE_NAMES, LAYER_FEATURES
-from framework.worker.model_families import FAMILIES, ModelFamily
+from framework.model_executor.model_families import FAMILIES, ModelFamily
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="servelab models (tests in tests/framework/worker/test_families.py; refused before loading: "
+    table = Table(title="servelab models (tests in tests/framework/model_executor/test_families.py; refused before loading: "
                         "encoder-decoder, non-causal, attention outside transformers' interface such as Falcon, "
                         "chunked/linear/state-space layers)", header_style="bold")
     for column in ("family", "architecture", "model_type", "needs", "attention backends",

@@ -10,10 +10,10 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from framework.compilation.policy import output_budget
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
-from framework.engine.compile_policy import output_budget
 from framework.workloads.workload import WorkloadItem
 
 logger = logging.getLogger(__name__)

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         config = engine_config_from_cfg(cfg)
         if analytic:
             from framework.engine.builder import resolve_dtype
-            from framework.worker.model_loader import load_model_config
+            from framework.model_executor.model_loader import load_model_config
 
             config = resolve_dtype(config)
             profile = analytic_profile(device.lower(), load_model_config(config.model), config)

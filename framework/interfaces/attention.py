@@ -49,10 +49,10 @@ class CommonAttentionMetadata:
 @dataclass(frozen=True)
 class AttentionLayerSpec:
     """What one decoder layer's attention computes, read from the model's ``config.json`` before its
-    weights load (``framework.worker.model_families.attention_layers``).
+    weights load (``framework.model_executor.model_families.attention_layers``).
 
     The capability check (:meth:`AttentionBackend.validate_model`) and the backend instance share it;
-    the bridge (``framework/worker/forward_context.py``) checks every call transformers makes against it.
+    the bridge (``framework/model_executor/forward_context.py``) checks every call transformers makes against it.
     The softmax scale is not part of it: transformers passes it with every call (``scaling``).
     """
 
@@ -127,7 +127,7 @@ class AttentionBackend(Plugin, ABC):
     block_size_multiple: ClassVar[int] = 1  # block_size must be a multiple of this (kernel page-size rule)
     kv_cache_layout: ClassVar[str] = "NHD"  # per layer (2, num_blocks, block_size, kv_heads, head_size)
     # an all-decode step may be captured in a CUDA graph: build_metadata keeps only views of the runner's device
-    # tensors and its kernels' launch shapes depend on tensor shapes only (framework/worker/cuda_graphs.py)
+    # tensors and its kernels' launch shapes depend on tensor shapes only (framework/compilation/cuda_graphs.py)
     supports_cuda_graphs: ClassVar[bool] = False
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)  # engine.kv_cache_dtype values
     # a GPU kernel: how scripts/gpu_check.sh verifies it, or why the lent GPU machine cannot (servelab plugins)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 class Drafter(Plugin, ABC):
     """Proposes up to ``num_speculative_tokens`` draft tokens per request.
 
-    Drafters only propose; the framework verifies (``framework.worker.rejection_sampler``: greedy
+    Drafters only propose; the framework verifies (``framework.sample.rejection_sampler``: greedy
     matching, or rejection sampling per Leviathan et al. 2023, "Fast Inference from Transformers
     via Speculative Decoding", Sec. 2.3, which keeps the target distribution). Config
     ``spec_decode=none`` selects no drafter.

@@ -40,7 +40,7 @@ class QuantMethod(Plugin, ABC):
         default accepts every ``tp_size``: per-output-channel scales of a column-parallel shard are
         the TP=1 scales of its rows, and a row-parallel shard's rows get scales of their own (over the
         input slice the rank holds: as fine or finer than TP=1). A method with shape rules (group-wise int4) checks the
-        per-rank shapes from ``framework.worker.tensor_parallel.linear_shapes``.
+        per-rank shapes from ``framework.model_executor.tensor_parallel.linear_shapes``.
         """
         return []
 

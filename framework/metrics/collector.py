@@ -126,7 +126,7 @@ class MetricsCollector:
         self.num_preemptions = 0
         self.model_info: dict[str, Any] = {}  # set by build_engine: dtype, dtype_reason
         self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block,...}
-        self.compile_stats: Any = None  # framework.worker.compile.CompileStats, set by build_engine; live (recompiles grow)
+        self.compile_stats: Any = None  # framework.compilation.decoder.CompileStats, set by build_engine; live (recompiles grow)
         self.compile_info: dict[str, Any] = {}  # compile_mode (auto|true|false), compile_reason: set by the engine
         self.num_generated_tokens = 0  # output tokens over all steps
         self.num_sampled_reqs = 0  # (request, step) pairs that produced tokens: target forwards per request
@@ -229,10 +229,10 @@ class MetricsCollector:
             ``kv_cache_dtype``, ``kv_cache_num_blocks``, ``kv_cache_bytes_per_block`` (bytes, the
             ``kv_cache_layers_per_block`` layers of a block), ``kv_cache_num_groups``, ``kv_cache_group_windows``,
             ``compile_mode`` (auto|true|false) and ``compile_reason`` (the decision, see
-            ``framework.engine.compile_policy``), and once the decoder was compiled ``compile``,
+            ``framework.compilation.policy``), and once the decoder was compiled ``compile``,
             ``compile_active``, ``compile_s`` (warm-up seconds), ``compile_num_graphs_warmup``,
             ``compile_num_recompiles`` (graphs compiled after the warm-up), ``compile_fallback``, ``compile_layer_stack`` (see
-            ``framework.worker.compile.CompileStats``), the executor's ``run_labels`` (``simulated``,
+            ``framework.compilation.decoder.CompileStats``), the executor's ``run_labels`` (``simulated``,
             ``sim_profile``: every run has them, a simulated one says where its step times came from),
             step-time totals ``<part>_s`` and fractions ``<part>_frac`` of total step time,
             ``tokens_per_forward`` (output tokens per request per target forward) and, when a

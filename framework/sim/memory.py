@@ -3,7 +3,7 @@
 Same arithmetic as the real engine's: a block holds, for each of the ``layers_per_block`` layers that share
 a block id (all layers, or one KV cache group's worth with sliding windows:
 ``framework.core.kv_cache_groups``), K and V of ``block_size`` tokens x this rank's KV heads
-(``framework.worker.tensor_parallel.rank_layout``: ``K / tp``, replicated when ``tp > K``) x the cache's
+(``framework.model_executor.tensor_parallel.rank_layout``: ``K / tp``, replicated when ``tp > K``) x the cache's
 head size; a quantized cache (``engine.kv_cache_dtype=int8|fp8_e4m3``) stores one byte per element plus
 a float32 scale per (token, KV head), as the ``torch`` backends do. So the allocator's pool, its
 preemptions and its prefix-cache evictions are those of the simulated device and model.
@@ -30,8 +30,8 @@ QUANT_WEIGHT_BYTES: dict[str, float | None] = {"none": None, "int8_wo": 1.0, "in
 
 def rank_attention_layers(hf_config: Any, tensor_parallel_size: int) -> list[AttentionLayerSpec]:
     """Each layer's attention as one rank holds it (its heads under tensor parallelism)."""
-    from framework.worker.model_families import attention_layers
-    from framework.worker.tensor_parallel import rank_layout
+    from framework.model_executor.model_families import attention_layers
+    from framework.model_executor.tensor_parallel import rank_layout
 
     layers = attention_layers(hf_config)
     if tensor_parallel_size == 1:

@@ -29,9 +29,9 @@ _batch: list[Any] = []  # the requests of the sampler call in progress (one thre
 
 def _targets() -> dict[str, tuple[Any, str, Callable[[tuple], list] | None]]:
     """site -> (owner, attribute, requests from the call's arguments; None: the sampler call's batch)."""
+    import framework.sample.rejection_sampler as rejection_mod
+    import framework.sample.sampler as sampler_mod
     import framework.worker.model_runner as runner_mod
-    import framework.worker.rejection_sampler as rejection_mod
-    import framework.worker.sampler as sampler_mod
 
     return {
         "sampler": (sampler_mod.Sampler, "__call__", lambda args: args[2]),  # (self, logits, requests)

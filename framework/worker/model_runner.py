@@ -2,11 +2,11 @@
 
 The whole step is one "super sequence": ``input_ids``/``position_ids`` of shape
 ``(1, num_tokens)`` fed to an unmodified transformers model whose attention layers call the
-selected backend (``framework.worker.forward_context``). Only the logits of positions that sample are
+selected backend (``framework.model_executor.forward_context``). Only the logits of positions that sample are
 computed (``logits_to_keep``), plus, for requests that ask for prompt logprobs, the positions of
-their prompt (``framework.worker.prompt_logprobs``). Once compiled (``compile=True`` in ``__init__``, or later through
+their prompt (``framework.sample.prompt_logprobs``). Once compiled (``compile=True`` in ``__init__``, or later through
 :meth:`ModelRunner.compile_decoder`) the decoder runs through
-``framework.worker.compile.CompiledDecoder`` (``torch.compile``, warmed up when compiled).
+``framework.compilation.decoder.CompiledDecoder`` (``torch.compile``, warmed up when compiled).
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from framework.compilation.cuda_graphs import CUDAGraphOptions, DecodeCUDAGraphs
+from framework.compilation.decoder import CompiledDecoder, CompileStats
 from framework.core.kv_cache_groups import KVCacheLayout
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput, TargetHiddenStates
 from framework.core.request import Request
 from framework.core.step_message import StepMessage
 from framework.core.structured_output import apply_token_bitmask
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
-from framework.worker.compile import CompiledDecoder, CompileStats
-from framework.worker.cuda_graphs import CUDAGraphOptions, DecodeCUDAGraphs
-from framework.worker.forward_context import ForwardContext, GraphAttention, forward_context, prepared_mask
+from framework.model_executor.forward_context import ForwardContext, GraphAttention, forward_context, prepared_mask
+from framework.model_executor.model_families import output_logits
+from framework.model_executor.prepack import unfuse_gated_mlps
+from framework.sample.prompt_logprobs import PromptLogprobRows, gather_prompt_logprobs, prompt_logprob_rows
+from framework.sample.rejection_sampler import RejectionSampler
+from framework.sample.sampler import Sampler
 from framework.worker.input_batch import InputBatch
-from framework.worker.model_families import output_logits
-from framework.worker.prepack import unfuse_gated_mlps
-from framework.worker.prompt_logprobs import PromptLogprobRows, gather_prompt_logprobs, prompt_logprob_rows
-from framework.worker.rejection_sampler import RejectionSampler
-from framework.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ModelRunner:
             (its collectives need every rank) but neither sample nor return hidden states.
         tensor_parallel: the model is one rank's shard (``tensor_parallel_size > 1``): with
             ``compile``, the ranks decide compiled vs eager together after the warm-up.
-        cuda_graphs: capture decode CUDA graphs (``framework/worker/cuda_graphs.py``) with these options,
+        cuda_graphs: capture decode CUDA graphs (``framework/compilation/cuda_graphs.py``) with these options,
             unless ``compile``; the KV tensors get one more block, the padding rows' (``None``: eager).
 
     Attributes:
@@ -175,7 +175,7 @@ class ModelRunner:
 
     def time_decode_steps(self, batch_sizes: list[int], repeats: int = 3) -> dict[int, float]:
         """Time dummy decode steps at each batch size as they run now (eager or compiled), for
-        ``engine.compile=auto``'s calibration (``framework/engine/compile_calibration.py``): the median of
+        ``engine.compile=auto``'s calibration (``framework/compilation/calibration.py``): the median of
         ``repeats`` forwards after one untimed, ms. The dummy steps write K/V into blocks ``0, 1, ...``:
         call it only while no request owns a block and the prefix cache is empty.
 

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from framework import registry
+from framework.compilation.cuda_graphs import cuda_graph_options
+from framework.compilation.decoder import CompileStats
 from framework.config import EngineConfig
 from framework.core.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout
 from framework.core.outputs import ModelRunnerOutput
@@ -35,15 +37,13 @@ from framework.distributed.parallel_state import (
     initialize_model_parallel,
 )
 from framework.interfaces import AttentionBackend, AttentionLayerSpec
-from framework.worker.compile import CompileStats
-from framework.worker.cpu_malloc import tune_malloc
-from framework.worker.cuda_graphs import cuda_graph_options
-from framework.worker.forward_context import register_attention_implementation
-from framework.worker.model_loader import LoadedModel, load_model
+from framework.model_executor.cpu_malloc import tune_malloc
+from framework.model_executor.forward_context import register_attention_implementation
+from framework.model_executor.model_loader import LoadedModel, load_model
+from framework.model_executor.prepack import prepack_linears, should_prepack
+from framework.model_executor.tensor_parallel import load_tp_model, rank_layout
+from framework.sample.sampler import Sampler
 from framework.worker.model_runner import ModelRunner
-from framework.worker.prepack import prepack_linears, should_prepack
-from framework.worker.sampler import Sampler
-from framework.worker.tensor_parallel import load_tp_model, rank_layout
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class Worker:
     def load_model(self) -> None:
         """Load this rank's weights (quantized, prepacked), build its attention backend for its
         heads and plan its KV cache layout (the driver's: ``plan_kv_cache_layout``)."""
-        from framework.worker.model_families import attention_layers
+        from framework.model_executor.model_families import attention_layers
 
         self.loaded = load_weights(self.config, self.rank, self.world_size)
         mc = self.loaded.config
@@ -236,7 +236,7 @@ class Worker:
     def enable_collective_timing(self) -> None:
         """Time every collective this rank calls from now on (benchmarks:
         ``experiments/bench_parallel.py``): the tensor-parallel layers' all-reduces and all-gathers
-        (as ``framework.worker.parallel_layers`` calls them, wait included; shared-memory or torch.distributed),
+        (as ``framework.model_executor.parallel_layers`` calls them, wait included; shared-memory or torch.distributed),
         the LM head's gather to the driver, and any other ``torch.distributed`` call. Read with :meth:`collective_times`. Wall time of the call:
         exact for gloo (synchronous), a lower bound for NCCL (asynchronous). Eager forwards only:
         inside a compiled decoder the collectives are graph nodes and go uncounted."""
@@ -244,7 +244,7 @@ class Worker:
 
         import torch.distributed as dist
 
-        from framework.worker import parallel_layers
+        from framework.model_executor import parallel_layers
 
         self._collective = {"collective_s": 0.0, "num_collectives": 0, "depth": 0}
         targets = [(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "gather",

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from framework import hookimpl
+from framework.compilation.decoder import inductor_config
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, AttentionLayerSpec, CommonAttentionMetadata
-from framework.worker.compile import inductor_config
 from plugins.attention._kv_quant import QMAX
 from plugins.attention._paged_kernel import KVPartitions, kv_partitions, paged_attention, write_kv_in_graph
 from plugins.attention._paged_metadata import split_decode_prefill

@@ -9,7 +9,7 @@ how the CPU test suite checks it (``TRITON_INTERPRET=1``; far too slow to serve)
 
 ``build_metadata`` keeps only device tensors of the runner's metadata (no host values), and the
 kernel's grid depends on shapes only, so a decode step can be captured in a CUDA graph
-(``supports_cuda_graphs``; ``framework/worker/cuda_graphs.py``). The step's K/V are written with
+(``supports_cuda_graphs``; ``framework/compilation/cuda_graphs.py``). The step's K/V are written with
 the base class's ``write_kv`` (``index_copy_`` into the ``NHD`` pages) before the kernel reads them.
 
 Not done here (vLLM has them): the split-KV ("3-D") decode variant that parallelises one long

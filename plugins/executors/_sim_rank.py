@@ -68,7 +68,7 @@ class SimRank:
 
     def compile_stats(self) -> Any:
         """``CompileStats`` as a run with this ``engine.compile`` reports them (the profile was measured so)."""
-        from framework.worker.compile import CompileStats
+        from framework.compilation.decoder import CompileStats
 
         return CompileStats(enabled=self.compiled, active=self.compiled)
 
@@ -95,7 +95,7 @@ def time_grammar_mask(config: EngineConfig) -> float:
     (a JSON-object grammar, :data:`MASK_TIMING_ROWS` rows of a matcher advancing through ``{"a": 1}``),
     for simulated devices whose profile did not measure it."""
     from framework import registry
-    from framework.worker.model_loader import load_model_config, load_tokenizer
+    from framework.model_executor.model_loader import load_model_config, load_tokenizer
 
     tokenizer, eos = load_tokenizer(config.model, config.tokenizer)
     vocab_size = load_model_config(config.model).vocab_size

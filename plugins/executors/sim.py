@@ -69,8 +69,8 @@ class SimExecutor(Executor):
         super().__init__(config, clock=clock, profile=profile)
         import torch
 
+        from framework.model_executor.model_loader import load_model_config
         from framework.sim.resolve import resolve_predictor
-        from framework.worker.model_loader import load_model_config
 
         self.hf_config = load_model_config(config.model)
         self.predictor, self.profile = resolve_predictor(str(profile), config, self.hf_config,

@@ -68,7 +68,7 @@ class LinearQuantMethod(QuantMethod):
     def validate(cls, config: Any) -> list[str]:
         """The model's decoder has ``nn.Linear`` projections (read from ``config.json``)."""
         problems = super().validate(config)
-        from framework.worker.model_loader import load_model_config
+        from framework.model_executor.model_loader import load_model_config
 
         try:
             model_type = load_model_config(config.model).model_type
@@ -81,7 +81,7 @@ class LinearQuantMethod(QuantMethod):
 
     def selected(self, name: str, module: torch.nn.Module) -> bool:
         """True for the decoder ``nn.Linear`` layers this method quantizes (``name`` relative to ``model.model``)."""
-        # a tensor-parallel wrapper's shard is its child ``linear`` (framework/worker/parallel_layers.py):
+        # a tensor-parallel wrapper's shard is its child ``linear`` (framework/model_executor/parallel_layers.py):
         # ``skip`` names the wrapper
         names = (name, name.removesuffix(".linear"))
         return isinstance(module, torch.nn.Linear) and not any(n.endswith(s) for n in names for s in self.skip)

@@ -84,7 +84,7 @@ class Int4WeightOnly(LinearQuantMethod):
         skip = tuple(params.get("skip", ()))
         if group not in GROUP_SIZES:
             return problems + [f"quant.params.group_size must be one of {GROUP_SIZES}, got {group}"]
-        from framework.worker.model_loader import load_model_config
+        from framework.model_executor.model_loader import load_model_config
 
         mc = load_model_config(config.model)
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
@@ -117,8 +117,8 @@ class Int4WeightOnly(LinearQuantMethod):
         problems = super().validate_tp(config, tp_size)
         if tp_size == 1:
             return problems
-        from framework.worker.model_loader import load_model_config
-        from framework.worker.tensor_parallel import linear_shapes, tp_problems
+        from framework.model_executor.model_loader import load_model_config
+        from framework.model_executor.tensor_parallel import linear_shapes, tp_problems
 
         mc = load_model_config(config.model)
         if tp_problems(mc, tp_size):

@@ -21,7 +21,7 @@ def build_draft_runner(model: torch.nn.Module, model_config: Any, config: Engine
     Args:
         model: the drafter's module (a ``*ForCausalLM`` or an EAGLE head), on ``config.device``.
         model_config: its transformers config (each layer's attention is read from it by
-            ``framework.worker.model_families.attention_layers``, as for the target).
+            ``framework.model_executor.model_families.attention_layers``, as for the target).
         config: the engine config (attention backend and its params, block size, dtype, device,
             ``max_num_seqs``, ``kv_cache_memory_bytes``).
         max_len: longest sequence the drafter must hold, tokens.
@@ -37,9 +37,9 @@ def build_draft_runner(model: torch.nn.Module, model_config: Any, config: Engine
             refused: ``UnsupportedModelError``).
     """
     from framework import registry
-    from framework.worker.model_families import attention_layers
+    from framework.model_executor.model_families import attention_layers
+    from framework.sample.sampler import Sampler
     from framework.worker.model_runner import ModelRunner
-    from framework.worker.sampler import Sampler
 
     dtype, device = getattr(torch, config.dtype), torch.device(config.device)
     mc = model_config

@@ -10,7 +10,7 @@ step only the longest common prefix of what it computed and the request's accept
 reused, the rest is recomputed (rejected positions are overwritten).
 
 Drafts are greedy (the draft's argmax), so ``q`` is one-hot and verification is exact for any
-sampling parameters (``framework.worker.rejection_sampler``).
+sampling parameters (``framework.sample.rejection_sampler``).
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class DraftModelDrafter(Drafter):
         if not path:
             return problems + [MISSING_MODEL]
         from framework import registry
-        from framework.worker.model_families import UnsupportedModelError, attention_layers
-        from framework.worker.model_loader import load_model_config
+        from framework.model_executor.model_families import UnsupportedModelError, attention_layers
+        from framework.model_executor.model_loader import load_model_config
 
         try:
             draft = load_model_config(path)
@@ -86,8 +86,8 @@ class DraftModelDrafter(Drafter):
 
     def load(self, model: torch.nn.Module, model_config: Any, config: EngineConfig) -> None:
         """Load the draft model, its attention backend, KV cache, block pool and runner."""
-        from framework.worker.forward_context import register_attention_implementation
-        from framework.worker.model_loader import load_model
+        from framework.model_executor.forward_context import register_attention_implementation
+        from framework.model_executor.model_loader import load_model
         from plugins.spec_decode._draft_runner import build_draft_runner
 
         loaded = load_model(str(Path(self.model_path)), dtype=config.dtype, device=config.device,

@@ -17,7 +17,7 @@ head's context starts at the first feature it saw. RoPE attention depends only o
 positions, so head positions count from that start; acceptance may drop, output never changes.
 
 Drafts are the head's argmax, so ``q`` is one-hot and verification is exact for every sampling
-setting (``framework.worker.rejection_sampler``).
+setting (``framework.sample.rejection_sampler``).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class EagleDrafter(Drafter):
         path = config.drafter_params.get("model")
         if not path:
             return problems + [MISSING_MODEL]
-        from framework.worker.model_loader import load_model_config
+        from framework.model_executor.model_loader import load_model_config
         from plugins.spec_decode._eagle_head import load_head_config
 
         try:
@@ -98,7 +98,7 @@ class EagleDrafter(Drafter):
         Raises:
             ValueError: the head's hidden size or vocabulary differs from the target's.
         """
-        from framework.worker.forward_context import register_attention_implementation
+        from framework.model_executor.forward_context import register_attention_implementation
         from plugins.spec_decode._draft_runner import build_draft_runner
         from plugins.spec_decode._eagle_head import load_head, load_head_config
 
@@ -182,7 +182,7 @@ class EagleDrafter(Drafter):
     def _head_step(self, shadows: list[Request], feats: dict[str, torch.Tensor]) -> torch.Tensor:
         """One flattened head forward over every shadow's uncomputed pairs; returns each shadow's
         last predicted feature, ``(len(shadows), hidden)`` in ``shadows`` order."""
-        from framework.worker.forward_context import ForwardContext, forward_context
+        from framework.model_executor.forward_context import ForwardContext, forward_context
 
         n = {s.request_id: s.num_tokens - s.num_computed_tokens for s in shadows}
         so = SchedulerOutput(scheduled_requests=shadows, num_scheduled_tokens=n, total_num_scheduled_tokens=sum(n.values()),

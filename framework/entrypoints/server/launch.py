@@ -124,7 +124,7 @@ def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metr
     import dataclasses
 
     from framework.engine.core_client import MPCoreClient
-    from framework.worker.model_loader import load_tokenizer
+    from framework.model_executor.model_loader import load_tokenizer
 
     _check_serve_extra()
     tokenizer, _ = load_tokenizer(engine_config.model, engine_config.tokenizer)

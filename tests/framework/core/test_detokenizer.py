@@ -57,7 +57,7 @@ def test_sentencepiece_stories260k() -> None:
 def test_byte_level_bpe_smollm2() -> None:
     from transformers import AutoTokenizer
 
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     _check_tokenizer(AutoTokenizer.from_pretrained(resolve_model_path("smollm2")))
 
@@ -135,7 +135,7 @@ def tokenizers_under_test():
     (SmolLM2, tokenizer files only) and the code-point tokenizer of these tests (Python path)."""
     from transformers import AutoTokenizer
 
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     return {"stories260K": AutoTokenizer.from_pretrained(STORIES),
             "smollm2": AutoTokenizer.from_pretrained(resolve_model_path("smollm2")),

@@ -35,7 +35,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def smollm2_path() -> str:
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     return resolve_model_path("smollm2")
 

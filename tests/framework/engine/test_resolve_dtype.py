@@ -13,8 +13,8 @@ from helpers import STORIES
 
 from framework import EngineConfig
 from framework.engine.builder import dtype_choice, resolve_dtype
+from framework.model_executor.model_loader import checkpoint_dtype
 from framework.platform import CpuIsa, choose_dtype, cpu_isa
-from framework.worker.model_loader import checkpoint_dtype
 
 AVX2 = "fpu sse4_2 avx avx2 fma f16c"  # AMD Zen 3
 AVX512 = AVX2 + " avx512f avx512bw avx512dq avx512vl"  # Skylake-SP: bf16 only emulated

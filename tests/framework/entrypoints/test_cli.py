@@ -7,7 +7,7 @@ import pytest
 from framework.entrypoints import cli
 from framework.entrypoints.model_info import family_rows, markdown_table
 from framework.entrypoints.plugin_info import chosen_plugin_sources, list_plugins
-from framework.worker.model_families import FAMILIES
+from framework.model_executor.model_families import FAMILIES
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[3]
 

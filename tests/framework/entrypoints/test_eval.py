@@ -132,7 +132,7 @@ def test_eval_equals_the_hf_backend_on_smollm2_float32(tmp_path):
     run from another directory (the local tasks' data paths resolve anyway); metrics.json holds the scores
     beside the throughput of the evaluation traffic (what ``servelab results`` tables). stories260K's
     parity runs in ``tests/test_experiment_scripts.py`` (``eval_parity``)."""
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     ours = run_servelab_eval(tmp_path, "model=smollm2", "model.dtype=float32")
     metrics = ours[0]

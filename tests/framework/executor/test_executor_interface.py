@@ -129,8 +129,8 @@ def test_embeddings_alone_match_the_model():
     """What an EAGLE drafter on the driver gets when the target lives in worker processes."""
     import torch
 
-    from framework.worker.embeddings import load_embeddings
-    from framework.worker.model_loader import load_model
+    from framework.model_executor.embeddings import load_embeddings
+    from framework.model_executor.model_loader import load_model
 
     full, emb = load_model(STORIES).model, load_embeddings(STORIES)
     assert emb.get_output_embeddings().weight is emb.get_input_embeddings().weight  # stories260K ties them

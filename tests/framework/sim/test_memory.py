@@ -9,8 +9,8 @@ from sim_helpers import linear_profile
 
 from framework.config import EngineConfig
 from framework.engine.builder import build_engine
+from framework.model_executor.model_loader import load_model_config
 from framework.sim.memory import device_kv_budget, parameter_counts, weight_bytes_per_rank
-from framework.worker.model_loader import load_model_config
 
 LLAMA70B = str(REPO / "models" / "llama-3-70b")
 

@@ -8,9 +8,9 @@ import pytest
 from helpers import REPO
 
 from framework.config import EngineConfig
+from framework.model_executor.model_loader import load_model_config
 from framework.sim.features import StepFeatures
 from framework.sim.roofline import DEVICES, RooflineStepModel, analytic_profile
-from framework.worker.model_loader import load_model_config
 
 LLAMA70B = str(REPO / "models" / "llama-3-70b")
 

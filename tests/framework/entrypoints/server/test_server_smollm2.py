@@ -31,7 +31,7 @@ def _post(app, body: dict) -> httpx.Response:
 
 
 def test_smollm2_chat_stream_equals_non_stream_equals_offline(make_llm):
-    from framework.worker.model_loader import resolve_model_path
+    from framework.model_executor.model_loader import resolve_model_path
 
     llm = make_llm(model=resolve_model_path("smollm2"), dtype="float32", max_model_len=512)
     engine, tok = llm.engine, llm.get_tokenizer()

@@ -1,17 +1,17 @@
 """The model's decoder compiled by ``torch.compile`` (inductor), one decoder layer at a time:
-``engine.compile=true``, or ``auto`` where the work ahead pays for it (``framework/engine/compile_policy.py``).
+``engine.compile=true``, or ``auto`` where the work ahead pays for it (``framework/compilation/policy.py``).
 
-What is compiled are the decoder's layers (``framework/worker/compile_regions.py``): layers of one
+What is compiled are the decoder's layers (``framework/compilation/regions.py``): layers of one
 kind (the same code on different weights and KV caches: all 30 of SmolLM2) share one graph per step
 key, so a cold compile traces, lowers and builds one layer instead of the whole stack (SmolLM2 bf16,
 2-core CPU: ~390 s for the whole decoder before, ~20 s for its three layer graphs now, a few seconds
 from inductor's on-disk cache). Once a step shape has run, its later steps call the layers' graphs as
-one loop from the first layer's call (``framework/worker/layer_stack.py``: no per-layer module call,
+one loop from the first layer's call (``framework/compilation/layer_stack.py``: no per-layer module call,
 dispatch or dynamo bytecode; ~0.5-0.8 ms of a ~14 ms SmolLM2 batch-1 step). The embedding, the rotary
 tables and the final norm run eagerly; the
 LM head runs on the sampled rows only, eagerly, except for one row (batch-1 decode, a lone prefill),
 which has a small compiled graph of its own (:meth:`CompiledDecoder.logits`). Attention inside a
-layer graph is the opaque custom op ``torch.ops.servelab.attention`` (``framework/worker/forward_context.py``), so the backend, its
+layer graph is the opaque custom op ``torch.ops.servelab.attention`` (``framework/model_executor/forward_context.py``), so the backend, its
 metadata and the paged KV cache stay outside dynamo; the layer's identity is a tensor argument of it.
 
 ``num_tokens`` is dynamic in the graphs of more than one token; dynamo specialises size 1, so a step
@@ -22,7 +22,7 @@ them. :meth:`CompiledDecoder.warm_up` therefore runs a prefill, a 1-token step a
 many requests at start-up (:data:`WARM_UP_STEPS`; 2 graphs per layer kind for an opaque backend, 3
 for a traceable one, plus the one-row LM head's): after it, every batch size reuses one of those graphs, and
 :class:`CompileStats` counts any later compilation as a recompile. In the 1-token graph the linears
-are traced GEMVs (``framework/worker/prepack.py``), so that graph is one stretch of generated code
+are traced GEMVs (``framework/model_executor/prepack.py``), so that graph is one stretch of generated code
 with no extern call.
 
 Compilation is inference-only: the runner compiles under ``torch.inference_mode`` (AOT autograd
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
-from framework.worker.compile_regions import (
+from framework.compilation.regions import (
     LayerGraphs,
     LayerHandle,
     WeakBackend,
@@ -62,8 +62,8 @@ from framework.worker.compile_regions import (
     step_key_name,
     with_own_code,
 )
-from framework.worker.forward_context import GraphAttention, prepared_mask
-from framework.worker.model_families import output_logits
+from framework.model_executor.forward_context import GraphAttention, prepared_mask
+from framework.model_executor.model_families import output_logits
 
 logger = logging.getLogger(__name__)
 #: Dummy steps of the warm-up, ``(num_tokens, num_reqs)``: a 512-token prefill (the dynamic graph), a
@@ -114,7 +114,7 @@ class CompileStats:
     num_cache_misses: int = 0  # warm-up graphs inductor generated and built afresh (0: all from its on-disk cache)
     fallback_reason: str | None = None  # why the run went eager ("ExcType: message"); None if it did not
     #: per step key ("1-token traced-attention"...): "stacked" (compile_regions.LayerGraphs runs the layers as one
-    #: loop of graph calls, framework/worker/layer_stack.py) or "per layer: <why>"; filled as each key's first step runs
+    #: loop of graph calls, framework/compilation/layer_stack.py) or "per layer: <why>"; filled as each key's first step runs
     layer_stack: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -164,11 +164,11 @@ def check_compiler(device: torch.device) -> None:
 
 class CompiledDecoder:
     """The decoder of a transformers ``*ForCausalLM`` with its layers compiled, one graph per layer kind
-    and step key (``framework/worker/compile_regions.py``), with eager fallback.
+    and step key (``framework/compilation/regions.py``), with eager fallback.
 
     Each decoder layer's ``forward`` is replaced on the instance by a call into
-    :class:`~framework.worker.compile_regions.LayerGraphs` with the layer's
-    :class:`~framework.worker.compile_regions.LayerHandle`; the rest of the decoder runs eagerly.
+    :class:`~framework.compilation.regions.LayerGraphs` with the layer's
+    :class:`~framework.compilation.regions.LayerHandle`; the rest of the decoder runs eagerly.
     Call it inside ``forward_context`` (the model runner does).
 
     Args:
@@ -176,7 +176,7 @@ class CompiledDecoder:
             decoder is ``model.get_decoder()`` (``model.model``; GPT-2's ``transformer``, GPT-NeoX's
             ``gpt_neox``) with one ``nn.ModuleList`` of ``num_hidden_layers`` layers, its LM head
             ``model.get_output_embeddings()``, applied eagerly with what the wrapper adds after it
-            (``framework.worker.model_families.output_logits``: Gemma's final softcap...).
+            (``framework.model_executor.model_families.output_logits``: Gemma's final softcap...).
         kv_caches: per decoder layer, its KV cache tensor (``backend.get_kv_cache_shape``; may be shared).
         layer_group: per decoder layer, its KV cache group.
         call_signatures: per decoder layer, the attention call the backend was built for
@@ -360,7 +360,7 @@ class CompiledDecoder:
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """The LM head's logits ``(num_rows, vocab_size)`` (model dtype) of decoder hidden states ``rows``
         ``(num_rows, hidden_size)`` (``output_logits``): one row (batch-1 decode, a lone prefill) through
-        its own compiled graph, where the head is a traced GEMV (``framework/worker/prepack.py``) that
+        its own compiled graph, where the head is a traced GEMV (``framework/model_executor/prepack.py``) that
         streams the weight at inductor's loop speed instead of oneDNN's one-row GEMM (SmolLM2 bf16, 2-core
         CPU: batch-1 step 14.1 -> 13.6 ms, paired runs). Eagerly: more rows, a head under
         :data:`COMPILED_HEAD_MIN_BYTES`, tensor parallelism (the eager head gathers the logits to the

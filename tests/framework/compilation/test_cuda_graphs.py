@@ -1,4 +1,4 @@
-"""Decode CUDA graphs (``framework/worker/cuda_graphs.py``) on CPU: everything but the capture itself.
+"""Decode CUDA graphs (``framework/compilation/cuda_graphs.py``) on CPU: everything but the capture itself.
 
 Bucket sizes and choice, the persistent buffers (same storage every step, one ``build_metadata`` per
 bucket, padding rows in the padding block), when graphs are on/off and the refusal of configurations
@@ -15,9 +15,8 @@ from attention_harness import common_metadata
 from helpers import STORIES
 
 from framework import EngineConfig
-from framework.engine.builder import validate_plugins
-from framework.worker import cuda_graphs
-from framework.worker.cuda_graphs import (
+from framework.compilation import cuda_graphs
+from framework.compilation.cuda_graphs import (
     CUDAGraphOptions,
     DecodeCUDAGraphs,
     EagerReplayCapture,
@@ -25,6 +24,7 @@ from framework.worker.cuda_graphs import (
     capture_sizes,
     cuda_graph_options,
 )
+from framework.engine.builder import validate_plugins
 from plugins.attention import _triton_kernel
 from plugins.attention.torch import TorchAttentionBackend
 from plugins.attention.triton import TritonAttentionBackend

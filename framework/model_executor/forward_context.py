@@ -131,7 +131,7 @@ def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if key.shape[-1] != value_head_size:  # MLA
         query, key, value = _pad_head_size(query, key, value)
     graph = kwargs.get("servelab_graph")
-    handle = kwargs.get("servelab_layer")  # a compiled layer's LayerHandle (framework/worker/compile_regions.py)
+    handle = kwargs.get("servelab_layer")  # a compiled layer's LayerHandle (framework/compilation/regions.py)
     layer_idx = module.layer_idx if handle is None else handle.spec_layer
     if graph is not None:  # traced into the compiled layer (or run eagerly: same math)
         features = call_features(graph.backend, layer_idx, query, key, scaling, window, softcap, sinks)
@@ -216,7 +216,7 @@ def _check_call(backend: AttentionBackend, layer_idx: int, call: tuple) -> None:
     if wrong:
         detail = ", ".join(f"{name}={got!r} (config.json says {want!r})" for name, (got, want) in wrong.items())
         raise RuntimeError(f"layer {layer_idx}: transformers called attention with {detail}; servelab's reading of "
-                           "this architecture (framework/worker/model_families.py) is out of date: please report it")
+                           "this architecture (framework/model_executor/model_families.py) is out of date: please report it")
     for feature, attribute in LAYER_FEATURES.items():
         if given[feature] and not getattr(backend, attribute):
             raise RuntimeError(f"layer {layer_idx}: attention {backend.name!r} has no {FEATURE_NAMES[feature]}; "

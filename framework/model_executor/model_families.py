@@ -14,7 +14,7 @@ weights load. It mirrors what transformers 5's modeling files pass their attenti
 - MLA (DeepSeek-V2/V3): K/V expanded per head, ``head_size = qk_nope_head_dim + qk_rope_head_dim``
   and ``value_head_size = v_head_dim``.
 
-The bridge (``framework/worker/forward_context.py``) checks every call against these specs, so a
+The bridge (``framework/model_executor/forward_context.py``) checks every call against these specs, so a
 rule that falls out of date with transformers fails loudly instead of computing something else.
 :data:`FAMILIES` is the table ``servelab models`` and the README print.
 """
@@ -50,12 +50,12 @@ class ModelFamily:
     features: tuple[str, ...]  # attention features its checkpoints use (keys of interfaces.attention.LAYER_FEATURES)
     traits: tuple[str, ...]  # what else is particular to it (MoE, biases, norms, positions...)
     examples: str  # checkpoints of the family
-    test_id: str  # pytest id of its tiny random-weight model in tests/framework/worker/test_families.py
+    test_id: str  # pytest id of its tiny random-weight model in tests/framework/model_executor/test_families.py
 
     @property
     def test(self) -> str:
         """The parity test of its tiny random-weight model (a pytest node id)."""
-        return f"tests/framework/worker/test_families.py::test_family_parity[{self.test_id}]"
+        return f"tests/framework/model_executor/test_families.py::test_family_parity[{self.test_id}]"
 
 
 _W, _S, _K = "sliding_window", "softcap", "has_sinks"

@@ -1,7 +1,7 @@
 """A step's decoder layers run as one loop of compiled-graph calls, from the first layer's call.
 
 Each compiled layer is reached through transformers' layer loop: ``nn.Module.__call__``, the
-layer's replaced ``forward``, :meth:`LayerGraphs.run <framework.worker.compile_regions.LayerGraphs.run>`,
+layer's replaced ``forward``, :meth:`LayerGraphs.run <framework.compilation.regions.LayerGraphs.run>`,
 the bytecode dynamo generated (which gathers the graph's inputs from the layer, its handle and the
 call's arguments) and AOT autograd's wrapper, before inductor's code runs the layer's one kernel.
 At batch 1 that Python is a sixth of a step (SmolLM2 bf16, 2-core CPU: ~2.5 ms of a ~15 ms step,

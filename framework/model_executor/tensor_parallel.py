@@ -2,9 +2,9 @@
 
 The way vLLM's Transformers modeling backend does it (``recursive_replace``): the model is built on
 the ``meta`` device, every ``nn.Linear`` leaf its plan names is swapped for a tensor-parallel layer
-(``framework/worker/parallel_layers.py``), the input embedding is vocab-parallel and the LM head
+(``framework/model_executor/parallel_layers.py``), the input embedding is vocab-parallel and the LM head
 gathers logits to the driver; then each rank reads only its slices of the safetensors checkpoint
-(``framework/worker/tp_weights.py``). The model code itself is untouched.
+(``framework/model_executor/tp_weights.py``). The model code itself is untouched.
 
 Plan styles (transformers' names, ``model.tp_plan`` = ``config.base_model_tp_plan`` + the head's):
 ``colwise`` (output features split), ``rowwise`` (input features split, all-reduce),
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from framework.worker.parallel_layers import (
+from framework.model_executor.parallel_layers import (
     GatheredColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
@@ -41,7 +41,7 @@ from framework.worker.parallel_layers import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from framework.worker.model_loader import LoadedModel
+    from framework.model_executor.model_loader import LoadedModel
 
 #: ``config.model_type`` values whose attention code was checked under TP (reshapes with ``-1``
 #: heads, ``num_key_value_groups`` the only per-head count it keeps) and that the tests run.
@@ -297,14 +297,14 @@ def linear_shapes(hf_config: PretrainedConfig, tp_size: int) -> dict[str, tuple[
 
 def load_tp_model(model: str, dtype: str, device: str, tp_rank: int, tp_size: int,
                   attn_implementation: str) -> LoadedModel:
-    """Load this rank's shard of ``model`` (see :func:`framework.worker.model_loader.resolve_model_path`).
+    """Load this rank's shard of ``model`` (see :func:`framework.model_executor.model_loader.resolve_model_path`).
 
     Runs in every rank of a TP group with ``torch.distributed`` initialised (gloo on CPU, nccl on
     CUDA); the layers get their group from :func:`framework.distributed.parallel_state.get_tp_group`
     (the worker made it; otherwise ``ensure_model_parallel_initialized`` makes the world the TP
     group, with torch.distributed's collectives). The model is built on ``meta``, sharded by its plan,
     and only this rank's slices are read from the safetensors files. ``tp_size == 1`` is
-    :func:`~framework.worker.model_loader.load_model`.
+    :func:`~framework.model_executor.model_loader.load_model`.
 
     Args:
         model, dtype, device, attn_implementation: as ``load_model`` (``device``: this rank's).
@@ -321,8 +321,8 @@ def load_tp_model(model: str, dtype: str, device: str, tp_rank: int, tp_size: in
         ValueError: ``tp_problems`` is not empty (names the valid sizes), unknown ``dtype``.
         FileNotFoundError: the folder holds no ``*.safetensors`` weights, or one lacks a tensor.
     """
-    from framework.worker.model_loader import DTYPES, load_model
-    from framework.worker.tp_weights import load_sharded_model
+    from framework.model_executor.model_loader import DTYPES, load_model
+    from framework.model_executor.tp_weights import load_sharded_model
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")

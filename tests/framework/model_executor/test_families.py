@@ -1,4 +1,4 @@
-"""Every model family servelab runs (``framework/worker/model_families.py``) equals transformers.
+"""Every model family servelab runs (``framework/model_executor/model_families.py``) equals transformers.
 
 Per family, a tiny random-weight model (``tests/families.py``: windows smaller than the context and
 not a multiple of the block size, mixed layer types, softcaps that bend the scores, sinks, MoE,
@@ -32,8 +32,8 @@ from families import (
 from framework import EngineConfig, SamplingParams
 from framework.engine.builder import inspect_model
 from framework.interfaces import AttentionLayerSpec
-from framework.worker.forward_context import call_features
-from framework.worker.model_families import FAMILIES, attention_layers
+from framework.model_executor.forward_context import call_features
+from framework.model_executor.model_families import FAMILIES, attention_layers
 from plugins.attention.torch import TorchAttentionBackend
 
 BACKENDS = {

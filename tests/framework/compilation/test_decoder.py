@@ -16,11 +16,11 @@ import torch
 from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, assert_all_blocks_free, assert_greedy_parity
 
 from framework import LLM, SamplingParams
-from framework.engine.compile_calibration import CompilePlanner
-from framework.worker.compile import INDUCTOR_CONFIG, CompiledDecoder, inductor_config
-from framework.worker.compile_regions import layer_entry, layer_kinds
-from framework.worker.forward_context import ForwardContext, attention_op, forward_context, servelab_attention
-from framework.worker.prepack import PrepackedLinear
+from framework.compilation.calibration import CompilePlanner
+from framework.compilation.decoder import INDUCTOR_CONFIG, CompiledDecoder, inductor_config
+from framework.compilation.regions import layer_entry, layer_kinds
+from framework.model_executor.forward_context import ForwardContext, attention_op, forward_context, servelab_attention
+from framework.model_executor.prepack import PrepackedLinear
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -41,7 +41,8 @@ def compiled_llm():
     saving passes the warm-up (the planner's step times and warm-up faked: 30 ms eager decode steps at
     batch 1, a 1 s warm-up), which splits gate/up and drops the prefix cache the warm-up overwrites;
     the tests below then check parity and recompiles on that engine."""
-    from framework.engine import compile_calibration, compile_policy
+    from framework.compilation import calibration as compile_calibration
+    from framework.compilation import policy as compile_policy
     from framework.worker.model_runner import ModelRunner
 
     llm = LLM(model=STORIES, prepack_linears=PREPACK, block_size=8, max_num_batched_tokens=24,
@@ -95,7 +96,7 @@ def test_stacked_steps_run_the_layers_from_layer_0(compiled_llm, monkeypatch):
     """In a stacked step layer 0's call runs every layer's graph and the later layers hand their input
     back; a forward hook set on a layer makes the steps run per layer again (the hook sees every
     layer's real output), and both give transformers' tokens."""
-    from framework.worker import layer_stack
+    from framework.compilation import layer_stack
 
     stacked, passed = [], []
     call, pass_through = layer_stack.LayerStack.__call__, layer_stack.LayerStack.pass_through
@@ -120,7 +121,7 @@ def test_a_large_lm_head_gets_a_one_row_graph(monkeypatch):
     """A head of at least ``COMPILED_HEAD_MIN_BYTES`` (SmolLM2's 56 MiB; lowered here for stories260K's)
     adds a warm-up graph: one-row logits (batch-1 decode, a lone prefill) go through it, more rows run the
     head eagerly, greedy tokens still equal transformers' and nothing recompiles."""
-    from framework.worker import compile as compile_module
+    from framework.compilation import decoder as compile_module
 
     monkeypatch.setattr(compile_module, "COMPILED_HEAD_MIN_BYTES", 0)
     llm = LLM(model=STORIES, compile=True, prepack_linears=PREPACK)
@@ -182,7 +183,7 @@ def test_layer_entry_has_a_code_object_of_its_own():
 def test_layers_with_equal_value_attributes_share_a_kind():
     """A frozen dataclass attribute (a tensor-parallel projection's ``Shard``) is compared by value,
     so the layers of a rank are one kind; any other object (a per-layer cache) splits kinds."""
-    from framework.worker.parallel_layers import Shard
+    from framework.model_executor.parallel_layers import Shard
 
     def layer(shard, obj=None):
         m = torch.nn.Linear(4, 4)
@@ -288,7 +289,7 @@ def test_recompile_is_counted(compiled_llm, monkeypatch, caplog):
     runner = compiled_llm.engine.runner
     before = runner.compile_stats.num_recompiles
     monkeypatch.setattr(runner, "_graph_attention", lambda metadata: None)
-    with caplog.at_level(logging.WARNING, logger="framework.worker.compile"):
+    with caplog.at_level(logging.WARNING, logger="framework.compilation.decoder"):
         runner._dummy_forward(1)
     assert runner.compile_stats.num_recompiles == before + 1
     assert compiled_llm.engine.metrics.summary()["compile_num_recompiles"] == before + 1
@@ -298,7 +299,7 @@ def test_recompile_is_counted(compiled_llm, monkeypatch, caplog):
 def test_fallback_when_compiler_missing(caplog):
     """No C++ compiler for inductor: a warning names the cause and the engine runs eagerly, correctly."""
     with (torch._inductor.config.patch({"cpp.cxx": ("servelab-no-such-c++",)}),
-          caplog.at_level(logging.WARNING, logger="framework.worker.compile")):
+          caplog.at_level(logging.WARNING, logger="framework.compilation.decoder")):
         llm = LLM(model=STORIES, compile=True)
     stats = llm.engine.runner.compile_stats
     assert not stats.active and "compiler unavailable" in stats.fallback_reason
@@ -315,7 +316,7 @@ def test_fallback_when_compile_fails(monkeypatch, caplog):
         raise RuntimeError("simulated inductor failure")
 
     monkeypatch.setattr(CompiledDecoder, "_backend", broken)
-    with caplog.at_level(logging.WARNING, logger="framework.worker.compile"):
+    with caplog.at_level(logging.WARNING, logger="framework.compilation.decoder"):
         llm = LLM(model=STORIES, compile=True)
     stats = llm.engine.runner.compile_stats
     assert not stats.active and "simulated inductor failure" in stats.fallback_reason

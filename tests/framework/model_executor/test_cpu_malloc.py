@@ -11,7 +11,7 @@ import torch
 from helpers import STORIES
 
 from framework import LLM
-from framework.worker.cpu_malloc import tune_malloc
+from framework.model_executor.cpu_malloc import tune_malloc
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="mallopt thresholds are glibc's")

@@ -28,7 +28,7 @@ dispatches to its compiled code. Those were ~60 us per layer call, 1.8 ms of a 1
 decode step; the dispatch key is what the guards would have told apart in a run (the token dim is
 dynamic in the graphs of more than one token, and the fingerprint fixes everything else a layer's
 trace reads). After one step of a key has been watched, its later steps run every layer's graph from
-layer 0's call, the other layers passing their input through (``framework/worker/layer_stack.py``),
+layer 0's call, the other layers passing their input through (``framework/compilation/layer_stack.py``),
 where the model's layer loop does nothing but chain its layers.
 """
 
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from framework.worker.layer_stack import DirectCall, LayerStack, StackProbe, direct_call, hooks_set
+from framework.compilation.layer_stack import DirectCall, LayerStack, StackProbe, direct_call, hooks_set
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class LayerGraphs:
 
     def run(self, i: int, key: tuple, args: tuple, kwargs: dict) -> Any:
         """Layer ``i``'s forward through its kind's graph for step ``key`` (compiled at first use); once
-        ``key`` has a :class:`~framework.worker.layer_stack.LayerStack`, layer 0's call runs every layer and
+        ``key`` has a :class:`~framework.compilation.layer_stack.LayerStack`, layer 0's call runs every layer and
         the later layers' calls return their input.
 
         Args:
@@ -267,7 +267,7 @@ class LayerGraphs:
         return out
 
     def _watch(self, i: int, key: tuple, args: tuple, kwargs: dict, out: Any) -> None:
-        """Feed the step key's :class:`~framework.worker.layer_stack.StackProbe` (once every kind has a
+        """Feed the step key's :class:`~framework.compilation.layer_stack.StackProbe` (once every kind has a
         direct call for ``key``); when its step is complete, decide the key's stack."""
         if not all((kind, key) in self._direct for kind in set(self.kinds)):
             if all((kind, key) in self._graphs for kind in set(self.kinds)):
@@ -292,7 +292,7 @@ class LayerGraphs:
             logger.info("engine.compile: %s steps call the layers one by one: %s", step_key_name(key), reason)
 
     def _recording_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        """The backend, keeping what :class:`~framework.worker.layer_stack.DirectCall` needs of its graph."""
+        """The backend, keeping what :class:`~framework.compilation.layer_stack.DirectCall` needs of its graph."""
         fn = self._backend(gm, example_inputs)
         self._recorded = direct_call(gm, fn)
         return fn
@@ -331,7 +331,7 @@ class LayerGraphs:
 def group_view(kwargs: dict, group: int) -> dict:
     """A layer's call keywords as its compiled graph takes them: ``servelab_graph`` (the step's traced
     attention state, when attention is traced) narrowed to the layer's KV cache group
-    (:meth:`GraphAttention.for_group <framework.worker.forward_context.GraphAttention.for_group>`), so
+    (:meth:`GraphAttention.for_group <framework.model_executor.forward_context.GraphAttention.for_group>`), so
     the graph reads its inputs from the same place in every group and layers of one type in several
     groups (Gemma 3, gpt-oss) are one kind. ``kwargs`` itself when nothing changes."""
     graph = kwargs.get("servelab_graph")

@@ -1,4 +1,4 @@
-"""Unit tests of ``framework.worker.rejection_sampler`` on synthetic distributions (no model)."""
+"""Unit tests of ``framework.sample.rejection_sampler`` on synthetic distributions (no model)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
-from framework.worker.rejection_sampler import RejectionSampler
-from framework.worker.sampler import Sampler
+from framework.sample.rejection_sampler import RejectionSampler
+from framework.sample.sampler import Sampler
 
 VOCAB = 6
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism (``framework/worker/tensor_parallel.py``): refusals before any weights load, and
+"""Tensor parallelism (``framework/model_executor/tensor_parallel.py``): refusals before any weights load, and
 TP=2 ranks (spawned, gloo, float32, eager attention) against TP=1 and transformers' ``generate``:
 per-layer hidden states and logits close, greedy tokens equal, each rank holding 1/tp of the sharded
 bytes, on stories260K and tiny random Llama (biases, untied head), Mistral, Qwen2 (one KV head
@@ -19,8 +19,8 @@ import torch
 from helpers import STORIES
 from tp_harness import run_cases, runner_logits, spawn_ranks
 
-from framework.worker.model_loader import SMOLLM2_PACKAGE, load_model, load_model_config
-from framework.worker.tensor_parallel import TPLayout, kv_head_range, linear_shapes, rank_layout, tp_problems
+from framework.model_executor.model_loader import SMOLLM2_PACKAGE, load_model, load_model_config
+from framework.model_executor.tensor_parallel import TPLayout, kv_head_range, linear_shapes, rank_layout, tp_problems
 
 PROMPT = [1, 403, 11, 71, 290, 37, 14, 312, 9]
 NEW_TOKENS = 16
@@ -149,7 +149,7 @@ def test_int4_refuses_group_size_the_shard_cannot_hold() -> None:
 
 def test_quant_skip_names_the_row_parallel_wrapper() -> None:
     """``quant.params.skip=[down_proj]`` keeps a row-parallel ``down_proj``'s inner shard unquantized."""
-    from framework.worker.tensor_parallel import meta_model, shard_model
+    from framework.model_executor.tensor_parallel import meta_model, shard_model
     from plugins.quant.int8_wo import Int8WeightOnly
 
     model = meta_model(load_model_config(STORIES))
@@ -161,8 +161,8 @@ def test_quant_skip_names_the_row_parallel_wrapper() -> None:
 
 
 def test_load_errors_are_clear(tmp_path: Path) -> None:
-    from framework.worker.tensor_parallel import load_tp_model
-    from framework.worker.tp_weights import safetensors_index
+    from framework.model_executor.tensor_parallel import load_tp_model
+    from framework.model_executor.tp_weights import safetensors_index
 
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         load_tp_model(STORIES, "float32", "cpu", 0, 2, "eager")

@@ -10,7 +10,7 @@ import torch
 from helpers import STORIES, hf_greedy
 
 from framework import LLM, SamplingParams
-from framework.worker.prepack import (
+from framework.model_executor.prepack import (
     FusedGatedMLP,
     PrepackedLinear,
     onednn_has_kernels,
@@ -93,11 +93,11 @@ def test_should_prepack_modes():
 def test_a_dtype_onednn_cannot_run_here_keeps_aten_linears_and_says_why(monkeypatch, caplog):
     """On an AVX2-only CPU oneDNN refuses bf16 weights: ``auto`` then keeps ATen's linears (logged with the
     CPU's flags), ``on`` warns; float32 is still prepacked."""
-    from framework.worker import prepack
+    from framework.model_executor import prepack
 
     monkeypatch.setattr(prepack, "onednn_has_kernels", lambda dtype: dtype == torch.float32)
     cpu = torch.device("cpu")
-    with caplog.at_level("INFO", logger="framework.worker.prepack"):
+    with caplog.at_level("INFO", logger="framework.model_executor.prepack"):
         assert not should_prepack("auto", cpu, torch.bfloat16)
         assert not should_prepack("on", cpu, torch.float16)
         assert should_prepack("auto", cpu, torch.float32)

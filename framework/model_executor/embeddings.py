@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from framework.worker.model_loader import resolve_model_path
+from framework.model_executor.model_loader import resolve_model_path
 
 
 class TargetEmbeddings(torch.nn.Module):

@@ -218,7 +218,7 @@ def prepack_linears(model: nn.Module, compiled: bool = False) -> int:
     try:
         fused = _fuse_projections(model, fuse_mlp=not compiled)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        # a tensor-parallel LM head (framework/worker/parallel_layers.py) is the parent of its shard
+        # a tensor-parallel LM head (framework/model_executor/parallel_layers.py) is the parent of its shard
         packed = [(parent, name, PrepackedLinear(child, batch_hint=LM_HEAD_BATCH_HINT if head in (child, parent) else None))
                   for parent in model.modules() for name, child in parent.named_children()
                   if type(child) is nn.Linear]

@@ -23,8 +23,8 @@ from grammar_helpers import SPECS, check_output
 from helpers import STORIES_EAGLE
 
 from framework import EngineConfig, SamplingParams, StructuredOutputsParams
+from framework.compilation.regions import decoder_layers, layer_fingerprint
 from framework.engine.builder import validate_plugins
-from framework.worker.compile_regions import decoder_layers, layer_fingerprint
 
 KERNEL = {"attention": "torch_paged",
           "attention_params": {"compile": False, "min_paged_decodes": 1, "paged_prefill": True}}

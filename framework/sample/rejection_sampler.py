@@ -13,7 +13,7 @@ accepts, so the output distribution is exactly the target's:
   one-hot ``q``.
 
 ``p`` is the target distribution after exactly the processing normal sampling uses (min_tokens,
-logit_bias, penalties, temperature, min-p, top-k, top-p: :class:`framework.worker.sampler.Sampler`), and row ``j``
+logit_bias, penalties, temperature, min-p, top-k, top-p: :class:`framework.sample.sampler.Sampler`), and row ``j``
 of a request sees its output plus drafts ``0..j-1`` as if they had been generated.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from framework.core.request import Request
-from framework.worker.sampler import Sampler, apply_logit_bias, apply_min_tokens, apply_penalties, inverse_cdf_sample
+from framework.sample.sampler import Sampler, apply_logit_bias, apply_min_tokens, apply_penalties, inverse_cdf_sample
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """``engine.compile=auto|true|false``: the rule (no model), and how the engine applies it (stories260K, the
-compile itself faked: ``tests/framework/worker/test_compile.py`` compiles for real the same way)."""
+compile itself faked: ``tests/framework/compilation/test_decoder.py`` compiles for real the same way)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from framework import EngineConfig, SamplingParams
-from framework.engine import compile_policy
-from framework.engine.compile_calibration import CompilePlanner
-from framework.engine.compile_policy import CompileCosts, decide_compile, decode_schedule, output_budget
-from framework.worker.compile import CompileStats
+from framework.compilation import policy as compile_policy
+from framework.compilation.calibration import CompilePlanner
+from framework.compilation.decoder import CompileStats
+from framework.compilation.policy import CompileCosts, decide_compile, decode_schedule, output_budget
 
 REAL_DECIDE = CompilePlanner.decide  # captured at import, before conftest's session patch keeps auto eager
 
@@ -168,7 +168,7 @@ class FakeExecutor:
 
 
 def test_planner_measures_once_and_keeps_the_warm_up(tmp_path, monkeypatch):
-    from framework.engine import compile_calibration
+    from framework.compilation import calibration as compile_calibration
 
     monkeypatch.setattr(compile_calibration, "calibration_dir", lambda: tmp_path)
     monkeypatch.setattr(compile_calibration, "_inductor_cache_dir", lambda: str(tmp_path))
@@ -210,7 +210,7 @@ class BusyThenQuietExecutor(FakeExecutor):
 
 
 def test_planner_measures_again_when_a_larger_batch_stepped_faster(tmp_path, monkeypatch):
-    from framework.engine import compile_calibration
+    from framework.compilation import calibration as compile_calibration
 
     monkeypatch.setattr(compile_calibration, "calibration_dir", lambda: tmp_path)
     planner = CompilePlanner(EngineConfig(model=STORIES), BusyThenQuietExecutor({1: 505.0, 64: 92.0}, {1: 30.0, 64: 95.0}))
@@ -222,7 +222,7 @@ def test_planner_measures_again_when_a_larger_batch_stepped_faster(tmp_path, mon
 def test_real_decode_steps_scale_the_dummy_steps(tmp_path, monkeypatch):
     """Real all-decode steps 1.5x the dummy ones scale eager (and, until compiled steps ran, compiled) step times;
     real compiled steps give compiled its own factor; thin batch sizes are ignored; junk is clamped."""
-    from framework.engine import compile_calibration
+    from framework.compilation import calibration as compile_calibration
 
     monkeypatch.setattr(compile_calibration, "calibration_dir", lambda: tmp_path)
     monkeypatch.setattr(compile_calibration, "_inductor_cache_dir", lambda: str(tmp_path))
@@ -258,7 +258,7 @@ def test_real_decode_steps_scale_the_dummy_steps(tmp_path, monkeypatch):
 
 
 def test_an_engine_reports_its_real_decode_steps(make_llm, tmp_path, monkeypatch):
-    from framework.engine import compile_calibration
+    from framework.compilation import calibration as compile_calibration
 
     monkeypatch.setattr(compile_calibration, "calibration_dir", lambda: tmp_path)
     llm = make_llm(compile=False)
@@ -293,7 +293,7 @@ def real_planner(monkeypatch, tmp_path):
     """The real ``CompilePlanner.decide`` (conftest keeps auto eager), a calibration folder of its own,
     and decode steps "measured" at 30 ms (batch 1) and 180 ms (batch 64), compiled steps half and
     three quarters of that, and a 1 s warm-up."""
-    from framework.engine import compile_calibration
+    from framework.compilation import calibration as compile_calibration
     from framework.worker.model_runner import ModelRunner
 
     monkeypatch.setattr(compile_calibration, "calibration_dir", lambda: tmp_path)

@@ -1,6 +1,6 @@
 """One tensor-parallel rank's weights: only its slices of the safetensors checkpoint are read.
 
-The sharded model (``framework/worker/tensor_parallel.py``) is still on the ``meta`` device; each
+The sharded model (``framework/model_executor/tensor_parallel.py``) is still on the ``meta`` device; each
 parameter is filled from ``safe_open(...).get_slice(name)[rows]`` (or ``[:, cols]``), which copies
 just that slice out of the memory-mapped file, so no rank ever holds a sharded layer's full weight.
 Non-persistent buffers (RoPE's ``inv_freq``) are computed by the model's own ``_init_weights``, as
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.worker.model_loader import LoadedModel, eos_token_ids, resolve_model_path
-from framework.worker.parallel_layers import Shard
-from framework.worker.tensor_parallel import WeightSources, meta_model, shard_model, tp_problems
+from framework.model_executor.model_loader import LoadedModel, eos_token_ids, resolve_model_path
+from framework.model_executor.parallel_layers import Shard
+from framework.model_executor.tensor_parallel import WeightSources, meta_model, shard_model, tp_problems
 
 
 def safetensors_index(path: str | Path) -> dict[str, Path]:

@@ -22,7 +22,7 @@ vLLM compiles by default, by a rule with numbers a user can check:
     measurement takes well under a second at the first decision; a compiled one needs a compile, so
     until then compiled steps take :data:`PRIOR_COMPILED_OVER_EAGER` of eager).
 
-  The measurements are kept per machine and model (``framework/engine/compile_calibration.py``).
+  The measurements are kept per machine and model (``framework/compilation/calibration.py``).
 
 The decision and its reason (both numbers and where they came from) are logged when it is made and
 reported in ``metrics.json`` (``compile_mode``, ``compile_reason``, ``compile_estimate``).

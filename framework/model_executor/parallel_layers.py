@@ -41,11 +41,6 @@ from framework.distributed.communication_op import (
     gather_last_dim_to_driver,
 )
 
-# re-exported (the import path before framework/distributed/ existed)
-from framework.distributed.communication_op import set_communicator as set_communicator
-from framework.distributed.communication_op import shm_all_gather as shm_all_gather
-from framework.distributed.communication_op import shm_all_reduce as shm_all_reduce
-
 
 @dataclass(frozen=True)
 class Shard:

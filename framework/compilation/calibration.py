@@ -2,7 +2,7 @@
 
 :class:`CompilePlanner` owns them for one engine: before a decision it loads the record of this
 machine and model (a JSON file under ``$SERVELAB_CACHE/compile/``, default ``~/.cache/servelab``),
-measures eager decode steps at :data:`~framework.engine.compile_policy.CALIBRATION_BATCH_SIZES` when the
+measures eager decode steps at :data:`~framework.compilation.policy.CALIBRATION_BATCH_SIZES` when the
 record has none (a few dummy steps: well under a second for SmolLM2), and after a compile it records
 the warm-up (cold, or from inductor's on-disk cache) and the compiled decode steps. The engine also reports
 every real all-decode step it runs (:meth:`CompilePlanner.observe_decode_step`): their mean time by batch size,
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from framework.compilation import policy as compile_policy
+from framework.compilation.policy import CALIBRATION_BATCH_SIZES, CompileCosts, CompileDecision, decide_compile
 from framework.config import EngineConfig
-from framework.engine import compile_policy
-from framework.engine.compile_policy import CALIBRATION_BATCH_SIZES, CompileCosts, CompileDecision, decide_compile
 from framework.interfaces import Executor
 from framework.platform import cpu_name
 
@@ -87,7 +87,7 @@ class CompilePlanner:
 
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         try:
-            from framework.worker.model_loader import load_model_config
+            from framework.model_executor.model_loader import load_model_config
 
             model_config_json = load_model_config(config.model).to_json_string()
         except Exception:  # noqa: BLE001 - a model whose config cannot be read here: keyed by its name alone

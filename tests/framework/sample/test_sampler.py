@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
-from framework.worker.sampler import (
+from framework.sample.sampler import (
     Sampler,
     SamplerOutput,
     apply_min_p,
@@ -212,7 +212,7 @@ def test_seeded_cuda_matches_cpu() -> None:
 
 
 def test_greedy_argmax_chunked_bf16_matches_float32_with_ties() -> None:
-    from framework.worker.sampler import GREEDY_ROWS_PER_CHUNK, greedy_argmax
+    from framework.sample.sampler import GREEDY_ROWS_PER_CHUNK, greedy_argmax
 
     logits = torch.randn(3 * GREEDY_ROWS_PER_CHUNK + 5, 64).to(torch.bfloat16)
     logits[:, 40] = logits[:, 7] = 100.0  # tie: the first index wins, as in float32 argmax
@@ -230,7 +230,7 @@ def test_greedy_argmax_two_stage_is_first_index_of_maximum(rows: int, vocab: int
     """The two-stage (block maxima, then inside the first maximal block) argmax returns exactly what
     ``argmax`` of the float32 copy returns: first index on ties (also across blocks and into the
     ``-inf`` padding of a partial last block), NaN as the maximum, all ``-inf`` rows -> 0."""
-    import framework.worker.sampler as sampler_module
+    import framework.sample.sampler as sampler_module
 
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=gen).to(dtype)
@@ -288,7 +288,7 @@ def test_float32_overflowing_parameters_are_refused(kwargs, field) -> None:
 
 
 def test_inverse_cdf_sample_follows_the_weights_and_never_picks_a_zero():
-    from framework.worker.sampler import inverse_cdf_sample
+    from framework.sample.sampler import inverse_cdf_sample
 
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]])
     edges = torch.tensor([0.0, 0.4999, 0.5, 0.7999, 0.8, 0.999999], dtype=torch.float64)

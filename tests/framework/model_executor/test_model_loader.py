@@ -1,4 +1,4 @@
-"""framework.worker.model_loader: alias resolution, offline errors, the SmolLM2 cache protocol, loading."""
+"""framework.model_executor.model_loader: alias resolution, offline errors, the SmolLM2 cache protocol, loading."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework.worker import model_loader
-from framework.worker.model_loader import (
+from framework.model_executor import model_loader
+from framework.model_executor.model_loader import (
     CONVERSION_MARKER,
     MODEL_ALIASES,
     load_model,

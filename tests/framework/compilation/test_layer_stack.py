@@ -1,4 +1,4 @@
-"""``framework/worker/layer_stack.py`` without a compiler: a stack gathers each layer's graph inputs from
+"""``framework/compilation/layer_stack.py`` without a compiler: a stack gathers each layer's graph inputs from
 dynamo's source names (the layer's weights once, the call's arguments once per step, the hidden states
 threaded through), and the probe refuses every loop that does more than chain its layers."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from framework.worker.layer_stack import DirectCall, LayerStack, StackProbe, output_form
+from framework.compilation.layer_stack import DirectCall, LayerStack, StackProbe, output_form
 
 SOURCES = ["L['layer']._parameters['weight']", "L['args'][0]", "L['kwargs']['scale']", "L['handle'].bias",
            "L['args'][0].size()[1]"]
