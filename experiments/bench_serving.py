@@ -38,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from framework.metrics.collector import percentile  # noqa: E402
-from framework.workloads.workload import WorkloadItem  # noqa: E402
+from framework.workloads.item import WorkloadItem  # noqa: E402
 
 
 @dataclass

@@ -119,7 +119,8 @@ def runner_logits(path: str, tp_rank: int, tp_size: int, attention: str = "torch
         forward_context,
         register_attention_implementation,
     )
-    from framework.model_executor.tensor_parallel import load_tp_model, rank_layout
+    from framework.model_executor.tensor_parallel import rank_layout
+    from framework.model_executor.tp_weights import load_tp_model
     from framework.sample.sampler import Sampler
     from framework.worker.model_runner import ModelRunner
 
@@ -151,7 +152,7 @@ def run_cases(tp_rank: int, tp_size: int, cases: list[dict[str, Any]]) -> dict[s
     per-layer hidden states of one forward, a greedy continuation, the non-norm parameter bytes and
     each extra check's logits."""
     from framework.model_executor.prepack import prepack_linears
-    from framework.model_executor.tensor_parallel import load_tp_model
+    from framework.model_executor.tp_weights import load_tp_model
 
     results = {}
     for case in cases:

@@ -14,7 +14,7 @@ from framework.compilation.policy import output_budget
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
-from framework.workloads.workload import WorkloadItem
+from framework.workloads.item import WorkloadItem
 
 logger = logging.getLogger(__name__)
 

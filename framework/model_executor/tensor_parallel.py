@@ -41,7 +41,6 @@ from framework.model_executor.parallel_layers import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from framework.model_executor.model_loader import LoadedModel
 
 #: ``config.model_type`` values whose attention code was checked under TP (reshapes with ``-1``
 #: heads, ``num_key_value_groups`` the only per-head count it keeps) and that the tests run.
@@ -293,51 +292,3 @@ def linear_shapes(hf_config: PretrainedConfig, tp_size: int) -> dict[str, tuple[
     decoder = model.get_decoder()
     return {_generic(f".{name}.").strip(".").removesuffix(".linear"): (m.in_features, m.out_features)
             for name, m in decoder.named_modules() if isinstance(m, nn.Linear)}
-
-
-def load_tp_model(model: str, dtype: str, device: str, tp_rank: int, tp_size: int,
-                  attn_implementation: str) -> LoadedModel:
-    """Load this rank's shard of ``model`` (see :func:`framework.model_executor.model_loader.resolve_model_path`).
-
-    Runs in every rank of a TP group with ``torch.distributed`` initialised (gloo on CPU, nccl on
-    CUDA); the layers get their group from :func:`framework.distributed.parallel_state.get_tp_group`
-    (the worker made it; otherwise ``ensure_model_parallel_initialized`` makes the world the TP
-    group, with torch.distributed's collectives). The model is built on ``meta``, sharded by its plan,
-    and only this rank's slices are read from the safetensors files. ``tp_size == 1`` is
-    :func:`~framework.model_executor.model_loader.load_model`.
-
-    Args:
-        model, dtype, device, attn_implementation: as ``load_model`` (``device``: this rank's).
-        tp_rank, tp_size: this rank and the group size.
-
-    Returns:
-        A ``LoadedModel`` whose ``model(...)`` returns the full ``(..., vocab)`` logits on the driver
-        (``tp_rank == 0``) and ``(..., 0)`` logits on every other rank (which must not sample);
-        hidden states are whole (replicated) on every rank; ``config`` is the full model's.
-
-    Raises:
-        RuntimeError: ``torch.distributed`` is not initialised, or the TP group does not match
-            ``tp_rank``/``tp_size``.
-        ValueError: ``tp_problems`` is not empty (names the valid sizes), unknown ``dtype``.
-        FileNotFoundError: the folder holds no ``*.safetensors`` weights, or one lacks a tensor.
-    """
-    from framework.model_executor.model_loader import DTYPES, load_model
-    from framework.model_executor.tp_weights import load_sharded_model
-
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if tp_size == 1:
-        return load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation)
-    import torch.distributed as dist
-
-    from framework.distributed.parallel_state import ensure_model_parallel_initialized
-
-    if not dist.is_initialized():
-        raise RuntimeError("load_tp_model needs torch.distributed initialised (the executor's worker does it)")
-    if (dist.get_rank(), dist.get_world_size()) != (tp_rank, tp_size):
-        raise RuntimeError(f"default process group is rank {dist.get_rank()} of {dist.get_world_size()}, "
-                           f"asked for tp_rank={tp_rank} of tp_size={tp_size}")
-    # a group the worker did not make (tests, scripts) keeps torch.distributed's collectives, as before issue 49
-    group = ensure_model_parallel_initialized(tp_size, torch.device(device).type, communicator="torch_distributed")
-    return load_sharded_model(model, getattr(torch, dtype), torch.device(device), group.rank_in_group, tp_size,
-                              attn_implementation, group_name=group.group_name)

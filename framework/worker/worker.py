@@ -41,7 +41,8 @@ from framework.model_executor.cpu_malloc import tune_malloc
 from framework.model_executor.forward_context import register_attention_implementation
 from framework.model_executor.model_loader import LoadedModel, load_model
 from framework.model_executor.prepack import prepack_linears, should_prepack
-from framework.model_executor.tensor_parallel import load_tp_model, rank_layout
+from framework.model_executor.tensor_parallel import rank_layout
+from framework.model_executor.tp_weights import load_tp_model
 from framework.sample.sampler import Sampler
 from framework.worker.model_runner import ModelRunner
 

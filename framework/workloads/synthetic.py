@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from framework.workloads.workload import MIN_RANDOM_TOKEN_ID, WorkloadItem
+from framework.workloads.item import MIN_RANDOM_TOKEN_ID, WorkloadItem
 
 ARRIVALS = ("poisson", "gamma")
 LONG_TAIL_P50, LONG_TAIL_P99 = 128, 4096  # tokens

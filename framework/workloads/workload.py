@@ -6,39 +6,13 @@ import json
 import math
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from framework.workloads import synthetic as syn
+from framework.workloads.item import MIN_RANDOM_TOKEN_ID, WorkloadItem
+
 WORKLOADS = ("prompts", "random", "shared_prefix", "multi_turn", "long_tail")
-MIN_RANDOM_TOKEN_ID = 3  # ids 0-2 are unk/bos/eos in Llama-style vocabularies
-
-
-@dataclass
-class WorkloadItem:
-    """One request of a workload; exactly one of ``prompt`` / ``prompt_token_ids`` drives the engine
-    (token ids win when both are set; ``prompt`` is then only reported).
-
-    Raises:
-        ValueError: when both ``prompt`` and ``prompt_token_ids`` are ``None``.
-    """
-
-    request_id: str
-    prompt: str | None = None  # text as sent (chat template already applied), or None for token-id prompts
-    raw_prompt: str | None = None  # the prompt as the user wrote it (before the chat template); None = ``prompt``
-    prompt_token_ids: list[int] | None = None  # (num_prompt_tokens,) ids; bypasses the engine's tokenizer
-    priority: int = 0  # lower is served first (priority scheduler)
-    max_tokens: int | None = None  # overrides the run's sampling.max_tokens when set
-    arrival_time_s: float | None = None  # offset from the run start, seconds; None = at start
-    client_id: str | None = None  # sender, for fair-share scheduling (scheduler=fair)
-    # vLLM ``structured_outputs`` fields, e.g. {"json": {...schema...}} or {"regex": "..."}
-    structured_outputs: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.prompt is None and self.prompt_token_ids is None:
-            raise ValueError(f"workload item {self.request_id!r} needs a prompt or prompt_token_ids")
-
-
 def _read_records(path: Path) -> list[dict[str, Any]]:
     """Records ``{"prompt": ..., ...}`` of a ``.txt`` (one prompt per non-blank line) or ``.jsonl`` file."""
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -172,8 +146,6 @@ def build_workload(cfg: Mapping[str, Any], tokenizer: Any, vocab_size: int | Non
     Raises:
         ValueError: an unknown workload name (the valid ones are listed) or bad parameters.
     """
-    from framework.workloads import synthetic as syn
-
     name = cfg.get("name")
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; valid choices: {', '.join(WORKLOADS)} "

@@ -11,7 +11,7 @@ from framework.core.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from framework.core.sampling_params import SamplingParams
 from framework.entrypoints.offline_runner import run_workload
 from framework.metrics.collector import MetricsCollector
-from framework.workloads.workload import WorkloadItem
+from framework.workloads.item import WorkloadItem
 
 
 class FakeEngine:

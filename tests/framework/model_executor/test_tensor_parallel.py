@@ -161,8 +161,7 @@ def test_quant_skip_names_the_row_parallel_wrapper() -> None:
 
 
 def test_load_errors_are_clear(tmp_path: Path) -> None:
-    from framework.model_executor.tensor_parallel import load_tp_model
-    from framework.model_executor.tp_weights import safetensors_index
+    from framework.model_executor.tp_weights import load_tp_model, safetensors_index
 
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         load_tp_model(STORIES, "float32", "cpu", 0, 2, "eager")

@@ -18,7 +18,7 @@ from framework.engine.builder import build_engine
 from framework.entrypoints.offline_runner import run_workload
 from framework.interfaces import Executor
 from framework.sim.outputs import AcceptanceModel
-from framework.workloads.workload import WorkloadItem
+from framework.workloads.item import WorkloadItem
 
 
 def _engine(tmp_path, const_s=0.05, params=None, **knobs):
