@@ -138,7 +138,7 @@ def _eval(cfg: DictConfig, engine_config: Any, run_dir: Path) -> dict[str, Any]:
 
 def _run_offline(cfg: DictConfig, engine_config: Any, default_sampling: Any, run_dir: Path) -> dict[str, Any]:
     """Build the engine, run the workload, write the run files, report the summary."""
-    from framework.engine.builder import build_engine
+    from framework import build_engine
     from framework.metrics.collector import MetricsCollector
 
     with exit_on_config_error():  # the model may still be missing or refused

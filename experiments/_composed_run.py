@@ -26,7 +26,7 @@ def run_composed(overrides: list[str]) -> ComposedRun:
     Raises:
         ValueError: a bad configuration (from composing, validation or the workload).
     """
-    from framework.engine.builder import build_engine
+    from framework import build_engine
     from framework.entrypoints.hydra_config import engine_config_from_cfg, sampling_params_from_cfg
     from framework.entrypoints.offline_runner import run_workload
     from framework.entrypoints.profile import compose_config

@@ -58,7 +58,7 @@ KEYS = [key for key, _ in GATES.values()] + ["median_tpot_ms", "median_e2el_ms",
 
 def run_once(overrides: list[str]) -> tuple[dict[str, Any], float]:
     """One offline run of ``run.py``'s config with ``overrides``; returns (summary, wall seconds)."""
-    from framework.engine.builder import build_engine
+    from framework import build_engine
     from framework.entrypoints.hydra_config import engine_config_from_cfg, sampling_params_from_cfg
     from framework.entrypoints.offline_runner import run_workload
     from framework.entrypoints.profile import compose_config

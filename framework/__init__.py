@@ -18,7 +18,7 @@ from framework.hookspecs import hookimpl
 known_warnings.install()  # before anything imports transformers (and, through it, torchao)
 
 _LAZY = {"LLM": "framework.entrypoints.llm", "LLMEngine": "framework.engine.llm_engine",
-         "build_engine": "framework.engine.builder"}
+         "build_engine": "framework.entrypoints.engine"}
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams", "build_engine", "hookimpl"]

@@ -35,6 +35,8 @@ from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.core_client import CoreClient, InprocCoreClient
 from framework.engine.core_messages import AbortRequests, AddRequest, EngineCoreOutputs, ReplicaStats
+from framework.engine.replica_set import ReplicaSet
+from framework.interfaces.engine import EngineClient
 from framework.interfaces.router import ReplicaState
 
 logger = logging.getLogger(__name__)
@@ -93,26 +95,24 @@ class AsyncLLM:
     Use :meth:`shutdown` (or ``async with``) to abort everything in flight and stop the cores.
     """
 
-    def __init__(self, engine: Any = None, on_dead: Callable[[BaseException], None] | None = None,
+    def __init__(self, engine: EngineClient | None = None, on_dead: Callable[[BaseException], None] | None = None,
                  startup: Callable[[], Any] | None = None, *, clients: Sequence[CoreClient] | None = None,
                  router: Any = None, metrics: Any = None, tokenizer: Any = None) -> None:
         if (engine is None) == (clients is None):
             raise ValueError("AsyncLLM takes an engine (served in-process) or clients, not both")
         self.engine = engine
         self.clients = list(clients) if clients is not None else [InprocCoreClient(engine, startup)]
-        if len(self.clients) > 1 and router is None:
-            raise ValueError("several engine cores need a router (router=NAME)")
         self.on_dead, self.router, self.metrics, self.tokenizer = on_dead, router, metrics, tokenizer
         n = len(self.clients)
+        # placement, liveness and the router, as the offline front keeps them (raises without a router for n > 1)
+        self.replicas = ReplicaSet(n, router)
         self._lock = threading.RLock()  # streams, placement, replica state: generate vs client threads
         self._streams: dict[str, _Stream] = {}
-        self._where: dict[str, int] = {}  # request id -> index of the client holding it
         self._ids = itertools.count()
-        self._alive, self._ready = [True] * n, [False] * n
+        self._ready = [False] * n
         self._stats: dict[int, ReplicaStats] = {}  # replica id -> its last publication
         self._routed_since = [0] * n  # requests routed to a client since its last publication
         self._published_s = [0.0] * n  # seconds (front clock) of each client's last publication
-        self.num_routed = [0] * n  # requests routed to each client so far
         self._t0 = time.monotonic()
         self._ready_at: float | None = None
         self._stopping = False
@@ -120,6 +120,15 @@ class AsyncLLM:
         self.summaries: dict[int, dict[str, Any] | None] = {}  # client index -> its metrics summary at shutdown
         for client in self.clients:
             client.start(self._on_event)
+
+    @property
+    def num_routed(self) -> list[int]:
+        """Requests routed to each client so far."""
+        return self.replicas.num_routed
+
+    @property
+    def _alive(self) -> list[bool]:
+        return self.replicas.alive
 
     @classmethod
     def from_clients(cls, clients: Sequence[CoreClient], **kwargs: Any) -> AsyncLLM:
@@ -153,8 +162,7 @@ class AsyncLLM:
                 raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
             index = self._route(request_id, prompt)
             self._streams[request_id] = stream
-            self._where[request_id] = index
-            self.num_routed[index] += 1
+            self.replicas.place(request_id, index)
             self._routed_since[index] += 1
         self.clients[index].send(AddRequest(request_id, prompt, params, priority))
         finished = False
@@ -175,7 +183,7 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread); its stream gets a final ``finish_reason="abort"`` output."""
         with self._lock:
-            index = self._where.get(request_id)
+            index = self.replicas.where.get(request_id)
         if index is not None and self._alive[index]:
             self.clients[index].send(AbortRequests([request_id]))
 
@@ -189,7 +197,7 @@ class AsyncLLM:
         if timeout_s > 0:
             with self._lock:  # a core that could not say goodbye: its callers must not wait forever
                 streams, self._streams = list(self._streams.values()), {}
-                self._where.clear()
+                self.replicas.where.clear()
             for stream in streams:
                 stream.put(RuntimeError("the engine loop is shut down"))
 
@@ -230,12 +238,7 @@ class AsyncLLM:
             token_ids = list(self.tokenizer(prompt).input_ids) if self.tokenizer is not None else []
         else:
             token_ids = list(prompt)
-        states = [self._replica_state(i) for i in range(len(self.clients))]
-        choice = self.router.route(request_id, token_ids, states)
-        if not (0 <= choice < len(self.clients) and self._alive[choice]):
-            raise RuntimeError(f"router {getattr(self.router, 'name', self.router)!r} chose replica {choice!r}, "
-                               "which is not an alive one")
-        return choice
+        return self.replicas.choose(request_id, token_ids, [self._replica_state(i) for i in range(len(self.clients))])
 
     def _replica_state(self, index: int) -> ReplicaState:
         """Client ``index``'s load as routers see it: its last publication plus what was routed since."""
@@ -298,7 +301,8 @@ class AsyncLLM:
                 self.metrics.observe_stats(item)
 
     def _pop(self, request_id: str) -> _Stream | None:
-        self._where.pop(request_id, None)
+        """Forget a request that ended (the router is told); its stream, if its caller still waits."""
+        self.replicas.finish(request_id)
         return self._streams.pop(request_id, None)
 
     def _dispatch(self, index: int, output: RequestOutput,
@@ -307,8 +311,6 @@ class AsyncLLM:
         stream = self._streams.get(output.request_id)
         if output.finished:
             self._pop(output.request_id)
-            if self.router is not None and len(self.clients) > 1:
-                self.router.on_request_finished(output.request_id, index)
             if self.metrics is not None:
                 self.metrics.observe_finished(output)
         if stream is not None:
@@ -316,6 +318,8 @@ class AsyncLLM:
 
     def _replica_died(self, index: int, message: str) -> None:
         """Client ``index``'s core died: fail its requests; the front dies with its last replica."""
+        stopping_or_last = self._stopping or len(self.replicas.live()) <= 1
+        held = self.replicas.remove(index, message) if not stopping_or_last else []
         self._alive[index] = False
         for replica_id, stats in list(self._stats.items()):  # its last word: gone (routers, /metrics, /health)
             if self._client_of(replica_id) == index:
@@ -323,22 +327,18 @@ class AsyncLLM:
                 self._stats[replica_id] = msgspec.structs.replace(stats, alive=False, num_routed=routed)
                 if self.metrics is not None:
                     self.metrics.observe_stats(self._stats[replica_id])
-        live = [i for i, ok in enumerate(self._alive) if ok]
-        if live and not self._stopping:
-            logger.error("data-parallel replica %d died (%s); its in-flight requests fail, replicas %s keep serving",
-                         self.clients[index].replica_id, message, live)
-            for request_id in [r for r, i in self._where.items() if i == index]:
-                self._pop(request_id).put(EngineDeadError(f"data-parallel replica {index} died ({message}); "
-                                                          "retry the request: the other replicas serve"))
-            if self.router is not None:
-                self.router.on_replica_removed(index)
+        if not stopping_or_last:  # others serve: only this replica's requests fail, retryable
+            for request_id in held:
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.put(EngineDeadError(self.replicas.died_error(index, message)))
             return
-        if self._stopping and not live:
+        if self._stopping and not any(self._alive):
             return
         core = getattr(self.clients[index], "core", None)  # in-process: the exception itself
         self.errored = getattr(core, "dead", None) or EngineDeadError(message)
         streams, self._streams = list(self._streams.values()), {}
-        self._where.clear()
+        self.replicas.where.clear()
         logger.error("the engine died (%s): every in-flight request fails with EngineDeadError", message)
         for stream in streams:
             stream.put(self._dead_error())

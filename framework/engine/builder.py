@@ -1,4 +1,5 @@
-"""``build_engine``: from an :class:`~framework.config.EngineConfig` to a running :class:`LLMEngine`.
+"""``build_llm_engine``: from an :class:`~framework.config.EngineConfig` to one running :class:`LLMEngine` (one
+data-parallel replica; ``framework.build_engine`` chooses the front over one or several).
 
 The steps, in the order they run (each a function below, so a reader can follow one at a time):
 
@@ -32,7 +33,7 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -51,9 +52,6 @@ from framework.model_executor.embeddings import load_embeddings
 from framework.model_executor.model_loader import load_tokenizer
 from framework.model_executor.tensor_parallel import rank_layout, tp_problems
 from framework.platform import DtypeChoice, choose_dtype
-
-if TYPE_CHECKING:
-    from framework.engine.data_parallel import DataParallelEngine
 
 logger = logging.getLogger(__name__)
 _SAID: set[str] = set()  # dtype decisions already logged by this process
@@ -74,29 +72,47 @@ class ModelSpec:
 
 
 
-def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
-                 defer_compile: bool = False) -> LLMEngine | DataParallelEngine:
-    """Validate plugins, inspect the model, start the workers, size the KV cache and assemble the engine.
+def build_llm_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
+                     defer_compile: bool = False) -> LLMEngine:
+    """Validate plugins, inspect the model, start the workers, size the KV cache and assemble one engine (one
+    data-parallel replica; ``framework.build_engine`` puts several behind a front).
 
     Args:
-        config: the engine's configuration; ``dtype="auto"`` is resolved first, and the engine keeps
-            the resolved copy (``engine.config``).
+        config: the engine's configuration (``data_parallel_size`` 1); ``dtype="auto"`` is resolved first
+            (:func:`resolve_and_log_dtype`), and the engine keeps the resolved copy (``engine.config``).
         metrics: collector of step/request metrics (e.g. with goodput SLOs); default a plain one.
         defer_compile: ``engine.compile=true`` compiles at the engine's first ``maybe_compile`` instead
             of while the workers start (a server compiles while it answers ``/health`` with 503).
 
     Raises:
         registry.UnknownPluginError, ValueError: from :func:`validate_plugins` or
-            :func:`inspect_model` (before any weights load), or a KV budget smaller than one
-            ``max_model_len`` request (:func:`size_kv_cache`).
-        FileNotFoundError, ModuleNotFoundError: the model cannot be found (:func:`resolve_dtype`).
+            :func:`inspect_model` (before any weights load), a KV budget smaller than one
+            ``max_model_len`` request (:func:`size_kv_cache`), or ``data_parallel_size > 1``.
+        FileNotFoundError, ModuleNotFoundError: the model cannot be found (:func:`dtype_choice`).
         WorkerError: a worker rank failed to start (its traceback in the message).
-
-    With ``config.data_parallel_size > 1`` it returns a
-    :class:`~framework.engine.data_parallel.DataParallelEngine` (that many engines, each built by this function,
-    behind the router ``config.router``), which has the engine's interface.
     """
-    for kind in PLUGIN_FIELDS:  # an unknown name is refused before anything is read from disk
+    if config.data_parallel_size > 1:
+        raise ValueError("build_llm_engine builds one replica; framework.build_engine (or LLM, run.py, servelab "
+                         "serve) puts data_parallel_size replicas behind a router")
+    config, choice = resolve_and_log_dtype(config)
+    validate_plugins(config)
+    engine = _build_one(config, metrics, defer_compile)
+    engine.metrics.model_info = {"dtype": choice.dtype, "dtype_reason": choice.reason}
+    return engine
+
+
+def resolve_and_log_dtype(config: EngineConfig) -> tuple[EngineConfig, DtypeChoice]:
+    """Step 1a: refuse unknown plugin names (before anything is read from disk), then resolve the dtype
+    (:func:`dtype_choice`), logging the decision once per process (a warning when it is emulated).
+
+    Returns:
+        ``config`` with its dtype resolved, and the choice with its reason (``metrics.json``).
+
+    Raises:
+        registry.UnknownPluginError: an unknown plugin name.
+        FileNotFoundError, ModuleNotFoundError: the model cannot be found.
+    """
+    for kind in PLUGIN_FIELDS:
         registry.get_class(kind, getattr(config, kind))
     choice = dtype_choice(config)
     if choice.reason not in _SAID:  # once per process (not again for each data-parallel replica)
@@ -105,18 +121,7 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
             logger.warning("%s", choice.reason)
         elif config.dtype == "auto":
             logger.info("%s", choice.reason)
-    config = dataclasses.replace(config, dtype=choice.dtype)
-    if config.data_parallel_size > 1:
-        from framework.engine.data_parallel import build_data_parallel_engine
-
-        validate_plugins(config)  # every name (the router's too) before the first replica loads
-        engine = build_data_parallel_engine(config, metrics, defer_compile)
-        engine.metrics.front.model_info = {"dtype": choice.dtype, "dtype_reason": choice.reason}
-        return engine
-    validate_plugins(config)
-    engine = _build_one(config, metrics, defer_compile)
-    engine.metrics.model_info = {"dtype": choice.dtype, "dtype_reason": choice.reason}
-    return engine
+    return dataclasses.replace(config, dtype=choice.dtype), choice
 
 
 def _build_one(config: EngineConfig, metrics: MetricsCollector | None, defer_compile: bool) -> LLMEngine:

@@ -35,22 +35,21 @@ from framework.engine.core_messages import (
     Shutdown,
 )
 from framework.engine.watchdog import StepWatchdog
+from framework.interfaces.engine import EngineClient, ReplicaEngine
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # seconds the idle loop blocks on the command queue before re-checking shutdown and health
 
 
-def replica_stats(engine: Any, replica_id: int = 0) -> list[ReplicaStats]:
-    """The load and counters of ``engine`` now: one entry, or one per replica of a data-parallel front
-    (``DataParallelEngine``, whose replicas are numbered from ``replica_id``)."""
-    replicas = getattr(engine, "replicas", None)
-    if replicas is None:
-        return [_one_replica(engine, replica_id, True, 0)]
-    return [_one_replica(r, replica_id + i, engine.alive[i], engine.num_routed[i]) for i, r in enumerate(replicas)]
+def replica_stats(engine: EngineClient, replica_id: int = 0) -> list[ReplicaStats]:
+    """The load and counters of ``engine`` now: one entry per replica behind it (``engine.replica_views()``: one
+    for an ``LLMEngine``, one per replica of a ``DataParallelEngine``), numbered from ``replica_id``."""
+    return [_one_replica(view.engine, replica_id + i, view.alive, view.num_routed)
+            for i, view in enumerate(engine.replica_views())]
 
 
-def _one_replica(engine: Any, replica_id: int, alive: bool, num_routed: int) -> ReplicaStats:
+def _one_replica(engine: ReplicaEngine, replica_id: int, alive: bool, num_routed: int) -> ReplicaStats:
     state = engine.replica_state(replica_id)
     kv = engine.kv_allocator.stats()
     return ReplicaStats(replica_id=replica_id, alive=alive, num_running_reqs=state.num_running_reqs,
@@ -60,7 +59,7 @@ def _one_replica(engine: Any, replica_id: int, alive: bool, num_routed: int) -> 
                         num_preemptions=engine.metrics.num_preemptions, num_routed=num_routed)
 
 
-def engine_facts(engine: Any) -> EngineFacts:
+def engine_facts(engine: EngineClient) -> EngineFacts:
     """The ``hello`` facts of a built engine (what the front needs: lengths, vocabulary, grammar support)."""
     return EngineFacts(max_model_len=int(engine.max_model_len), vocab_size=int(engine.vocab_size),
                        eos_token_ids=sorted(int(t) for t in engine.eos_token_ids),
@@ -83,7 +82,7 @@ class EngineCore:
             the next event (a core process forwards its lifecycle hooks this way).
     """
 
-    def __init__(self, engine: Any, emit: Callable[[EngineCoreOutputs], None],
+    def __init__(self, engine: EngineClient, emit: Callable[[EngineCoreOutputs], None],
                  startup: Callable[[], Any] | None = None, replica_id: int = 0,
                  step_stats: Callable[[], list[Any]] | None = None) -> None:
         self.engine, self.emit, self.replica_id = engine, emit, replica_id

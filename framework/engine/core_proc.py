@@ -103,7 +103,7 @@ def _serve(config: EngineConfig, replica_id: int, data_parallel_size: int, input
            metrics_kwargs: dict[str, Any]) -> int:
     """Build, announce, run the core; returns the process's exit status."""
     from framework import registry
-    from framework.engine.builder import build_engine
+    from framework.engine.builder import build_llm_engine
     from framework.engine.core import EngineCore, engine_facts
     from framework.metrics.collector import MetricsCollector
 
@@ -111,7 +111,7 @@ def _serve(config: EngineConfig, replica_id: int, data_parallel_size: int, input
     registry.plugin_manager().register(forwarder, name="engine-core-hook-forwarder")
     try:
         join_data_parallel(replica_id, data_parallel_size)  # before torch's threads and any TP rank start
-        engine = build_engine(config, metrics=MetricsCollector(**metrics_kwargs), defer_compile=True)
+        engine = build_llm_engine(config, metrics=MetricsCollector(**metrics_kwargs), defer_compile=True)
     except BaseException as exc:  # noqa: BLE001 - reported to the front (a config error exits it with the message)
         if not isinstance(exc, (ValueError, FileNotFoundError, ImportError)):
             logger.exception("building the engine failed")

@@ -40,6 +40,8 @@ from framework.core.sampling_params import SamplingParams
 from framework.distributed.parallel_state import replica_cpus
 from framework.engine.dp_metrics import DataParallelMetrics
 from framework.engine.llm_engine import LLMEngine
+from framework.engine.replica_set import ReplicaSet
+from framework.interfaces.engine import ReplicaView
 from framework.interfaces.router import ReplicaState, Router
 from framework.metrics.collector import MetricsCollector
 
@@ -86,9 +88,7 @@ class DataParallelEngine:
         self.config = config
         self.replicas = replicas
         self.router = router
-        self.alive = [True] * len(replicas)
-        self.num_routed = [0] * len(replicas)  # requests routed to each replica so far
-        self._where: dict[str, int] = {}  # in-flight request id -> replica id
+        self.replica_set = ReplicaSet(len(replicas), router, config.router)  # placement, liveness, the router
         self._last_stepped = [0] * len(replicas)
         self._num_steps = 0
         first = replicas[0]
@@ -100,12 +100,27 @@ class DataParallelEngine:
         self._pool = ThreadPoolExecutor(len(replicas), "servelab-dp") if self.concurrent and len(replicas) > 1 else None
         metrics.clock = self.clock
         metrics.run_labels = first.metrics.run_labels
-        self.metrics = DataParallelMetrics(metrics, self)
+        self.metrics = DataParallelMetrics(metrics, replicas, self.replica_set, config.router)
+        self.compile_decision = first.compile_decision
 
     # ---- state ------------------------------------------------------------------------
+    @property
+    def alive(self) -> list[bool]:
+        """Per replica, whether it still serves."""
+        return self.replica_set.alive
+
+    @property
+    def num_routed(self) -> list[int]:
+        """Requests routed to each replica so far."""
+        return self.replica_set.num_routed
+
     def live_replicas(self) -> list[LLMEngine]:
         """The replicas still serving, in ``replica_id`` order."""
         return [r for r, ok in zip(self.replicas, self.alive) if ok]
+
+    def replica_views(self) -> list[ReplicaView]:
+        """Every replica (``EngineClient.replica_views``): its engine, whether it serves, requests routed to it."""
+        return [ReplicaView(r, self.alive[i], self.num_routed[i]) for i, r in enumerate(self.replicas)]
 
     def replica_states(self) -> list[ReplicaState]:
         """Every replica's load now (dead ones with ``alive=False``), as routers see it."""
@@ -135,12 +150,10 @@ class DataParallelEngine:
         live = self.live_replicas()
         if not live:
             raise EngineDeadError("every data-parallel replica is dead; build a new engine")
-        if request_id in self._where:
+        if request_id in self.replica_set.where:
             raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
         token_ids = live[0].tokenize(prompt)  # rejects a bad prompt before any router history changes
-        choice = self.router.route(request_id, token_ids, self.replica_states())
-        if not (0 <= choice < len(self.replicas) and self.alive[choice]):
-            raise RuntimeError(f"router {self.config.router!r} chose replica {choice!r}, which is not an alive one")
+        choice = self.replica_set.choose(request_id, token_ids, self.replica_states())
         replica = self.replicas[choice]
         if arrival_time is not None and not replica.has_unfinished_requests():
             replica.clock.sleep_until(arrival_time)  # an idle simulated replica catches up with the arrival
@@ -148,17 +161,16 @@ class DataParallelEngine:
             replica.add_request(request_id, prompt, sampling_params, priority=priority, arrival_time=arrival_time,
                                 client_id=client_id)
         except Exception:
-            self.router.on_request_finished(request_id, choice)
+            self.replica_set.refused(request_id, choice)
             raise
-        self._where[request_id] = choice
-        self.num_routed[choice] += 1
+        self.replica_set.place(request_id, choice)
 
     def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
         """Abort requests wherever they run; returns their final outputs (unknown ids are ignored)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         outputs: list[RequestOutput] = []
         for i, replica in enumerate(self.replicas):
-            mine = [rid for rid in ids if self._where.get(rid) == i]
+            mine = [rid for rid in ids if self.replica_set.where.get(rid) == i]
             if mine and self.alive[i]:
                 outputs += replica.abort_request(mine)
         self._finished(outputs)
@@ -205,27 +217,27 @@ class DataParallelEngine:
 
     def _remove(self, i: int, exc: BaseException) -> list[RequestOutput]:
         """Mark replica ``i`` dead after its step raised ``exc``; returns its in-flight requests' final outputs."""
-        logger.error("data-parallel replica %d died (%s: %s); its in-flight requests fail, the other replicas "
-                     "keep serving", i, type(exc).__name__, exc)
-        self.alive[i] = False
-        self.router.on_replica_removed(i)
+        reason = f"{type(exc).__name__}: {exc}"
+        held = self.replica_set.remove(i, reason)
         replica = self.replicas[i]
         outputs = list(getattr(exc, "outputs", None) or [])  # an engine that saw its executor die failed them
         if replica.has_unfinished_requests():  # any other fault (or one seen by check_health): fail them here
-            outputs += replica.fail_unfinished(f"data-parallel replica {i} died ({type(exc).__name__}: {exc})")
+            outputs += replica.fail_unfinished(self.replica_set.died_error(i, reason))
         try:
             replica.shutdown()
         except Exception:  # noqa: BLE001 - the original fault is what matters
             logger.exception("shutting down dead replica %d failed", i)
         for output in outputs:  # the server's fault, not the request's (HTTP 500, not 400)
             output.internal_error = True
+        for output in outputs:  # metrics of the requests it held (the replica set forgot where they ran)
+            if output.finished and output.request_id in held:
+                self.metrics.front.observe_finished(output)
         return outputs
 
     def _finished(self, outputs: list[RequestOutput]) -> None:
         """Bookkeeping for finished outputs: forget where they ran, tell the router, record their metrics."""
         for output in outputs:
-            if output.finished and output.request_id in self._where:
-                self.router.on_request_finished(output.request_id, self._where.pop(output.request_id))
+            if output.finished and self.replica_set.finish(output.request_id) is not None:
                 self.metrics.front.observe_finished(output)
 
     # ---- engine interface ------------------------------------------------------------------
@@ -264,14 +276,14 @@ class DataParallelEngine:
 
 def build_data_parallel_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
                                defer_compile: bool = False) -> DataParallelEngine:
-    """Build ``config.data_parallel_size`` replicas (each ``build_engine`` of the config with
+    """Build ``config.data_parallel_size`` replicas (each ``build_llm_engine`` of the config with
     ``data_parallel_size=1``) and the router ``config.router`` (seeded with ``config.seed``).
 
     Raises:
-        as ``build_engine``; replicas already built are shut down when a later one fails.
+        as ``build_llm_engine``; replicas already built are shut down when a later one fails.
     """
     from framework import registry
-    from framework.engine.builder import build_engine
+    from framework.engine.builder import build_llm_engine
 
     metrics = metrics or MetricsCollector()
     router = registry.create("router", config.router, seed=config.seed, **config.plugin_params("router"))
@@ -282,7 +294,7 @@ def build_data_parallel_engine(config: EngineConfig, metrics: MetricsCollector |
     try:
         for i in range(n):
             with _pinned(replica_cpus(i, n) if pinned else None):
-                replicas.append(build_engine(one, MetricsCollector(slo_ttft_ms=metrics.slo_ttft_ms,
+                replicas.append(build_llm_engine(one, MetricsCollector(slo_ttft_ms=metrics.slo_ttft_ms,
                                                                    slo_tpot_ms=metrics.slo_tpot_ms,
                                                                    max_records=metrics.max_records),
                                              defer_compile=defer_compile))

@@ -3,12 +3,12 @@ the replicas' collectors, and a per-replica breakdown (the routers' study needs 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
+from framework.engine.replica_set import ReplicaSet
+from framework.interfaces.engine import ReplicaEngine
 from framework.metrics.collector import MetricsCollector
-
-if TYPE_CHECKING:
-    from framework.engine.data_parallel import DataParallelEngine
 
 #: per-replica summary keys copied into ``replicas`` (the rest of a replica's summary stays with it)
 REPLICA_KEYS = ("num_requests", "num_failed", "total_input_tokens", "total_output_tokens", "total_cached_tokens",
@@ -21,12 +21,17 @@ class DataParallelMetrics:
 
     Args:
         front: collector of every finished request across replicas (TTFT, TPOT, ITL, e2e, throughput).
-        engine: the front, whose replicas' collectors hold the step-level numbers.
+        replicas: the replicas' engines, whose collectors hold the step-level numbers.
+        replica_set: which replicas serve and how many requests each was routed.
+        router: the router's name (``config.router``).
     """
 
-    def __init__(self, front: MetricsCollector, engine: DataParallelEngine) -> None:
+    def __init__(self, front: MetricsCollector, replicas: Sequence[ReplicaEngine], replica_set: ReplicaSet,
+                 router: str) -> None:
         self.front = front
-        self._engine = engine
+        self._replicas = list(replicas)
+        self._set = replica_set
+        self._router = router
 
     @property
     def run_labels(self) -> dict[str, Any]:
@@ -36,17 +41,17 @@ class DataParallelMetrics:
     @property
     def timeline(self) -> list[dict[str, float]]:
         """Every replica's per-step rows, each with its ``replica`` id, ordered by time."""
-        rows = [dict(row, replica=i) for i, r in enumerate(self._engine.replicas) for row in r.metrics.timeline]
+        rows = [dict(row, replica=i) for i, r in enumerate(self._replicas) for row in r.metrics.timeline]
         return sorted(rows, key=lambda row: row["time_s"])
 
     def replica_summaries(self, duration_s: float | None = None) -> list[dict[str, Any]]:
         """Per replica: ``replica_id``, ``alive``, ``num_routed`` (requests the router sent it),
         ``prefix_cache_hit_rate`` (hit / queried prompt tokens over its admissions) and :data:`REPLICA_KEYS`."""
         out = []
-        for i, replica in enumerate(self._engine.replicas):
+        for i, replica in enumerate(self._replicas):
             summary = replica.metrics.summary(duration_s)
             kv = replica.kv_allocator.stats()
-            out.append({"replica_id": i, "alive": self._engine.alive[i], "num_routed": self._engine.num_routed[i],
+            out.append({"replica_id": i, "alive": self._set.alive[i], "num_routed": self._set.num_routed[i],
                         "prefix_cache_hit_rate": kv.hit_rate, "prefix_queries_tokens": kv.prefix_queries_tokens,
                         "prefix_hits_tokens": kv.prefix_hits_tokens, **{k: summary[k] for k in REPLICA_KEYS}})
         return out
@@ -61,7 +66,7 @@ class DataParallelMetrics:
         means are the replicas' means averaged (peaks: the highest replica's).
         """
         out = self.front.summary(duration_s)
-        first = self._engine.replicas[0].metrics.summary(duration_s)
+        first = self._replicas[0].metrics.summary(duration_s)
         for key in ("kv_cache_dtype", "kv_cache_num_blocks", "kv_cache_bytes_per_block", "compile_mode",
                     "compile_reason"):
             if key in first:
@@ -76,7 +81,7 @@ class DataParallelMetrics:
             mean_num_running_reqs=sum(r["mean_num_running_reqs"] for r in replicas),
             peak_num_running_reqs=max(r["peak_num_running_reqs"] for r in replicas),
             step_s=sum(r["step_s"] for r in replicas),
-            data_parallel_size=len(replicas), router=self._engine.config.router, replicas=replicas)
+            data_parallel_size=len(replicas), router=self._router, replicas=replicas)
         routed = [r["num_routed"] for r in replicas if r["alive"]]
         out["load_imbalance"] = max(routed) / (sum(routed) / len(routed)) if routed and sum(routed) else 1.0
         return out

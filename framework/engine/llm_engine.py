@@ -20,13 +20,15 @@ from framework.core.structured_output import StructuredOutputManager
 from framework.engine.draft_proposer import DraftProposer
 from framework.engine.parallel_sampling import ParallelRequests, ParentRequest, child_sampling_params
 from framework.interfaces import Drafter, EngineDeadError, Executor, ReplicaState
+from framework.interfaces.engine import ReplicaView
 from framework.metrics.collector import MetricsCollector, compute_request_metrics
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """The engine loop. Build it with :func:`framework.engine.builder.build_engine`.
+    """The engine loop. Build it with :func:`framework.engine.builder.build_llm_engine`
+    (one replica) or :func:`framework.build_engine` (any front).
 
     The engine (the driver) talks to the scheduler and the executor only; the scheduler owns the
     KV allocator and the policy, the executor runs the worker ranks, which own the model, the KV
@@ -209,6 +211,10 @@ class LLMEngine:
                             num_running_reqs=len(self.scheduler.running),
                             kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_blocks if kv.num_blocks else 0.0,
                             published_s=self.clock.now())
+
+    def replica_views(self) -> list[ReplicaView]:
+        """``EngineClient.replica_views``: this engine alone, alive, nothing routed."""
+        return [ReplicaView(self, True, 0)]
 
     def fail_unfinished(self, error: str) -> list[RequestOutput]:
         """Finish every unfinished request as aborted with ``error`` (a data-parallel front removing this

@@ -255,17 +255,17 @@ def measure_profile(config: EngineConfig, grid: str = "default", seed: int = 0,
             each cell (see :class:`Progress`).
 
     Raises:
-        ValueError: an unknown grid, or what ``build_engine`` raises for ``config``.
+        ValueError: an unknown grid, or what ``build_llm_engine`` raises for ``config``.
     """
     import torch
 
-    from framework.engine.builder import build_engine
+    from framework.engine.builder import build_llm_engine
     from framework.model_executor.model_loader import load_model_config
 
     if grid not in GRIDS:
         raise ValueError(f"unknown profile grid {grid!r}; valid: {', '.join(GRIDS)}")
     config = dataclasses.replace(config, executor="auto", executor_params={})  # the real engine, never sim
-    engine = build_engine(config)
+    engine = build_llm_engine(config)
     config = engine.config
     recorder = StepRecorder(engine)
     rng = random.Random(seed)

@@ -14,9 +14,9 @@ from framework.config import EngineConfig
 from framework.core.faults import EngineDeadError
 from framework.core.outputs import CompletionOutput, RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
-from framework.engine.builder import build_engine
-from framework.engine.llm_engine import LLMEngine
 from framework.engine.watchdog import StepWatchdog
+from framework.entrypoints.engine import build_engine
+from framework.interfaces.engine import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class LLM:
 
     Raises:
         registry.UnknownPluginError, ValueError, TypeError: bad plugin names or knobs, before the
-            model loads (see ``framework.engine.builder.build_engine``).
+            model loads (see ``framework.entrypoints.engine.build_engine``).
     """
 
     def __init__(self, model: str, dtype: str = "auto", scheduler: str = "fcfs", kv_allocator: str = "paged",
@@ -48,7 +48,7 @@ class LLM:
         _show_info_logs()
         self.config = EngineConfig(model=model, dtype=dtype, scheduler=scheduler, kv_allocator=kv_allocator,
                                    attention=attention, compile=compile, **kwargs)
-        self.engine: LLMEngine = build_engine(self.config)
+        self.engine: EngineClient = build_engine(self.config)
         self.config = self.engine.config  # dtype="auto" resolved
         self._ids = itertools.count()
         self._dead: BaseException | None = None  # the fault that killed the engine, if one did

@@ -79,7 +79,7 @@ def build_server_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
             (``executor=sim`` with ``clock=virtual``).
     """
     _check_serve_extra()
-    from framework.engine.builder import build_engine
+    from framework.entrypoints.engine import build_engine
     from framework.metrics.collector import MetricsCollector
 
     engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms, slo_tpot_ms=cfg.slo.tpot_ms,

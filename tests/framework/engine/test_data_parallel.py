@@ -11,10 +11,9 @@ import pytest
 from helpers import STORIES
 from sim_helpers import linear_profile
 
-from framework import LLM, SamplingParams
+from framework import LLM, SamplingParams, build_engine
 from framework.config import EngineConfig
 from framework.core.faults import EngineDeadError
-from framework.engine.builder import build_engine
 from framework.engine.data_parallel import DataParallelEngine
 from framework.entrypoints.offline_runner import run_workload
 from framework.workloads.synthetic import apply_arrivals, shared_prefix_workload

@@ -7,8 +7,8 @@ from families import tiny_model_dir
 from helpers import REPO, STORIES
 from sim_helpers import linear_profile
 
+from framework import build_engine
 from framework.config import EngineConfig
-from framework.engine.builder import build_engine
 from framework.model_executor.model_loader import load_model_config
 from framework.sim.memory import device_kv_budget, parameter_counts, weight_bytes_per_rank
 

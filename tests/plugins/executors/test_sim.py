@@ -10,11 +10,10 @@ import pytest
 from helpers import REPO, STORIES, STORIES_DRAFT
 from sim_helpers import linear_profile
 
-from framework import registry
+from framework import build_engine, registry
 from framework.config import EngineConfig
 from framework.core.sampling_params import SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
-from framework.engine.builder import build_engine
 from framework.entrypoints.offline_runner import run_workload
 from framework.interfaces import Executor
 from framework.sim.outputs import AcceptanceModel

@@ -18,9 +18,9 @@ import random
 import pytest
 from helpers import STORIES
 
+from framework import build_engine
 from framework.config import EngineConfig
 from framework.core.sampling_params import SamplingParams
-from framework.engine.builder import build_engine
 
 pytestmark = pytest.mark.isolated  # latencies compared to a step's bookkeeping: alone under pytest-xdist
 

@@ -1,0 +1,43 @@
+"""``build_engine``: the engine a front drives, for any config: one
+:class:`~framework.engine.llm_engine.LLMEngine`, or with ``data_parallel_size > 1`` a
+:class:`~framework.engine.data_parallel.DataParallelEngine` of that many replicas behind the router ``config.router``
+(the choice of front is made here, in the entry points, so the builder of one engine knows nothing of it).
+``LLM``, ``run.py``, ``servelab serve`` with ``server.engine_process=false``, ``servelab eval`` and scripts call it
+(``framework.build_engine``); a server's engine-core processes each build one replica
+(``framework.engine.builder.build_llm_engine``).
+"""
+
+from __future__ import annotations
+
+from framework.config import EngineConfig
+from framework.engine.builder import build_llm_engine, resolve_and_log_dtype, validate_plugins
+from framework.engine.data_parallel import build_data_parallel_engine
+from framework.interfaces.engine import EngineClient
+from framework.metrics.collector import MetricsCollector
+
+
+def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
+                 defer_compile: bool = False) -> EngineClient:
+    """Build the engine for ``config`` (see the module docstring).
+
+    Args:
+        config: the run's configuration; ``dtype="auto"`` is resolved once for every replica.
+        metrics: the front's collector (e.g. with goodput SLOs); default a plain one.
+        defer_compile: ``engine.compile=true`` compiles at the first ``maybe_compile`` (a server's start-up).
+
+    Returns:
+        The engine (``engine.config`` holds the resolved config).
+
+    Raises:
+        registry.UnknownPluginError, ValueError: an unknown plugin (the router's included) or a config a plugin
+            refuses, before any weights load.
+        FileNotFoundError, ModuleNotFoundError: the model cannot be found.
+        WorkerError: a worker rank failed to start (its traceback in the message).
+    """
+    if config.data_parallel_size <= 1:
+        return build_llm_engine(config, metrics, defer_compile)
+    config, choice = resolve_and_log_dtype(config)
+    validate_plugins(config)  # every name (the router's too) before the first replica loads
+    engine = build_data_parallel_engine(config, metrics, defer_compile)
+    engine.metrics.front.model_info = {"dtype": choice.dtype, "dtype_reason": choice.reason}
+    return engine
