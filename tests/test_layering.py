@@ -69,3 +69,80 @@ def test_layering_check_catches_an_upward_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from framework.entrypoints.llm import LLM\n    from framework import registry\n")
     assert _imports(bad) == [(2, "framework.entrypoints.llm"), (3, "framework.registry")]
+
+
+def module_cycles(root: Path) -> list[list[str]]:
+    """The import circles between the modules of the package at ``root`` (imports anywhere in a file, inside
+    functions and ``TYPE_CHECKING`` blocks too): each strongly connected component of more than one module of
+    the graph "module -> the modules it imports", as sorted dotted names (Tarjan's algorithm)."""
+    package = root.name
+    modules = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in root.rglob("*.py")}
+
+    def target(name: str) -> str | None:  # the module a dotted import resolves to (``from pkg import mod``: mod)
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                t = target(name) if name.split(".")[0] == package else None
+                if t and t not in (module, package) and not module.startswith(t + "."):
+                    graph[module].add(t)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_circle_between_modules() -> None:
+    """0 circles between modules (a circle hidden by imports inside functions still couples both ends)."""
+    cycles = module_cycles(FRAMEWORK)
+    assert not cycles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_circle_check_catches_a_planted_circle(tmp_path: Path) -> None:
+    """Negative control: a circle through an in-function import and a ``from pkg import module`` is found."""
+    pkg = tmp_path / "framework"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "__init__.py").write_text("")
+    (pkg / "engine" / "a.py").write_text("from framework.engine import b\n")
+    (pkg / "engine" / "b.py").write_text("def f():\n    from framework.engine.a import x\n")
+    (pkg / "engine" / "c.py").write_text("from framework.engine.a import x\n")
+    assert module_cycles(pkg) == [["framework.engine.a", "framework.engine.b"]]
