@@ -34,12 +34,14 @@ def emit(event: str, **fields: Any) -> None:
 
 
 def engine_kwargs(row: dict[str, Any]) -> dict[str, Any]:
-    """The row's engine: stories260K over ``row['tp']`` ranks of ``row['executor']``, its deadlines."""
+    """The row's engine: stories260K over ``row['tp']`` ranks of ``row['executor']`` (``row['dp']`` replicas), its
+    deadlines."""
     params = dict(row.get("executor_params", {}))
     if row["executor"] == "ray":
         params.setdefault("num_cpus_per_worker", 0.5)
     compiled = row.get("phase") == "compile"
     return {"model": STORIES, "executor": row["executor"], "tensor_parallel_size": row.get("tp", 1),
+            "data_parallel_size": row.get("dp", 1),
             "executor_params": params, "compile": compiled, "max_model_len": 256,
             **({} if compiled else {"attention": "torch"}), **row.get("engine", {})}
 
@@ -76,7 +78,8 @@ class _PhaseObserver:
 
 
 def rank_fault(row: dict[str, Any]) -> None:
-    """A signal to one rank (sent by the matrix) during ``row['phase']``: load, compile, step or idle."""
+    """A signal to one rank, or a SIGKILL of the driver or of its process group (sent by the matrix) during
+    ``row['phase']``: load, compile, step or idle."""
     from framework import LLM, registry
     from framework.interfaces import executor as executor_mod
 
@@ -234,8 +237,9 @@ def hook_hang(row: dict[str, Any]) -> None:
             server_exit="the server answers 503 and exits 1" if dead else None)
 
 
-KINDS = {"rank_signal": rank_fault, "driver_kill": rank_fault, "request_faults": request_faults,
-         "worker_oom": forward_fault, "worker_hang": forward_fault, "hook_hang": hook_hang}
+KINDS = {"rank_signal": rank_fault, "driver_kill": rank_fault, "group_kill": rank_fault,
+         "request_faults": request_faults, "worker_oom": forward_fault, "worker_hang": forward_fault,
+         "hook_hang": hook_hang}
 
 
 if __name__ == "__main__":

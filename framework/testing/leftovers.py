@@ -28,29 +28,39 @@ def shm_snapshot(shm_dir: Path = SHM_DIR) -> frozenset[str]:
         return frozenset()
 
 
-def _in_use(shm_dir: Path) -> set[str]:
-    """Names in ``shm_dir`` that some live process maps (``/proc/<pid>/maps``) or holds open (``/proc/<pid>/fd``)."""
-    prefix, names = f"{shm_dir}/", set()
+def _inodes_in_use(shm_dir: Path) -> set[int]:
+    """Inode numbers of the files in ``shm_dir`` that some live process maps (``/proc/<pid>/maps``) or holds open
+    (``/proc/<pid>/fd``). By inode, not name: glibc's ``sem_open`` maps a temporary file that it then links to
+    the semaphore's name and unlinks, so a live semaphore's mapping shows another (deleted) name."""
+    prefix, inodes = f"{shm_dir}/", set()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             for line in Path(entry.path, "maps").read_text().splitlines():
                 if prefix in line:
-                    names.add(line.split(prefix, 1)[1].removesuffix(" (deleted)"))
+                    inodes.add(int(line.split(maxsplit=5)[4]))
             for fd in os.scandir(Path(entry.path, "fd")):
-                target = os.readlink(fd.path)
-                if target.startswith(prefix):
-                    names.add(target[len(prefix):].removesuffix(" (deleted)"))
-        except OSError:  # gone meanwhile, or not ours to read
+                if os.readlink(fd.path).startswith(prefix):
+                    inodes.add(os.stat(fd.path).st_ino)
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
             continue
-    return names
+    return inodes
 
 
 def new_shm_names(before: Iterable[str], shm_dir: Path = SHM_DIR) -> list[str]:
     """Names in ``shm_dir`` that were not there ``before`` and that no live process uses: what was left behind."""
     new = shm_snapshot(shm_dir) - set(before)
-    return sorted(new - _in_use(shm_dir)) if new else []
+    if not new:
+        return []
+    used, left = _inodes_in_use(shm_dir), []
+    for name in sorted(new):
+        try:
+            if os.stat(shm_dir / name).st_ino not in used:
+                left.append(name)
+        except OSError:  # removed meanwhile
+            continue
+    return left
 
 
 def live_pids(pids: Iterable[int]) -> list[int]:
