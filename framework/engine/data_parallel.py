@@ -101,9 +101,13 @@ class DataParallelEngine:
         metrics.clock = self.clock
         metrics.run_labels = first.metrics.run_labels
         self.metrics = DataParallelMetrics(metrics, replicas, self.replica_set, config.router)
-        self.compile_decision = first.compile_decision
 
     # ---- state ------------------------------------------------------------------------
+    @property
+    def compile_decision(self) -> CompileDecision:
+        """The first live replica's ``engine.compile`` decision (each replica decides for its share)."""
+        return (self.live_replicas() or self.replicas)[0].compile_decision
+
     @property
     def alive(self) -> list[bool]:
         """Per replica, whether it still serves."""

@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from framework import registry
 from framework.compilation.calibration import CompilePlanner
-from framework.compilation.policy import CompileDecision, startup_reason
+from framework.compilation.policy import CompileDecision
 from framework.config import EngineConfig
 from framework.core.faults import RequestFailure
-from framework.core.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerStats
-from framework.core.request import Request
-from framework.core.sampling_params import RequestOutputKind, SamplingParams
+from framework.core.outputs import ModelRunnerOutput, RequestOutput
+from framework.core.request import Request, RequestStatus
+from framework.core.sampling_params import SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.structured_output import StructuredOutputManager
+from framework.engine.compile_control import CompileControl
 from framework.engine.draft_proposer import DraftProposer
-from framework.engine.parallel_sampling import ParallelRequests, ParentRequest, child_sampling_params
-from framework.interfaces import Drafter, EngineDeadError, Executor, ReplicaState
+from framework.engine.output_processor import OutputProcessor, scheduler_stats
+from framework.engine.parallel_sampling import ParallelRequests
+from framework.engine.processor import Processor
+from framework.interfaces import Drafter, EngineDeadError, Executor, KVAllocator, ReplicaState
 from framework.interfaces.engine import ReplicaView
-from framework.metrics.collector import MetricsCollector, compute_request_metrics
-
-logger = logging.getLogger(__name__)
+from framework.metrics.collector import MetricsCollector
 
 
 class LLMEngine:
@@ -66,24 +65,14 @@ class LLMEngine:
         self.metrics.clock = self.clock
         self.metrics.run_labels = executor.run_labels()  # simulated or not, in every record
         self.num_steps = 0
-        self._sent: dict[str, tuple[int, int]] = {}  # DELTA requests: (chars, tokens) already reported
         # structured requests wait here (outside the scheduler) while their grammar compiles
         self.structured_output = structured_output
         self._compiling: dict[str, Request] = {}
         self.parallel = ParallelRequests()  # n > 1 requests and their sequences
-        self._compile_checked = False  # maybe_compile ran once (its first eager verdict is logged at INFO)
-        # decode steps run eagerly so far, by batch size (requests sampled in the step): auto's past saving
-        self._eager_steps: Counter[int] = Counter()
-        # the ranks compiled at start-up (engine.compile=true; a server's build defers it to maybe_compile)
-        stats = executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
-        self._decoder_compiled = bool(stats.enabled)
-        self.compile_decision = CompileDecision(self._decoder_compiled, startup_reason(str(config.compile),
-                                                                                       self._decoder_compiled))
-        self.compile_planner = CompilePlanner(config, executor)  # engine.compile=auto's measured numbers
-        if self._decoder_compiled:  # what the start-up compile cost is a measurement too
-            self.compile_planner.record_compile(stats)
-        logger.info("%s", self.compile_decision.reason)
-        self._record_compile()
+        self.processor = Processor(tokenizer, vocab_size, self.max_model_len, eos_token_ids,
+                                   structured_output is not None, self.clock)
+        self.output_processor = OutputProcessor(self.block_bytes)
+        self.compile = CompileControl(config, executor, self.metrics, self._make_idle)
         self.faults = scheduler.faults  # one record of per-request failures for every per-request call site
         if structured_output is not None:
             structured_output.faults = self.faults
@@ -111,29 +100,12 @@ class LLMEngine:
         """
         if self.executor.dead is not None:
             raise EngineDeadError(f"the engine is dead ({self.executor.dead}); build a new one")
-        sampling_params = sampling_params or SamplingParams()
-        sampling_params.validate()
-        if sampling_params.structured_outputs is not None and self.structured_output is None:
-            raise ValueError("structured_outputs needs a grammar engine but grammar=none; "
-                             "use grammar=xgrammar (default) or grammar=llguidance")
-        if sampling_params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer but this engine has none; pass stop_token_ids instead")
-        if sampling_params.logit_bias and max(sampling_params.logit_bias) >= self.vocab_size:
-            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}); got {max(sampling_params.logit_bias)}")
-        token_ids = self.tokenize(prompt)
-        parent = ParentRequest(request_id, sampling_params) if sampling_params.n > 1 else None
-        ids = parent.child_ids if parent is not None else [request_id]
-        if any(self._in_use(rid) for rid in {request_id, *ids}):
-            raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
-        params = ([child_sampling_params(sampling_params, i) for i in range(sampling_params.n)]
-                  if parent is not None else [sampling_params])  # every child checked before any is queued
-        arrival = self.clock.now() if arrival_time is None else arrival_time
+        parent, requests = self.processor.process(request_id, prompt, sampling_params, priority, arrival_time,
+                                                  client_id, self._in_use)
         if parent is not None:
             self.parallel.add(parent)
-        for rid, sp in zip(ids, params):
-            self._enqueue(Request(request_id=rid, prompt_token_ids=token_ids, sampling_params=sp,
-                                  prompt=prompt if isinstance(prompt, str) else None, priority=priority,
-                                  client_id=client_id, eos_token_ids=self.eos_token_ids, arrival_time=arrival))
+        for request in requests:
+            self._enqueue(request)
 
     def _in_use(self, request_id: str) -> bool:
         return request_id in self.scheduler.requests or request_id in self._compiling or request_id in self.parallel
@@ -147,26 +119,12 @@ class LLMEngine:
         self.scheduler.add_request(request)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of ``prompt``, checked against the vocabulary and ``max_model_len``.
+        """Token ids of ``prompt``, checked against the vocabulary and ``max_model_len`` (``Processor.tokenize``).
 
         Raises:
             ValueError: see :meth:`add_request`.
         """
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer; pass prompt token ids")
-            token_ids = list(self.tokenizer(prompt).input_ids)
-        else:
-            token_ids = [int(t) for t in prompt]
-        if not token_ids:
-            raise ValueError("empty prompt: give at least one token")
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got "
-                             f"min {min(token_ids)}, max {max(token_ids)}")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
-                             "shorten the prompt or raise max_model_len (up to the model's max positions)")
-        return token_ids
+        return self.processor.tokenize(prompt)
 
     def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
         """Abort running or waiting requests at any point between or inside steps.
@@ -246,43 +204,22 @@ class LLMEngine:
         Returns:
             The decision in force (also in ``metrics.json`` as ``compile_reason``, ``compile_estimate``).
         """
-        self.compile_planner.flush_observed()  # the real steps run so far count in this decision
-        if self.config.compile == "false" or self._decoder_compiled:
-            return self.compile_decision
-        if self.metrics.run_labels.get("simulated"):  # step times are the profile's, compiled or not
-            self.compile_decision = CompileDecision(False, "engine.compile=auto: the executor simulates the model; "
-                                                           "its profile's step times hold")
-            self._record_compile()
-            return self.compile_decision
-        if self.config.compile == "true":  # deferred by the build (a server compiles while answering /health)
-            decision = CompileDecision(True, "engine.compile=true: compiled before the first request")
-        else:  # measuring steps writes dummy K/V too: only on an engine made idle (prefix cache dropped)
-            decision = self.compile_planner.decide(planned_budgets, self._eager_steps, self._make_idle, repeats)
-        if decision.compile and not self._make_idle():
-            decision = CompileDecision(False, "engine.compile=auto: compile put off, requests still hold KV "
-                                              "blocks (the warm-up writes dummy K/V)", decision.estimate)
-        logger.log(logging.INFO if decision.compile or not self._compile_checked else logging.DEBUG, "%s",
-                   decision.reason)
-        self._compile_checked = True
-        self.compile_decision = decision
-        if decision.compile:
-            self.executor.collective_rpc("compile_decoder")  # every rank: collectives stay in step under TP
-            self._decoder_compiled = True
-            self.compile_planner.record_compile(self.metrics.compile_stats.current())
-        self._record_compile()
-        return decision
+        return self.compile.maybe_compile(planned_budgets, repeats)
+
+    @property
+    def compile_decision(self) -> CompileDecision:
+        """The ``engine.compile`` decision in force (``metrics.json``'s ``compile_reason``)."""
+        return self.compile.decision
+
+    @property
+    def compile_planner(self) -> CompilePlanner:
+        """``engine.compile=auto``'s measured numbers for this machine and model."""
+        return self.compile.planner
 
     def _make_idle(self) -> bool:
         """Drop the prefix cache when no request holds a KV block; True if the engine is idle now (the
         dummy steps of a compile warm-up or a step measurement may then write blocks 0, 1, ...)."""
         return not self.scheduler.has_unfinished_requests() and self.scheduler.reset_prefix_cache()
-
-    def _record_compile(self) -> None:
-        """Mirror the compile decision into the metrics (rank 0's compile stats are read live through
-        ``metrics.compile_stats``, set by ``build_engine``)."""
-        self.metrics.compile_info = {"compile_mode": str(self.config.compile),
-                                     "compile_reason": self.compile_decision.reason,
-                                     "compile_estimate": self.compile_decision.estimate}
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -333,7 +270,7 @@ class LLMEngine:
             if request.is_finished:
                 self._observe_finished(output)
         if not self.scheduler.has_unfinished_requests():
-            self.compile_planner.flush_observed(force=False)
+            self.compile.planner.flush_observed(force=False)
         return self._to_caller([o for o in outputs if o is not None])
 
     def _to_caller(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -347,7 +284,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the workers and the grammar compile threads; idempotent. Requests still in flight
         are not finished (abort them first)."""
-        self.compile_planner.flush_observed()
+        self.compile.planner.flush_observed()
         self.executor.shutdown()
         if self.structured_output is not None:
             self.structured_output.shutdown()
@@ -396,8 +333,6 @@ class LLMEngine:
 
     def _fail(self, request: Request, error: str | None) -> RequestOutput:
         """Finish a request that never reached the scheduler as aborted (``error`` set)."""
-        from framework.core.request import RequestStatus
-
         self.structured_output.discard(request.request_id)
         request.status = RequestStatus.FINISHED_ABORTED
         request.error = error
@@ -407,8 +342,6 @@ class LLMEngine:
     def _advance_grammars(self, updated: list[Request]) -> None:
         """Advance matchers on the tokens the scheduler appended; a terminated grammar finishes its
         request with ``stop`` (a violating token is a fault: the manager records it in ``faults``)."""
-        from framework.core.request import RequestStatus
-
         if self.structured_output is None:
             return
         for request in updated:
@@ -424,35 +357,15 @@ class LLMEngine:
 
     def _observe_step(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request],
                       times: tuple[float, float, float, float], draft_s: float = 0.0) -> None:
-        t0, t1, t2, t3 = times
-        n = sched_out.num_scheduled_tokens
-        num_decode = sum(1 for v in n.values() if v == 1)
-        kv_stats = self.scheduler.kv.stats()
-        stats = SchedulerStats(
-            step=self.num_steps, num_running_reqs=len(self.scheduler.running),
-            num_waiting_reqs=self.scheduler.num_waiting,
-            num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
-            num_prefill_tokens=sched_out.total_num_scheduled_tokens - num_decode, num_decode_tokens=num_decode,
-            kv_cache_usage=kv_stats.usage, kv_cache_fragmentation=kv_stats.fragmentation,
-            num_preemptions_swap=len(sched_out.swap_out),
-            num_swap_out_blocks=sum(len(b) for b, _ in sched_out.swap_out),
-            num_swap_in_blocks=sum(len(b) for _, b in sched_out.swap_in),
-            swapped_bytes=self.swap_block_bytes * sum(len(b) for b, _ in sched_out.swap_out + sched_out.swap_in),
-            prefix_cache_hit_rate=kv_stats.hit_rate,
-            num_preemptions=len(sched_out.preempted_req_ids), schedule_s=t1 - t0,
-            prepare_s=runner_out.prepare_s, forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
-            update_s=t3 - t2, step_s=t3 - t0, num_generated_tokens=sum(len(v) for v in
-                                                                          runner_out.sampled_token_ids.values()),
-            num_sampled_reqs=len(updated), num_spec_reqs=len(sched_out.scheduled_spec_decode_tokens),
-            num_draft_tokens=sum(len(v) for v in sched_out.scheduled_spec_decode_tokens.values()),
-            num_accepted_tokens=sum(runner_out.num_accepted_tokens.values()), draft_s=draft_s,
-        )
+        """A step's stats into the metrics and the ``on_step_end`` hook; its decode shape into ``engine.compile``."""
+        stats = scheduler_stats(self.num_steps, self.scheduler, sched_out, runner_out, len(updated), times, draft_s,
+                                self.swap_block_bytes)
         self.num_steps += 1
-        if updated and not self._decoder_compiled:
-            self._eager_steps[len(updated)] += 1
-        if (num_decode == len(n) and not sched_out.scheduled_spec_decode_tokens and not stats.num_swap_out_blocks
-                and not stats.num_swap_in_blocks and self.clock.realtime):  # auto's real step times
-            self.compile_planner.observe_decode_step(num_decode, t2 - t1, self._decoder_compiled)
+        plain = (stats.num_decode_tokens == len(sched_out.num_scheduled_tokens)
+                 and not sched_out.scheduled_spec_decode_tokens and not stats.num_swap_out_blocks
+                 and not stats.num_swap_in_blocks)
+        self.compile.observe_step(len(updated), plain, stats.num_decode_tokens, times[2] - times[1],
+                                  self.clock.realtime)
         self.metrics.observe_step(stats)
         if sched_out.scheduled_spec_decode_tokens:
             self.metrics.observe_draft_positions(sched_out.scheduled_spec_decode_tokens, runner_out.num_accepted_tokens)
@@ -468,42 +381,11 @@ class LLMEngine:
         registry.call_hook("on_request_finished", output=output)
 
     def _make_output(self, request: Request) -> RequestOutput | None:
-        """The caller's view of ``request`` after a step, shaped by ``sampling_params.output_kind``.
-
-        ``CUMULATIVE`` copies text/tokens so far; ``DELTA`` gives only what is new since this
-        request's previous output (no full-list copy); ``FINAL_ONLY`` gives None until finished.
-        While running, the last ``len(longest stop string) - 1`` characters are held back, so a
-        stop string that spans two steps never reaches a stream before it is trimmed.
-        """
-        params = request.sampling_params
-        finished = request.is_finished
-        kind = params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        text = request.output_text
-        if not finished and params.stop and not params.include_stop_str_in_output:
-            text = text[:max(0, len(text) - (max(len(s) for s in params.stop) - 1))]
-        token_ids, logprobs = request.output_token_ids, request.logprobs
-        prompt_logprobs = list(request.prompt_logprobs) if params.prompt_logprobs is not None else None
-        if kind is RequestOutputKind.DELTA:
-            sent_chars, sent_tokens = self._sent.pop(request.request_id, (0, 0))
-            if not finished:
-                self._sent[request.request_id] = (max(sent_chars, len(text)), len(token_ids))
-            text, token_ids, logprobs = text[sent_chars:], token_ids[sent_tokens:], logprobs[sent_tokens:]
-            if sent_tokens:  # prompt logprobs go out once, with the first tokens
-                prompt_logprobs = None
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(token_ids), finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason, logprobs=list(logprobs) if params.logprobs is not None else None)
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
-                             metrics=compute_request_metrics(request, self.block_bytes) if finished else None,
-                             error=request.error, internal_error=request.internal_error,
-                             prompt_logprobs=prompt_logprobs,
-                             num_cached_tokens=request.num_cached_tokens if finished else None)
+        """The caller's view of ``request`` after a step (``OutputProcessor.make_output``)."""
+        return self.output_processor.make_output(request)
 
     @property
-    def kv_allocator(self) -> Any:
+    def kv_allocator(self) -> KVAllocator:
         """The KV allocator (for inspection and tests)."""
         return self.scheduler.kv
 

@@ -1,0 +1,90 @@
+"""When one engine compiles its decoder (``engine.compile``), and what it reports about it.
+
+The rule is :mod:`framework.compilation.policy` with this machine's numbers (:mod:`framework.compilation.calibration`);
+this is the engine's side of it: the decision in force, the decode steps run eagerly so far (``auto``'s past
+saving), the real all-decode step times the calibration learns from, the compile itself on every rank and its
+mirror in the metrics (``compile_mode``, ``compile_reason``, ``compile_estimate``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from framework.compilation.calibration import CompilePlanner
+from framework.compilation.policy import CompileDecision, startup_reason
+from framework.config import EngineConfig
+from framework.interfaces import Executor
+from framework.metrics.collector import MetricsCollector
+
+logger = logging.getLogger(__name__)
+
+
+class CompileControl:
+    """The compile state of one engine.
+
+    Args:
+        config: the engine's config (``engine.compile``).
+        executor: runs ``compile_stats`` / ``compile_decoder`` / ``time_decode_steps`` on every rank.
+        metrics: the engine's collector (``compile_info``; ``compile_stats`` read live; ``run_labels``).
+        make_idle: drops the prefix cache when no request holds a KV block; True if the engine is idle (a
+            warm-up or a step measurement writes dummy K/V into blocks 0, 1, ...).
+    """
+
+    def __init__(self, config: EngineConfig, executor: Executor, metrics: MetricsCollector,
+                 make_idle: Callable[[], bool]) -> None:
+        self.config, self.executor, self.metrics, self._make_idle = config, executor, metrics, make_idle
+        stats = executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
+        # the ranks compiled at start-up (engine.compile=true; a server's build defers it to maybe_compile)
+        self.compiled = bool(stats.enabled)
+        self.decision = CompileDecision(self.compiled, startup_reason(str(config.compile), self.compiled))
+        self.planner = CompilePlanner(config, executor)  # engine.compile=auto's measured numbers
+        if self.compiled:  # what the start-up compile cost is a measurement too
+            self.planner.record_compile(stats)
+        logger.info("%s", self.decision.reason)
+        self._checked = False  # maybe_compile ran once (its first eager verdict is logged at INFO)
+        self.eager_steps: Counter[int] = Counter()  # decode steps run eagerly so far, by batch size
+        self._record()
+
+    def maybe_compile(self, planned_budgets: Sequence[int] | None, repeats: int = 1) -> CompileDecision:
+        """``LLMEngine.maybe_compile`` (its docstring has the rule); returns the decision in force."""
+        self.planner.flush_observed()  # the real steps run so far count in this decision
+        if self.config.compile == "false" or self.compiled:
+            return self.decision
+        if self.metrics.run_labels.get("simulated"):  # step times are the profile's, compiled or not
+            self.decision = CompileDecision(False, "engine.compile=auto: the executor simulates the model; its "
+                                                   "profile's step times hold")
+            self._record()
+            return self.decision
+        if self.config.compile == "true":  # deferred by the build (a server compiles while answering /health)
+            decision = CompileDecision(True, "engine.compile=true: compiled before the first request")
+        else:  # measuring steps writes dummy K/V too: only on an engine made idle (prefix cache dropped)
+            decision = self.planner.decide(planned_budgets, self.eager_steps, self._make_idle, repeats)
+        if decision.compile and not self._make_idle():
+            decision = CompileDecision(False, "engine.compile=auto: compile put off, requests still hold KV "
+                                              "blocks (the warm-up writes dummy K/V)", decision.estimate)
+        logger.log(logging.INFO if decision.compile or not self._checked else logging.DEBUG, "%s", decision.reason)
+        self._checked = True
+        self.decision = decision
+        if decision.compile:
+            self.executor.collective_rpc("compile_decoder")  # every rank: collectives stay in step under TP
+            self.compiled = True
+            self.planner.record_compile(self.metrics.compile_stats.current())
+        self._record()
+        return decision
+
+    def observe_step(self, num_sampled: int, all_plain_decodes: bool, num_decode: int, execute_s: float,
+                     realtime: bool) -> None:
+        """Note a step: its sampled requests count toward the eager steps (until compiled); a step of plain
+        decodes only (no prefill chunk, draft or swap) on the wall clock gives the calibration a real step
+        time (``execute_s`` seconds in the executor at batch ``num_decode``)."""
+        if num_sampled and not self.compiled:
+            self.eager_steps[num_sampled] += 1
+        if all_plain_decodes and realtime:
+            self.planner.observe_decode_step(num_decode, execute_s, self.compiled)
+
+    def _record(self) -> None:
+        """Mirror the decision into the metrics."""
+        self.metrics.compile_info = {"compile_mode": str(self.config.compile), "compile_reason": self.decision.reason,
+                                     "compile_estimate": self.decision.estimate}
