@@ -267,3 +267,26 @@ class StructuredOutputManager:
 
     def __contains__(self, request_id: Any) -> bool:
         return request_id in self._pending or request_id in self.matchers
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Any], so: SchedulerOutput,
+                          num_rows_each: int | list[int]) -> None:
+    """Mask ``logits`` in place with the driver's grammar bitmask (``so.grammar_bitmask``).
+
+    Args:
+        logits: (sum of rows, >= vocab) float; request ``i`` owns ``num_rows_each[i]`` consecutive
+            rows (1 when sampling plainly, k + 1 when verifying k drafts), as does its bitmask block
+            starting at ``so.structured_output_request_ids[request_id]``.
+        requests: the rows' requests; those without a bitmask block are untouched.
+        num_rows_each: rows per request (an int for all).
+    """
+    counts = [num_rows_each] * len(requests) if isinstance(num_rows_each, int) else num_rows_each
+    first = so.structured_output_request_ids
+    rows, mask_rows, start = [], [], 0
+    for request, n in zip(requests, counts, strict=True):
+        if request.request_id in first:
+            rows += range(start, start + n)
+            mask_rows += range(first[request.request_id], first[request.request_id] + n)
+        start += n
+    if rows:
+        apply_token_bitmask(logits, torch.from_numpy(so.grammar_bitmask), rows, mask_rows)

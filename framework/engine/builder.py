@@ -29,7 +29,6 @@ The steps, in the order they run (each a function below, so a reader can follow 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from framework.core.scheduler import Scheduler
 from framework.core.stop import StopChecker
 from framework.core.structured_output import StructuredOutputManager
 from framework.core.swap import SwapSpace
+from framework.engine.compile_control import RankZeroCompileStats
 from framework.engine.llm_engine import LLMEngine
 from framework.interfaces import AttentionLayerSpec, Drafter, Executor
 from framework.metrics.collector import MetricsCollector
@@ -424,31 +424,3 @@ def assemble(config: EngineConfig, scheduler: Scheduler, executor: Executor, tok
                 bytes_per_block, spec.max_model_len)
     registry.call_hook("on_engine_start", config=config.to_dict())
     return engine
-
-
-class RankZeroCompileStats:
-    """Rank 0's :class:`~framework.compilation.decoder.CompileStats`, fetched afresh whenever the metrics
-    read it (recompiles grow inside the worker; a worker process would otherwise leave the driver a
-    stale copy). After the executor died, the last copy fetched."""
-
-    def __init__(self, executor: Executor) -> None:
-        self._executor = executor
-        self._last = executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
-
-    @property
-    def enabled(self) -> bool:
-        """The decoder was compiled (at start-up, or later by ``engine.compile=auto``)."""
-        return self.current().enabled
-
-    def current(self) -> Any:
-        """Rank 0's ``CompileStats`` now (the last copy once the executor is shut down or lost)."""
-        if self._executor.dead is None:
-            with contextlib.suppress(RuntimeError):  # shut down or lost meanwhile: keep the last copy
-                self._last = self._executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
-        return self._last
-
-    def as_dict(self) -> dict[str, Any]:
-        """``CompileStats.as_dict`` of rank 0 now (``metrics.json`` keys)."""
-        return self.current().as_dict()
-
-

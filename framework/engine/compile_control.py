@@ -8,9 +8,11 @@ mirror in the metrics (``compile_mode``, ``compile_reason``, ``compile_estimate`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from framework.compilation.calibration import CompilePlanner
 from framework.compilation.policy import CompileDecision, startup_reason
@@ -88,3 +90,29 @@ class CompileControl:
         """Mirror the decision into the metrics."""
         self.metrics.compile_info = {"compile_mode": str(self.config.compile), "compile_reason": self.decision.reason,
                                      "compile_estimate": self.decision.estimate}
+
+
+class RankZeroCompileStats:
+    """Rank 0's :class:`~framework.compilation.decoder.CompileStats`, fetched afresh whenever the metrics
+    read it (recompiles grow inside the worker; a worker process would otherwise leave the driver a
+    stale copy). After the executor died, the last copy fetched."""
+
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+        self._last = executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
+
+    @property
+    def enabled(self) -> bool:
+        """The decoder was compiled (at start-up, or later by ``engine.compile=auto``)."""
+        return self.current().enabled
+
+    def current(self) -> Any:
+        """Rank 0's ``CompileStats`` now (the last copy once the executor is shut down or lost)."""
+        if self._executor.dead is None:
+            with contextlib.suppress(RuntimeError):  # shut down or lost meanwhile: keep the last copy
+                self._last = self._executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
+        return self._last
+
+    def as_dict(self) -> dict[str, Any]:
+        """``CompileStats.as_dict`` of rank 0 now (``metrics.json`` keys)."""
+        return self.current().as_dict()

@@ -1,4 +1,6 @@
-"""A worker's mirror of the requests it computes (vLLM V1's ``CachedRequestState`` / ``InputBatch``).
+"""A worker's mirror of the requests it computes (vLLM V1's ``CachedRequestState`` / ``InputBatch``), and the
+flattening of a step into the model's inputs and attention metadata (:func:`prepare_inputs`, over the block tables
+of every KV cache group: :func:`block_table`).
 
 Every rank applies each step's :class:`framework.core.step_message.StepMessage` to its
 :class:`InputBatch` and gets back a ``SchedulerOutput`` over its own request states, which the
@@ -9,13 +11,17 @@ and ``min_tokens`` live here, not on the driver.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from framework.core.outputs import SchedulerOutput
+from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
 from framework.core.step_message import StepMessage
+from framework.interfaces import CommonAttentionMetadata
+from framework.sample.prompt_logprobs import PromptLogprobRows, prompt_logprob_rows
 
 
 @dataclass(eq=False)
@@ -102,3 +108,113 @@ class InputBatch:
             finished_req_ids=step.finished_req_ids, swap_out=step.swap_out, swap_in=step.swap_in,
             scheduled_spec_decode_tokens=step.scheduled_spec_decode_tokens,
             grammar_bitmask=step.grammar_bitmask, structured_output_request_ids=step.structured_output_request_ids)
+
+
+@dataclass
+class BatchInputs:
+    """Inputs of one step, requests reordered decodes first (built by ``ModelRunner.prepare_inputs``)."""
+
+    requests: list[Request]  # batch order
+    input_ids: torch.Tensor  # (1, num_tokens) int64
+    positions: torch.Tensor  # (1, num_tokens) int64
+    common: CommonAttentionMetadata  # the first KV cache group's (the only one without sliding-window groups)
+    group_commons: list[CommonAttentionMetadata]  # per KV cache group: the same batch with its block table and slots
+    sample_requests: list[Request]  # requests whose last scheduled token reaches num_tokens (+ drafts)
+    # (num_sample_rows + num_prompt_rows,) int64 flattened token index of each row whose logits the step
+    # needs: the sampled rows, then the prompt-logprob rows (prompt_rows)
+    logits_index: torch.Tensor
+    num_sample_rows: int  # leading rows of logits_index that sample
+    prompt_rows: PromptLogprobRows | None  # trailing rows: prompt logprobs (None when no request asked)
+    num_spec: list[int]  # per sample request: drafts verified this step (rows = num_spec + 1)
+    query_start_loc_cpu: np.ndarray  # (num_reqs + 1,) int64, host copy of common.query_start_loc
+    context_lens_cpu: np.ndarray  # (num_reqs,) int64, host copy of common.context_lens
+
+
+def block_table(so: SchedulerOutput, requests: list[Request], group: int) -> np.ndarray:
+    """``(num_reqs, max_blocks)`` int64 block ids of one KV cache group, batch order, padded with 0."""
+    tables = [so.block_ids[r.request_id][group] for r in requests]
+    padded = np.zeros((len(requests), max(len(t) for t in tables)), dtype=np.int64)
+    for i, table in enumerate(tables):
+        padded[i, :len(table)] = table
+    return padded
+
+
+def prepare_inputs(so: SchedulerOutput, block_size: int, device: torch.device) -> BatchInputs:
+    """Flatten the scheduled tokens of one step (decodes first) into one "super sequence" and its attention
+    metadata, per KV cache group; one Python pass over requests, vectorized over tokens.
+
+    Args:
+        so: the step (the driver's ``SchedulerOutput`` or a worker's, from its :class:`InputBatch`).
+        block_size: tokens per KV block; device: where the tensors go.
+    """
+    n_sched = so.num_scheduled_tokens
+    requests = ([r for r in so.scheduled_requests if n_sched[r.request_id] == 1]
+                + [r for r in so.scheduled_requests if n_sched[r.request_id] > 1])
+    num_decodes = sum(1 for r in requests if n_sched[r.request_id] == 1)
+    query_lens = np.array([n_sched[r.request_id] for r in requests], dtype=np.int64)
+    context_lens = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+    seq_lens = context_lens + query_lens
+    spec = so.scheduled_spec_decode_tokens
+    num_spec = np.array([len(spec.get(r.request_id, ())) for r in requests], dtype=np.int64)
+    token_ids: list[int] = []
+    for request, start, n, k in zip(requests, context_lens.tolist(), query_lens.tolist(), num_spec.tolist()):
+        if k:  # verify: the real tokens, then the drafts
+            token_ids.extend(request.all_token_ids[start:start + n - k])
+            token_ids.extend(spec[request.request_id])
+        else:
+            token_ids.extend(request.all_token_ids[start:start + n])
+    query_start_loc = np.zeros(len(requests) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    req_of_token = np.repeat(np.arange(len(requests)), query_lens)
+    positions = context_lens[req_of_token] + np.arange(num_tokens) - query_start_loc[req_of_token]
+
+    num_groups = len(so.block_ids[requests[0].request_id])  # KV cache groups (one table each)
+    group_tables = [block_table(so, requests, g) for g in range(num_groups)]
+    first_table = group_tables[0]
+    token_block, token_offset = positions // block_size, positions % block_size
+    slot_mapping = first_table[req_of_token, token_block] * block_size + token_offset
+
+    is_last = seq_lens == np.array([r.num_tokens for r in requests], dtype=np.int64) + num_spec
+    sample_idx = np.nonzero(is_last)[0]
+    # k+1 rows per speculating request: the positions of its last real token and its drafts
+    sample_k = num_spec[sample_idx]
+    row_req = np.repeat(sample_idx, sample_k + 1)
+    row_off = np.arange(int((sample_k + 1).sum())) - np.repeat(np.cumsum(sample_k + 1) - (sample_k + 1),
+                                                               sample_k + 1)
+    logits_index = query_start_loc[row_req + 1] - np.repeat(sample_k + 1, sample_k + 1) + row_off
+    num_sample_rows = len(logits_index)
+    prompt_rows = prompt_logprob_rows(requests, query_start_loc, context_lens, query_lens)
+    if prompt_rows is not None:
+        logits_index = np.concatenate([logits_index, prompt_rows.token_index])
+    dev = device
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.from_numpy(query_start_loc).to(dev, torch.int32),
+        seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
+        context_lens=torch.from_numpy(context_lens).to(dev, torch.int32),
+        block_table=torch.from_numpy(first_table).to(dev, torch.int32),
+        slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+        query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
+        num_reqs=len(requests), num_tokens=num_tokens, num_decodes=num_decodes,
+        num_decode_tokens=num_decodes, max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()), block_size=block_size,
+    )
+    group_commons = [common] + [  # the other groups: same batch, their own tables and slots
+        replace(common, block_table=torch.from_numpy(table).to(dev, torch.int32),
+                slot_mapping=torch.from_numpy(table[req_of_token, token_block] * block_size
+                                              + token_offset).to(dev))
+        for table in group_tables[1:]]
+    return BatchInputs(
+        requests=requests,
+        input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev)[None],
+        positions=torch.from_numpy(positions).to(dev)[None],
+        common=common,
+        group_commons=group_commons,
+        sample_requests=[requests[i] for i in sample_idx.tolist()],
+        logits_index=torch.from_numpy(logits_index).to(dev),
+        num_sample_rows=num_sample_rows,
+        prompt_rows=prompt_rows,
+        num_spec=sample_k.tolist(),
+        query_start_loc_cpu=query_start_loc,
+        context_lens_cpu=context_lens,
+    )

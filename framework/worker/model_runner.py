@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -24,39 +23,19 @@ from framework.compilation.cuda_graphs import CUDAGraphOptions, DecodeCUDAGraphs
 from framework.compilation.decoder import CompiledDecoder, CompileStats
 from framework.core.kv_cache_groups import KVCacheLayout
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput, TargetHiddenStates
-from framework.core.request import Request
 from framework.core.step_message import StepMessage
-from framework.core.structured_output import apply_token_bitmask
+from framework.core.structured_output import apply_grammar_bitmask
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from framework.model_executor.forward_context import ForwardContext, GraphAttention, forward_context, prepared_mask
 from framework.model_executor.model_families import output_logits
 from framework.model_executor.prepack import unfuse_gated_mlps
-from framework.sample.prompt_logprobs import PromptLogprobRows, gather_prompt_logprobs, prompt_logprob_rows
+from framework.sample.fault_isolation import guard_requests
+from framework.sample.prompt_logprobs import gather_prompt_logprobs
 from framework.sample.rejection_sampler import RejectionSampler
 from framework.sample.sampler import Sampler
-from framework.worker.input_batch import InputBatch
+from framework.worker.input_batch import BatchInputs, InputBatch, prepare_inputs
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class BatchInputs:
-    """Inputs of one step, requests reordered decodes first (built by ``ModelRunner.prepare_inputs``)."""
-
-    requests: list[Request]  # batch order
-    input_ids: torch.Tensor  # (1, num_tokens) int64
-    positions: torch.Tensor  # (1, num_tokens) int64
-    common: CommonAttentionMetadata  # the first KV cache group's (the only one without sliding-window groups)
-    group_commons: list[CommonAttentionMetadata]  # per KV cache group: the same batch with its block table and slots
-    sample_requests: list[Request]  # requests whose last scheduled token reaches num_tokens (+ drafts)
-    # (num_sample_rows + num_prompt_rows,) int64 flattened token index of each row whose logits the step
-    # needs: the sampled rows, then the prompt-logprob rows (prompt_rows)
-    logits_index: torch.Tensor
-    num_sample_rows: int  # leading rows of logits_index that sample
-    prompt_rows: PromptLogprobRows | None  # trailing rows: prompt logprobs (None when no request asked)
-    num_spec: list[int]  # per sample request: drafts verified this step (rows = num_spec + 1)
-    query_start_loc_cpu: np.ndarray  # (num_reqs + 1,) int64, host copy of common.query_start_loc
-    context_lens_cpu: np.ndarray  # (num_reqs,) int64, host copy of common.context_lens
-
 
 class ModelRunner:
     """Owns the model, the paged KV cache tensors, the attention backend and the sampler.
@@ -406,141 +385,6 @@ class ModelRunner:
         for slots, blocks in so.swap_in:
             self.backend.copy_blocks(self.swap_caches, slots, self.kv_tensors, blocks)
 
-    @staticmethod
-    def _block_table(so: SchedulerOutput, requests: list[Request], group: int) -> np.ndarray:
-        """``(num_reqs, max_blocks)`` int64 block ids of one KV cache group, batch order, padded with 0."""
-        tables = [so.block_ids[r.request_id][group] for r in requests]
-        block_table = np.zeros((len(requests), max(len(t) for t in tables)), dtype=np.int64)
-        for i, table in enumerate(tables):
-            block_table[i, :len(table)] = table
-        return block_table
-
     def prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
-        """Flatten the scheduled tokens; one Python pass over requests, vectorized over tokens."""
-        n_sched = so.num_scheduled_tokens
-        requests = ([r for r in so.scheduled_requests if n_sched[r.request_id] == 1]
-                    + [r for r in so.scheduled_requests if n_sched[r.request_id] > 1])
-        num_decodes = sum(1 for r in requests if n_sched[r.request_id] == 1)
-        query_lens = np.array([n_sched[r.request_id] for r in requests], dtype=np.int64)
-        context_lens = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
-        seq_lens = context_lens + query_lens
-        spec = so.scheduled_spec_decode_tokens
-        num_spec = np.array([len(spec.get(r.request_id, ())) for r in requests], dtype=np.int64)
-        token_ids: list[int] = []
-        for request, start, n, k in zip(requests, context_lens.tolist(), query_lens.tolist(), num_spec.tolist()):
-            if k:  # verify: the real tokens, then the drafts
-                token_ids.extend(request.all_token_ids[start:start + n - k])
-                token_ids.extend(spec[request.request_id])
-            else:
-                token_ids.extend(request.all_token_ids[start:start + n])
-        query_start_loc = np.zeros(len(requests) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        req_of_token = np.repeat(np.arange(len(requests)), query_lens)
-        positions = context_lens[req_of_token] + np.arange(num_tokens) - query_start_loc[req_of_token]
-
-        num_groups = len(so.block_ids[requests[0].request_id])  # KV cache groups (one table each)
-        group_tables = [ModelRunner._block_table(so, requests, g) for g in range(num_groups)]
-        block_table = group_tables[0]
-        token_block, token_offset = positions // self.block_size, positions % self.block_size
-        slot_mapping = block_table[req_of_token, token_block] * self.block_size + token_offset
-
-        is_last = seq_lens == np.array([r.num_tokens for r in requests], dtype=np.int64) + num_spec
-        sample_idx = np.nonzero(is_last)[0]
-        # k+1 rows per speculating request: the positions of its last real token and its drafts
-        sample_k = num_spec[sample_idx]
-        row_req = np.repeat(sample_idx, sample_k + 1)
-        row_off = np.arange(int((sample_k + 1).sum())) - np.repeat(np.cumsum(sample_k + 1) - (sample_k + 1),
-                                                                   sample_k + 1)
-        logits_index = query_start_loc[row_req + 1] - np.repeat(sample_k + 1, sample_k + 1) + row_off
-        num_sample_rows = len(logits_index)
-        prompt_rows = prompt_logprob_rows(requests, query_start_loc, context_lens, query_lens)
-        if prompt_rows is not None:
-            logits_index = np.concatenate([logits_index, prompt_rows.token_index])
-        dev = self.device
-        common = CommonAttentionMetadata(
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev, torch.int32),
-            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
-            context_lens=torch.from_numpy(context_lens).to(dev, torch.int32),
-            block_table=torch.from_numpy(block_table).to(dev, torch.int32),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
-            num_reqs=len(requests), num_tokens=num_tokens, num_decodes=num_decodes,
-            num_decode_tokens=num_decodes, max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()), block_size=self.block_size,
-        )
-        group_commons = [common] + [  # the other groups: same batch, their own tables and slots
-            replace(common, block_table=torch.from_numpy(table).to(dev, torch.int32),
-                    slot_mapping=torch.from_numpy(table[req_of_token, token_block] * self.block_size
-                                                  + token_offset).to(dev))
-            for table in group_tables[1:]]
-        return BatchInputs(
-            requests=requests,
-            input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev)[None],
-            positions=torch.from_numpy(positions).to(dev)[None],
-            common=common,
-            group_commons=group_commons,
-            sample_requests=[requests[i] for i in sample_idx.tolist()],
-            logits_index=torch.from_numpy(logits_index).to(dev),
-            num_sample_rows=num_sample_rows,
-            prompt_rows=prompt_rows,
-            num_spec=sample_k.tolist(),
-            query_start_loc_cpu=query_start_loc,
-            context_lens_cpu=context_lens,
-        )
-
-
-def guard_requests(fn: Callable[[torch.Tensor, list[Any], list[int]], list[Any]], logits: torch.Tensor,
-                   requests: list[Any], rows_each: list[int], what: str, generators: list[torch.Generator],
-                   errors: dict[str, tuple[str, str]]) -> list[Any]:
-    """Per-request fault isolation on the worker side (issue 44; the driver's ``RequestFaults``): run
-    ``fn(logits, requests, rows_each)`` (one result per request) over the batch; if it raises, restore
-    ``generators`` (so no request's draws depend on the failure) and rerun it request by request: a request
-    that still raises gets ``None`` and ``errors[request_id] = (what, "Type: message")`` (the engine aborts
-    it with that error), every other request gets its result. A batch that fails while every request
-    alone succeeds (no culprit) keeps the per-request results.
-
-    Args:
-        logits: ``(sum(rows_each), vocab)`` float; request ``i`` owns ``rows_each[i]`` consecutive rows.
-        what: the failing part, for the error (``"sampler"``).
-    """
-    states = [g.get_state() for g in generators]
-    try:
-        return fn(logits, requests, rows_each)
-    except Exception:  # noqa: BLE001 - find the culprit below
-        logger.warning("%s failed on a batch of %d requests; retrying them one by one", what, len(requests),
-                       exc_info=True)
-    for g, state in zip(generators, states):
-        g.set_state(state)
-    results, start = [], 0
-    for request, n in zip(requests, rows_each, strict=True):
-        try:
-            results.append(fn(logits[start:start + n], [request], [n])[0])
-        except Exception as exc:  # noqa: BLE001 - this request's fault only
-            errors[request.request_id] = (f"{what} on worker rank 0", f"{type(exc).__name__}: {exc}")
-            results.append(None)
-        start += n
-    return results
-
-
-def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Any], so: SchedulerOutput,
-                          num_rows_each: int | list[int]) -> None:
-    """Mask ``logits`` in place with the driver's grammar bitmask (``so.grammar_bitmask``).
-
-    Args:
-        logits: (sum of rows, >= vocab) float; request ``i`` owns ``num_rows_each[i]`` consecutive
-            rows (1 when sampling plainly, k + 1 when verifying k drafts), as does its bitmask block
-            starting at ``so.structured_output_request_ids[request_id]``.
-        requests: the rows' requests; those without a bitmask block are untouched.
-        num_rows_each: rows per request (an int for all).
-    """
-    counts = [num_rows_each] * len(requests) if isinstance(num_rows_each, int) else num_rows_each
-    first = so.structured_output_request_ids
-    rows, mask_rows, start = [], [], 0
-    for request, n in zip(requests, counts, strict=True):
-        if request.request_id in first:
-            rows += range(start, start + n)
-            mask_rows += range(first[request.request_id], first[request.request_id] + n)
-        start += n
-    if rows:
-        apply_token_bitmask(logits, torch.from_numpy(so.grammar_bitmask), rows, mask_rows)
+        """This step's flattened inputs (:func:`framework.worker.input_batch.prepare_inputs`)."""
+        return prepare_inputs(so, self.block_size, self.device)

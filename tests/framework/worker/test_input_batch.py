@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pickle
 import random
-import types
 
 import numpy as np
 import torch
@@ -19,15 +18,14 @@ from framework.core.step_message import StepMessageBuilder
 from framework.core.stop import StopChecker
 from framework.core.swap import SwapSpace
 from framework.testing.shadow_cache import fake_runner, propose_drafts
-from framework.worker.input_batch import InputBatch
-from framework.worker.model_runner import ModelRunner
+from framework.worker.input_batch import InputBatch, prepare_inputs
 
 BLOCK = 4
 
 
 def _prepare(so):
-    """``ModelRunner.prepare_inputs`` needs only the block size and the device of a runner."""
-    return ModelRunner.prepare_inputs(types.SimpleNamespace(block_size=BLOCK, device=torch.device("cpu")), so)
+    """``prepare_inputs`` needs only the block size and the device."""
+    return prepare_inputs(so, BLOCK, torch.device("cpu"))
 
 
 def _assert_same_inputs(a, b) -> None:
