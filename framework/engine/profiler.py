@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 from framework.config import EngineConfig
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
+from framework.engine.llm_engine import LLMEngine
 from framework.sim.features import step_features
 from framework.sim.predictor import LinearStepModel
 from framework.sim.profile import StepProfile, measured_device, profile_key
@@ -109,7 +110,7 @@ class StepRecorder:
     and, with a grammar engine, its bitmask fill (time and rows). Restore the originals with :meth:`close`.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.samples: list[dict[str, float]] = []
         self.mask_s, self.mask_rows = 0.0, 0

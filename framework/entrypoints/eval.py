@@ -40,6 +40,7 @@ from omegaconf import DictConfig
 
 from framework import registry
 from framework.config import EngineConfig
+from framework.interfaces.engine import EngineClient
 
 logger = logging.getLogger("servelab.eval")
 
@@ -145,7 +146,7 @@ def resolve_tasks(ev: DictConfig) -> tuple[list[str | dict[str, Any]], Any]:
 
 
 @contextlib.contextmanager
-def serving_in_thread(cfg: DictConfig, engine: Any, name: str) -> Iterator[tuple[str, Any]]:
+def serving_in_thread(cfg: DictConfig, engine: EngineClient, name: str) -> Iterator[tuple[str, Any]]:
     """Serve a built engine with the OpenAI app of ``servelab serve``, on a free 127.0.0.1 port, uvicorn on a
     thread (``name``: the served model name).
 
@@ -185,7 +186,7 @@ def serving_in_thread(cfg: DictConfig, engine: Any, name: str) -> Iterator[tuple
         engine.shutdown()
 
 
-def run_eval(cfg: DictConfig, engine: Any, engine_config: EngineConfig, tasks: list[str | dict[str, Any]],
+def run_eval(cfg: DictConfig, engine: EngineClient, engine_config: EngineConfig, tasks: list[str | dict[str, Any]],
              task_manager: Any, run_dir: Path) -> dict[str, Any]:
     """Serve ``engine``, run lm-eval's ``local-completions`` on ``tasks`` (:func:`resolve_tasks`) against it,
     write the run files (module docstring) and call ``on_run_end``; returns the summary (engine metrics +

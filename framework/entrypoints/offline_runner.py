@@ -14,6 +14,7 @@ from framework.compilation.policy import output_budget
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
+from framework.interfaces.engine import EngineClient
 from framework.workloads.item import WorkloadItem
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def _progress(enabled: bool, total: int) -> Iterator[Any]:
         yield lambda: bar.advance(task)
 
 
-def run_workload(engine: Any, items: list[WorkloadItem], default_sampling: SamplingParams,
+def run_workload(engine: EngineClient, items: list[WorkloadItem], default_sampling: SamplingParams,
                  progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run ``items`` through ``engine`` until every request finished.
 
@@ -108,7 +109,7 @@ def run_workload(engine: Any, items: list[WorkloadItem], default_sampling: Sampl
     return [records[item.request_id] for item in items], summary
 
 
-def _submit(engine: Any, item: WorkloadItem, default_sampling: SamplingParams, arrival_time: float) -> str | None:
+def _submit(engine: EngineClient, item: WorkloadItem, default_sampling: SamplingParams, arrival_time: float) -> str | None:
     """Add one item to the engine; returns the rejection message, or ``None`` when queued."""
     prompt = item.prompt_token_ids if item.prompt_token_ids is not None else item.prompt
     try:
