@@ -34,6 +34,7 @@ from framework.compilation import policy as compile_policy
 from framework.compilation.policy import CALIBRATION_BATCH_SIZES, CompileCosts, CompileDecision, decide_compile
 from framework.config import EngineConfig
 from framework.interfaces import Executor
+from framework.model_executor.model_loader import load_model_config
 from framework.platform import cpu_name
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,6 @@ class CompilePlanner:
 
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         try:
-            from framework.model_executor.model_loader import load_model_config
 
             model_config_json = load_model_config(config.model).to_json_string()
         except Exception:  # noqa: BLE001 - a model whose config cannot be read here: keyed by its name alone

@@ -14,7 +14,7 @@ its row is left unmasked, and its sampled token is dropped with the abort.
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -94,7 +94,6 @@ class StructuredOutputManager:
 
     def wait_any(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` seconds for any pending compile (used when nothing else can run)."""
-        from concurrent.futures import FIRST_COMPLETED, wait
 
         if self._pending:
             wait(list(self._pending.values()), timeout=timeout_s, return_when=FIRST_COMPLETED)

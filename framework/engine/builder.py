@@ -49,7 +49,8 @@ from framework.engine.llm_engine import LLMEngine
 from framework.interfaces import AttentionLayerSpec, Drafter, Executor
 from framework.metrics.collector import MetricsCollector
 from framework.model_executor.embeddings import load_embeddings
-from framework.model_executor.model_loader import load_tokenizer
+from framework.model_executor.model_families import attention_layers, family_of
+from framework.model_executor.model_loader import checkpoint_dtype, load_model_config, load_tokenizer
 from framework.model_executor.tensor_parallel import rank_layout, tp_problems
 from framework.platform import DtypeChoice, choose_dtype
 
@@ -160,7 +161,6 @@ def dtype_choice(config: EngineConfig) -> DtypeChoice:
     """
     checkpoint = config.dtype
     if config.dtype == "auto":
-        from framework.model_executor.model_loader import checkpoint_dtype, load_model_config
 
         checkpoint = checkpoint_dtype(load_model_config(config.model))
     profile = str(config.executor_params.get("profile", "")) if config.executor == "sim" else ""
@@ -234,8 +234,6 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
             names the backends that can), or a ``tensor_parallel_size`` the model cannot be sharded over
             (:func:`tensor_parallel_problems`).
     """
-    from framework.model_executor.model_families import attention_layers, family_of
-    from framework.model_executor.model_loader import load_model_config
 
     mc = load_model_config(config.model)
     refuse_prequantized(mc)

@@ -31,6 +31,7 @@ import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from framework import registry
 from framework.compilation.policy import CompileDecision
 from framework.config import EngineConfig
 from framework.core.clock import Clock
@@ -38,6 +39,7 @@ from framework.core.faults import EngineDeadError
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import SamplingParams
 from framework.distributed.parallel_state import replica_cpus
+from framework.engine.builder import build_llm_engine
 from framework.engine.dp_metrics import DataParallelMetrics
 from framework.engine.llm_engine import LLMEngine
 from framework.engine.replica_set import ReplicaSet
@@ -286,8 +288,6 @@ def build_data_parallel_engine(config: EngineConfig, metrics: MetricsCollector |
     Raises:
         as ``build_llm_engine``; replicas already built are shut down when a later one fails.
     """
-    from framework import registry
-    from framework.engine.builder import build_llm_engine
 
     metrics = metrics or MetricsCollector()
     router = registry.create("router", config.router, seed=config.seed, **config.plugin_params("router"))

@@ -27,7 +27,9 @@ from typing import Any, NamedTuple
 from framework.config import EngineConfig
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
+from framework.engine.builder import build_llm_engine
 from framework.engine.llm_engine import LLMEngine
+from framework.model_executor.model_loader import load_model_config
 from framework.sim.features import step_features
 from framework.sim.predictor import LinearStepModel
 from framework.sim.profile import StepProfile, measured_device, profile_key
@@ -259,9 +261,6 @@ def measure_profile(config: EngineConfig, grid: str = "default", seed: int = 0,
         ValueError: an unknown grid, or what ``build_llm_engine`` raises for ``config``.
     """
     import torch
-
-    from framework.engine.builder import build_llm_engine
-    from framework.model_executor.model_loader import load_model_config
 
     if grid not in GRIDS:
         raise ValueError(f"unknown profile grid {grid!r}; valid: {', '.join(GRIDS)}")

@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Any
 
-from framework.sim.profile import cache_path
+from framework.sim.profile import StepProfile, cache_path
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with exit_on_config_error():
         if args.merge:
-            from framework.sim.profile import StepProfile
 
             profile = merge_profiles([StepProfile.load(path) for path in args.merge])
             print(f"wrote merged profile {profile.save(args.out or cache_path(profile))}")

@@ -15,7 +15,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from framework import registry
+from framework.config import PLUGIN_FIELDS
 from framework.entrypoints.hydra_config import REPO_ROOT
+from framework.entrypoints.plugin_info import chosen_plugin_sources
 
 RECORD_FILE = "run_record.json"
 
@@ -62,9 +64,6 @@ def build_run_record(cfg: DictConfig, engine_config: Any) -> dict[str, Any]:
     workload), ``platform``, ``argv`` and ``sweep_group``; ``config`` is the resolved run config.
     """
     import torch
-
-    from framework.config import PLUGIN_FIELDS
-    from framework.entrypoints.plugin_info import chosen_plugin_sources
 
     choices = {kind: getattr(engine_config, kind) for kind in PLUGIN_FIELDS}
     if cfg.get("tracker") is not None:

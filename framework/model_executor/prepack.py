@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.platform import cpu_isa
+
 logger = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 LM_HEAD_BATCH_HINT = 64  # rows the LM head's packed layout is tuned for (see PrepackedLinear)
@@ -191,7 +193,6 @@ def should_prepack(mode: str, device: torch.device, dtype: torch.dtype, compile_
     if mode == "off" or device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if dtype.is_floating_point and not onednn_has_kernels(dtype):
-        from framework.platform import cpu_isa
 
         (logger.warning if mode == "on" else logger.info)(
             "prepack_linears=%s: %s GEMMs keep ATen's kernels: oneDNN has no %s path on %s",

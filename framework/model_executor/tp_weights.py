@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.distributed.parallel_state import ensure_model_parallel_initialized
 from framework.model_executor.model_loader import DTYPES, LoadedModel, eos_token_ids, load_model, resolve_model_path
 from framework.model_executor.parallel_layers import Shard
 from framework.model_executor.tensor_parallel import WeightSources, meta_model, shard_model, tp_problems
@@ -168,8 +169,6 @@ def load_tp_model(model: str, dtype: str, device: str, tp_rank: int, tp_size: in
     if tp_size == 1:
         return load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation)
     import torch.distributed as dist
-
-    from framework.distributed.parallel_state import ensure_model_parallel_initialized
 
     if not dist.is_initialized():
         raise RuntimeError("load_tp_model needs torch.distributed initialised (the executor's worker does it)")

@@ -33,10 +33,14 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from framework import registry
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput
 from framework.core.request import Request
+from framework.core.sampling_params import SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.step_message import StepMessageBuilder
+from framework.core.stop import StopChecker
+from framework.core.swap import SwapSpace
 from framework.interfaces import KVCacheGroup
 from framework.interfaces.kv_allocator import FULL_ATTENTION
 from framework.worker.input_batch import InputBatch
@@ -257,10 +261,6 @@ def check_against_shadow_cache(allocator_cls: type, policies: Sequence[str] = ("
     Raises:
         AssertionError: a stale/foreign KV read, a leaked block, or no progress.
     """
-    from framework import registry
-    from framework.core.sampling_params import SamplingParams
-    from framework.core.stop import StopChecker
-    from framework.core.swap import SwapSpace
 
     rng = random.Random(seed)
     for policy in policies:

@@ -37,8 +37,10 @@ from framework.distributed.parallel_state import (
     initialize_model_parallel,
 )
 from framework.interfaces import AttentionBackend, AttentionLayerSpec
+from framework.model_executor import parallel_layers
 from framework.model_executor.cpu_malloc import tune_malloc
 from framework.model_executor.forward_context import register_attention_implementation
+from framework.model_executor.model_families import attention_layers
 from framework.model_executor.model_loader import LoadedModel, load_model
 from framework.model_executor.prepack import prepack_linears, should_prepack
 from framework.model_executor.tensor_parallel import rank_layout
@@ -175,7 +177,6 @@ class Worker:
     def load_model(self) -> None:
         """Load this rank's weights (quantized, prepacked), build its attention backend for its
         heads and plan its KV cache layout (the driver's: ``plan_kv_cache_layout``)."""
-        from framework.model_executor.model_families import attention_layers
 
         self.loaded = load_weights(self.config, self.rank, self.world_size)
         mc = self.loaded.config
@@ -244,8 +245,6 @@ class Worker:
         import functools
 
         import torch.distributed as dist
-
-        from framework.model_executor import parallel_layers
 
         self._collective = {"collective_s": 0.0, "num_collectives": 0, "depth": 0}
         targets = [(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "gather",

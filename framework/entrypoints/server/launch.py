@@ -23,8 +23,13 @@ from omegaconf import DictConfig
 from framework import registry
 from framework.config import EngineConfig
 from framework.core.faults import EngineDeadError
+from framework.distributed.parallel_state import replica_cpus
 from framework.engine.async_llm import AsyncLLM
+from framework.engine.core import engine_facts
 from framework.entrypoints.config_errors import exit_on_config_error
+from framework.entrypoints.engine import build_engine
+from framework.metrics.collector import MetricsCollector
+from framework.model_executor.model_loader import load_tokenizer
 
 logger = logging.getLogger("servelab.server")
 
@@ -79,8 +84,6 @@ def build_server_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
             (``executor=sim`` with ``clock=virtual``).
     """
     _check_serve_extra()
-    from framework.entrypoints.engine import build_engine
-    from framework.metrics.collector import MetricsCollector
 
     engine = build_engine(engine_config, metrics=MetricsCollector(slo_ttft_ms=cfg.slo.ttft_ms, slo_tpot_ms=cfg.slo.tpot_ms,
                                                                   max_records=SERVER_METRICS_RECORDS),
@@ -115,7 +118,6 @@ def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metr
     Raises:
         ValueError, FileNotFoundError, ImportError: the config is refused (a core's build, or the clock check).
     """
-    from framework.engine.core import engine_facts
 
     if not cfg.server.get("engine_process", True):
         engine = build_server_engine(cfg, engine_config)
@@ -124,7 +126,6 @@ def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metr
     import dataclasses
 
     from framework.engine.core_client import MPCoreClient
-    from framework.model_executor.model_loader import load_tokenizer
 
     _check_serve_extra()
     tokenizer, _ = load_tokenizer(engine_config.model, engine_config.tokenizer)
@@ -148,7 +149,6 @@ def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metr
         llm.shutdown(timeout_s=10)
         raise
     if n > 1:
-        from framework.distributed.parallel_state import replica_cpus
 
         logger.info("data parallel: %d engine-core processes (CPUs %s), router=%s", n,
                     [list(replica_cpus(i, n)) for i in range(n)], engine_config.router)
