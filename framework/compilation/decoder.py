@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
+from framework.compilation import vec_isa
 from framework.compilation.regions import (
     LayerGraphs,
     LayerHandle,
@@ -270,6 +271,8 @@ class CompiledDecoder:
         """Inductor, counting compiled graphs in ``stats.num_graphs`` and logging each one (``label``:
         what the graph is, by default this step's layer graph)."""
         from torch._inductor.compile_fx import compile_fx
+
+        vec_isa.install()  # inductor's per-process ISA probes, answered from this machine's record
 
         self.stats.num_graphs += 1
         step = label or f"{step_key_name(self._step_key)} step"

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from framework import hookimpl
+from framework.compilation import vec_isa
 from framework.compilation.decoder import inductor_config
 from framework.hookspecs import Register
 from framework.interfaces import AttentionBackend, AttentionLayerSpec, CommonAttentionMetadata
@@ -52,6 +53,7 @@ def _counting_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> A
     """Inductor, counting compilations and their wall time in :data:`COMPILE_STATS`."""
     from torch._inductor import compile_fx
 
+    vec_isa.install()  # inductor's per-process ISA probes, answered from this machine's record
     start = time.perf_counter()
     # the slots come from the engine's block tables (always in range): no per-load bounds checks; FMAs for bf16/fp16
     compiled = compile_fx.compile_fx(gm, example_inputs, config_patches=inductor_config(example_inputs))
