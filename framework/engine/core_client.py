@@ -208,6 +208,9 @@ class MPCoreClient(CoreClient):
             return
         starting = not self._ready.is_set()
         self.process.join(min(timeout_s, STARTING_CORE_WAIT_S) if starting else timeout_s)
+        if starting and self._ready.is_set():  # it became ready meanwhile: it reads the command now
+            starting = False
+            self.process.join(max(timeout_s - STARTING_CORE_WAIT_S, 0.0))
         if self.process.is_alive():
             if starting:
                 logger.info("engine core %d is still starting; stopping it", self.replica_id)
