@@ -12,7 +12,7 @@ same tokens (the same kernels run on the same inputs).
 
 Example (2-core CPU, SmolLM2-135M bf16; the seventh session's numbers are in docs/results.md)::
 
-    .venv/bin/python experiments/bench_layer_stack.py --model smollm2 --rounds 10 --json-out docs/results/issue43/layer_stack.json
+    .venv/bin/python experiments/bench_layer_stack.py --model smollm2 --rounds 10 --json-out docs/results/batch1/layer_stack.json
 """
 
 from __future__ import annotations

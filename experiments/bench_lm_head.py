@@ -13,7 +13,7 @@ script says when they do not: the heads round differently in their last bits).
 
 Example (2-core CPU, SmolLM2-135M bf16; the fifth session's numbers are in docs/results.md)::
 
-    .venv/bin/python experiments/bench_lm_head.py --model smollm2 --rounds 6 --json-out docs/results/issue43/lm_head.json
+    .venv/bin/python experiments/bench_lm_head.py --model smollm2 --rounds 6 --json-out docs/results/batch1/lm_head.json
 """
 
 from __future__ import annotations

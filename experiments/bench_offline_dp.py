@@ -10,7 +10,7 @@ eager (``compile=False``): the comparison is of the parallel layout, not of comp
 
 Example (2-core AMD EPYC, SmolLM2-135M bf16)::
 
-    .venv/bin/python experiments/bench_offline_dp.py --json-out docs/results/issue49/offline_dp.json
+    .venv/bin/python experiments/bench_offline_dp.py --json-out docs/results/parallel/offline_dp.json
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ first (> 1: slower than the first hint).
 
 Example (2-core CPU, SmolLM2-135M; the sixth session's numbers are in docs/results.md)::
 
-    .venv/bin/python experiments/bench_prepack_layout.py --model smollm2 --json-out docs/results/issue49/prepack_layout.json
+    .venv/bin/python experiments/bench_prepack_layout.py --model smollm2 --json-out docs/results/cpu_speed/prepack_layout.json
 """
 
 from __future__ import annotations

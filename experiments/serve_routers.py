@@ -6,7 +6,7 @@ CPUs), ``experiments/bench_serving.py`` replays the workload (``shared_prefix`` 
 arrival times), then the server's ``/metrics`` gives the prefix-cache hit rate (hit / queried prompt tokens over
 the replicas) and each replica's routed requests. Measured, on this machine's CPUs, with nothing else running.
 
-    .venv/bin/python experiments/serve_routers.py --out docs/results/issue49/serve_routers.json
+    .venv/bin/python experiments/serve_routers.py --out docs/results/parallel/serve_routers.json
     .venv/bin/python experiments/serve_routers.py --routers round_robin,cache_aware --workloads shared_prefix
 """
 

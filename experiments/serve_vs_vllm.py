@@ -13,7 +13,7 @@ each ``--request-rates`` value (``inf`` = saturation) on its ``random`` dataset:
 Example (2-core AMD EPYC, SmolLM2-135M)::
 
     .venv/bin/python experiments/serve_vs_vllm.py --dtype bfloat16 --request-rates 16,inf \
-        --systems servelab,servelab-inproc,vllm,vllm-eager --out docs/results/issue49/serve_bf16.json
+        --systems servelab,servelab-inproc,vllm,vllm-eager --out docs/results/serving/serve_bf16.json
 
 Writes one JSON with every run's vLLM result (``output_throughput`` tok/s, ``median_ttft_ms``, ``p99_ttft_ms``,
 ``median_itl_ms``, ``p99_itl_ms``...) and prints a table with each system's ratio to the best vLLM mode.

@@ -11,7 +11,7 @@ never share the CPUs.
 
 Example (2-core AMD EPYC, SmolLM2-135M bf16; vLLM from the recipe in ``experiments/bench_vs_vllm.py``)::
 
-    .venv/bin/python experiments/time_to_healthy.py --rounds 2 --json-out docs/results/issue43/time_to_healthy.json
+    .venv/bin/python experiments/time_to_healthy.py --rounds 2 --json-out docs/results/compile/time_to_healthy.json
 """
 
 from __future__ import annotations
