@@ -36,9 +36,9 @@ def test_models_lists_each_family_with_needs_backends_and_test(capsys):
     assert "Gemma 2" in capsys.readouterr().out
 
 
-def test_readme_table_is_servelab_models():
-    """The README's family table is ``servelab models --markdown`` (regenerate it when a family changes)."""
-    assert markdown_table() in (REPO / "README.md").read_text()
+def test_models_doc_table_is_servelab_models():
+    """docs/models.md's family table is ``servelab models --markdown`` (regenerate it when a family changes)."""
+    assert markdown_table() in (REPO / "docs" / "models.md").read_text()
 
 
 def test_chosen_plugin_sources_names_package_and_version():
