@@ -5,7 +5,7 @@ resource tracker dies too), and a rank out of memory. Each row runs its driver i
 session; afterwards every process its tree ever had is gone and no name appeared in ``/dev/shm`` that no live
 process uses (the folder listed before and after: the matrix checks both after every row), the requests lost
 are exactly those in flight, and the user is told within the bound. The whole matrix (every executor, phase and
-site; ``docs/results.md``) is the experiment's. Isolated: the ``/dev/shm`` comparison is machine-wide."""
+site; ``docs/results/reliability.md``) is the experiment's. Isolated: the ``/dev/shm`` comparison is machine-wide."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: The compile warm-up assumed before this machine has compiled the model, seconds: SmolLM2-135M bf16
-#: on a 2-core AMD EPYC (docs/results.md, 2026-11-27): ~35 s cold (inductor's C++ toolchain probes,
+#: on a 2-core AMD EPYC (docs/results/compile.md, 2026-11-27): ~35 s cold (inductor's C++ toolchain probes,
 #: the paged attention kernel and three layer graphs), ~5 s from inductor's on-disk cache.
 PRIOR_WARM_UP_S = {"cold": 40.0, "cached": 6.0}
 #: Compiled over eager decode step time assumed until a compiled step is measured, by batch size

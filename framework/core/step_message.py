@@ -10,7 +10,7 @@ preemption), and its ``num_computed_tokens``. A model with KV cache groups
 (``framework/core/kv_cache_groups.py``) has one block table per group; a sliding-window group's
 leading entries turn into the null block as they leave the window, which the message carries as one
 count per group. A decode step of ``B`` requests is therefore
-``O(B)`` small integers, whatever the prompt lengths (see ``docs/architecture.md``, "Executor layer").
+``O(B)`` small integers, whatever the prompt lengths (see ``docs/decisions/executor.md``).
 
 :class:`StepMessageBuilder` is the driver's half: it remembers, per request, how many tokens and
 blocks the workers already hold.

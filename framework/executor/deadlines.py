@@ -40,7 +40,7 @@ class Deadlines:
         startup_timeout_s: process start to "weights loaded" of every rank.
         rpc_timeout_s: any call but ``execute_model`` and the compile warm-up.
         compile_timeout_s: a compile warm-up (cold ``torch.compile`` of SmolLM2's layer graphs: ~20-30 s
-            on 2 cores, docs/results.md; a large model or a slow machine takes many times that).
+            on 2 cores, docs/results/reliability.md; a large model or a slow machine takes many times that).
         execute_timeout_s: the step deadline's ceiling, and the deadline before any step was measured.
         min_step_deadline_s: the step deadline's floor (absorbs scheduling noise on a shared machine).
         step_deadline_factor: the step deadline is this many times the step's expected time.

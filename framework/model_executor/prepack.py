@@ -10,7 +10,7 @@ and what IPEX calls weight prepacking; this applies it to the eager model: every
 ``auto`` (the default) prepacks every CPU model, float32 included, as vLLM's CPU backend does (its
 ``dispatch_cpu_unquantized_gemm`` gives float32 linears oneDNN too): served float32 SmolLM2 under ``vllm bench
 serve`` went from 0.91x / 0.94x of ``vllm serve`` (16 req/s / saturation) to 0.96x / 1.29x with it, one run each
-(docs/results.md, issue 49), and greedy
+(docs/results/serving.md), and greedy
 outputs still equal transformers' token for token in every parity test (oneDNN's float32 GEMM rounds
 differently from ATen's in the last bits; ``engine.prepack_linears=off`` keeps ATen's kernels, the path
 transformers itself runs). Quantized linears
@@ -21,7 +21,7 @@ except in a compiled graph of one row (batch-1 decode, specialised by dynamo): t
 :func:`traced_gemv` on the plain weight, a multiply-and-sum that inductor generates and fuses with its
 neighbours (gate/up share one loop). oneDNN's M=1 GEMV streamed the weights at ~17 GB/s here, the
 generated loops at ~23 GB/s (read bandwidth ~33 GB/s), and the graph then has no extern call:
-SmolLM2 bf16 batch-1 decode step ~23 -> ~16 ms (docs/results.md).
+SmolLM2 bf16 batch-1 decode step ~23 -> ~16 ms (docs/decisions/cpu_speed.md).
 
 Linears that read the same input are also fused into one GEMM, as vLLM's ``QKVParallelLinear`` and
 ``MergedColumnParallelLinear`` do: ``gate_proj``/``up_proj`` of every gated MLP

@@ -16,7 +16,7 @@ Three kinds, one interface (:class:`StepTimePredictor`):
   error (weights ``1 / t^2``) with non-negative coefficients, and a prediction is one dot product, so a
   10,000-request virtual run does not pay a model call per step (Vidur, Agrawal et al., MLSys'24, fits
   random forests per operator and tabulates their predictions for the same reason). Measured on
-  SmolLM2 (docs/results.md): a random forest did no better on held-out steps.
+  SmolLM2 (docs/results/simulator.md): a random forest did no better on held-out steps.
 * ``RooflineStepModel`` (``framework.sim.roofline``) — analytic, for devices not here.
 * :class:`ReplayStepModel` — the recorded step times of a real run, in order (the replay test).
 """

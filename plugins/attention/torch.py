@@ -102,7 +102,7 @@ class TorchAttentionBackend(AttentionBackend):
         decode_kernel: how decodes handle GQA, an ablation switch
             (``attention.params.decode_kernel=...``): ``packed`` (default) runs SDPA with each KV
             head's query heads packed as query rows; ``gqa`` runs SDPA with one query row per head
-            and ``enable_gqa=True`` (on CPU ~2x slower end to end; see docs/results.md).
+            and ``enable_gqa=True`` (on CPU ~2x slower end to end; see docs/decisions/attention.md).
         prefill_kernel: the same choice for prefill chunks (``attention.params.prefill_kernel=...``):
             ``packed`` (default) runs SDPA on ``[R, KVH, G * max_q, D]`` queries, the causal mask
             repeated per query head (built once per step); ``gqa`` on ``[R, H, max_q, D]`` with

@@ -25,7 +25,7 @@ model's time and tokens are modelled (LLM-Emu's idea, Vidur's cost models). Para
 ``parallel.tensor_parallel_size`` is the simulated TP degree (per-rank heads in the memory model, collectives in
 the roofline). One executor is one replica with its own virtual clock; a router over several replicas (a later
 issue) is a discrete-event loop over their engines: step the busy replica whose clock reads earliest, hand an
-arrival at time t to a replica after ``engine.clock.sleep_until(t)`` if it idles (docs/architecture.md).
+arrival at time t to a replica after ``engine.clock.sleep_until(t)`` if it idles (docs/decisions/simulator.md).
 """
 
 from __future__ import annotations

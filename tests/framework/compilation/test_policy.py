@@ -25,7 +25,7 @@ def _costs(warm_up_s=10.0, eager=None, compiled=None):
     return CompileCosts(warm_up_s, "test", eager or {1: 30.0, 64: 180.0}, compiled or {}, "test")
 
 
-#: A calibration record as the 2-core EPYC measured SmolLM2 bf16 (docs/results.md, issue 43): eager and compiled
+#: A calibration record as the 2-core EPYC measured SmolLM2 bf16 (docs/results/compile.md): eager and compiled
 #: decode steps at batch 1 and 64, ms, and the compile warm-up from inductor's cache, s.
 EPYC = CompileCosts(3.9, "cached estimate from the cold one measured here", {1: 29.3, 64: 81.2}, {1: 14.8, 64: 61.1},
                     "eager and compiled measured here")
