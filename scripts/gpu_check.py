@@ -15,7 +15,7 @@ tree):
 
 Steps, each logged with its wall time (under ``$OUT``, or the directory given): environment (GPU,
 driver, torch, triton, flashinfer versions) -> ``env.json``; ``pytest -m gpu`` -> ``pytest.xml``;
-``experiments/bench_attention.py`` -> ``bench_attention.json``; everything -> ``gpu_check.json`` and
+``python -m experiments.engine.bench_attention`` -> ``bench_attention.json``; everything -> ``gpu_check.json`` and
 ``gpu_check.log``. ``--dry-run`` (any machine) prints the steps and checks that pytest collects the GPU
 tests, so a GPU session loses no minutes to a broken script.
 
@@ -166,7 +166,7 @@ def plan(py: str, out: Path, model: str) -> list[tuple[str, list[str], int]]:
     """The check's commands: ``(name, argv, timeout_s)`` for pytest and the benchmark on ``model``."""
     return [("pytest", [py, "-m", "pytest", "-m", "gpu", "-rs", "-q", "-p", "no:cacheprovider",
                         f"--junitxml={out / 'pytest.xml'}", *GPU_TESTS], PYTEST_TIMEOUT_S),
-            ("bench", [py, "experiments/bench_attention.py", "--model", model, *BENCH_ARGS,
+            ("bench", [py, "-m", "experiments.engine.bench_attention", "--model", model, *BENCH_ARGS,
                        "--json-out", str(out / "bench_attention.json")], BENCH_TIMEOUT_S)]
 
 

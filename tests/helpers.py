@@ -9,7 +9,7 @@ import pluggy
 REPO = Path(__file__).resolve().parents[1]
 STORIES = str(REPO / "models" / "stories260K")
 STORIES_DRAFT = str(REPO / "models" / "stories260K-draft")
-STORIES_EAGLE = str(REPO / "models" / "stories260K-eagle")  # EAGLE-1 head for stories260K (experiments/train_eagle.py)
+STORIES_EAGLE = str(REPO / "models" / "stories260K-eagle")  # EAGLE-1 head for stories260K (experiments.quality.train_eagle)
 #: ``run.py`` override for a subprocess run (``attention=torch_paged``, the default) whose subject is not the attention
 #: kernel: the kernel runs eagerly instead of being compiled at start-up, ~5 s of dynamo and inductor per process on
 #: 2 cores. The compiled kernel keeps its tests: ``tests/plugins/attention/test_torch_paged.py``, the compile tests

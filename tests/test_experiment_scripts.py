@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO))
 
 
 def test_train_eagle_writes_a_usable_head(tmp_path, capsys):
-    from experiments import train_eagle
+    from experiments.quality import train_eagle
 
     out = tmp_path / "head"
     train_eagle.main(["--model", STORIES, "--out", str(out), "--num-sequences", "16", "--max-tokens", "24",
@@ -36,7 +36,7 @@ def test_train_eagle_writes_a_usable_head(tmp_path, capsys):
 def test_bench_lm_head_pairs_the_compiled_and_the_eager_head(tmp_path):
     """A compile test by nature (the compiled one-row head against the eager one): both modes run in each
     round, tokens equal, the JSON carries the paired ratios."""
-    from experiments import bench_lm_head
+    from experiments.engine import bench_lm_head
 
     out = tmp_path / "lm_head.json"
     result = bench_lm_head.main(["--model", STORIES, "--dtype", "float32", "--prompt-len", "8", "--output-len", "4",
@@ -52,7 +52,7 @@ def test_bench_lm_head_pairs_the_compiled_and_the_eager_head(tmp_path):
 def test_bench_layer_stack_pairs_stacked_and_per_layer_steps(tmp_path):
     """A compile test by nature (the stacked layer loop against per-layer graph calls): both modes run in
     each round, tokens equal, the JSON carries the paired ratios and each step key's stack decision."""
-    from experiments import bench_layer_stack
+    from experiments.engine import bench_layer_stack
 
     out = tmp_path / "layer_stack.json"
     result = bench_layer_stack.main(["--model", STORIES, "--dtype", "float32", "--prompt-len", "8",
@@ -67,7 +67,7 @@ def test_bench_prepack_layout_times_every_hint_at_every_row_count(tmp_path):
     oneDNN cannot pack on this CPU (bf16 on AVX2 only) is skipped with the reason."""
     import torch
 
-    from experiments import bench_prepack_layout
+    from experiments.engine import bench_prepack_layout
     from framework.model_executor.prepack import onednn_has_kernels
 
     out = tmp_path / "layout.json"
@@ -84,7 +84,7 @@ def test_bench_prepack_layout_times_every_hint_at_every_row_count(tmp_path):
 def test_bench_families_reports_each_family_against_llama_and_transformers(tmp_path):
     """Tiny Llama- and Gemma-3-shaped random models (saved once in ``--model-dir``): both systems run,
     every output has its length, ours carries its ratios to the Llama row and to transformers."""
-    from experiments import bench_families
+    from experiments.offline import bench_families
 
     result = bench_families.main(["--tiny", "--families", "llama,gemma3", "--batch-sizes", "2", "--input-len", "8",
                                   "--output-len", "3", "--model-dir", str(tmp_path / "models"),
@@ -99,7 +99,7 @@ def test_bench_families_reports_each_family_against_llama_and_transformers(tmp_p
 def test_kv_memory_sliding_reports_both_shapes_from_the_engine_metrics(capsys):
     """A 12-layer Gemma-3 pattern (two global layers: two layers per block), window 8, one 96-token request: the sliding model's
     sliding groups hold only their window's blocks, so it holds less KV than its full-attention twin."""
-    from experiments import kv_memory_sliding
+    from experiments.engine import kv_memory_sliding
 
     results = kv_memory_sliding.main(["--context-len", "96", "--output-len", "4", "--window", "8", "--layers", "12",
                                       "--head-dim", "8", "--block-size", "4", "--chunk", "32",
@@ -111,7 +111,7 @@ def test_kv_memory_sliding_reports_both_shapes_from_the_engine_metrics(capsys):
 
 
 def test_roofline_reports_every_category(capsys):
-    from experiments import roofline
+    from experiments.engine import roofline
 
     roofline.main(["--model", STORIES, "--dtype", "float32", "--batch-sizes", "1,4", "--prompt-len", "16",
                    "--warmup-steps", "1", "--steps", "3"])
@@ -126,7 +126,7 @@ def test_bench_vs_vllm_repeats_report_medians(capsys, tmp_path):
     """servelab alone (no vLLM mode), forced eager and as a user gets it (``default``: dtype and compile
     auto, told the run's budget): ``--repeats`` times each generate after a prefix-cache reset and
     reports the median, with every repeat in the rows."""
-    from experiments import bench_vs_vllm
+    from experiments.offline import bench_vs_vllm
 
     rows = bench_vs_vllm.main(["--model", STORIES, "--dtype", "float32", "--workload", "fixed", "--num-prompts", "4",
                                "--input-len", "16", "--output-len", "6", "--batch1-tokens", "4", "--repeats", "3",
@@ -144,7 +144,7 @@ def test_bench_vs_vllm_repeats_report_medians(capsys, tmp_path):
 def test_bench_vs_vllm_interleave_rotates_rounds_and_pairs_them():
     """``--interleave``: one repeat of every system per round, the order rotating each round; blocks
     otherwise. Paired ratios are per round (ours / peer throughput, peer / ours batch-1 time)."""
-    from experiments import bench_vs_vllm
+    from experiments.offline import bench_vs_vllm
 
     calls = []
 
@@ -169,7 +169,7 @@ def test_bench_vs_vllm_worker_failure_is_reported(tmp_path):
     """A vLLM worker that cannot start (here: an interpreter without vllm) raises with its stderr."""
     import argparse
 
-    from experiments import bench_vs_vllm
+    from experiments.offline import bench_vs_vllm
 
     args = argparse.Namespace(vllm_python=sys.executable, workdir=str(tmp_path), batch1_tokens=2, prefix_caching="on",
                               dtype="float32")
@@ -180,7 +180,7 @@ def test_bench_vs_vllm_worker_failure_is_reported(tmp_path):
 def test_profile_engine_whole_run_split_names_and_sums_its_categories():
     """``profile_engine.py --whole-run``: each profiler event lands in one category (the in-place
     kernel by its softmax ``amax``), and the reported shares cover the whole profiled time."""
-    from experiments import profile_engine
+    from experiments.engine import profile_engine
 
     cat = profile_engine.time_category
     assert cat("mkldnn::_linear_pointwise") == "oneDNN GEMMs"
@@ -203,7 +203,7 @@ def test_compile_break_even_divides_the_warm_up_by_the_saving():
     """``compile_break_even.py``'s table (its two compiling child processes are too slow for the suite;
     a tiny run is in its docstring): break-even tokens = warm-up seconds / seconds saved per token,
     ``None`` where compiling saves nothing."""
-    from experiments import compile_break_even
+    from experiments.engine import compile_break_even
 
     cold, cached = {"warm_up_s": 60.0}, {"warm_up_s": 12.0, "per_batch": {
         "1": {"eager": 0.032, "compiled": 0.016}, "64": {"eager": 0.0025, "compiled": 0.0019},
@@ -221,7 +221,7 @@ def test_compile_break_even_shards_the_engine_with_tensor_parallel_size(monkeypa
     import argparse
 
     import framework
-    from experiments import compile_break_even
+    from experiments.engine import compile_break_even
 
     built = []
     monkeypatch.setattr(framework, "LLM", lambda **kwargs: built.append(kwargs))
@@ -232,13 +232,13 @@ def test_compile_break_even_shards_the_engine_with_tensor_parallel_size(monkeypa
 
 EXPERIMENTS = REPO / "experiments"
 SCRIPTS = sorted(p.relative_to(EXPERIMENTS).as_posix() for p in EXPERIMENTS.rglob("*.py")
-                 if not p.name.startswith("_"))  # _name.py: a module the scripts import, not a script
+                 if not p.name.startswith("_") and p.name != "common.py")  # _name.py, common.py: what scripts import
 
 
 def test_eval_parity_compares_both_backends(tmp_path, capsys):
     """Tiny tasks on stories260K: both backends score every task, per-document loglikelihoods agree."""
     pytest.importorskip("lm_eval")
-    from experiments import eval_parity
+    from experiments.quality import eval_parity
 
     record = eval_parity.main(["--model", STORIES, "--num-mc", "3", "--num-ppl", "2", "--num-gen", "2",
                                "--out", str(tmp_path)])
@@ -251,7 +251,7 @@ def test_eval_parity_compares_both_backends(tmp_path, capsys):
 def test_bench_attention_times_each_cpu_backend(tmp_path):
     """On CPU: the CPU backends' kernel-only prefill/decode times and end-to-end tok/s at two batch sizes,
     CUDA graphs off (no CUDA); a backend this machine cannot run (triton: CUDA) is reported, not fatal."""
-    from experiments import bench_attention
+    from experiments.engine import bench_attention
 
     out = tmp_path / "bench.json"
     result = bench_attention.main(["--model", STORIES, "--dtype", "float32", "--batch-sizes", "1,4", "--input-len", "16",
@@ -272,7 +272,8 @@ def test_readme_lists_every_script_with_its_command():
     for script in SCRIPTS:
         row = next((r for r in rows if r.startswith(f"| `{script}` |")), None)
         assert row is not None, f"experiments/README.md has no row for {script}"
-        assert f"experiments/{script}" in row, f"the row of {script} gives no command running it"
+        module = "experiments." + script.removesuffix(".py").replace("/", ".")
+        assert f"python -m {module}" in row, f"the row of {script} gives no command running it"
     assert len(rows) == len(SCRIPTS), "experiments/README.md lists a script that does not exist"
 
 
@@ -288,7 +289,7 @@ def test_studies_import_and_parse_their_arguments(script, capsys):
 def test_soak_serving_smoke(tmp_path, capsys):
     """A few seconds of the soak under faults (stories260K): every check passes and the table and JSON are written."""
     pytest.importorskip("fastapi")
-    from experiments import soak_serving
+    from experiments.serving import soak_serving
 
     out = tmp_path / "soak.json"
     result = soak_serving.main(["--model", "stories260K", "--duration-s", "4", "--concurrency", "4",
@@ -302,7 +303,7 @@ def test_soak_serving_smoke(tmp_path, capsys):
 
 def test_bench_parallel_reports_throughput_itl_and_the_overhead_split(tmp_path):
     """``bench_parallel`` on the tiny random model, two ``mp`` ranks: every column is there."""
-    from experiments import bench_parallel
+    from experiments.offline import bench_parallel
 
     report = bench_parallel.main(["--tiny", "--model-dir", str(tmp_path), "--systems", "mp2", "--batches", "1", "2",
                                   "--prompt-len", "8", "--output-len", "4", "--window", "2",
@@ -320,7 +321,7 @@ def test_sim_fidelity_run_compares_a_real_and_a_simulated_run(tmp_path, capsys):
     """One workload on stories260K: the real run, the simulated one with a constant profile, the table."""
     from sim_helpers import linear_profile
 
-    from experiments import sim_fidelity
+    from experiments.sim import sim_fidelity
 
     rows = sim_fidelity.main(["run", "--model", "stories260K", "--workloads", "random_burst",
                               "--profile", linear_profile(tmp_path / "p.json", 0.01)])
@@ -330,7 +331,7 @@ def test_sim_fidelity_run_compares_a_real_and_a_simulated_run(tmp_path, capsys):
 
 
 def test_sim_routers_runs_every_router_over_simulated_replicas(tmp_path):
-    from experiments import sim_routers
+    from experiments.sim import sim_routers
 
     rows = sim_routers.main(["--replicas", "2", "--requests-per-replica", "8", "--workloads", "shared_prefix,multi_turn",
                              "--json-out", str(tmp_path / "routers.json")])
@@ -343,7 +344,7 @@ def test_sim_routers_runs_every_router_over_simulated_replicas(tmp_path):
 
 
 def test_sim_scale_runs_the_ablation_and_plots(tmp_path):
-    from experiments import sim_scale
+    from experiments.sim import sim_scale
 
     rows = sim_scale.main(["--num-requests", "120", "--num-prefixes", "4", "--prefix-len", "256", "--output-len", "16",
                            "--schedulers", "fcfs,lpm", "--allocators", "paged,contiguous", "--json-out",

@@ -1,4 +1,4 @@
-"""The fault-injection matrix (``experiments/fault_matrix.py``, issues 44 and 64), a fast slice of it on every run:
+"""The fault-injection matrix (``experiments/faults/fault_matrix.py``, issues 44 and 64), a fast slice of it on every run:
 ``executor=mp`` at TP=2 with a rank SIGKILLed while it loads, a rank SIGSTOPped mid-step (heartbeat
 timeout 3 s here), the driver SIGKILLed mid-step, the whole process group SIGKILLed while the ranks load (the
 resource tracker dies too), and a rank out of memory. Each row runs its driver in a child process of its own
@@ -15,7 +15,7 @@ import pytest
 from helpers import REPO
 
 sys.path.insert(0, str(REPO))
-from experiments import fault_matrix  # noqa: E402
+from experiments.faults import fault_matrix  # noqa: E402
 
 SLICE = {"mp2 SIGKILL rank during load": {}, "mp2 SIGSTOP rank during step": {"heartbeat_timeout_s": 3},
          "mp2 SIGKILL driver during step": {}, "mp2 SIGKILL group during load": {},

@@ -2,31 +2,27 @@
 fixed offline workload: output tok/s of each kernel, one process, same prompts, plus how many
 greedy outputs are identical between kernels (bf16 reductions differ, so not all are).
 
-    .venv/bin/python experiments/studies/ablate_decode_attention.py [--model smollm2] [--num-prompts 64] [--threads N]
+    .venv/bin/python -m experiments.studies.ablate_decode_attention [--model smollm2] [--num-prompts 64] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "experiments"))
 
 import torch  # noqa: E402
 
+from experiments.common import add_model_workload_args, build_workload, load_texts  # noqa: E402
 from framework import LLM, SamplingParams  # noqa: E402
 from plugins.attention.torch import TorchAttentionBackend  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run every decode kernel on the same workload and print tok/s and agreement."""
-    from bench_offline import add_model_workload_args, build_workload, load_texts
-
     p = argparse.ArgumentParser()
     add_model_workload_args(p)
     args = p.parse_args(argv)

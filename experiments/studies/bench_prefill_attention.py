@@ -8,8 +8,8 @@ does) for every tile size, in alternating rounds in one process, and prints the 
 (``max_tokens=1`` generates of compiled engines, one per tile size, alternating) and checks that
 their greedy first tokens agree::
 
-    .venv/bin/python experiments/studies/bench_prefill_attention.py --workload mixed --tiles 0,32,64,128
-    .venv/bin/python experiments/studies/bench_prefill_attention.py --workload mixed --tiles 0,64 --engine
+    .venv/bin/python -m experiments.studies.bench_prefill_attention --workload mixed --tiles 0,32,64,128
+    .venv/bin/python -m experiments.studies.bench_prefill_attention --workload mixed --tiles 0,64 --engine
 """
 
 from __future__ import annotations
@@ -18,16 +18,14 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "experiments"))
 
 import torch  # noqa: E402
+
+from experiments.common import add_model_workload_args, build_workload, load_texts  # noqa: E402
 
 
 def capture_prefill_metadata(model: str, prompts: list[list[int]]) -> tuple[list[dict], dict]:
@@ -110,7 +108,6 @@ def time_engines(model: str, prompts: list[list[int]], tiles: list[int], rounds:
 
 def main(argv: list[str] | None = None) -> dict[int, list[float]]:
     """Run the benchmark; returns each tile size's seconds per round."""
-    from bench_offline import add_model_workload_args, build_workload, load_texts
     from transformers import AutoTokenizer
 
     from framework.model_executor.model_loader import resolve_model_path

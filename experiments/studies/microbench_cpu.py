@@ -25,9 +25,9 @@ replacement), and, where torch is built with MKL, counts the GEMMs SDPA issues a
 ``MKL_VERBOSE=1`` in a child process (ATen's ``cpublas::gemm`` for bf16 inputs and float32 output goes
 to MKL on x86; oneDNN is not on that route), which bounds their rate from below.
 
-    .venv/bin/python experiments/studies/microbench_cpu.py kernel --threads 2
-    .venv/bin/python experiments/studies/microbench_cpu.py gemm --threads 2 --rows 1,8,16,64,2048
-    .venv/bin/python experiments/studies/microbench_cpu.py sdpa --threads 2
+    .venv/bin/python -m experiments.studies.microbench_cpu kernel --threads 2
+    .venv/bin/python -m experiments.studies.microbench_cpu gemm --threads 2 --rows 1,8,16,64,2048
+    .venv/bin/python -m experiments.studies.microbench_cpu sdpa --threads 2
 """
 
 from __future__ import annotations
@@ -40,13 +40,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from experiments.common import REPO_ROOT
 
 #: SmolLM2-135M's projections as (out_features, in_features), and how many of each a forward runs.
 GEMMS = {"qkv": ((960, 576), 30), "o": ((576, 576), 30), "gate_up": ((3072, 576), 30), "gate": ((1536, 576), 30),
@@ -170,13 +168,13 @@ def mkl_gemm_calls(tiles: int, tile: int, keys: int, threads: int) -> dict[str, 
     times MKL prints are not used: verbose mode's own printing inflates them.)"""
     if not torch.backends.mkl.is_available():
         return {}
-    code = ("import sys, torch, torch.nn.functional as F; sys.path.insert(0, sys.argv[1]); "
-            "from microbench_cpu import prefill_bucket; torch.set_num_threads(int(sys.argv[5])); "
-            "q, k, v, m = prefill_bucket(*map(int, sys.argv[2:5])); "
+    code = ("import sys, torch, torch.nn.functional as F; "
+            "from experiments.studies.microbench_cpu import prefill_bucket; torch.set_num_threads(int(sys.argv[4])); "
+            "q, k, v, m = prefill_bucket(*map(int, sys.argv[1:4])); "
             "[F.scaled_dot_product_attention(q, k, v, attn_mask=m) for _ in range(2)]")
-    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(tiles), str(tile), str(keys),
+    out = subprocess.run([sys.executable, "-c", code, str(tiles), str(tile), str(keys),
                           str(threads or torch.get_num_threads())], env={**os.environ, "MKL_VERBOSE": "1"},
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True, cwd=REPO_ROOT).stdout
     flops = [2 * int(m) * int(n) * int(k) for m, n, k in (g.groups() for g in _MKL_GEMM.finditer(out))]
     flops = flops[len(flops) // 2:]  # the second of the two SDPA calls
     return {"calls": len(flops), "gflop": sum(flops) / 1e9} if flops else {}

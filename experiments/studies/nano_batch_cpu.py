@@ -18,8 +18,8 @@ both cores with 2 threads and every prompt. Each round's throughput is the outpu
 slower shard's seconds. Nothing is shared, so this also parallelises the engines' own host work,
 which an in-engine split would not.
 
-    .venv/bin/python experiments/studies/nano_batch_cpu.py threads --rows 32
-    .venv/bin/python experiments/studies/nano_batch_cpu.py dp --workload fixed --num-prompts 64 --output-len 128
+    .venv/bin/python -m experiments.studies.nano_batch_cpu threads --rows 32
+    .venv/bin/python -m experiments.studies.nano_batch_cpu dp --workload fixed --num-prompts 64 --output-len 128
 """
 
 from __future__ import annotations
@@ -37,15 +37,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
+from experiments.common import REPO_ROOT, add_model_workload_args, load_workload, set_thread_env
+from experiments.offline.bench_vs_vllm import servelab_llm
 
 
 def engine(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[Any, Any]:
     """servelab's ``LLM`` as the benchmarks run it (paged in-place attention, prefix caching on,
     compiled unless ``--eager``) and its ``generate`` (``bench_vs_vllm.servelab_llm``)."""
-    from experiments.bench_vs_vllm import servelab_llm
-
     return servelab_llm(args.model, args.dtype, "torch_paged", True, not args.eager, prompts)
 
 
@@ -104,8 +102,6 @@ def child_dp(args: argparse.Namespace) -> None:
     prints ``RESULT`` with each round's seconds."""
     import torch
 
-    from experiments.bench_offline import load_workload
-
     torch.set_num_threads(args.threads)
     _, _, prompts, lens = load_workload(args)
     order = sorted(range(len(prompts)), key=lambda i: -lens[i])[args.shard::args.num_shards]  # balanced by length
@@ -127,7 +123,8 @@ def run_dp(args: argparse.Namespace, shards: int, threads: int) -> list[float]:
     """``shards`` engines (each pinned to one core when ``shards > 1``) started together per round;
     returns each round's output tok/s (all shards' tokens / the slowest shard's seconds)."""
     with tempfile.TemporaryDirectory() as sync:
-        base = [sys.executable, str(Path(__file__).resolve()), "dp-child", "--sync", sync, "--threads", str(threads),
+        base = [sys.executable, "-m", "experiments.studies.nano_batch_cpu", "dp-child", "--sync", sync,
+                "--threads", str(threads),
                 "--num-shards", str(shards), "--rounds", str(args.rounds), "--model", args.model, "--dtype", args.dtype,
                 "--workload", args.workload, "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
                 "--output-len", str(args.output_len), "--min-output-len", str(args.min_output_len),
@@ -137,7 +134,7 @@ def run_dp(args: argparse.Namespace, shards: int, threads: int) -> list[float]:
         for s in range(shards):
             pin = (lambda c=s % cores: os.sched_setaffinity(0, {c})) if shards > 1 else None
             procs.append(subprocess.Popen([*base, "--shard", str(s)], stdout=subprocess.PIPE, text=True,
-                                          preexec_fn=pin))
+                                          preexec_fn=pin, cwd=REPO_ROOT))
         try:
             wait_for([Path(sync) / f"ready{s}" for s in range(shards)], procs)
             for r in range(args.rounds):
@@ -156,8 +153,6 @@ def run_dp(args: argparse.Namespace, shards: int, threads: int) -> list[float]:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run ``threads`` or ``dp`` (each setting in its own processes); returns what it printed."""
-    from experiments.bench_offline import add_model_workload_args
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("bench", choices=("threads", "dp", "threads-child", "dp-child"))
     add_model_workload_args(p)
@@ -170,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--num-shards", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    set_thread_env(args.threads)  # before torch loads: this process's and its children's OpenMP/MKL
     if args.bench == "threads-child":
         print("RESULT " + json.dumps(child_threads(args.setting, args)), flush=True)
         return {}
@@ -183,11 +179,11 @@ def main(argv: list[str] | None = None) -> dict:
         return out
     out = {}
     for setting in ("whole", "split"):
-        cmd = [sys.executable, str(Path(__file__).resolve()), "threads-child", "--setting", setting, "--model",
-               args.model, "--dtype", args.dtype, "--rows", str(args.rows), "--steps", str(args.steps),
+        cmd = [sys.executable, "-m", "experiments.studies.nano_batch_cpu", "threads-child", "--setting", setting,
+               "--model", args.model, "--dtype", args.dtype, "--rows", str(args.rows), "--steps", str(args.steps),
                "--rounds", str(args.rounds)] + (["--eager"] if args.eager else [])
         env = {**os.environ, "OMP_NUM_THREADS": "2" if setting == "whole" else "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
             raise RuntimeError(f"threads-child {setting} failed:\n{proc.stderr[-3000:]}")

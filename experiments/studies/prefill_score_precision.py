@@ -16,7 +16,7 @@ the best of ``--rounds`` timings over all requests and layers, eager and (unless
 compiled by inductor with dynamic shapes, and (also unless ``--no-compile``) ``flex_attention`` in
 float32 (:func:`flex_fp32`)::
 
-    .venv/bin/python experiments/studies/prefill_score_precision.py --workload mixed --requests 13 --threads 2
+    .venv/bin/python -m experiments.studies.prefill_score_precision --workload mixed --requests 13 --threads 2
 """
 
 from __future__ import annotations
@@ -25,19 +25,17 @@ import argparse
 import functools
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "experiments"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from experiments.common import add_model_workload_args, build_workload, load_texts  # noqa: E402
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q [H, p, D], k and v [KVH, p, D] of one request and layer
 
@@ -143,7 +141,6 @@ def measure(fn: Callable[..., torch.Tensor], data: list[QKV], rounds: int) -> di
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     """Print and return each variant's error and time (keys: ``sdpa``, ``bf16``, ``bf16_shift``, and
     unless ``--no-compile`` the ``compiled_`` versions of the last two and ``flex_fp32``)."""
-    from bench_offline import add_model_workload_args, build_workload, load_texts
     from transformers import AutoTokenizer
 
     from framework.model_executor.model_loader import resolve_model_path

@@ -1,24 +1,25 @@
 """Per-step timing of a compiled servelab engine on a workload, for A/B runs of two checkouts.
 
 Times every ``engine.step()`` of ``--num-prompts`` prompts of ``--workload`` (``fixed``: ``--output-len``
-tokens each; ``mixed``: ``bench_offline.py``'s mixed lengths; greedy, ``ignore_eos``, prefix caching
+tokens each; ``mixed``: ``experiments.common.build_workload``'s mixed lengths; greedy, ``ignore_eos``, prefix caching
 ``--prefix-caching``, default off; on, as ``bench_vs_vllm.py`` runs, the cache is reset before each
 repetition) after the compile warm-up and a small warm-up generate, and prints per repetition the prefill
 seconds (steps until every request has its first token), the median and mean decode step (ms), the
-total tok/s, and the decode steps grouped by batch size (rows up to 1, 2, 4, ..., 64, more). ``--repo`` imports servelab from another checkout (e.g. a
-``git worktree`` of the previous commit), so two versions can be interleaved on the same machine::
+total tok/s, and the decode steps grouped by batch size (rows up to 1, 2, 4, ..., 64, more). Run from another
+checkout's root (e.g. a ``git worktree`` of the previous commit), it times that checkout's servelab (the working
+directory comes first on ``sys.path``), so two versions can be interleaved on the same machine::
 
     git worktree add /tmp/base HEAD~1
-    for r in /tmp/base .; do .venv/bin/python experiments/studies/step_times.py --repo $r --num-prompts 1; done
-    for r in /tmp/base .; do .venv/bin/python experiments/studies/step_times.py --repo $r --num-prompts 64 --reps 1; done
+    for r in /tmp/base "$PWD"; do (cd "$r" && "$OLDPWD/.venv/bin/python" -m experiments.studies.step_times --num-prompts 1); done
+    for r in /tmp/base "$PWD"; do (cd "$r" && "$OLDPWD/.venv/bin/python" -m experiments.studies.step_times --num-prompts 64 --reps 1); done
 
 ``--decode-marker F`` creates ``F`` once the last repetition is three steps into its decode, so a sampling
 profiler can attach to the decode phase alone (how docs/results.md's per-thread split was taken);
 ``--prefill-only`` gives every request one output token, so that a run is prefills alone, and the marker
 is created as the last repetition starts::
 
-    .venv/bin/python experiments/studies/step_times.py --reps 2 --output-len 256 --prefix-caching on --decode-marker /tmp/m &
-    # prefills alone: .venv/bin/python experiments/studies/step_times.py --workload mixed --prefill-only --reps 4 --prefix-caching on --decode-marker /tmp/m &
+    .venv/bin/python -m experiments.studies.step_times --reps 2 --output-len 256 --prefix-caching on --decode-marker /tmp/m &
+    # prefills alone: .venv/bin/python -m experiments.studies.step_times --workload mixed --prefill-only --reps 4 --prefix-caching on --decode-marker /tmp/m &
     while [ ! -f /tmp/m ]; do sleep 0.2; done; perf record -e cpu-clock -F 999 -p $! -o /tmp/p.data -- sleep 8
     perf report -i /tmp/p.data --sort pid,dso -g none
 """
@@ -27,14 +28,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
+
+import torch
+
+from experiments.common import add_model_workload_args, build_workload, load_texts, reset_prefix_cache
+from framework import LLM, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repo", default=str(Path(__file__).resolve().parents[2]), help="servelab checkout to import")
     p.add_argument("--workload", default="fixed", choices=("fixed", "mixed"))
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
@@ -46,14 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-only", action="store_true", help="one output token per request: prefills alone "
                    "(--decode-marker's file is then created as the last repetition starts)")
     args = p.parse_args(argv)
-    sys.path[:0] = [args.repo, str(Path(args.repo) / "experiments")]
-    import torch
-
     torch.set_num_threads(args.threads)
-    from bench_offline import add_model_workload_args, build_workload, load_texts, reset_prefix_cache
-
-    from framework import LLM, SamplingParams
-
     wp = argparse.ArgumentParser()
     add_model_workload_args(wp)
     wargs = wp.parse_args(["--workload", args.workload, "--num-prompts", str(args.num_prompts),

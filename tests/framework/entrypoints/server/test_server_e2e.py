@@ -233,7 +233,8 @@ def test_openai_client_echo_logprobs_max_tokens_0_and_n(server):
 def test_bench_serving_smoke(server, tmp_path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_serving", REPO / "experiments" / "bench_serving.py")
+    path = REPO / "experiments" / "serving" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules["bench_serving"] = bench  # dataclasses look their module up
     spec.loader.exec_module(bench)

@@ -1,0 +1,1 @@
+"""The runtime under faults: the fault-injection matrix."""

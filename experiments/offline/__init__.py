@@ -1,0 +1,1 @@
+"""Offline throughput against transformers and vLLM; parallelism, model families, speculation, grammars."""

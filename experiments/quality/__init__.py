@@ -1,0 +1,1 @@
+"""Quality: lm-eval parity, quantization, EAGLE head training."""
