@@ -3,7 +3,7 @@
 Why: gloo's all-reduce costs ~0.3-2 ms per call on a 2-core VM whatever the size (a hand-off
 through its worker and event-loop threads, each a futex wake-up of a possibly idle vCPU), and a
 decoder makes ``1 + 2 * num_layers`` of them per step: 62 for SmolLM2, half of a TP=2 batch-64
-decode step (``experiments/bench_parallel.py``). vLLM's CPU backend (``csrc/cpu/shm.cpp``, used by
+decode step (``experiments/offline/bench_parallel.py``). vLLM's CPU backend (``csrc/cpu/shm.cpp``, used by
 its ``CpuCommunicator``) and SGLang's CPU path replace gloo inside a host the same way; gloo stays
 the group's transport for everything else (start-up, objects, barriers) and across hosts.
 

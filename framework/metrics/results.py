@@ -4,7 +4,7 @@ Offline and account-free: reads only the files every run writes (``metrics.json`
 ``resolved_config.yaml``, ``.hydra/overrides.yaml``). Generic over metric keys: every flat scalar
 in ``metrics.json`` (nested dicts flattened with dots, lists skipped) becomes a column, so new
 metrics (KV usage, hit rate, peak concurrency...) need no change here.
-Used by ``servelab results SWEEP_DIR`` and ``experiments/collect.py``.
+Used by ``servelab results SWEEP_DIR``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ATen's bf16/fp16 ``linear`` on CPU re-lays out the weight on every call; for a decode step (a few
 rows) that dominates, and bf16 GEMV ran at ~14 GB/s here against ~36 GB/s with the weight
-prepacked (``experiments/roofline.py``: linears were 5.5x their bandwidth bound at batch 1). The
+prepacked (``experiments/engine/roofline.py``: linears were 5.5x their bandwidth bound at batch 1). The
 same reorder is what inductor's freezing does for compiled CPU graphs (``engine.compile_freezing``)
 and what IPEX calls weight prepacking; this applies it to the eager model: every plain
 ``nn.Linear`` becomes a :class:`PrepackedLinear` calling ``torch.ops.mkldnn._linear_pointwise``.

@@ -1,4 +1,4 @@
-"""Fault injection into worker ranks, for the isolation tests and ``experiments/fault_matrix.py`` (issue 44).
+"""Fault injection into worker ranks, for the isolation tests and ``experiments/faults/fault_matrix.py`` (issue 44).
 
 The per-request sites of the driver rank's model runner (grammar bitmask application, the sampler and
 its stages, the rejection sampler) run in the worker's process (``mp``, ``ray``) or in the engine's

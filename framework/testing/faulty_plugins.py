@@ -1,4 +1,4 @@
-"""Deliberately faulty plugins: fault injection for isolation tests and ``experiments/soak_serving.py``.
+"""Deliberately faulty plugins: fault injection for isolation tests and ``experiments/serving/soak_serving.py``.
 
 Register the module as a plugin (``registry.registered(faulty_plugins)``) to get ``spec_decode=faulty``
 and ``grammar=faulty``; register a :class:`FaultyObserver` instance for lifecycle hooks that raise. A

@@ -237,7 +237,7 @@ class Worker:
 
     def enable_collective_timing(self) -> None:
         """Time every collective this rank calls from now on (benchmarks:
-        ``experiments/bench_parallel.py``): the tensor-parallel layers' all-reduces and all-gathers
+        ``experiments/offline/bench_parallel.py``): the tensor-parallel layers' all-reduces and all-gathers
         (as ``framework.model_executor.parallel_layers`` calls them, wait included; shared-memory or torch.distributed),
         the LM head's gather to the driver, and any other ``torch.distributed`` call. Read with :meth:`collective_times`. Wall time of the call:
         exact for gloo (synchronous), a lower bound for NCCL (asynchronous). Eager forwards only:

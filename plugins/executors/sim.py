@@ -10,7 +10,7 @@ model's time and tokens are modelled (LLM-Emu's idea, Vidur's cost models). Para
 
 * ``clock``: ``virtual`` (default; the engine's clock advances by the predictions: 10,000 requests in
   seconds) or ``realtime`` (the step sleeps its predicted executor time: ``servelab serve`` and
-  ``experiments/bench_serving.py`` work against it unchanged);
+  ``experiments/serving/bench_serving.py`` work against it unchanged);
 * ``profile``: ``auto`` | ``analytic:<device>`` | ``replay:<file>`` | a profile file (``framework.sim.resolve``);
 * ``eos_probability``: ``null`` (requests run to ``max_tokens``) or the chance of EOS per token;
 * ``acceptance``: for ``spec_decode`` runs, a rate, per-position rates, ``{drafter: rate}`` or a metrics.json;

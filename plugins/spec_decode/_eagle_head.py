@@ -39,7 +39,7 @@ def load_head_config(path: str | Path) -> Any:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"EAGLE head {str(path)!r} has no config.json; give spec_decode.params.model=PATH of "
-                                "a folder in the EAGLE layout (train one with experiments/train_eagle.py)")
+                                "a folder in the EAGLE layout (train one with python -m experiments.quality.train_eagle)")
     data = json.loads(cfg_file.read_text())
     data.pop("architectures", None)
     data["model_type"] = "llama"

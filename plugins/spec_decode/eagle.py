@@ -36,7 +36,7 @@ from framework.hookspecs import Register
 from framework.interfaces import Drafter
 
 MISSING_MODEL = ("spec_decode=eagle needs spec_decode.params.model=PATH of an EAGLE head "
-                 "(e.g. models/stories260K-eagle; train one with experiments/train_eagle.py)")
+                 "(e.g. models/stories260K-eagle; train one with python -m experiments.quality.train_eagle)")
 
 
 @dataclass
@@ -55,7 +55,7 @@ class EagleDrafter(Drafter):
     Args:
         num_speculative_tokens: k, tokens drafted per step.
         model: folder of the EAGLE head (``config.json`` + ``pytorch_model.bin``/``model.safetensors``),
-            e.g. ``models/stories260K-eagle`` or the output of ``experiments/train_eagle.py``.
+            e.g. ``models/stories260K-eagle`` or the output of ``python -m experiments.quality.train_eagle``.
         num_blocks: head KV blocks; default enough for ``max_num_seqs`` requests of
             ``max_model_len`` tokens, capped by the target's ``kv_cache_memory_bytes``.
 
@@ -203,7 +203,7 @@ def _mismatches(head: Any, target: Any, path: str) -> list[str]:
     if head.hidden_size != target.hidden_size:
         problems.append(f"spec_decode=eagle: the head {path!r} has hidden_size {head.hidden_size} but the target "
                         f"has {target.hidden_size}; use a head trained for this target "
-                        "(experiments/train_eagle.py --model <target>)")
+                        "(python -m experiments.quality.train_eagle --model <target>)")
     if getattr(head, "vocab_size", target.vocab_size) != target.vocab_size:
         problems.append(f"spec_decode=eagle: the head {path!r} was made for vocabulary {head.vocab_size}, the "
                         f"target has {target.vocab_size}; the head must share the target's tokenizer")
