@@ -89,13 +89,15 @@ def _set_up(cfg: DictConfig, run_dir: Path) -> tuple[Any, Any]:
     engine_config = engine_config_from_cfg(cfg)
     sampling_params_from_cfg(cfg.sampling)  # unknown keys / bad values fail here too
     validate_plugins(engine_config)  # unknown names / capabilities fail before the tracker starts or weights load
-    engine_config = resolve_dtype(engine_config)  # model.dtype=auto -> the checkpoint's (in run_record.json too)
+    # run_record.json gets the dtype this machine runs (model.dtype=auto resolved); the engine resolves it again and
+    # says why (metrics.json's dtype_reason), so it gets the config as the user gave it
+    resolved = resolve_dtype(engine_config)
     validate_arrivals(cfg.workload)  # bad rates / traces fail before weights load too
     if cfg.mode == "eval":  # lm-eval installed, tasks named: before weights load
         from framework.entrypoints.eval import check_eval_config
 
         check_eval_config(cfg)
-    record = write_run_record(run_dir, cfg, engine_config)  # run_record.json: versions, git sha, plugin packages
+    record = write_run_record(run_dir, cfg, resolved)  # run_record.json: versions, git sha, plugin packages
     params = cfg.tracker.get("params")
     tracker_params = {} if params is None else OmegaConf.to_container(params, resolve=True)
     if "group" in tracker_params and tracker_params["group"] is None:

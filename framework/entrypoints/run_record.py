@@ -18,6 +18,7 @@ from framework import registry
 from framework.config import PLUGIN_FIELDS
 from framework.entrypoints.hydra_config import REPO_ROOT
 from framework.entrypoints.plugin_info import chosen_plugin_sources
+from framework.platform import cpu_isa
 
 RECORD_FILE = "run_record.json"
 
@@ -75,7 +76,8 @@ def build_run_record(cfg: DictConfig, engine_config: Any) -> dict[str, Any]:
                      "transformers": _version("transformers"), "hydra-core": _version("hydra-core"),
                      "pluggy": _version("pluggy")},
         "device": {"name": str(engine_config.device),
-                   "cuda": torch.cuda.get_device_name() if str(engine_config.device).startswith("cuda") else None},
+                   "cuda": torch.cuda.get_device_name() if str(engine_config.device).startswith("cuda") else None,
+                   "cpu": cpu_isa().summary(), "dtype": str(engine_config.dtype)},
         "threads": {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
         "seeds": {"engine": cfg.get("seed"), "sampling": cfg.get("sampling", {}).get("seed"),
                   "workload": cfg.get("workload", {}).get("seed")},
