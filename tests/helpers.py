@@ -162,6 +162,14 @@ def mapped_shm(pids: list[int]) -> set[str]:
     return names
 
 
+def memfd_mapped(pid: int) -> bool:
+    """Whether the live process ``pid`` maps a ``memfd_create`` segment of ours (``/memfd:servelab``)."""
+    try:
+        return "/memfd:servelab" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def resources_gone(pids: list[int], shm_names: list[str] = (), within_s: float = 10.0) -> bool:
     """Every pid has exited (or is a zombie) and no named segment is left in /dev/shm, within ``within_s``."""
     import time

@@ -20,6 +20,11 @@ METHODS = {
     "fp8": {},
 }
 BATCH_SHAPE_DEPENDENT = {"w8a8"}  # int8 x int8 GEMMs whose rounding depends on the batch shape on some CPUs
+#: w8a8's near-tie tolerance, relative to the largest |logit|: a float rounding that differs between the
+#: engine's and the oracle's kernels can move an activation across an int8 rounding boundary (one level is
+#: 1/127 of the row's largest value), and that step propagates through the layers: a gap of 0.72% was
+#: seen on CI (position 14, 0.119 of 16.5). A wrong engine's tokens sit whole logits away.
+W8A8_REL_TOL = 2e-2
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park and"]
 MAX_NEW = 24
 
@@ -44,7 +49,8 @@ def test_engine_matches_generate_on_same_quantized_model(make_llm, method: str) 
 
     w8a8's int8 GEMM is not bit-identical across batch shapes on every CPU (with AMX, oneDNN picks
     another kernel for the engine's flattened batch than for ``generate``'s one row: token 14 differed
-    on an Intel Xeon), so its tokens are checked with the near-tie rule of :func:`_assert_near_greedy`."""
+    on an Intel Xeon), so its tokens are checked with the near-tie rule of :func:`_assert_near_greedy`
+    within :data:`W8A8_REL_TOL`."""
     llm = make_llm(quant=method, quant_params=METHODS[method], num_blocks=64)
     tok = llm.engine.tokenizer
     prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
@@ -53,7 +59,7 @@ def test_engine_matches_generate_on_same_quantized_model(make_llm, method: str) 
     oracle = _quantized_hf_model(method, METHODS[method])
     for ids, out in zip(prompt_ids, outs):
         if method in BATCH_SHAPE_DEPENDENT:
-            _assert_near_greedy(oracle, ids, list(out.outputs[0].token_ids))
+            _assert_near_greedy(oracle, ids, list(out.outputs[0].token_ids), W8A8_REL_TOL)
         else:
             assert list(out.outputs[0].token_ids) == _generate(oracle, ids)
 
@@ -77,16 +83,22 @@ def _assert_near_greedy(model: torch.nn.Module, prompt_ids: list[int], output_id
 
 
 def test_near_greedy_rule_rejects_a_wrong_token() -> None:
-    """Negative control of the w8a8 check: the oracle's own greedy tokens pass, one changed token fails."""
+    """Negative control of the w8a8 check: the oracle's own greedy tokens pass, the runner-up token at a clear (non-tie) position fails."""
     from transformers import AutoTokenizer
 
     oracle = _quantized_hf_model("w8a8", {})
     ids = AutoTokenizer.from_pretrained(STORIES)(PROMPTS[2])["input_ids"]
     greedy = _generate(oracle, ids)
-    _assert_near_greedy(oracle, ids, greedy)
-    wrong = greedy[:5] + [(greedy[5] + 1) % 512] + greedy[6:]
+    _assert_near_greedy(oracle, ids, greedy, W8A8_REL_TOL)
+    with torch.inference_mode():
+        logits = oracle(torch.tensor([ids + greedy])).logits[0, len(ids) - 1:-1]  # (MAX_NEW, vocab)
+    top2 = logits.topk(2, dim=-1)
+    # the runner-up token where it is not a near tie (top-2 gap over 10% of max|logit|): a plausible wrong pick
+    clear = (top2.values[:, 0] - top2.values[:, 1]) > 0.1 * logits.abs().max(dim=-1).values
+    pos = int(clear.nonzero()[0, 0])
+    wrong = greedy[:pos] + [int(top2.indices[pos, 1])] + greedy[pos + 1:]
     with pytest.raises(AssertionError, match="far from the oracle"):
-        _assert_near_greedy(oracle, ids, wrong)
+        _assert_near_greedy(oracle, ids, wrong, W8A8_REL_TOL)
 
 
 def test_quantization_really_shrinks_weights() -> None:

@@ -1,8 +1,8 @@
 """``servelab serve parallel.tensor_parallel_size=2 executor=mp`` as a user starts it (``run.py
 mode=serve`` subprocess, stories260K sharded over two worker processes): a greedy completion equals
 the offline engine's; killing one worker fails the in-flight request with a 503 and the server exits
-non-zero within seconds, leaving no worker process and none of the shared-memory segments its processes
-mapped."""
+non-zero within seconds, leaving no worker process and no ``/dev/shm`` name its processes mapped (the step
+ring is a memfd, which has none)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from helpers import (  # noqa: E402
     STORY_PROMPTS,
     free_port,
     mapped_shm,
+    memfd_mapped,
     resources_gone,
     wait_healthy,
 )
@@ -53,9 +54,10 @@ def test_tp2_server_serves_then_exits_nonzero_when_a_worker_dies(tmp_path):
         assert len(cores) == 1  # the engine core process, whose executor started the two ranks
         workers = [c for c in cores[0].children() if "spawn_main" in " ".join(c.cmdline())]
         assert len(workers) == 2
-        # the segments (Python's psm_*) of this server's processes: other tests' may come and go meanwhile
-        segments = {name for name in mapped_shm([proc.pid] + [w.pid for w in workers]) if name.startswith("psm_")}
-        assert segments, "the server and its workers map no shared-memory segment"
+        # the step ring is a memfd (no /dev/shm name at any moment): every rank maps it; the /dev/shm names
+        # these processes map (none expected; other tests' may come and go meanwhile) must be gone after
+        assert all(memfd_mapped(w.pid) for w in workers), "a worker maps no memfd step ring"
+        segments = mapped_shm([proc.pid, cores[0].pid] + [w.pid for w in workers])
         statuses: list[int] = []
         inflight = threading.Thread(target=lambda: statuses.append(httpx.post(
             base + "/v1/completions", timeout=60,
