@@ -32,7 +32,7 @@ from framework.engine.core_messages import (
     OutputsEncoder,
     Shutdown,
 )
-from framework.executor.child_process import spawned_by_main_thread
+from framework.distributed.child_process import spawned_by_main_thread
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class MPCoreClient(CoreClient):
     ``ipc://`` sockets this side binds: PUSH for commands, PULL for events. On Linux they live in the abstract
     socket namespace (``ipc://@servelab-core-<pid>-...``): no file, so an API process killed outright leaves none
     behind; elsewhere they are files in a temporary folder removed at :meth:`shutdown`. The core process dies with
-    this one (``framework.executor.child_process``).
+    this one (``framework.distributed.child_process``).
 
     A reader thread decodes events and calls ``on_event``; when the process exits without a last event
     (killed, out of memory), the reader reports ``dead`` itself with the exit status.

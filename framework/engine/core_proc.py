@@ -11,8 +11,8 @@ Life cycle, as seen by the front: ``hello`` (the engine is built; its facts), ``
 the compile warm-up), step outputs..., then ``stopped`` (after a shutdown command; exit status 0) or ``dead``
 (exit status 1). A build that refuses the config sends ``failed`` with the message and exits 2. The process dies
 with its parent (the API process) at any moment, loading and compiling included: the kernel's parent-death
-signal and a watcher thread armed before anything is built (:mod:`framework.executor.child_process`; exit status
-:data:`~framework.executor.child_process.EXIT_PARENT_GONE`), so a server ended by any signal leaves no engine
+signal and a watcher thread armed before anything is built (:mod:`framework.distributed.child_process`; exit status
+:data:`~framework.distributed.child_process.EXIT_PARENT_GONE`), so a server ended by any signal leaves no engine
 core behind; its tensor-parallel ranks die with it the same way.
 """
 
@@ -31,7 +31,7 @@ from framework.engine.core_messages import (
     OutputsEncoder,
     Shutdown,
 )
-from framework.executor.child_process import avoid_named_semaphores, die_with_parent
+from framework.distributed.child_process import avoid_named_semaphores, die_with_parent
 from framework.hookspecs import hookimpl
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def run_engine_core(config: EngineConfig, replica_id: int, input_address: str, o
         metrics_kwargs: ``MetricsCollector`` arguments (SLOs, ``max_records``).
         parent_pid: the API process's pid (``None``: this process's parent now); the core dies with it.
         started_by_main_thread: the API process started this one from its main thread (arms the kernel's
-            parent-death signal: ``framework.executor.child_process``).
+            parent-death signal: ``framework.distributed.child_process``).
 
     Exits with 0 after a shutdown, :data:`EXIT_DEAD` when the engine died, :data:`EXIT_FAILED` when the build
     refused the config, ``EXIT_PARENT_GONE`` when the API process is gone.

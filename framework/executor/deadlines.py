@@ -4,7 +4,7 @@ Three signals, each with its own bound, so no failure waits on a flat 120 s:
 
 - **Exit** (a process sentinel; Ray: the actor's death): seen at once.
 - **Heartbeat**: every rank process beats from a thread of its own (``mp``: a timestamp in the
-  broadcast ring's segment every :data:`HEARTBEAT_INTERVAL_S`; ``ray``: an answer to a ping on a
+  broadcast ring's segment every :data:`~framework.worker.worker_proc.HEARTBEAT_INTERVAL_S`; ``ray``: an answer to a ping on a
   concurrency group of its own). A rank silent for ``heartbeat_timeout_s`` is stopped (SIGSTOP, a
   debugger) or stuck holding the GIL: lost, whatever call is in flight, idle included.
 - **Call deadline** (a rank that beats but does not answer: a deadlock that releases the GIL, a
@@ -24,8 +24,6 @@ from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any
 
-#: seconds between two heartbeats of a rank process
-HEARTBEAT_INTERVAL_S = 0.5
 #: steps of fewer tokens are extrapolated as if they had this many (their time is mostly fixed cost)
 MIN_EXTRAPOLATION_TOKENS = 16
 #: calls that run the compile warm-up (``initialize_cache`` does when ``engine.compile=true``)

@@ -1,7 +1,7 @@
 """``executor=mp``: one spawned worker process per rank on this machine (vLLM's ``MultiprocExecutor``).
 
 Calls go to every rank at once through one shared-memory ring
-(:class:`framework.executor.shm_broadcast.ShmBroadcast`: the step's message is pickled once, never
+(:class:`framework.distributed.shm_broadcast.ShmBroadcast`: the step's message is pickled once, never
 whole requests: see ``framework.core.step_message``); replies come back over one pipe per rank,
 from rank 0 only for ``execute_model``. The driver waits on those pipes and on the processes'
 sentinels together, in ticks of at most a second, checking each rank's heartbeat and the call's
@@ -12,7 +12,7 @@ another thread cannot interleave with a step on the ring. Nothing of the ring ha
 and pipes), and stale segments of dead servelab processes are swept at start
 (``framework.distributed.shm_segment``); worker processes are released by
 :meth:`MultiprocExecutor.shutdown`, at interpreter exit (Ctrl-C included), on SIGTERM (a handler is
-installed when none is), and die with the driver however it ends (``framework.executor.child_process``:
+installed when none is), and die with the driver however it ends (``framework.distributed.child_process``:
 the kernel's parent-death signal, their heartbeat thread, their ring pipe's end-of-file).
 """
 
@@ -33,10 +33,10 @@ from typing import Any
 from framework import hookimpl, registry
 from framework.config import EngineConfig
 from framework.distributed.shm_segment import sweep_stale_segments
-from framework.executor.child_process import spawned_by_main_thread
+from framework.distributed.child_process import spawned_by_main_thread
 from framework.executor.deadlines import Deadlines, StepDeadline
-from framework.executor.shm_broadcast import ShmBroadcast
-from framework.executor.worker_proc import RING, SHUTDOWN, receive, worker_main
+from framework.distributed.shm_broadcast import ShmBroadcast
+from framework.worker.worker_proc import RING, SHUTDOWN, receive, worker_main
 from framework.hookspecs import Register
 from framework.interfaces import EngineDeadError, Executor, WorkerError
 

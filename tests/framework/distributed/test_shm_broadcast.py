@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.executor.shm_broadcast import ShmBroadcast, WriterGoneError
+from framework.distributed.shm_broadcast import ShmBroadcast, WriterGoneError
 
 
 def _read_all(ring: ShmBroadcast, rank: int, n: int, out: list) -> None:
@@ -89,8 +89,9 @@ def test_a_message_torn_in_the_middle_is_fatal_for_the_reader(monkeypatch):
     """The writer published the first chunk of a two-chunk message and no more: the reader's position no
     longer matches the ring's, so it must fail loudly (``TornMessageError``), never report "no message"
     (a ``TimeoutError``, which the worker loop treats as idle, and reads misaligned chunks after)."""
-    from framework.executor import shm_broadcast, worker_proc
-    from framework.executor.shm_broadcast import TornMessageError
+    from framework.distributed import shm_broadcast
+    from framework.worker import worker_proc
+    from framework.distributed.shm_broadcast import TornMessageError
 
     monkeypatch.setattr(shm_broadcast, "REST_OF_MESSAGE_TIMEOUT_S", 0.2)
     ring = ShmBroadcast(num_readers=1, chunk_bytes=64, num_chunks=4)

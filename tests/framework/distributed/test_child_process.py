@@ -18,7 +18,7 @@ from helpers import REPO
 SCRIPT = textwrap.dedent("""
     import multiprocessing as mp, os, sys, threading, time
     sys.path.insert(0, {repo!r})
-    from framework.executor import child_process as parent_death
+    from framework.distributed import child_process as parent_death
 
     def child(parent_pid, main_thread, check_s):
         parent_death.PARENT_CHECK_S = check_s
@@ -83,7 +83,7 @@ def test_no_library_lock_is_a_named_semaphore_in_a_spawned_child(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import multiprocessing as mp, sys
         sys.path.insert(0, {str(REPO)!r})
-        from framework.executor.child_process import avoid_named_semaphores
+        from framework.distributed.child_process import avoid_named_semaphores
         mp.set_start_method("spawn")  # as in a spawned child
         if sys.argv[1] == "avoid":
             avoid_named_semaphores()

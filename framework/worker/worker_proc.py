@@ -1,17 +1,17 @@
 """A worker rank in its own process (vLLM's ``WorkerProc``): the driver-side handle and the process loop.
 
 The driver spawns one process per rank (``multiprocessing`` spawn context). Each first arms its
-parent-death signal (:mod:`framework.executor.child_process`), attaches the shared-memory broadcast and
+parent-death signal (:mod:`framework.distributed.child_process`), attaches the shared-memory broadcast and
 starts its heartbeat thread (``attached``), builds its :class:`framework.worker.worker.Worker` (device, model shard, attention
 backend), reports ``ready`` (or its traceback) over its pipe, then loops: read the next call from the
 broadcast, run it, answer over its pipe when it is a replying rank. Every rank reads every call
 (they run the same forward); only the reply rank answers ``execute_model``, but any rank reports an
 error. A rank exits on ``shutdown``. When the driver dies, the rank goes with it at any moment: the
 kernel kills it (``PR_SET_PDEATHSIG``, Linux, a driver that started it from its main thread), its
-heartbeat thread ends the process within :data:`~framework.executor.deadlines.HEARTBEAT_INTERVAL_S`
+heartbeat thread ends the process within :data:`HEARTBEAT_INTERVAL_S`
 (even while it loads weights or compiles), and its ring reader sees its wake-up pipe close; a reply it
 cannot send to a dead driver ends it quietly (:data:`EXIT_DRIVER_GONE`). A torn message in the ring
-(:class:`~framework.executor.shm_broadcast.TornMessageError`) is fatal: the rank reports it and exits 1.
+(:class:`~framework.distributed.shm_broadcast.TornMessageError`) is fatal: the rank reports it and exits 1.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from framework.executor.child_process import EXIT_PARENT_GONE, arm_parent_death_signal, avoid_named_semaphores
-from framework.executor.deadlines import HEARTBEAT_INTERVAL_S
-from framework.executor.shm_broadcast import RingHandle, ShmBroadcast, TornMessageError, WriterGoneError
+from framework.distributed.child_process import EXIT_PARENT_GONE, arm_parent_death_signal, avoid_named_semaphores
+from framework.distributed.shm_broadcast import RingHandle, ShmBroadcast, TornMessageError, WriterGoneError
 
+#: seconds between two heartbeats of a rank process (``framework.executor.deadlines`` bounds their absence)
+HEARTBEAT_INTERVAL_S = 0.5
 SHUTDOWN = "shutdown"  # the method name that ends the loop
 RING = "the step broadcast"  # what failed when a rank reports a torn message
 _POLL_S = 1.0  # seconds a read waits before checking again that the driver lives
