@@ -231,6 +231,9 @@ def hook_hang(row: dict[str, Any]) -> None:
             return await asyncio.gather(*[one(p) for p in PROMPTS])
 
         served = asyncio.run(main())
+        end = time.monotonic() + 5  # on_dead runs on the client thread after the streams failed: wait for it
+        while not dead and time.monotonic() < end:
+            time.sleep(0.05)
     outcome(dead[0] if dead else None, len(PROMPTS), sum(served),
             server_exit="the server answers 503 and exits 1" if dead else None)
 

@@ -13,7 +13,9 @@ Failures (``framework.executor.deadlines``): the driver waits for the ranks' ans
 (rank 0 would otherwise sit in a collective with the dead rank until its timeout); between ticks of at
 most a second it checks the call's deadline and, once a call has taken longer than a tick, pings every
 actor on a concurrency group of its own (``health``): an actor that does not answer within
-``heartbeat_timeout_s`` is stopped or stuck holding the GIL. Either way every actor is killed.
+``heartbeat_timeout_s`` is stopped or stuck holding the GIL. Either way every actor is killed. A local
+instance this executor started is stopped with its driver even when the driver is SIGKILLed
+(``_ray_reaper``: Ray's own agents would outlive it by about a minute).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from typing import Any
 from framework import hookimpl
 from framework.config import EngineConfig
 from framework.executor.deadlines import Deadlines, StepDeadline
-from framework.executor.worker_proc import run_method
+from framework.worker.worker_proc import run_method
 from framework.hookspecs import Register
 from framework.interfaces import EngineDeadError, Executor, WorkerError
+from plugins.executors._ray_reaper import start_reaper, stop_reaper
 
 logger = logging.getLogger(__name__)
 INSTALL_HINT = 'pip install "servelab[ray]" "torch==2.13.0"'
@@ -111,12 +114,16 @@ class RayExecutor(Executor):
 
         self.step_deadline = StepDeadline(self.deadlines)
         self._started_ray = not ray.is_initialized()
+        self._reaper = None
         if self._started_ray:
             ray.init(address=address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=True)
+            self._reaper = start_reaper(_session_name(ray)) if address is None and "RAY_ADDRESS" not in os.environ \
+                else None
         gpus = 1.0 if config.device.startswith("cuda") else 0.0
         bundle = {"CPU": num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
         self._pg = ray.util.placement_group([bundle] * self.world_size, strategy=placement_strategy)
         self.actors: list[Any] = []
+        self._constructed: set[int] = set()  # ranks whose actor answered a ping (_check_pings)
         try:
             ray.get(self._pg.ready(), timeout=60)
             actor_cls = _actor_class(ray, num_cpus_per_worker, gpus)
@@ -124,6 +131,8 @@ class RayExecutor(Executor):
                 placement_group=self._pg, placement_group_bundle_index=rank)).remote(
                 config.to_dict(), rank, self.world_size) for rank in range(self.world_size)]
             end = time.monotonic() + self.deadlines.startup_timeout_s
+            self._gather([a.ping.remote() for a in self.actors], "start-up", end)  # every actor exists
+            self._constructed = set(range(self.world_size))  # from now on a silent one is lost (_check_pings)
             init_method = (self._gather([self.actors[0].rendezvous_address.remote()], "start-up", end)[0]
                            if self.world_size > 1 else None)
             self._gather([a.start.remote(init_method) for a in self.actors], "start-up", end)
@@ -188,20 +197,24 @@ class RayExecutor(Executor):
 
     def _check_pings(self, pings: dict[int, tuple[Any, float]], method: str) -> None:
         """Keep one ping in flight per actor (``pings``: rank -> (ref, sent at)); an answered one is
-        replaced, one older than ``heartbeat_timeout_s`` makes the rank lost. During start-up only a dead
-        actor ends the wait early: an actor still being constructed (a worker process importing torch and
-        transformers, which holds the GIL for seconds on a loaded host) answers no ping until it exists, and
-        ``startup_timeout_s`` bounds that."""
+        replaced (its rank joins ``self._constructed``), one older than ``heartbeat_timeout_s`` makes the rank lost.
+        During start-up the bound applies only to an actor that answered once (the executor pings every
+        actor first thing, before the rendezvous and the weights): one still being constructed
+        (a worker process importing Ray's runtime, which holds the GIL for seconds on a loaded host) answers
+        no ping until it exists, and ``startup_timeout_s`` bounds that; one that answered and then falls
+        silent (stopped while it loads weights) is lost after ``heartbeat_timeout_s``, as with ``mp``."""
         import ray
 
         now = time.monotonic()
-        limit = float("inf") if method == "start-up" else self.deadlines.heartbeat_timeout_s
         for rank, actor in enumerate(self.actors):
+            limit = self.deadlines.heartbeat_timeout_s if method != "start-up" or rank in self._constructed \
+                else float("inf")
             ref, sent = pings.get(rank, (None, now))
             if ref is not None:
                 done, _ = ray.wait([ref], timeout=0)
                 if done:
                     ray.get(done)  # a dead actor raises RayActorError
+                    self._constructed.add(rank)
                 elif now - sent > limit:
                     raise _Lost(f"worker rank {rank} answered no ping for {now - sent:.1f} s during {method!r} "
                                 f"(executor.params.heartbeat_timeout_s={limit:g}): stopped (SIGSTOP, a debugger) "
@@ -254,6 +267,8 @@ class RayExecutor(Executor):
         import ray
 
         if not ray.is_initialized():
+            stop_reaper(getattr(self, "_reaper", None))
+            self._reaper = None
             return
         for actor in self.actors:
             ray.kill(actor)
@@ -264,10 +279,20 @@ class RayExecutor(Executor):
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+            stop_reaper(self._reaper)
+            self._reaper = None
 
 
 class _Lost(Exception):
     """A rank missed its deadline or its ping (turned into ``EngineDeadError`` by the caller)."""
+
+
+def _session_name(ray: Any) -> str:
+    """The name of the Ray session this process started (``session_<date>_<pid>``), or "" if Ray hides it."""
+    try:
+        return str(ray._private.worker._global_node.session_name or "")
+    except AttributeError:  # a Ray whose private layout changed: no reaper (Ray's own clean-up still runs)
+        return ""
 
 
 def _cause(exc: BaseException) -> str:
