@@ -47,6 +47,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"needs CUDA: would check {item.name}"))
 
 
+#: resident memory growth (bytes) since the last collection that makes the suite collect garbage after a test
+GC_AFTER_GROWTH_BYTES = 1 << 30
+_rss_after_gc = [0]
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def collect_garbage_when_memory_grows() -> Iterator[None]:
+    """A safety net under ``tests/framework/engine/test_engine_release.py``: an object a test leaves in a reference
+    cycle (a model, a KV cache) lives until Python's next full collection, which with torch loaded can be many
+    tests later; a pytest worker grew to 16 GB that way and was killed for memory. After a test that grew this
+    process by a GiB the suite collects (reading the RSS costs microseconds; a collection ~0.1 s)."""
+    yield
+    if _rss_bytes() - _rss_after_gc[0] > GC_AFTER_GROWTH_BYTES:
+        import gc
+
+        gc.collect()
+        _rss_after_gc[0] = _rss_bytes()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def eager_unless_asked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """``engine.compile=auto`` stays eager in tests (``CompilePlanner.decide`` says so without

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,8 +57,16 @@ class DataParallelClock(Clock):
     clock. With wall-clock replicas it is the wall clock."""
 
     def __init__(self, engine: DataParallelEngine) -> None:
-        self._engine = engine
+        # weak: the engine holds this clock, and a cycle would keep every replica's KV cache after `del llm`
+        self._engine_ref = weakref.ref(engine)
         self.realtime = all(r.clock.realtime for r in engine.replicas)
+
+    @property
+    def _engine(self) -> DataParallelEngine:
+        engine = self._engine_ref()
+        if engine is None:
+            raise RuntimeError("the DataParallelEngine of this clock was garbage-collected")
+        return engine
 
     def now(self) -> float:
         """Seconds: see the class docstring."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,7 +73,10 @@ class LLMEngine:
         self.processor = Processor(tokenizer, vocab_size, self.max_model_len, eos_token_ids,
                                    structured_output is not None, self.clock)
         self.output_processor = OutputProcessor(self.block_bytes)
-        self.compile = CompileControl(config, executor, self.metrics, self._make_idle)
+        # a weak reference: a bound method would tie the engine into a reference cycle, and then its KV cache
+        # (1 GiB by default) outlives `del llm` until Python's next full garbage collection
+        make_idle = weakref.WeakMethod(self._make_idle)
+        self.compile = CompileControl(config, executor, self.metrics, lambda: make_idle()())
         self.faults = scheduler.faults  # one record of per-request failures for every per-request call site
         if structured_output is not None:
             structured_output.faults = self.faults
