@@ -243,7 +243,10 @@ def test_eval_parity_compares_both_backends(tmp_path, capsys):
     record = eval_parity.main(["--model", STORIES, "--num-mc", "3", "--num-ppl", "2", "--num-gen", "2",
                                "--out", str(tmp_path)])
     assert record["num_docs"] == {"servelab_mc_large": 3, "servelab_ppl_large": 2, "servelab_gen_large": 2}
-    assert record["servelab_mc_large_max_abs_ll_diff"] < 1e-4 and record["servelab_ppl_large_max_abs_ll_diff"] < 1e-4
+    # a rolling document's loglikelihood sums hundreds of float32 log-probs, reduced in another order by each
+    # backend and each CPU's kernels: 1.2e-4 apart under AVX2 (ATEN_CPU_CAPABILITY=avx2), 4e-6 with AVX-512;
+    # a wrong engine is off by whole nats
+    assert record["servelab_mc_large_max_abs_ll_diff"] < 5e-4 and record["servelab_ppl_large_max_abs_ll_diff"] < 5e-4
     assert record["gen_strings_differing"] == 0 and record["servelab_wall_s"] > 0 and record["hf_wall_s"] > 0
     assert (tmp_path / "eval_parity.json").is_file()
 
