@@ -52,9 +52,6 @@ from framework.testing.leftovers import live_pids, new_shm_names, shm_snapshot
 SCENARIOS = "experiments.faults._fault_scenarios"  # the driver side of a row, run as a module
 LEFTOVER_WAIT_S = 15.0  # seconds every process of a row has to exit and every segment to go
 GONE_WITHIN_S = 10.0  # after a driver, group or server kill: seconds until no process of the run is left
-#: Ray's own node agents (DashboardAgent, RuntimeEnvAgent) outlive a SIGKILLed driver by ~60 s before they
-#: exit by themselves (the ranks, Ray actors, go within seconds); its driver-kill row waits this long
-RAY_AGENTS_WAIT_S = 90.0
 ROW_TIMEOUT_S = 400.0  # a row still running after this is killed and fails
 
 
@@ -249,8 +246,7 @@ def run_row(row: dict[str, Any], log_dir: Path, cpus: str | None = None) -> RowR
             result.detect_s = None if t_fault is None else round(out["at"] - t_fault, 2)
     finally:
         tree.stop()
-        wait_s = RAY_AGENTS_WAIT_S if kill and row["executor"] == "ray" else LEFTOVER_WAIT_S
-        result.leftover_pids, result.leftover_shm = tree.leftovers(wait_s)
+        result.leftover_pids, result.leftover_shm = tree.leftovers(LEFTOVER_WAIT_S)
         _reap(row, tree, result, env)
         log.close()
     if kill:  # the requests in flight die with their driver

@@ -10,7 +10,9 @@ about a minute (they first try to report it to the GCS, which died too). This re
   (non-inheritable, so Ray's processes do not keep it open);
 * the driver's death closes the pipe (the kernel does it, whatever killed the driver): the reaper reads
   EOF and sends SIGKILL to every process whose command line names this Ray session
-  (``session_<date>_<pid>``, passed to every Ray process of the instance), then exits;
+  (``session_<date>_<pid>``: the GCS, the raylet, the monitors) and to their descendants (the agents and
+  workers, which rename themselves), found by a look every second while the driver lives (the raylet dies
+  with the driver, and its orphaned agents then name nothing of the session), then exits;
 * a clean ``shutdown`` writes ``done`` before closing: the reaper exits without killing anything
   (``ray.shutdown`` stops the node itself).
 
@@ -23,12 +25,14 @@ Run as ``python -m plugins.executors._ray_reaper SESSION_NAME``.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 DONE = b"done\n"  # what a clean shutdown writes before closing the pipe
+LOOK_EVERY_S = 1.0  # seconds between two looks at the session's processes (/proc scans of a few ms)
 
 
 def session_pids(session_name: str, proc: Path = Path("/proc")) -> list[int]:
@@ -45,9 +49,45 @@ def session_pids(session_name: str, proc: Path = Path("/proc")) -> list[int]:
     return pids
 
 
-def reap(session_name: str) -> list[int]:
-    """SIGKILL every process of the Ray session ``session_name``; returns their pids."""
-    pids = session_pids(session_name)
+def _stats(proc: Path = Path("/proc")) -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time in clock ticks since boot) of every live process (``/proc/<pid>/stat``)."""
+    stats = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": the comm may hold spaces
+        stats[int(entry.name)] = (int(fields[1]), int(fields[19]))
+    return stats
+
+
+def session_tree(session_name: str) -> dict[int, int]:
+    """The session's processes (:func:`session_pids`) and all their descendants, pid -> start time (clock
+    ticks): Ray's agents and workers rename themselves (``ray::DashboardAgent``, ``ray::IDLE``), so only their
+    parent, the raylet, names the session."""
+    stats = _stats()
+    pids = set(session_pids(session_name)) & set(stats)
+    grew = True
+    while grew:
+        children = {pid for pid, (parent, _) in stats.items() if parent in pids and pid not in pids}
+        pids |= children
+        grew = bool(children)
+    pids.discard(os.getpid())
+    return {pid: stats[pid][1] for pid in sorted(pids)}
+
+
+def reap(session_name: str, known: dict[int, int] | None = None) -> list[int]:
+    """SIGKILL every process of the Ray session ``session_name`` and their descendants, and those of ``known``
+    (pid -> start time, from earlier looks) still running with the same start time (not a reused pid): a
+    raylet that died with the driver has left its agents orphaned, no longer its descendants. Returns the pids
+    signalled."""
+    targets = dict(known or {})
+    targets.update(session_tree(session_name))
+    stats = _stats()
+    pids = [pid for pid, started in targets.items() if pid in stats and stats[pid][1] == started and pid != os.getpid()]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -85,15 +125,23 @@ def stop_reaper(reaper: subprocess.Popen | None) -> None:
 
 
 def main(session_name: str) -> int:
-    """Block until the driver closes stdin; reap the session unless it said ``done``."""
-    said = b""
-    try:
-        while chunk := os.read(0, 64):
-            said += chunk
-    except OSError:
-        pass
+    """Until the driver closes stdin, note the session's processes every :data:`LOOK_EVERY_S`; then reap them
+    unless the driver said ``done``."""
+    said, known = b"", {}
+    while True:
+        ready, _, _ = select.select([0], [], [], LOOK_EVERY_S)
+        if not ready:
+            known.update(session_tree(session_name))
+            continue
+        try:
+            chunk = os.read(0, 64)
+        except OSError:
+            break
+        if not chunk:
+            break
+        said += chunk
     if said != DONE:
-        reap(session_name)
+        reap(session_name, known)
     return 0
 
 

@@ -7,10 +7,11 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
-from plugins.executors._ray_reaper import session_pids, start_reaper, stop_reaper
+from plugins.executors._ray_reaper import reap, session_pids, session_tree, start_reaper, stop_reaper
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc (Linux)")
 
@@ -23,6 +24,23 @@ def _stand_ins(session: str, n: int = 2) -> list[subprocess.Popen]:
     while len(session_pids(session)) < n and time.monotonic() < deadline:
         time.sleep(0.05)
     return procs
+
+
+def test_a_session_process_s_renamed_children_are_reaped_too():
+    """Ray's agents and workers rename themselves (``ray::IDLE``): they are found as the raylet's descendants."""
+    session = f"session_test_{uuid.uuid4().hex}"
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
+    raylet = subprocess.Popen([sys.executable, "-c", code, f"--session-name={session}"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(session_tree(session)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = session_tree(session)
+        assert raylet.pid in tree and len(tree) == 2  # the stand-in raylet and its child, whose argv names nothing
+        assert sorted(reap(session)) == sorted(tree)
+        assert raylet.wait(5) == -9
+    finally:
+        raylet.kill()
 
 
 def test_a_dead_driver_s_session_is_killed_within_a_second():
@@ -54,3 +72,39 @@ def test_a_clean_shutdown_kills_nothing():
         for p in procs:
             p.kill()
             p.wait(5)
+
+
+def test_children_orphaned_before_the_driver_died_are_reaped_from_an_earlier_look():
+    """The raylet dies with the driver, orphaning its agents (their parent is then init, their argv names nothing):
+    the reaper kills them from the look it took while the driver lived."""
+    session = f"session_test_{uuid.uuid4().hex}"
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
+    raylet = subprocess.Popen([sys.executable, "-c", code, f"--session-name={session}"])
+    reaper = None
+    try:
+        deadline = time.monotonic() + 10
+        while len(session_tree(session)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        agent = next(pid for pid in session_tree(session) if pid != raylet.pid)
+        reaper = start_reaper(session)
+        time.sleep(2.5)  # at least one look (LOOK_EVERY_S) with the tree whole
+        raylet.kill()
+        raylet.wait(5)
+        assert agent not in session_tree(session)  # orphaned: nothing links it to the session any more
+        reaper.stdin.close()
+        assert reaper.wait(5) == 0
+        deadline = time.monotonic() + 2
+        while Path(f"/proc/{agent}").exists() and "State:\tZ" not in _status(agent) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{agent}").exists() or "State:\tZ" in _status(agent)
+    finally:
+        raylet.kill()
+        if reaper is not None:
+            reaper.kill()
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "State:\tZ"
