@@ -26,15 +26,22 @@ def _stand_ins(session: str, n: int = 2) -> list[subprocess.Popen]:
     return procs
 
 
+def _stand_in_raylet(session: str) -> subprocess.Popen:
+    """A process whose argv names ``session`` with one child whose argv names nothing (a raylet and an agent that
+    renamed itself); returns once both are seen."""
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
+    raylet = subprocess.Popen([sys.executable, "-c", code, f"--session-name={session}"])
+    deadline = time.monotonic() + 10
+    while len(session_tree(session)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return raylet
+
+
 def test_a_session_process_s_renamed_children_are_reaped_too():
     """Ray's agents and workers rename themselves (``ray::IDLE``): they are found as the raylet's descendants."""
     session = f"session_test_{uuid.uuid4().hex}"
-    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
-    raylet = subprocess.Popen([sys.executable, "-c", code, f"--session-name={session}"])
+    raylet = _stand_in_raylet(session)
     try:
-        deadline = time.monotonic() + 10
-        while len(session_tree(session)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
         tree = session_tree(session)
         assert raylet.pid in tree and len(tree) == 2  # the stand-in raylet and its child, whose argv names nothing
         assert sorted(reap(session)) == sorted(tree)
@@ -43,48 +50,43 @@ def test_a_session_process_s_renamed_children_are_reaped_too():
         raylet.kill()
 
 
-def test_a_dead_driver_s_session_is_killed_within_a_second():
+@pytest.fixture
+def session_and_reaper():
+    """A made-up session with two stand-in processes and its reaper: ``(procs, reaper)``; the stand-ins are
+    killed after the test."""
     session = f"session_test_{uuid.uuid4().hex}"
     procs = _stand_ins(session)
-    reaper = start_reaper(session)
-    try:
-        assert {p.pid for p in procs} <= set(session_pids(session))
-        reaper.stdin.close()  # what the kernel does when the driver dies
-        t0 = time.monotonic()
-        codes = [p.wait(5) for p in procs]
-        assert codes == [-9, -9] and time.monotonic() - t0 < 1.0
-        assert reaper.wait(5) == 0
-    finally:
-        for p in procs:
-            p.kill()
+    assert {p.pid for p in procs} <= set(session_pids(session))
+    yield procs, start_reaper(session)
+    for p in procs:
+        p.kill()
+        p.wait(5)
 
 
-def test_a_clean_shutdown_kills_nothing():
-    session = f"session_test_{uuid.uuid4().hex}"
-    procs = _stand_ins(session)
-    reaper = start_reaper(session)
-    try:
-        stop_reaper(reaper)
-        assert reaper.returncode == 0
-        time.sleep(0.2)
-        assert [p.poll() for p in procs] == [None, None]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait(5)
+def test_a_dead_driver_s_session_is_killed_within_a_second(session_and_reaper):
+    procs, reaper = session_and_reaper
+    reaper.stdin.close()  # what the kernel does when the driver dies
+    t0 = time.monotonic()
+    codes = [p.wait(5) for p in procs]
+    assert codes == [-9, -9] and time.monotonic() - t0 < 1.0
+    assert reaper.wait(5) == 0
+
+
+def test_a_clean_shutdown_kills_nothing(session_and_reaper):
+    procs, reaper = session_and_reaper
+    stop_reaper(reaper)
+    assert reaper.returncode == 0
+    time.sleep(0.2)
+    assert [p.poll() for p in procs] == [None, None]
 
 
 def test_children_orphaned_before_the_driver_died_are_reaped_from_an_earlier_look():
     """The raylet dies with the driver, orphaning its agents (their parent is then init, their argv names nothing):
     the reaper kills them from the look it took while the driver lived."""
     session = f"session_test_{uuid.uuid4().hex}"
-    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
-    raylet = subprocess.Popen([sys.executable, "-c", code, f"--session-name={session}"])
+    raylet = _stand_in_raylet(session)
     reaper = None
     try:
-        deadline = time.monotonic() + 10
-        while len(session_tree(session)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
         agent = next(pid for pid in session_tree(session) if pid != raylet.pid)
         reaper = start_reaper(session)
         time.sleep(2.5)  # at least one look (LOOK_EVERY_S) with the tree whole
