@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from framework.distributed.child_process import spawned_by_main_thread
 from framework.engine.core import EngineCore, engine_facts
 from framework.engine.core_messages import (
     CommandEncoder,
@@ -32,7 +33,6 @@ from framework.engine.core_messages import (
     OutputsEncoder,
     Shutdown,
 )
-from framework.distributed.child_process import spawned_by_main_thread
 
 logger = logging.getLogger(__name__)
 

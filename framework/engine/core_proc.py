@@ -25,13 +25,13 @@ import threading
 from typing import Any
 
 from framework.config import EngineConfig
+from framework.distributed.child_process import avoid_named_semaphores, die_with_parent
 from framework.engine.core_messages import (
     CommandEncoder,
     EngineCoreOutputs,
     OutputsEncoder,
     Shutdown,
 )
-from framework.distributed.child_process import avoid_named_semaphores, die_with_parent
 from framework.hookspecs import hookimpl
 
 logger = logging.getLogger(__name__)

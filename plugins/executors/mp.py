@@ -32,13 +32,13 @@ from typing import Any
 
 from framework import hookimpl, registry
 from framework.config import EngineConfig
-from framework.distributed.shm_segment import sweep_stale_segments
 from framework.distributed.child_process import spawned_by_main_thread
-from framework.executor.deadlines import Deadlines, StepDeadline
 from framework.distributed.shm_broadcast import ShmBroadcast
-from framework.worker.worker_proc import RING, SHUTDOWN, receive, worker_main
+from framework.distributed.shm_segment import sweep_stale_segments
+from framework.executor.deadlines import Deadlines, StepDeadline
 from framework.hookspecs import Register
 from framework.interfaces import EngineDeadError, Executor, WorkerError
+from framework.worker.worker_proc import RING, SHUTDOWN, receive, worker_main
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # resources of every live executor (for the SIGTERM handler)
 _TICK_S = 1.0  # longest wait on the pipes between two checks of heartbeats and deadline

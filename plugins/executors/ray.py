@@ -31,9 +31,9 @@ from typing import Any
 from framework import hookimpl
 from framework.config import EngineConfig
 from framework.executor.deadlines import Deadlines, StepDeadline
-from framework.worker.worker_proc import run_method
 from framework.hookspecs import Register
 from framework.interfaces import EngineDeadError, Executor, WorkerError
+from framework.worker.worker_proc import run_method
 from plugins.executors._ray_reaper import start_reaper, stop_reaper
 
 logger = logging.getLogger(__name__)

@@ -13,10 +13,10 @@ import torch
 
 from framework import hookimpl
 from framework.config import EngineConfig
-from framework.worker.worker_proc import run_method
 from framework.hookspecs import Register
 from framework.interfaces import Executor
 from framework.worker.worker import Worker
+from framework.worker.worker_proc import run_method
 
 
 class UniProcExecutor(Executor):

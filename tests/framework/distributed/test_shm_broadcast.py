@@ -90,8 +90,8 @@ def test_a_message_torn_in_the_middle_is_fatal_for_the_reader(monkeypatch):
     longer matches the ring's, so it must fail loudly (``TornMessageError``), never report "no message"
     (a ``TimeoutError``, which the worker loop treats as idle, and reads misaligned chunks after)."""
     from framework.distributed import shm_broadcast
-    from framework.worker import worker_proc
     from framework.distributed.shm_broadcast import TornMessageError
+    from framework.worker import worker_proc
 
     monkeypatch.setattr(shm_broadcast, "REST_OF_MESSAGE_TIMEOUT_S", 0.2)
     ring = ShmBroadcast(num_readers=1, chunk_bytes=64, num_chunks=4)
