@@ -25,6 +25,7 @@ Run as ``python -m plugins.executors._ray_reaper SESSION_NAME``.
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import subprocess
@@ -32,11 +33,20 @@ import sys
 from pathlib import Path
 
 DONE = b"done\n"  # what a clean shutdown writes before closing the pipe
+#: what a Ray session's name looks like (``session_2026-11-28_21-32-35_880906_20371``): anything else is refused,
+#: since every process whose command line contains the name is killed
+SESSION_NAME = re.compile(r"session_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}_\d+_\d+")
 LOOK_EVERY_S = 1.0  # seconds between two looks at the session's processes (/proc scans of a few ms)
 
 
 def session_pids(session_name: str, proc: Path = Path("/proc")) -> list[int]:
-    """Pids of the live processes whose command line contains ``session_name`` (this process excluded)."""
+    """Pids of the live processes whose command line contains ``session_name`` (this process excluded).
+
+    Raises:
+        ValueError: ``session_name`` is not a Ray session's name (:data:`SESSION_NAME`).
+    """
+    if not SESSION_NAME.fullmatch(session_name):
+        raise ValueError(f"not a Ray session name: {session_name!r} (expected session_<date>_<time>_<us>_<pid>)")
     needle, pids = session_name.encode(), []
     for entry in proc.iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -103,7 +113,7 @@ def start_reaper(session_name: str) -> subprocess.Popen | None:
     Raises:
         OSError: the process could not be started.
     """
-    if not Path("/proc/self/cmdline").exists() or not session_name:
+    if not Path("/proc/self/cmdline").exists() or not SESSION_NAME.fullmatch(session_name):
         return None
     repo_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -127,6 +137,9 @@ def stop_reaper(reaper: subprocess.Popen | None) -> None:
 def main(session_name: str) -> int:
     """Until the driver closes stdin, note the session's processes every :data:`LOOK_EVERY_S`; then reap them
     unless the driver said ``done``."""
+    if not SESSION_NAME.fullmatch(session_name):
+        print(f"_ray_reaper: not a Ray session name: {session_name!r}; nothing will be reaped", file=sys.stderr)
+        return 2
     said, known = b"", {}
     while True:
         ready, _, _ = select.select([0], [], [], LOOK_EVERY_S)

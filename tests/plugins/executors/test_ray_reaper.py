@@ -16,6 +16,19 @@ from plugins.executors._ray_reaper import reap, session_pids, session_tree, star
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc (Linux)")
 
 
+def _made_up_session() -> str:
+    """A name shaped like Ray's (``session_<date>_<time>_<us>_<pid>``) that no real session has."""
+    return f"session_2099-01-01_00-00-00_{uuid.uuid4().int % 10**6}_{uuid.uuid4().int % 10**7}"
+
+
+def test_a_name_that_is_not_a_ray_session_s_is_refused():
+    """The reaper kills whatever names the session: a short or odd name would match unrelated processes."""
+    for name in ("x", "", "session_", "python"):
+        with pytest.raises(ValueError, match="not a Ray session name"):
+            session_pids(name)
+        assert start_reaper(name) is None
+
+
 def _stand_ins(session: str, n: int = 2) -> list[subprocess.Popen]:
     """``n`` sleeping processes whose argv names ``session`` (as Ray passes --session-name to its processes)."""
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", f"--session-name={session}"])
@@ -39,7 +52,7 @@ def _stand_in_raylet(session: str) -> subprocess.Popen:
 
 def test_a_session_process_s_renamed_children_are_reaped_too():
     """Ray's agents and workers rename themselves (``ray::IDLE``): they are found as the raylet's descendants."""
-    session = f"session_test_{uuid.uuid4().hex}"
+    session = _made_up_session()
     raylet = _stand_in_raylet(session)
     try:
         tree = session_tree(session)
@@ -54,7 +67,7 @@ def test_a_session_process_s_renamed_children_are_reaped_too():
 def session_and_reaper():
     """A made-up session with two stand-in processes and its reaper: ``(procs, reaper)``; the stand-ins are
     killed after the test."""
-    session = f"session_test_{uuid.uuid4().hex}"
+    session = _made_up_session()
     procs = _stand_ins(session)
     assert {p.pid for p in procs} <= set(session_pids(session))
     yield procs, start_reaper(session)
@@ -83,7 +96,7 @@ def test_a_clean_shutdown_kills_nothing(session_and_reaper):
 def test_children_orphaned_before_the_driver_died_are_reaped_from_an_earlier_look():
     """The raylet dies with the driver, orphaning its agents (their parent is then init, their argv names nothing):
     the reaper kills them from the look it took while the driver lived."""
-    session = f"session_test_{uuid.uuid4().hex}"
+    session = _made_up_session()
     raylet = _stand_in_raylet(session)
     reaper = None
     try:
