@@ -11,12 +11,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from framework.compilation.calibration import CompilePlanner
 from framework.compilation.policy import CompileDecision, startup_reason
 from framework.config import EngineConfig
+from framework.core.outputs import SchedulerStats
+from framework.core.scheduler import Scheduler
 from framework.interfaces import Executor
 from framework.metrics.collector import MetricsCollector
 
@@ -30,13 +32,12 @@ class CompileControl:
         config: the engine's config (``engine.compile``).
         executor: runs ``compile_stats`` / ``compile_decoder`` / ``time_decode_steps`` on every rank.
         metrics: the engine's collector (``compile_info``; ``compile_stats`` read live; ``run_labels``).
-        make_idle: drops the prefix cache when no request holds a KV block; True if the engine is idle (a
-            warm-up or a step measurement writes dummy K/V into blocks 0, 1, ...).
+        scheduler: the engine's scheduler (:meth:`_make_idle` drops its prefix cache).
     """
 
     def __init__(self, config: EngineConfig, executor: Executor, metrics: MetricsCollector,
-                 make_idle: Callable[[], bool]) -> None:
-        self.config, self.executor, self.metrics, self._make_idle = config, executor, metrics, make_idle
+                 scheduler: Scheduler) -> None:
+        self.config, self.executor, self.metrics, self.scheduler = config, executor, metrics, scheduler
         stats = executor.collective_rpc("compile_stats", unique_reply_rank=0)[0]
         # the ranks compiled at start-up (engine.compile=true; a server's build defers it to maybe_compile)
         self.compiled = bool(stats.enabled)
@@ -50,7 +51,26 @@ class CompileControl:
         self._record()
 
     def maybe_compile(self, planned_budgets: Sequence[int] | None, repeats: int = 1) -> CompileDecision:
-        """``LLMEngine.maybe_compile`` (its docstring has the rule); returns the decision in force."""
+        """``engine.compile=auto``: compile the decoder now if the work about to start is expected to save
+        more than the compile costs on this machine (``framework/compilation/policy.py``, numbers from
+        ``framework/compilation/calibration.py``); engines built with ``true``/``false``, or compiled
+        already, keep their decision.
+
+        The saving counts the decode steps the budgets run (batch shrinking as requests finish,
+        ``policy.decode_schedule``) plus the steps this engine ran eagerly so far. The warm-up (and the first
+        decision's eager step measurement) writes dummy K/V, so the prefix cache is dropped first; while a
+        request holds KV blocks the compile is put off to the next call (reason logged).
+
+        Args:
+            planned_budgets: output-token budget of each request of the work about to start, tokens
+                (``policy.output_budget``; ``n`` samples count ``n`` times); ``None`` for open-ended work
+                (a server).
+            repeats: that work runs this many times in a row (a benchmark's repeats; a loop of ``generate``
+                calls that cannot say so up front is caught by the steps run so far).
+
+        Returns:
+            The decision in force (also in ``metrics.json`` as ``compile_reason``, ``compile_estimate``).
+        """
         self.planner.flush_observed()  # the real steps run so far count in this decision
         if self.config.compile == "false" or self.compiled:
             return self.decision
@@ -76,15 +96,21 @@ class CompileControl:
         self._record()
         return decision
 
-    def observe_step(self, num_sampled: int, all_plain_decodes: bool, num_decode: int, execute_s: float,
-                     realtime: bool) -> None:
+    def _make_idle(self) -> bool:
+        """Drop the prefix cache when no request holds a KV block; True if the engine is idle now (the dummy
+        steps of a compile warm-up or a step measurement may then write blocks 0, 1, ...)."""
+        return not self.scheduler.has_unfinished_requests() and self.scheduler.reset_prefix_cache()
+
+    def observe_step(self, stats: SchedulerStats, execute_s: float, realtime: bool) -> None:
         """Note a step: its sampled requests count toward the eager steps (until compiled); a step of plain
-        decodes only (no prefill chunk, draft or swap) on the wall clock gives the calibration a real step
-        time (``execute_s`` seconds in the executor at batch ``num_decode``)."""
-        if num_sampled and not self.compiled:
-            self.eager_steps[num_sampled] += 1
-        if all_plain_decodes and realtime:
-            self.planner.observe_decode_step(num_decode, execute_s, self.compiled)
+        decodes only (no prefill chunk, draft or swap) on the wall clock (``realtime``) gives the calibration
+        a real step time (``execute_s``: seconds in the executor, at batch ``stats.num_decode_tokens``)."""
+        if stats.num_sampled_reqs and not self.compiled:
+            self.eager_steps[stats.num_sampled_reqs] += 1
+        plain = not (stats.num_prefill_tokens or stats.num_spec_reqs or stats.num_swap_out_blocks
+                     or stats.num_swap_in_blocks)
+        if plain and realtime and stats.num_decode_tokens:
+            self.planner.observe_decode_step(stats.num_decode_tokens, execute_s, self.compiled)
 
     def _record(self) -> None:
         """Mirror the decision into the metrics."""

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from framework import registry
 from framework.compilation.calibration import CompilePlanner
 from framework.compilation.policy import CompileDecision
 from framework.config import EngineConfig
 from framework.core.faults import RequestFailure
 from framework.core.outputs import ModelRunnerOutput, RequestOutput
-from framework.core.request import Request, RequestStatus
 from framework.core.sampling_params import SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.structured_output import StructuredOutputManager
@@ -21,6 +18,7 @@ from framework.engine.draft_proposer import DraftProposer
 from framework.engine.output_processor import OutputProcessor, scheduler_stats
 from framework.engine.parallel_sampling import ParallelRequests
 from framework.engine.processor import Processor
+from framework.engine.structured_output_gate import StructuredOutputGate
 from framework.interfaces import Drafter, EngineDeadError, Executor, KVAllocator, ReplicaState
 from framework.interfaces.engine import ReplicaView
 from framework.metrics.collector import MetricsCollector
@@ -57,7 +55,6 @@ class LLMEngine:
         # bytes of one KV block over all ranks (each rank holds its own copy or shard): swap traffic and
         # the per-request KV metrics
         self.block_bytes = executor.kv_cache_bytes_per_block() * config.tensor_parallel_size
-        self.swap_block_bytes = self.block_bytes
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -66,20 +63,15 @@ class LLMEngine:
         self.metrics.clock = self.clock
         self.metrics.run_labels = executor.run_labels()  # simulated or not, in every record
         self.num_steps = 0
-        # structured requests wait here (outside the scheduler) while their grammar compiles
-        self.structured_output = structured_output
-        self._compiling: dict[str, Request] = {}
+        self.structured_output = structured_output  # the grammar manager (EngineClient), or None
         self.parallel = ParallelRequests()  # n > 1 requests and their sequences
         self.processor = Processor(tokenizer, vocab_size, self.max_model_len, eos_token_ids,
                                    structured_output is not None, self.clock)
-        self.output_processor = OutputProcessor(self.block_bytes)
-        # a weak reference: a bound method would tie the engine into a reference cycle, and then its KV cache
-        # (1 GiB by default) outlives `del llm` until Python's next full garbage collection
-        make_idle = weakref.WeakMethod(self._make_idle)
-        self.compile = CompileControl(config, executor, self.metrics, lambda: make_idle()())
+        self.output_processor = OutputProcessor(self.block_bytes, self.metrics)
+        self.compile = CompileControl(config, executor, self.metrics, scheduler)
         self.faults = scheduler.faults  # one record of per-request failures for every per-request call site
-        if structured_output is not None:
-            structured_output.faults = self.faults
+        # structured requests wait here (outside the scheduler) while their grammar compiles
+        self.grammars = StructuredOutputGate(structured_output, scheduler, self.faults, self.clock)
         self.proposer = (DraftProposer(drafter, scheduler, self.faults, self.clock, vocab_size, self.max_model_len,
                                        structured_output) if drafter is not None else None)
 
@@ -109,18 +101,11 @@ class LLMEngine:
         if parent is not None:
             self.parallel.add(parent)
         for request in requests:
-            self._enqueue(request)
+            if not self.grammars.submit(request):  # held while its grammar compiles
+                self.scheduler.add_request(request)
 
     def _in_use(self, request_id: str) -> bool:
-        return request_id in self.scheduler.requests or request_id in self._compiling or request_id in self.parallel
-
-    def _enqueue(self, request: Request) -> None:
-        """Hand a validated request to the scheduler, or hold it while its grammar compiles."""
-        if request.sampling_params.structured_outputs is not None:
-            self.structured_output.submit(request)
-            self._compiling[request.request_id] = request
-            return
-        self.scheduler.add_request(request)
+        return request_id in self.scheduler.requests or request_id in self.grammars or request_id in self.parallel
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of ``prompt``, checked against the vocabulary and ``max_model_len`` (``Processor.tokenize``).
@@ -142,7 +127,7 @@ class LLMEngine:
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         ids = self.parallel.expand(ids)
-        outputs = [self._fail(self._compiling.pop(rid), None) for rid in ids if rid in self._compiling]
+        outputs = [self.output_processor.report_finished(r) for r in self.grammars.fail(ids, None)]
         return self._to_caller(outputs + self._abort(ids))
 
     def _abort(self, ids: list[str], failures: dict[str, RequestFailure] | None = None) -> list[RequestOutput]:
@@ -152,9 +137,8 @@ class LLMEngine:
         if self.proposer is not None and aborted:  # drop drafter state now, not at the next step
             self.proposer.call("on_requests_freed", {r.request_id for r in aborted})
         for request in aborted:
-            if self.structured_output is not None:
-                self.structured_output.discard(request.request_id)
-        return [self._report_finished(request) for request in aborted]
+            self.grammars.discard(request.request_id)
+        return [self.output_processor.report_finished(request) for request in aborted]
 
     def _abort_failed(self) -> list[RequestOutput]:
         """Abort the requests a per-request call site failed on (``self.faults``); everything else runs on."""
@@ -163,13 +147,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
-        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
+        return self.scheduler.has_unfinished_requests() or bool(self.grammars)
 
     def replica_state(self, replica_id: int) -> ReplicaState:
         """This engine's load as a data-parallel replica (``framework.interfaces.router``): waiting requests
         (incl. those whose grammar compiles), running ones and the fraction of KV blocks in use, now."""
         kv = self.scheduler.kv
-        return ReplicaState(replica_id=replica_id, num_waiting_reqs=self.scheduler.num_waiting + len(self._compiling),
+        return ReplicaState(replica_id=replica_id, num_waiting_reqs=self.scheduler.num_waiting + len(self.grammars),
                             num_running_reqs=len(self.scheduler.running),
                             kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_blocks if kv.num_blocks else 0.0,
                             published_s=self.clock.now())
@@ -185,25 +169,10 @@ class LLMEngine:
 
     # ---- compilation ------------------------------------------------------------------
     def maybe_compile(self, planned_budgets: Sequence[int] | None, repeats: int = 1) -> CompileDecision:
-        """``engine.compile=auto``: compile the decoder now if the work about to start is expected to save
-        more than the compile costs on this machine (``framework/compilation/policy.py``, numbers from
-        ``framework/compilation/calibration.py``); engines built with ``true``/``false``, or compiled
-        already, keep their decision.
-
-        Entry points call it before adding a batch of requests: ``LLM.generate`` with the call's
-        requests' output-token budgets, the offline runner with its workload's, the server with
-        ``None``. The saving counts the decode steps those budgets run (batch shrinking as requests
-        finish, ``compile_policy.decode_schedule``) plus the steps this engine ran eagerly so far. The
-        warm-up (and the first decision's eager step measurement) writes dummy K/V, so the prefix cache
-        is dropped first; while a request holds KV blocks the compile is put off to the next call
-        (reason logged).
-
-        Args:
-            planned_budgets: output-token budget of each request of the work about to start, tokens
-                (``compile_policy.output_budget``; ``n`` samples count ``n`` times); ``None`` for
-                open-ended work (a server).
-            repeats: that work runs this many times in a row (a benchmark's repeats; a loop of ``generate``
-                calls that cannot say so up front is caught by the steps run so far).
+        """``engine.compile=auto``: compile the decoder now if the work about to start saves more than the
+        compile costs on this machine (the rule: :meth:`CompileControl.maybe_compile`). Entry points call it
+        before adding work: ``LLM.generate`` and the offline runner with their requests' output-token budgets,
+        the server with ``None``; ``repeats``: that work runs this many times in a row.
 
         Returns:
             The decision in force (also in ``metrics.json`` as ``compile_reason``, ``compile_estimate``).
@@ -220,11 +189,6 @@ class LLMEngine:
         """``engine.compile=auto``'s measured numbers for this machine and model."""
         return self.compile.planner
 
-    def _make_idle(self) -> bool:
-        """Drop the prefix cache when no request holds a KV block; True if the engine is idle now (the
-        dummy steps of a compile warm-up or a step measurement may then write blocks 0, 1, ...)."""
-        return not self.scheduler.has_unfinished_requests() and self.scheduler.reset_prefix_cache()
-
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step.
@@ -238,11 +202,10 @@ class LLMEngine:
                 the error first (their final outputs are ``error.outputs``).
         """
         t0 = self.clock.now()
-        failed = self._admit_compiled()
+        failed = [self.output_processor.report_finished(r) for r in self.grammars.admit()]
+        failed += self._abort_failed()  # the grammar plugin raised: start recorded a fault
         sched_out = self.scheduler.schedule()
-        if self.structured_output is not None and sched_out.total_num_scheduled_tokens:
-            sched_out.grammar_bitmask, sched_out.structured_output_request_ids = (
-                self.structured_output.grammar_bitmask(sched_out))
+        self.grammars.fill_bitmask(sched_out)
         t1 = self.clock.now()
         try:
             if self.executor.dead is not None:
@@ -260,19 +223,23 @@ class LLMEngine:
             self.faults.record(request_id, what, detail)
         failed += self._abort_failed()  # a grammar matcher failed in the bitmask: its sampled token is dropped
         updated, _ = self.scheduler.update_from_output(sched_out, runner_out)
-        self._advance_grammars(updated)
+        self.grammars.advance(updated, self.faults)
         failed += self._abort_failed()  # detokenizer/stop checker or grammar matcher failed on the new tokens
         t3 = self.clock.now()
         draft_s = self.proposer.propose(sched_out, runner_out, updated) if self.proposer is not None else 0.0
         failed += self._abort_failed()  # the drafter failed on a request
         gone = {o.request_id for o in failed}
         updated = [r for r in updated if r.request_id not in gone]
-        outputs = failed + [self._make_output(r) for r in updated]
-        if not sched_out.is_empty:
-            self._observe_step(sched_out, runner_out, updated, (t0, t1, t2, t3), draft_s)
+        outputs = failed + [self.output_processor.make_output(r) for r in updated]
+        if not sched_out.is_empty:  # the step's stats to the metrics and hooks; its decode shape to engine.compile
+            stats = scheduler_stats(self.num_steps, self.scheduler, sched_out, runner_out, len(updated),
+                                    (t0, t1, t2, t3), draft_s, self.block_bytes)
+            self.num_steps += 1
+            self.compile.observe_step(stats, t2 - t1, self.clock.realtime)
+            self.output_processor.observe_step(stats, sched_out, runner_out)
         for request, output in zip(updated, outputs[len(failed):]):
             if request.is_finished:
-                self._observe_finished(output)
+                self.output_processor.observe_finished(output)
         if not self.scheduler.has_unfinished_requests():
             self.compile.planner.flush_observed(force=False)
         return self._to_caller([o for o in outputs if o is not None])
@@ -290,18 +257,17 @@ class LLMEngine:
         are not finished (abort them first)."""
         self.compile.planner.flush_observed()
         self.executor.shutdown()
-        if self.structured_output is not None:
-            self.structured_output.shutdown()
+        self.grammars.shutdown()
 
     def _fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every unfinished request as aborted with ``error`` (the executor is dead)."""
         ids = list(self.scheduler.requests)
-        outputs = [self._fail(self._compiling.pop(rid), error) for rid in list(self._compiling)]
+        held = self.grammars.fail(list(self.grammars.compiling), error)
+        outputs = [self.output_processor.report_finished(r) for r in held]
         for request in self.scheduler.abort_requests(ids):
             request.error = error
-            if self.structured_output is not None:
-                self.structured_output.discard(request.request_id)
-            outputs.append(self._report_finished(request))
+            self.grammars.discard(request.request_id)
+            outputs.append(self.output_processor.report_finished(request))
         return outputs
 
     @property
@@ -316,77 +282,6 @@ class LLMEngine:
             raise AttributeError(f"executor={self.config.executor} runs its model runners in worker processes; "
                                  "use engine.executor.collective_rpc(...) (or executor=uniproc to inspect one)")
         return runner
-
-    # ---- structured output ------------------------------------------------------------
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Hand requests whose grammar compiled to the scheduler; fail those whose compile failed.
-        Returns the failed requests' outputs. Waits briefly when nothing else can run."""
-        if not self._compiling:
-            return []
-        if not self.scheduler.has_unfinished_requests():
-            self.structured_output.wait_any(timeout_s=0.05)
-        failed = []
-        for rid in [r for r in self._compiling if self.structured_output.is_ready(r)]:
-            request = self._compiling.pop(rid)
-            error = self.structured_output.start(request)
-            if error is None:
-                self.scheduler.add_request(request)
-            else:
-                failed.append(self._fail(request, error))
-        return failed + self._abort_failed()  # the grammar plugin raised: start recorded a fault
-
-    def _fail(self, request: Request, error: str | None) -> RequestOutput:
-        """Finish a request that never reached the scheduler as aborted (``error`` set)."""
-        self.structured_output.discard(request.request_id)
-        request.status = RequestStatus.FINISHED_ABORTED
-        request.error = error
-        request.times.finished_s = self.clock.now()
-        return self._report_finished(request)
-
-    def _advance_grammars(self, updated: list[Request]) -> None:
-        """Advance matchers on the tokens the scheduler appended; a terminated grammar finishes its
-        request with ``stop`` (a violating token is a fault: the manager records it in ``faults``)."""
-        if self.structured_output is None:
-            return
-        for request in updated:
-            if self.faults.failed(request.request_id):
-                continue  # aborted after this update anyway
-            terminated = self.structured_output.advance(request)
-            if request.is_finished:
-                self.structured_output.discard(request.request_id)
-            elif terminated:
-                self.scheduler.abort_requests([request.request_id])
-                self.structured_output.discard(request.request_id)
-                request.status = RequestStatus.FINISHED_STOPPED
-
-    def _observe_step(self, sched_out: Any, runner_out: ModelRunnerOutput, updated: list[Request],
-                      times: tuple[float, float, float, float], draft_s: float = 0.0) -> None:
-        """A step's stats into the metrics and the ``on_step_end`` hook; its decode shape into ``engine.compile``."""
-        stats = scheduler_stats(self.num_steps, self.scheduler, sched_out, runner_out, len(updated), times, draft_s,
-                                self.swap_block_bytes)
-        self.num_steps += 1
-        plain = (stats.num_decode_tokens == len(sched_out.num_scheduled_tokens)
-                 and not sched_out.scheduled_spec_decode_tokens and not stats.num_swap_out_blocks
-                 and not stats.num_swap_in_blocks)
-        self.compile.observe_step(len(updated), plain, stats.num_decode_tokens, times[2] - times[1],
-                                  self.clock.realtime)
-        self.metrics.observe_step(stats)
-        if sched_out.scheduled_spec_decode_tokens:
-            self.metrics.observe_draft_positions(sched_out.scheduled_spec_decode_tokens, runner_out.num_accepted_tokens)
-        registry.call_hook("on_step_end", stats=stats)
-
-    def _report_finished(self, request: Request) -> RequestOutput:
-        output = self._make_output(request)
-        self._observe_finished(output)
-        return output
-
-    def _observe_finished(self, output: RequestOutput) -> None:
-        self.metrics.observe_finished(output)
-        registry.call_hook("on_request_finished", output=output)
-
-    def _make_output(self, request: Request) -> RequestOutput | None:
-        """The caller's view of ``request`` after a step (``OutputProcessor.make_output``)."""
-        return self.output_processor.make_output(request)
 
     @property
     def kv_allocator(self) -> KVAllocator:

@@ -12,22 +12,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from framework import registry
 from framework.core.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerStats
 from framework.core.request import Request
 from framework.core.sampling_params import RequestOutputKind
 from framework.core.scheduler import Scheduler
-from framework.metrics.collector import compute_request_metrics
+from framework.metrics.collector import MetricsCollector, compute_request_metrics
 
 
 class OutputProcessor:
-    """Shapes each request's outputs (see the module docstring).
+    """Shapes each request's outputs and reports finished requests and steps to the metrics and the
+    ``on_request_finished`` / ``on_step_end`` hooks (see the module docstring).
 
     Args:
         block_bytes: bytes of one KV block over all ranks (a finished request's KV metrics).
+        metrics: the run's collector.
     """
 
-    def __init__(self, block_bytes: int) -> None:
+    def __init__(self, block_bytes: int, metrics: MetricsCollector) -> None:
         self.block_bytes = block_bytes
+        self.metrics = metrics
         self._sent: dict[str, tuple[int, int]] = {}  # DELTA requests: (chars, tokens) already reported
 
     def make_output(self, request: Request) -> RequestOutput | None:
@@ -59,6 +63,24 @@ class OutputProcessor:
                              error=request.error, internal_error=request.internal_error,
                              prompt_logprobs=prompt_logprobs,
                              num_cached_tokens=request.num_cached_tokens if finished else None)
+
+    def report_finished(self, request: Request) -> RequestOutput:
+        """The final output of a finished ``request``, observed (:meth:`observe_finished`)."""
+        output = self.make_output(request)
+        self.observe_finished(output)
+        return output
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """A finished request's output into the metrics and the ``on_request_finished`` hook."""
+        self.metrics.observe_finished(output)
+        registry.call_hook("on_request_finished", output=output)
+
+    def observe_step(self, stats: SchedulerStats, sched_out: Any, runner_out: ModelRunnerOutput) -> None:
+        """A step's stats (:func:`scheduler_stats`) into the metrics and the ``on_step_end`` hook."""
+        self.metrics.observe_step(stats)
+        if sched_out.scheduled_spec_decode_tokens:
+            self.metrics.observe_draft_positions(sched_out.scheduled_spec_decode_tokens, runner_out.num_accepted_tokens)
+        registry.call_hook("on_step_end", stats=stats)
 
 
 def scheduler_stats(step: int, scheduler: Scheduler, sched_out: Any, runner_out: ModelRunnerOutput,
