@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "grammar", "executor", "router")
+PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "grammar", "executor", "router",
+                 "lora_backend")
+#: fields set from the ``lora:`` section of the Hydra config (config key -> EngineConfig field; vLLM's names)
+LORA_FIELDS = {"enable": "enable_lora", "max_loras": "max_loras", "max_lora_rank": "max_lora_rank",
+               "max_cpu_loras": "max_cpu_loras", "modules": "lora_modules"}
 COMPILE_MODES = ("auto", "true", "false")
 #: fields set from the ``parallel:`` section of the Hydra config (not ``engine.*``)
 PARALLEL_FIELDS = ("tensor_parallel_size", "data_parallel_size", "num_threads_per_rank", "communicator")
@@ -42,6 +46,14 @@ class EngineConfig:
     data_parallel_size: int = 1  # engine replicas behind one front (each with its own scheduler, KV cache, executor)
     router: str = "least_loaded"  # which replica serves a request (data_parallel_size > 1): a router plugin name
     router_params: dict[str, Any] = field(default_factory=dict)
+    # multi-LoRA serving (docs/lora.md; vLLM's --enable-lora --max-loras --max-lora-rank --max-cpu-loras --lora-modules)
+    enable_lora: bool = False  # requests may carry a LoRARequest; target linears get LoRA slots
+    max_loras: int = 1  # adapters one step may hold (device slots)
+    max_lora_rank: int = 16  # largest adapter rank accepted (slot width)
+    max_cpu_loras: int | None = None  # adapters kept loaded in the CPU LRU cache; None -> max_loras
+    lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT folder, known at start
+    lora_backend: str = "bgmv"  # the batched LoRA computation: a lora_backend plugin name (bgmv | sgmv | loop)
+    lora_backend_params: dict[str, Any] = field(default_factory=dict)
     num_threads_per_rank: int = 0  # torch threads per rank; 0 = cores / tensor_parallel_size in worker processes (uniproc: unchanged)
     # TP collectives: shm (shared memory, CPU ranks on one host) | torch_distributed (gloo / NCCL) | auto (shm where it can)
     communicator: str = "auto"
@@ -118,6 +130,10 @@ class EngineConfig:
              f"communicator must be auto, shm or torch_distributed, got {self.communicator!r}"),
             (self.communicator != "shm" or not self.device.startswith("cuda"),
              "parallel.communicator=shm is for CPU ranks; on CUDA use auto or torch_distributed (NCCL)"),
+            (self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}"),
+            (self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}"),
+            (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+             f"max_cpu_loras must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}"),
             (self.prepack_linears in ("auto", "on", "off"),
              f"prepack_linears must be auto, on or off, got {self.prepack_linears!r}"),
         ]

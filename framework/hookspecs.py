@@ -103,6 +103,15 @@ def register_routers(register: Register) -> None:
 
 
 @hookspec
+def register_lora_backends(register: Register) -> None:
+    """Register LoRA backends (``framework.interfaces.LoRABackend`` subclasses): how a step's batched LoRA
+    term (shrink ``x A^T``, expand ``. B^T``, per token's adapter) is computed with ``lora.enable=true``.
+
+    :param register: ``register(name, cls)``; ``name`` becomes ``lora_backend=<name>``.
+    """
+
+
+@hookspec
 def on_engine_start(config: dict[str, Any]) -> None:
     """Called once when a run starts, before the first step.
 

@@ -20,6 +20,7 @@ from framework.interfaces import (
     Executor,
     Grammar,
     KVAllocator,
+    LoRABackend,
     QuantMethod,
     Router,
     SchedulerPolicy,
@@ -40,6 +41,7 @@ KINDS: dict[str, tuple[str, type, str]] = {
     "tracker": ("register_trackers", Tracker, "tracker"),
     "executor": ("register_executors", Executor, "executor"),
     "router": ("register_routers", Router, "router"),
+    "lora_backend": ("register_lora_backends", LoRABackend, "lora_backend"),
 }
 # kinds whose "none" choice means "feature off" (no implementation object)
 OPTIONAL_KINDS = ("drafter", "quant", "grammar", "tracker")

@@ -17,14 +17,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from framework import registry
-from framework.config import PARALLEL_FIELDS, PLUGIN_FIELDS, EngineConfig
+from framework.config import LORA_FIELDS, PARALLEL_FIELDS, PLUGIN_FIELDS, EngineConfig
 from framework.core.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "conf"
 # engine.* keys map 1:1 onto EngineConfig fields; these come from other parts of the config
 _NON_ENGINE_FIELDS = {"model", "dtype", "device", "tokenizer", "seed"} | set(PLUGIN_FIELDS) | {
-    f"{kind}_params" for kind in PLUGIN_FIELDS} | set(PARALLEL_FIELDS)
+    f"{kind}_params" for kind in PLUGIN_FIELDS} | set(PARALLEL_FIELDS) | set(LORA_FIELDS.values())
 
 
 def _repo_path(relative: str = "") -> str:
@@ -63,23 +63,27 @@ def engine_config_from_cfg(cfg: DictConfig) -> EngineConfig:
     """Build the ``EngineConfig`` of a composed run config.
 
     Reads ``model.path``/``model.dtype`` (optional ``model.tokenizer``), ``device``, ``seed``,
-    every ``engine.*`` knob, ``parallel.*`` (``tensor_parallel_size``, ``num_threads_per_rank``), and
+    every ``engine.*`` knob, ``parallel.*`` (``tensor_parallel_size``, ``num_threads_per_rank``), ``lora.*``
+    (``enable``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, ``modules``; ``LORA_FIELDS``), and
     each plugin group's ``name`` + ``params`` (``kv_cache`` -> ``kv_allocator``, ``spec_decode`` ->
     ``drafter``; a config without an ``executor`` group gets ``auto``).
 
     Raises:
-        ValueError: an unknown ``engine.*`` or ``parallel.*`` key (valid keys listed) or a knob out of range.
+        ValueError: an unknown ``engine.*``, ``parallel.*`` or ``lora.*`` key (valid keys listed) or a knob out of
+            range.
     """
     valid = {f.name for f in dataclasses.fields(EngineConfig)} - _NON_ENGINE_FIELDS
     engine = _plain(cfg.get("engine")) or {}
     parallel = _plain(cfg.get("parallel")) or {}
-    for section, keys, allowed in (("engine", engine, valid), ("parallel", parallel, set(PARALLEL_FIELDS))):
+    lora = _plain(cfg.get("lora")) or {}
+    for section, keys, allowed in (("engine", engine, valid), ("parallel", parallel, set(PARALLEL_FIELDS)),
+                                   ("lora", lora, set(LORA_FIELDS))):
         unknown = sorted(set(keys) - allowed)
         if unknown:
             raise ValueError(f"unknown {section} keys {unknown}; valid: {', '.join(sorted(allowed))}")
     kwargs: dict[str, Any] = dict(engine, **parallel, model=cfg.model.path, dtype=cfg.model.dtype,
                                   tokenizer=cfg.model.get("tokenizer"), device=cfg.get("device", "cpu"),
-                                  seed=cfg.get("seed", 0))
+                                  seed=cfg.get("seed", 0), **{LORA_FIELDS[k]: v for k, v in lora.items()})
     for kind in PLUGIN_FIELDS:
         node = cfg.get(registry.KINDS[kind][2])
         if node is None:  # a config composed without this group (older saved runs): the default

@@ -6,6 +6,7 @@ from framework.interfaces.drafter import Drafter
 from framework.interfaces.executor import EngineDeadError, Executor, WorkerError
 from framework.interfaces.grammar import Grammar, GrammarMatcher
 from framework.interfaces.kv_allocator import KVAllocator, KVCacheGroup, KVCacheStats
+from framework.interfaces.lora_backend import LoRABackend, LoRABatch
 from framework.interfaces.quant import QuantMethod
 from framework.interfaces.router import NoReplicaError, ReplicaState, Router
 from framework.interfaces.scheduler_policy import SchedulerPolicy
@@ -13,6 +14,6 @@ from framework.interfaces.tracker import Tracker
 
 __all__ = [
     "AttentionBackend", "AttentionLayerSpec", "CommonAttentionMetadata", "Drafter", "EngineDeadError", "Executor",
-    "Grammar", "GrammarMatcher", "KVAllocator", "KVCacheGroup", "KVCacheStats", "NoReplicaError", "Plugin", "QuantMethod",
+    "Grammar", "GrammarMatcher", "KVAllocator", "KVCacheGroup", "KVCacheStats", "LoRABackend", "LoRABatch", "NoReplicaError", "Plugin", "QuantMethod",
     "ReplicaState", "Router", "SchedulerPolicy", "Tracker", "WorkerError",
 ]
