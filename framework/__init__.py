@@ -10,6 +10,7 @@ from typing import Any
 
 from framework import known_warnings
 from framework.config import EngineConfig
+from framework.core.lora_request import LoRARequest
 from framework.core.outputs import CompletionOutput, RequestOutput
 from framework.core.sampling_params import SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
@@ -20,7 +21,7 @@ known_warnings.install()  # before anything imports transformers (and, through i
 _LAZY = {"LLM": "framework.entrypoints.llm", "LLMEngine": "framework.engine.llm_engine",
          "build_engine": "framework.entrypoints.engine"}
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "LoRARequest", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams", "build_engine", "hookimpl"]
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from framework.core.lora_request import LoRARequest
 from framework.core.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -85,6 +86,9 @@ class Request:
     # draft tokens proposed for the next step (speculative decoding); never output, never hashed
     # into the prefix cache; set by the engine from the drafter, cleared by the scheduler
     spec_token_ids: list[int] = field(default_factory=list)
+    # the LoRA adapter it runs under (None: the base model); set at construction by the engine's processor.
+    # The scheduler counts distinct adapters per step (max_loras), the KV allocator salts its prefix hashes with it
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

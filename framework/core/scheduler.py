@@ -45,7 +45,7 @@ class Scheduler:
     def __init__(self, policy: SchedulerPolicy, kv_allocator: KVAllocator, stop_checker: StopChecker,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  long_prefill_token_threshold: int = 0, swap_space: SwapSpace | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, max_loras: int = 0) -> None:
         self.policy = policy
         self.clock = clock or WALL_CLOCK
         self.kv = kv_allocator
@@ -54,6 +54,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_loras = max_loras  # distinct LoRA adapters in the running set (one step); 0: no LoRA, no limit
         self.requests: dict[str, Request] = {}  # every unfinished request by id
         self.waiting: list[Request] = []  # re-ranked by the policy at the start of every schedule()
         self.running: list[Request] = []  # admission order
@@ -210,10 +211,13 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
-        num_admitted = 0
+        admitted: set[str] = set()
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         for request in self.waiting:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if not self._lora_fits(request, loras):
+                continue  # vLLM's rule: its adapter would exceed max_loras; skipped this step, later ones may go
             computed_blocks, num_hit_tokens = self._lookup(request)
             num_new = self._num_new_tokens(request, budget, num_hit_tokens)
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
@@ -221,7 +225,9 @@ class Scheduler:
             if self.swap_space is not None and request.request_id in self.swap_space:
                 self._swap_in.append(self._swap_in_copies(request))
             self._track_kv(request)
-            num_admitted += 1
+            admitted.add(request.request_id)
+            if request.lora_request is not None:
+                loras.add(request.lora_request.lora_int_id)
             self.policy.on_admitted(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -230,8 +236,15 @@ class Scheduler:
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-        del self.waiting[:num_admitted]
+        if admitted:
+            self.waiting = [r for r in self.waiting if r.request_id not in admitted]
         return budget
+
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """Whether admitting ``request`` keeps the running set within ``max_loras`` distinct adapters (``loras``:
+        the running set's adapter ids); always true for the base model or without LoRA."""
+        lora = request.lora_request
+        return lora is None or not self.max_loras or lora.lora_int_id in loras or len(loras) < self.max_loras
 
     def _preempt_for_waiting(self, preempted: set[str]) -> None:
         """Let the head of the waiting queue evict outranked running requests (priority policies)."""

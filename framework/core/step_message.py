@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from framework.core.lora_request import LoRARequest
 from framework.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class NewRequestData:
     eos_token_ids: frozenset[int]  # model EOS ids (min_tokens masks them)
     block_ids: tuple[list[int], ...]  # its whole block table per KV cache group, in token order
     num_computed_tokens: int  # tokens whose K/V are already cached (prefix-cache hit), tokens
+    lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model); ranks load it on demand
 
 
 @dataclass
@@ -111,7 +113,7 @@ class StepMessageBuilder:
                     request_id=rid, prompt_token_ids=list(request.prompt_token_ids),
                     output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
                     eos_token_ids=request.eos_token_ids, block_ids=tuple(list(t) for t in tables),
-                    num_computed_tokens=request.num_computed_tokens))
+                    num_computed_tokens=request.num_computed_tokens, lora_request=request.lora_request))
             else:
                 resumed = rid in self._resumed
                 self._resumed.discard(rid)

@@ -46,6 +46,7 @@ from framework.core.structured_output import StructuredOutputManager
 from framework.core.swap import SwapSpace
 from framework.engine.compile_control import RankZeroCompileStats
 from framework.engine.llm_engine import LLMEngine
+from framework.engine.lora_support import lora_problems, resolve_lora_defaults
 from framework.interfaces import AttentionLayerSpec, Drafter, Executor
 from framework.metrics.collector import MetricsCollector
 from framework.model_executor.embeddings import load_embeddings
@@ -97,6 +98,7 @@ def build_llm_engine(config: EngineConfig, metrics: MetricsCollector | None = No
                          "serve) puts data_parallel_size replicas behind a router")
     config, choice = resolve_and_log_dtype(config)
     validate_plugins(config)
+    config = resolve_lora_defaults(config)  # LoRA: compile/prepack/CUDA-graph "auto" choices resolve to off
     engine = _build_one(config, metrics, defer_compile)
     engine.metrics.model_info = {"dtype": choice.dtype, "dtype_reason": choice.reason}
     return engine
@@ -189,11 +191,12 @@ def validate_plugins(config: EngineConfig) -> list[type | None]:
 
     Raises:
         registry.UnknownPluginError: an unknown name (lists the valid choices).
-        ValueError: a plugin that cannot run here or with this config (each problem names a fix).
+        ValueError: a plugin that cannot run here or with this config, or a combination ``lora.enable=true`` does not
+            support yet (``framework/engine/lora_support.py``); each problem names a fix.
     """
     classes = [registry.get_class(kind, getattr(config, kind)) for kind in PLUGIN_FIELDS]  # names first
     config = resolve_dtype(config)
-    problems: list[str] = []
+    problems: list[str] = lora_problems(config)
     for cls in classes:
         if cls is not None:
             problems += cls.validate(config)
@@ -365,7 +368,7 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, num_blocks: int, num_s
     return Scheduler(policy, allocator, StopChecker(tokenizer), max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=spec.max_model_len,
                      long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space,
-                     clock=clock)
+                     clock=clock, max_loras=config.max_loras if config.enable_lora else 0)
 
 
 def attach_structured_output(config: EngineConfig, tokenizer: Any, eos_token_ids: frozenset[int],

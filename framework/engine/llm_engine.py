@@ -9,12 +9,14 @@ from framework.compilation.calibration import CompilePlanner
 from framework.compilation.policy import CompileDecision
 from framework.config import EngineConfig
 from framework.core.faults import RequestFailure
+from framework.core.lora_request import LoRARequest
 from framework.core.outputs import ModelRunnerOutput, RequestOutput
 from framework.core.sampling_params import SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.structured_output import StructuredOutputManager
 from framework.engine.compile_control import CompileControl
 from framework.engine.draft_proposer import DraftProposer
+from framework.engine.lora_support import LoRAAdmission
 from framework.engine.output_processor import OutputProcessor, scheduler_stats
 from framework.engine.parallel_sampling import ParallelRequests
 from framework.engine.processor import Processor
@@ -66,7 +68,8 @@ class LLMEngine:
         self.structured_output = structured_output  # the grammar manager (EngineClient), or None
         self.parallel = ParallelRequests()  # n > 1 requests and their sequences
         self.processor = Processor(tokenizer, vocab_size, self.max_model_len, eos_token_ids,
-                                   structured_output is not None, self.clock)
+                                   structured_output is not None, self.clock,
+                                   LoRAAdmission(config).check if config.enable_lora else None)
         self.output_processor = OutputProcessor(self.block_bytes, self.metrics)
         self.compile = CompileControl(config, executor, self.metrics, scheduler)
         self.faults = scheduler.faults  # one record of per-request failures for every per-request call site
@@ -77,7 +80,8 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, client_id: str | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None, client_id: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate and queue one request; with ``sampling_params.n > 1``, its ``n`` sequences (child requests
         ``"{i}_{request_id}"``, seeds ``seed + i``; their outputs come back merged under ``request_id``,
         ``framework/engine/parallel_sampling.py``).
@@ -87,17 +91,19 @@ class LLMEngine:
             arrival_time: seconds on the engine's clock (``self.clock``: ``time.perf_counter`` unless a
                 simulator's); default now.
             client_id: the sender, for fair-share policies (``scheduler=fair``).
+            lora_request: the LoRA adapter it runs under (``None``: the base model; needs ``enable_lora``).
 
         Raises:
             ValueError: empty prompt, token id (prompt or ``logit_bias``) outside the vocabulary, prompt
-                longer than ``max_model_len``, duplicate ``request_id`` or invalid sampling params. Nothing
-                is queued and engine state is unchanged.
+                longer than ``max_model_len``, duplicate ``request_id``, invalid sampling params or a LoRA adapter
+                that cannot be served (``framework/engine/lora_support.py``). Nothing is queued and engine state
+                is unchanged.
             EngineDeadError: the executor lost a worker earlier.
         """
         if self.executor.dead is not None:
             raise EngineDeadError(f"the engine is dead ({self.executor.dead}); build a new one")
         parent, requests = self.processor.process(request_id, prompt, sampling_params, priority, arrival_time,
-                                                  client_id, self._in_use)
+                                                  client_id, self._in_use, lora_request)
         if parent is not None:
             self.parallel.add(parent)
         for request in requests:

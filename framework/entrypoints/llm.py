@@ -12,6 +12,7 @@ from typing import Any
 from framework.compilation.policy import output_budget
 from framework.config import EngineConfig
 from framework.core.faults import EngineDeadError
+from framework.core.lora_request import LoRARequest
 from framework.core.outputs import CompletionOutput, RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.watchdog import StepWatchdog
@@ -36,7 +37,8 @@ class LLM:
             break-even, ``framework/compilation/policy.py``) | ``True`` (at construction) | ``False``.
         **kwargs: any other ``EngineConfig`` field (``max_num_seqs``, ``max_num_batched_tokens``,
             ``block_size``, ``num_blocks``, ``kv_cache_memory_bytes``, ``enable_prefix_caching``,
-            ``long_prefill_token_threshold``, ``max_model_len``, ``device``, ``seed``, ``*_params``).
+            ``long_prefill_token_threshold``, ``max_model_len``, ``device``, ``seed``, ``*_params``; LoRA:
+            ``enable_lora``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, ``lora_backend``).
 
     Raises:
         registry.UnknownPluginError, ValueError, TypeError: bad plugin names or knobs, before the
@@ -61,11 +63,17 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate completions for all prompts; returns one output per prompt, in input order, with
         ``n`` completions each (``SamplingParams.n``; the prompt's KV blocks are computed once and shared
         through the prefix cache, ``framework/engine/parallel_sampling.py``) and, when asked, the prompt's
         logprobs (``SamplingParams.prompt_logprobs`` -> ``RequestOutput.prompt_logprobs``).
+
+        ``lora_request``: one LoRA adapter for every prompt, or one per prompt (``None`` entries: the base model);
+        needs ``LLM(..., enable_lora=True)`` (``max_loras``, ``max_lora_rank``, ``max_cpu_loras``: docs/lora.md).
+        A prompt whose adapter cannot be served (missing or corrupt files, rank above ``max_lora_rank``, a module
+        or shapes the base model does not have) is rejected like one the engine refuses.
 
         A prompt the engine rejects (e.g. longer than ``max_model_len``), or a request a plugin or the
         detokenizer fails on (``internal_error``), gets a finished output with ``error`` set and
@@ -93,6 +101,9 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
         for p in params:
             p.validate()
         max_len = self.engine.max_model_len
@@ -103,12 +114,15 @@ class LLM:
 
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, sp, prio in zip(prompts, params, priorities):
+        for prompt, sp, prio, lora in zip(prompts, params, priorities, loras):
             request_id = str(next(self._ids))
             order.append(request_id)
             text, payload = self._unpack(prompt)
             try:
-                self.engine.add_request(request_id, payload, sp, priority=prio)
+                if lora is None:  # only engines with LoRA know the keyword (a data-parallel front does not)
+                    self.engine.add_request(request_id, payload, sp, priority=prio)
+                else:
+                    self.engine.add_request(request_id, payload, sp, priority=prio, lora_request=lora)
             except Exception as exc:  # noqa: BLE001 - add_request changes nothing before it raises: reject this one
                 logger.warning("request %s rejected: %s", request_id, exc, exc_info=not isinstance(exc, ValueError))
                 results[request_id] = _rejected(request_id, text, exc)

@@ -45,6 +45,9 @@ class ForwardContext:
     # per decoder layer: the metadata of its KV cache group (several groups: each has its own block
     # table, framework/core/kv_cache_groups.py); None: ``metadata`` serves every layer
     layer_metadata: list[Any] | None = None
+    # the step's LoRA state (framework.model_executor.lora_layers.LoRAStep) read by LoRA-wrapped linears;
+    # None: no adapters (LoRA off, or a forward that is not a step: warm-up, profiling)
+    lora: Any = None
 
     def metadata_of(self, layer_idx: int) -> Any:
         """The metadata layer ``layer_idx`` attends with."""
@@ -90,6 +93,12 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _CURRENT.reset(token)
+
+
+def current_lora() -> Any:
+    """The current forward's LoRA state (``ForwardContext.lora``); ``None`` outside a forward or without one."""
+    ctx = _CURRENT.get()
+    return None if ctx is None else ctx.lora
 
 
 def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from framework.core.lora_request import LoRARequest
 from framework.core.outputs import SchedulerOutput
 from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)  # generated tokens, as appended by the driver
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output
     generator: torch.Generator | None = None  # per-request RNG (seeded requests), advanced on the driver rank
+    lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -85,7 +87,8 @@ class InputBatch:
                 request_id=new.request_id, prompt_token_ids=new.prompt_token_ids,
                 sampling_params=new.sampling_params, eos_token_ids=new.eos_token_ids,
                 block_ids=tuple(list(t) for t in new.block_ids),
-                num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids))
+                num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids),
+                lora_request=new.lora_request)
         cached = step.cached_reqs
         for i, rid in enumerate(cached.request_ids):
             state = self.requests[rid]

@@ -27,6 +27,7 @@ from framework.core.step_message import StepMessage
 from framework.core.structured_output import apply_grammar_bitmask
 from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from framework.model_executor.forward_context import ForwardContext, GraphAttention, forward_context, prepared_mask
+from framework.model_executor.lora_layers import LoRAModelManager, LoRAStep
 from framework.model_executor.model_families import output_logits
 from framework.model_executor.prepack import unfuse_gated_mlps
 from framework.sample.fault_isolation import guard_requests
@@ -88,6 +89,8 @@ class ModelRunner:
         self.input_batch = InputBatch(null_block=num_blocks)  # this worker's request states (execute_model's messages)
         self.rejection_sampler = RejectionSampler(sampler)
         self.keep_hidden_states = False
+        # multi-LoRA (lora.enable=true): places each step's adapters into slots; set by the Worker after construction
+        self.lora: LoRAModelManager | None = None
         pad_block = num_blocks + layout.has_null_block  # after the null block (zeros, never written): CUDA-graph padding
         shape = backend.get_kv_cache_shape(pad_block + (cuda_graphs is not None))
         self.kv_tensors = [torch.zeros(shape, dtype=kv_cache_dtype, device=device)
@@ -221,12 +224,20 @@ class ModelRunner:
         with forward_context(self._forward_context(metadata)):
             self._forward(ids, positions[None], torch.tensor([num_tokens - 1], device=dev), metadata)
 
-    def _forward_context(self, metadata: list[Any]) -> ForwardContext:
-        """The step's forward context from each KV cache group's metadata (every layer gets its group's)."""
+    def _forward_context(self, metadata: list[Any], lora: LoRAStep | None = None) -> ForwardContext:
+        """The step's forward context from each KV cache group's metadata (every layer gets its group's) and
+        its LoRA state (``None``: no adapter in the step)."""
         if len(metadata) == 1:
-            return ForwardContext(self.backend, metadata[0], self.kv_caches)
+            return ForwardContext(self.backend, metadata[0], self.kv_caches, lora=lora)
         return ForwardContext(self.backend, metadata[0], self.kv_caches,
-                              layer_metadata=[metadata[g] for g in self.layer_group])
+                              layer_metadata=[metadata[g] for g in self.layer_group], lora=lora)
+
+    def _lora_step(self, batch: BatchInputs) -> LoRAStep | None:
+        """This step's adapters placed into slots, with each token's slot (``None``: LoRA off or no adapter)."""
+        if self.lora is None:
+            return None
+        return self.lora.prepare_step([getattr(r, "lora_request", None) for r in batch.requests],
+                                      np.diff(batch.query_start_loc_cpu).tolist())
 
     def _graph_attention(self, metadata: list[Any]) -> GraphAttention | None:
         """The traced-attention inputs of this step when the decoder is compiled and the backend
@@ -301,7 +312,7 @@ class ModelRunner:
             logits, hidden = self.cuda_graphs.run(batch.input_ids[0], batch.positions[0], batch.common), None
             logits = logits[batch.logits_index]
         else:
-            with forward_context(self._forward_context(metadata)):
+            with forward_context(self._forward_context(metadata, self._lora_step(batch))):
                 logits, hidden = self._forward(batch.input_ids, batch.positions, batch.logits_index, metadata)
         if not self.is_driver_rank:
             return ModelRunnerOutput(sampled_token_ids={}, prepare_s=t1 - t0, forward_s=time.perf_counter() - t1)

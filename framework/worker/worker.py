@@ -40,6 +40,7 @@ from framework.interfaces import AttentionBackend, AttentionLayerSpec
 from framework.model_executor import parallel_layers
 from framework.model_executor.cpu_malloc import tune_malloc
 from framework.model_executor.forward_context import register_attention_implementation
+from framework.model_executor.lora_layers import LoRAModelManager
 from framework.model_executor.model_families import attention_layers
 from framework.model_executor.model_loader import LoadedModel, load_model
 from framework.model_executor.prepack import prepack_linears, should_prepack
@@ -98,6 +99,14 @@ def load_weights(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> Lo
                          kv_cache_dtype=quant.kv_cache_dtype(dtype) if quant is not None else None)
 
 
+def make_lora_manager(config: EngineConfig, model: torch.nn.Module) -> LoRAModelManager:
+    """Wrap ``model``'s targetable linears with ``max_loras`` LoRA slots and build the ``lora_backend`` plugin
+    (``lora.enable=true``; one rank, unfused linears: the builder refuses the rest)."""
+    backend = registry.create("lora_backend", config.lora_backend, **config.plugin_params("lora_backend"))
+    return LoRAModelManager(model, backend, config.max_loras, config.max_lora_rank,
+                            config.max_cpu_loras or config.max_loras)
+
+
 def make_attention_backend(config: EngineConfig, model: torch.nn.Module, layers: list[AttentionLayerSpec],
                            quant_kv_dtype: torch.dtype | None) -> AttentionBackend:
     """The backend for this rank's layers (``layers``: per layer, this rank's heads); its default
@@ -138,6 +147,7 @@ class Worker:
         self.loaded: LoadedWeights | None = None
         self.backend: AttentionBackend | None = None
         self.runner: ModelRunner | None = None
+        self.lora: LoRAModelManager | None = None  # lora.enable=true: this rank's adapter slots (load_model)
         self.kv_cache_layout: KVCacheLayout | None = None
         self.keep_hidden_states = False
         self.tp_group: GroupCoordinator | None = None  # world_size > 1: this rank's TP group (init_device)
@@ -186,6 +196,7 @@ class Worker:
             layers = [dataclasses.replace(layer, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads)
                       for layer in layers]
         self.backend = make_attention_backend(self.config, self.loaded.model, layers, self.loaded.kv_cache_dtype)
+        self.lora = make_lora_manager(self.config, self.loaded.model) if self.config.enable_lora else None
         self.kv_cache_layout = plan_kv_cache_layout(self.config.kv_allocator, layers)
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -223,6 +234,7 @@ class Worker:
                                       self.config.max_model_len or self.loaded.max_model_len, self.world_size,
                                       len(self.kv_cache_layout.groups)))
         self.runner.keep_hidden_states = self.keep_hidden_states
+        self.runner.lora = self.lora
 
     def set_keep_hidden_states(self, keep: bool) -> None:
         """Return the target's last hidden states with each output (an EAGLE-style drafter asked)."""

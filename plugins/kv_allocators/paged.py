@@ -96,10 +96,14 @@ class PagedKVAllocator(KVAllocator):
     # ---- prefix cache ---------------------------------------------------------------------
     def _hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         """Chained hashes of the first ``num_full_blocks`` blocks of ``request.all_token_ids``,
-        extended incrementally from the per-request cache. Returns the (possibly longer) cache."""
+        extended incrementally from the per-request cache. Returns the (possibly longer) cache.
+
+        The chain starts from the request's LoRA adapter id (vLLM's block-hash "extra keys"), so one prompt under
+        two adapters, or under an adapter and the base model, never shares a block: their K/V differ."""
         hashes = self._req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
-        parent = hashes[-1] if hashes else None
+        lora = getattr(request, "lora_request", None)
+        parent = hashes[-1] if hashes else (None if lora is None else ("lora", lora.lora_int_id))
         for i in range(len(hashes), num_full_blocks):
             parent = hash((parent, tuple(request.all_token_ids[i * bs:(i + 1) * bs])))
             hashes.append(parent)

@@ -1,0 +1,35 @@
+"""``LoRARequest``: which LoRA adapter a request runs under (vLLM's ``vllm.lora.request.LoRARequest``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """One LoRA adapter, named by the caller; requests carrying equal ``lora_int_id`` share its weights.
+
+    ``lora_path`` is a folder as PEFT's ``save_pretrained`` writes it (``adapter_config.json`` and
+    ``adapter_model.safetensors``); it is read on the driver when the first request naming the adapter
+    arrives (checks, ``framework/model_executor/lora_adapter.py``) and by each rank when it first needs the
+    weights (``framework/model_executor/lora_layers.py``).
+
+    Raises:
+        ValueError: ``lora_int_id < 1`` (0 and negatives are reserved for "no adapter", as in vLLM) or an
+            empty name or path.
+    """
+
+    lora_name: str  # the caller's name for the adapter (the OpenAI ``model`` field, in vLLM)
+    lora_int_id: int  # >= 1; the adapter's identity in the engine: its cache key and prefix-cache salt
+    lora_path: str  # PEFT adapter folder
+
+    def __post_init__(self) -> None:
+        if self.lora_int_id < 1:
+            raise ValueError(f"LoRARequest.lora_int_id must be >= 1 (0 means no adapter), got {self.lora_int_id}")
+        if not self.lora_name or not self.lora_path:
+            raise ValueError("LoRARequest needs a lora_name and a lora_path (a PEFT adapter folder)")
+
+
+def lora_id(lora_request: LoRARequest | None) -> int:
+    """The adapter id of a request's ``lora_request``: ``0`` for the base model."""
+    return 0 if lora_request is None else lora_request.lora_int_id

@@ -1,0 +1,118 @@
+"""Multi-LoRA at the engine level: what ``lora.enable=true`` refuses before weights load, what it turns off, and the
+driver's admission check of each request's adapter (docs/lora.md).
+
+This slice of multi-LoRA serving (issue 59) runs offline, on one rank in the driver's process (``executor=uniproc``),
+eagerly, with unfused linears; every other combination is refused here with the setting that fixes it, before any
+weights load (``framework/engine/builder.py``, ``validate_plugins``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from framework.config import EngineConfig
+from framework.core.lora_request import LoRARequest
+from framework.model_executor.lora_adapter import load_adapter, module_shapes, read_adapter_config
+from framework.model_executor.model_loader import load_model_config
+
+logger = logging.getLogger(__name__)
+_NOT_YET = "not supported with lora.enable=true yet (issue 59: multi-LoRA serving)"
+
+
+def lora_problems(config: EngineConfig) -> list[str]:
+    """Why ``config`` cannot serve LoRA adapters (empty: it can, or LoRA is off); each problem names its fix.
+
+    Checked: one rank, one replica, ``executor=uniproc``, no drafter, no quant method, ``compile`` not ``true``,
+    ``prepack_linears`` not ``on``, no insisted-on CUDA graphs, a KV allocator whose prefix cache is salted with the
+    adapter (``paged``; ``contiguous`` shares nothing) or prefix caching off, and each ``lora.modules`` folder's
+    ``adapter_config.json`` (rank within ``max_lora_rank``).
+    """
+    if not config.enable_lora:
+        return []
+    rules = [
+        (config.tensor_parallel_size == 1, f"parallel.tensor_parallel_size={config.tensor_parallel_size} is {_NOT_YET}; "
+         "set parallel.tensor_parallel_size=1"),
+        (config.data_parallel_size == 1, f"parallel.data_parallel_size={config.data_parallel_size} is {_NOT_YET}; "
+         "set parallel.data_parallel_size=1"),
+        (config.executor == "uniproc", f"executor={config.executor} is {_NOT_YET}; use executor=uniproc"),
+        (config.drafter == "none", f"speculative decoding (spec_decode={config.drafter}) is {_NOT_YET}; "
+         "use spec_decode=none"),
+        (config.quant == "none", f"a quantized base (quant={config.quant}) is {_NOT_YET}; use quant=none"),
+        (config.compile != "true", f"engine.compile=true is {_NOT_YET}: LoRA linears run eagerly; "
+         "use engine.compile=false (or auto, which picks eager with LoRA)"),
+        (config.prepack_linears != "on", f"engine.prepack_linears=on is {_NOT_YET}: it fuses q/k/v and gate/up, "
+         "which LoRA adapts one by one; use engine.prepack_linears=auto or off"),
+        (config.enforce_eager is not False, f"decode CUDA graphs (engine.enforce_eager=false) are {_NOT_YET}; "
+         "use engine.enforce_eager=null or true"),
+        (config.kv_allocator in ("paged", "contiguous") or not config.enable_prefix_caching,
+         f"kv_cache={config.kv_allocator} does not key its prefix cache by adapter, {_NOT_YET}; use kv_cache=paged "
+         "or engine.enable_prefix_caching=false"),
+    ]
+    problems = [message for ok, message in rules if not ok]
+    for name, path in config.lora_modules.items():
+        try:
+            read_adapter_config(LoRARequest(name, 1, str(path)), config.max_lora_rank)
+        except ValueError as e:
+            problems.append(f"lora.modules.{name}: {e}")
+    return problems
+
+
+def resolve_lora_defaults(config: EngineConfig) -> EngineConfig:
+    """With LoRA on, the ``auto`` choices that would fuse or compile the wrapped linears resolve to their off
+    setting (logged with the reason): ``compile=auto`` -> ``false``, ``prepack_linears=auto`` -> ``off``,
+    ``enforce_eager=None`` -> ``True``. ``config`` unchanged when LoRA is off."""
+    if not config.enable_lora:
+        return config
+    changes = {}
+    if config.compile == "auto":
+        changes["compile"] = "false"
+    if config.prepack_linears == "auto":
+        changes["prepack_linears"] = "off"
+    if config.enforce_eager is None:
+        changes["enforce_eager"] = True
+    if changes:
+        logger.info("lora.enable=true: %s (LoRA-wrapped linears run eagerly and unfused in this slice, issue 59)",
+                    ", ".join(f"{k}={v}" for k, v in changes.items()))
+    return dataclasses.replace(config, **changes)
+
+
+class LoRAAdmission:
+    """The driver's check of each request's adapter, before it is queued: the first request naming an adapter
+    reads and checks it (:func:`framework.model_executor.lora_adapter.load_adapter` against ``config.json``'s
+    shapes); later ones reuse the verdict.
+
+    Args:
+        config: the engine's config (``enable_lora``, ``max_lora_rank``, ``model``).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.enabled = config.enable_lora
+        self.max_lora_rank = config.max_lora_rank
+        self._model = config.model
+        self._shapes: dict[str, tuple[int, int]] | None = None
+        self._checked: dict[int, LoRARequest] = {}  # lora_int_id -> the adapter it was checked as
+
+    def check(self, lora_request: LoRARequest | None) -> None:
+        """Accept ``lora_request`` (``None``: the base model, always accepted).
+
+        Raises:
+            ValueError: LoRA is off; an id already used for another name or folder; an adapter that does not load
+                or does not fit the base model (missing or corrupt files, rank above ``max_lora_rank``, a module the
+                model does not have, shapes of another model). Nothing is queued.
+        """
+        if lora_request is None:
+            return
+        if not self.enabled:
+            raise ValueError("this request names a LoRA adapter but LoRA is off; build the engine with "
+                             "LLM(..., enable_lora=True) or lora.enable=true")
+        seen = self._checked.get(lora_request.lora_int_id)
+        if seen is not None:
+            if (seen.lora_name, seen.lora_path) != (lora_request.lora_name, lora_request.lora_path):
+                raise ValueError(f"lora_int_id {lora_request.lora_int_id} already names adapter {seen.lora_name!r} "
+                                 f"({seen.lora_path}); give each adapter its own lora_int_id")
+            return
+        if self._shapes is None:
+            self._shapes = module_shapes(load_model_config(self._model))
+        load_adapter(lora_request, self._shapes, self.max_lora_rank)
+        self._checked[lora_request.lora_int_id] = lora_request

@@ -1,0 +1,205 @@
+"""Multi-LoRA on a loaded model: LoRA-wrapped linears with slot-stacked weights, and the slot/LRU manager.
+
+vLLM's design (``vllm/lora/layers``, ``LoRAModelManager``), after Punica and S-LoRA: every targetable linear
+(``lora_adapter.TARGET_MODULES``) of a loaded model is wrapped once, at start-up, by a :class:`LoRALinear` that owns
+``max_loras`` slots of zero-padded A and B (stacked tensors, so the set of adapters can change without new
+shapes). A step's adapters are placed into slots by :class:`LoRAModelManager` before the forward; adapters not in
+a slot stay loaded in an LRU cache of ``max_cpu_loras`` on the CPU, and are read from disk on demand. The
+per-token computation is the ``lora_backend`` plugin's (``framework/interfaces/lora_backend.py``).
+
+The model must keep its linears separate (no prepacked / fused q/k/v or gate/up: the builder turns
+``prepack_linears`` off with LoRA) and unsharded (one rank).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from framework.core.lora_request import LoRARequest
+from framework.interfaces.lora_backend import LoRABackend, LoRABatch
+from framework.model_executor.forward_context import current_lora
+from framework.model_executor.lora_adapter import TARGET_MODULES, LoRAAdapter, load_adapter
+
+
+@dataclass
+class LoRAStep:
+    """What every LoRA-wrapped linear reads during one forward (``ForwardContext.lora``)."""
+
+    backend: LoRABackend  # the rank's lora_backend plugin
+    batch: LoRABatch  # backend.prepare(token_slots) of this step
+    scales: torch.Tensor  # (max_loras,) float32: each slot's adapter scale (0 for an empty slot)
+
+
+class LoRALinear(nn.Module):
+    """An ``nn.Linear`` plus ``max_loras`` LoRA slots: ``y = base(x) + backend.add_lora(...)`` for the tokens whose
+    request carries an adapter (the current forward's :class:`LoRAStep`), ``base(x)`` otherwise.
+
+    Args:
+        base: the model's linear (kept as is, weights untouched).
+        max_loras: slots.
+        max_lora_rank: slot width (ranks below it are zero-padded).
+    """
+
+    def __init__(self, base: nn.Linear, max_loras: int, max_lora_rank: int) -> None:
+        super().__init__()
+        self.base = base
+        kw = {"dtype": base.weight.dtype, "device": base.weight.device}
+        # (max_loras, max_lora_rank, in_features) / (max_loras, out_features, max_lora_rank), model dtype
+        self.register_buffer("lora_a", torch.zeros(max_loras, max_lora_rank, base.in_features, **kw), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, max_lora_rank, **kw), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base linear's weight ``(out_features, in_features)``."""
+        return self.base.weight
+
+    @property
+    def in_features(self) -> int:
+        """The base linear's input width."""
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        """The base linear's output width."""
+        return self.base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(..., in_features)`` -> ``(..., out_features)``; the step's tokens in flattened order."""
+        y = self.base(x)
+        step: LoRAStep | None = current_lora()
+        if step is None or not step.batch.any_lora:
+            return y
+        flat_y = y.reshape(-1, y.shape[-1])  # a view: add_lora writes into y
+        step.backend.add_lora(flat_y, x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b, step.scales, step.batch)
+        return y
+
+    def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Write one adapter's ``a`` ``(r, in)`` and ``b`` ``(out, r)`` into ``slot`` (zeros elsewhere; ``None``:
+        the adapter does not target this module)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if a is not None and b is not None:
+            rank = a.shape[0]
+            self.lora_a[slot, :rank].copy_(a)
+            self.lora_b[slot, :, :rank].copy_(b)
+
+
+def wrap_lora_linears(model: nn.Module, max_loras: int, max_lora_rank: int) -> dict[str, LoRALinear]:
+    """Replace every ``nn.Linear`` named one of ``TARGET_MODULES`` in ``model`` by a :class:`LoRALinear` (in place).
+
+    Returns:
+        The wrapped linears by their module name in ``model`` (``model.layers.0.self_attn.q_proj``...).
+    """
+    wrapped: dict[str, LoRALinear] = {}
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in TARGET_MODULES and type(child) is nn.Linear:
+                layer = LoRALinear(child, max_loras, max_lora_rank)
+                setattr(module, child_name, layer)
+                wrapped[f"{name}.{child_name}" if name else child_name] = layer
+    return wrapped
+
+
+class LoRAModelManager:
+    """One rank's adapters: which adapter sits in each device slot, the CPU LRU cache, loading on demand.
+
+    Args:
+        model: the loaded model (one rank, linears not fused); its targets are wrapped here.
+        backend: the ``lora_backend`` plugin instance.
+        max_loras: device slots; the scheduler never puts more distinct adapters into one step.
+        max_lora_rank: the largest rank accepted.
+        max_cpu_loras: adapters kept loaded on the CPU (LRU), slots' adapters included.
+
+    Raises:
+        ValueError: the model has none of ``TARGET_MODULES`` as plain ``nn.Linear`` (fused or quantized linears).
+    """
+
+    def __init__(self, model: nn.Module, backend: LoRABackend, max_loras: int, max_lora_rank: int,
+                 max_cpu_loras: int) -> None:
+        self.layers = wrap_lora_linears(model, max_loras, max_lora_rank)
+        if not self.layers:
+            raise ValueError(f"LoRA found none of {TARGET_MODULES} as plain nn.Linear in the model; turn off "
+                             "prepack_linears and quantization with lora.enable=true")
+        self.shapes = {name: (m.in_features, m.out_features) for name, m in self.layers.items()}
+        first = next(iter(self.layers.values()))
+        self.device, self.dtype = first.lora_a.device, first.lora_a.dtype
+        self.backend = backend
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.slots: list[int | None] = [None] * max_loras  # lora_int_id held by each device slot
+        self.scales = torch.zeros(max_loras, dtype=torch.float32, device=self.device)
+        self._slot_used = [0] * max_loras  # step counter of each slot's latest use (LRU eviction)
+        self._step = 0
+        self.cpu_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, LRU order
+        self.num_loads = 0  # adapters read from disk (cache misses)
+        self.num_slot_swaps = 0  # adapters copied into a device slot
+
+    def prepare_step(self, lora_requests: Sequence[LoRARequest | None], num_tokens: Sequence[int]) -> LoRAStep | None:
+        """Place this step's adapters into slots and build the per-token slot map.
+
+        Called by the model runner before each forward, with the step's requests in their flattened order.
+
+        Args:
+            lora_requests: per request, its adapter (``None``: base model).
+            num_tokens: per request, its tokens in this step's flattened batch.
+
+        Returns:
+            The step's :class:`LoRAStep`, or ``None`` when no request carries an adapter.
+
+        Raises:
+            RuntimeError: more distinct adapters than slots (the scheduler's ``max_loras`` rule prevents it).
+            ValueError: an adapter that fails to load (:func:`load_adapter`).
+        """
+        self._step += 1
+        ids = {r.lora_int_id: r for r in lora_requests if r is not None}
+        if not ids:
+            return None
+        if len(ids) > len(self.slots):
+            raise RuntimeError(f"{len(ids)} adapters in one step but max_loras={len(self.slots)} slots")
+        slot_of = {lora_id: self._activate(request, set(ids)) for lora_id, request in ids.items()}
+        per_request = [slot_of[r.lora_int_id] if r is not None else -1 for r in lora_requests]
+        token_slots = torch.repeat_interleave(torch.tensor(per_request, dtype=torch.int64),
+                                              torch.tensor(list(num_tokens), dtype=torch.int64)).to(self.device)
+        return LoRAStep(self.backend, self.backend.prepare(token_slots), self.scales)
+
+    def _activate(self, request: LoRARequest, in_step: set[int]) -> int:
+        """The slot holding ``request``'s adapter, loading it into the least recently used slot whose adapter is
+        not in this step when it is not in one."""
+        lora_id = request.lora_int_id
+        if lora_id in self.slots:
+            slot = self.slots.index(lora_id)
+        else:
+            free = [s for s, held in enumerate(self.slots) if held is None or held not in in_step]
+            slot = min(free, key=lambda s: (self.slots[s] is not None, self._slot_used[s]))
+            adapter = self._get_adapter(request)
+            for name, layer in self.layers.items():
+                a, b = adapter.weights.get(name, (None, None))
+                layer.set_slot(slot, a, b)
+            self.scales[slot] = adapter.scale
+            self.slots[slot] = lora_id
+            self.num_slot_swaps += 1
+        self._slot_used[slot] = self._step
+        return slot
+
+    def _get_adapter(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter from the CPU cache (refreshing its LRU position), else from disk (evicting the LRU one)."""
+        adapter = self.cpu_cache.get(request.lora_int_id)
+        if adapter is None:
+            adapter = load_adapter(request, self.shapes, self.max_lora_rank, self.dtype)
+            self.num_loads += 1
+            self.cpu_cache[request.lora_int_id] = adapter
+            while len(self.cpu_cache) > self.max_cpu_loras:
+                self.cpu_cache.popitem(last=False)
+        self.cpu_cache.move_to_end(request.lora_int_id)
+        return adapter
+
+    def stats(self) -> dict[str, Any]:
+        """Slots' adapter ids, CPU-cached ids (LRU first), loads from disk and slot swaps so far."""
+        return {"slots": list(self.slots), "cpu_cached": list(self.cpu_cache), "num_loads": self.num_loads,
+                "num_slot_swaps": self.num_slot_swaps}
