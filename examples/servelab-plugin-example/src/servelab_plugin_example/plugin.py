@@ -1,11 +1,14 @@
-"""The plugins: ``lifo`` (newest request first) and ``peak_paged`` (paged allocator recording peak use)."""
+"""The plugins: ``lifo`` (newest request first), ``peak_paged`` (paged allocator recording peak use) and
+``dense_lora`` (a LoRA backend computing every slot's term for every token, then masking)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from framework import hookimpl
-from framework.interfaces import SchedulerPolicy
+import torch
+
+from framework.interfaces import LoRABackend, LoRABatch, SchedulerPolicy
 from plugins.kv_allocators.paged import PagedKVAllocator
 
 
@@ -40,6 +43,23 @@ class PeakPagedKVAllocator(PagedKVAllocator):
         return new
 
 
+class DenseLoRA(LoRABackend):
+    """``lora_backend=dense_lora``: ``scale * x A^T B^T`` of every slot for every token, kept where the token's
+    slot matches (``-1``: none). Wasteful (work grows with ``max_loras``), but the simplest correct backend."""
+
+    name = "dense_lora"
+    interface_version = 1
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 scales: torch.Tensor, batch: LoRABatch) -> None:
+        """``y[t] += scales[s] * (x[t] A[s]^T) B[s]^T`` with ``s = batch.token_slots[t]``."""
+        terms = torch.einsum("ti,sri,sor->tso", x, lora_a, lora_b) * scales[None, :, None].to(x.dtype)
+        slots = batch.token_slots
+        mask = torch.nn.functional.one_hot(slots.clamp(min=0), lora_a.shape[0]).to(x.dtype)
+        mask = mask * (slots >= 0).to(x.dtype)[:, None]
+        y += torch.einsum("tso,ts->to", terms, mask).to(y.dtype)
+
+
 @hookimpl
 def register_schedulers(register: Any) -> None:
     """Register ``lifo``."""
@@ -50,3 +70,9 @@ def register_schedulers(register: Any) -> None:
 def register_kv_allocators(register: Any) -> None:
     """Register ``peak_paged``."""
     register("peak_paged", PeakPagedKVAllocator)
+
+
+@hookimpl
+def register_lora_backends(register: Any) -> None:
+    """Register ``dense_lora``."""
+    register("dense_lora", DenseLoRA)
