@@ -29,7 +29,3 @@ class LoRARequest:
         if not self.lora_name or not self.lora_path:
             raise ValueError("LoRARequest needs a lora_name and a lora_path (a PEFT adapter folder)")
 
-
-def lora_id(lora_request: LoRARequest | None) -> int:
-    """The adapter id of a request's ``lora_request``: ``0`` for the base model."""
-    return 0 if lora_request is None else lora_request.lora_int_id

@@ -19,6 +19,8 @@ from helpers import STORIES
 from framework import LLM, LoRARequest, SamplingParams
 
 peft = pytest.importorskip("peft")
+# transformers deprecation inside PEFT's get_peft_model, not ours
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 NUM_TOKENS = 6
 PROMPTS = ["Once upon a time", "The cat sat on", "Lily went to the park"]
 # name -> (rank, lora_alpha, targets, use_rslora)

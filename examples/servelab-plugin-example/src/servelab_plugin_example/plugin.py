@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from framework import hookimpl
 import torch
 
+from framework import hookimpl
 from framework.interfaces import LoRABackend, LoRABatch, SchedulerPolicy
 from plugins.kv_allocators.paged import PagedKVAllocator
 
