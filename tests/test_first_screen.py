@@ -5,7 +5,7 @@ ones are dropped at import, each with its reason: ``framework/known_warnings.py`
 "Failed to load ..._C_mxfp8" lines in every process, torch's ``_pytree`` deprecation warnings and the
 resource tracker's ``KeyError: '/psm_...'`` traceback at every two-rank start.
 
-Both commands run at once (two processes); the plain run's outputs are capped at 8 tokens."""
+Both commands run at once (two processes); the plain run takes the workload's first 8 prompts, 8 tokens each."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_readme_commands_show_no_traceback_and_no_warning(tmp_path):
 
     runs = {"tp2": _start(tmp_path, "tp2", "model=stories260K", "parallel.tensor_parallel_size=2", "tracker=none")}
     if importlib.util.find_spec(SMOLLM2_PACKAGE) is not None:
-        runs["plain"] = _start(tmp_path, "plain", "sampling.max_tokens=8")
+        runs["plain"] = _start(tmp_path, "plain", "sampling.max_tokens=8", "workload.limit=8")
     try:
         results = {name: _unexpected(proc) for name, proc in runs.items()}
     finally:

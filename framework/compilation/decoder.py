@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._dynamo.utils import counters
 
 from framework.compilation import vec_isa
 from framework.compilation.regions import (
@@ -327,6 +326,9 @@ class CompiledDecoder:
                     "(inductor's on-disk cache: %s)", self._expected_graphs, self.stats.num_layer_kinds,
                     len(self.graphs.layers), shapes, ", and the one-row LM head" if self._head is not None else "",
                     _inductor_cache_dir())
+        # imported here: dynamo costs ~1.5 s to import, and an eager process never needs it
+        from torch._dynamo.utils import counters
+
         self._t0 = t0 = time.perf_counter()
         misses = counters["inductor"]["fxgraph_cache_miss"]
         for num_tokens, num_reqs in WARM_UP_STEPS:

@@ -174,16 +174,17 @@ def test_engine_greedy_parity_chunked_preempted_prefix_cached(make_llm):
 
 def test_construction_compiles_so_the_first_large_step_does_not():
     """The kernel compiles in ``__init__`` (a dummy call); a real decode step of another size, cache
-    and table width then reuses that graph instead of stalling on inductor mid-run."""
-    backend = TorchPagedAttentionBackend(6, 2, D, D ** -0.5, 4, torch.bfloat16, torch.device("cpu"))
+    and table width then reuses that graph instead of stalling on inductor mid-run. (float32, the dtype every
+    CPU runs natively: a bf16 compile on an AVX2-only CPU would cost a cold compile of emulated code here.)"""
+    backend = TorchPagedAttentionBackend(6, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"))
     graphs = torch_paged.COMPILE_STATS["graphs"]
     assert graphs >= 1
     spec = [(9 + i, 1) for i in range(10)]
     tables = [[5 * i + j for j in range(5)] for i in range(10)]
     slots = [tables[i][c // 4] * 4 + c % 4 for i, (c, _) in enumerate(spec)]
-    cache = torch.zeros(backend.get_kv_cache_shape(50), dtype=torch.bfloat16)  # as in the engine: the cache
+    cache = torch.zeros(backend.get_kv_cache_shape(50), dtype=torch.float32)  # as in the engine: the cache
     with torch.inference_mode():  # is allocated at start-up, the step's tensors are inference tensors
-        q, kv = torch.randn(10, 6, D).bfloat16(), torch.randn(10, 2, D).bfloat16()
+        q, kv = torch.randn(10, 6, D), torch.randn(10, 2, D)
         step = backend.build_metadata(_common(spec, tables, slots, 4))
         assert step.num_paged_tokens == 10
         backend.forward(0, q, kv, kv, cache, step)

