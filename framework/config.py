@@ -54,7 +54,7 @@ class EngineConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT folder, known at start
     lora_backend: str = "bgmv"  # the batched LoRA computation: a lora_backend plugin name (bgmv | sgmv | loop)
     lora_backend_params: dict[str, Any] = field(default_factory=dict)
-    num_threads_per_rank: int = 0  # torch threads per rank; 0 = cores / tensor_parallel_size in worker processes (uniproc: unchanged)
+    num_threads_per_rank: int = 0  # torch threads per rank; 0 = cores / tensor_parallel_size (at most $OMP_NUM_THREADS) in worker processes (uniproc: unchanged)
     # TP collectives: shm (shared memory, CPU ranks on one host) | torch_distributed (gloo / NCCL) | auto (shm where it can)
     communicator: str = "auto"
     max_num_seqs: int = 256  # max requests in one step's batch
@@ -74,6 +74,9 @@ class EngineConfig:
     # warning if it cannot
     compile: bool | str = "auto"
     compile_freezing: bool = False  # inductor freezing: weights as constants, prepacked for oneDNN on CPU
+    # what runs dynamo's graphs (vLLM's compilation_config.backend): inductor (generated kernels) | eager (the
+    # traced FX graphs run as they are: same tracing, guards and layer loop, no code generation; for debugging)
+    compile_backend: str = "inductor"
     # decode CUDA graphs (framework/compilation/cuda_graphs.py): True never captures; None (default) captures where it
     # can (CUDA, a backend with supports_cuda_graphs, one rank); False insists (refused before loading if it cannot)
     enforce_eager: bool | None = None
@@ -106,6 +109,8 @@ class EngineConfig:
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
+            (self.compile_backend in ("inductor", "eager"),
+             f"compile_backend must be inductor or eager, got {self.compile_backend!r}"),
             (self.kv_cache_dtype in ("auto", "int8", "fp8_e4m3"),
              f"kv_cache_dtype must be auto, int8 or fp8_e4m3, got {self.kv_cache_dtype!r}"),
             (self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}"),

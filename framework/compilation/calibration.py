@@ -97,7 +97,8 @@ class CompilePlanner:
         self.machine = machine_description(config.device)
         model = "|".join(str(x) for x in (config.model, config.dtype, config.attention, sorted(config.attention_params.items()),
                                           config.quant, config.kv_cache_dtype, config.tensor_parallel_size,
-                                          config.compile_freezing, config.block_size))
+                                          config.compile_freezing, config.block_size)
+                          + ((config.compile_backend,) if config.compile_backend != "inductor" else ()))
         digest = hashlib.sha256(f"{self.machine}|{model}|{model_config_json}".encode()).hexdigest()[:20]
         self.path = calibration_dir() / f"{digest}.json"
         self.model_description = model

@@ -186,15 +186,20 @@ class CompiledDecoder:
             one layer's weights, so every layer is a kind of its own (no reuse: the compile takes as
             long as the whole decoder's did). Weights must not change after the warm-up (quant
             transforms run before, so they are frozen as quantized).
+        compile_backend: ``inductor`` (generated kernels) or ``eager``: the traced FX graphs run as they are
+            (same tracing, guards, graph counts and layer loop; no code generation), vLLM's
+            ``compilation_config.backend="eager"``.
         tensor_parallel: this is one rank of a tensor-parallel group (``torch.distributed``
             initialised, the default group the TP group): fall back only jointly
             (:meth:`agree_across_ranks`), never alone after the warm-up.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: Sequence[torch.Tensor], layer_group: Sequence[int],
-                 call_signatures: Sequence[tuple] = (), freezing: bool = False, tensor_parallel: bool = False) -> None:
+                 call_signatures: Sequence[tuple] = (), freezing: bool = False, tensor_parallel: bool = False,
+                 compile_backend: str = "inductor") -> None:
         self.model = model
         self.freezing = freezing
+        self.compile_backend = compile_backend
         self.tensor_parallel = tensor_parallel
         self.stats = CompileStats(enabled=True)
         self.graphs: LayerGraphs | None = None
@@ -278,8 +283,8 @@ class CompiledDecoder:
         if self._warmed_up:  # the warm-up should have covered every step shape: say which one did not
             logger.warning("engine.compile: recompiling after the warm-up (graph %d: %s)",
                            self.stats.num_graphs, step)
-        compiled = compile_fx(gm, example_inputs,
-                              config_patches={"freezing": self.freezing, **inductor_config(example_inputs)})
+        compiled = gm if self.compile_backend == "eager" else compile_fx(
+            gm, example_inputs, config_patches={"freezing": self.freezing, **inductor_config(example_inputs)})
         if not self._warmed_up:
             logger.info("engine.compile: graph %d of %d compiled (%s), %.1f s so far", self.stats.num_graphs,
                         self._expected_graphs, step, time.perf_counter() - self._t0)

@@ -54,6 +54,7 @@ class ModelRunner:
         compile: compile the decoder here (:meth:`compile_decoder`); otherwise it runs eagerly until
             :meth:`compile_decoder` is called (``engine.compile=auto``).
         compile_freezing: inductor weight freezing/prepacking, whenever the decoder is compiled.
+        compile_backend: ``inductor`` or ``eager`` (the traced graphs run uncompiled; ``engine.compile_backend``).
         kv_cache_layout: which layers share a block table and which KV tensor holds each layer
             (``framework/core/kv_cache_groups.py``); default one group of every layer, one tensor each.
             ``layers_per_block`` tensors are allocated and shared by the groups: ``kv_caches[layer]`` is
@@ -73,7 +74,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, num_blocks: int, num_layers: int,
                  kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler, num_swap_blocks: int = 0,
-                 compile: bool = False, compile_freezing: bool = False,
+                 compile: bool = False, compile_freezing: bool = False, compile_backend: str = "inductor",
                  kv_cache_layout: KVCacheLayout | None = None, is_driver_rank: bool = True,
                  tensor_parallel: bool = False, cuda_graphs: CUDAGraphOptions | None = None) -> None:
         self.model = model
@@ -103,6 +104,7 @@ class ModelRunner:
         self.swap_caches = [torch.zeros(swap_shape, dtype=kv_cache_dtype, pin_memory=pin)
                             for _ in range(layout.layers_per_block if num_swap_blocks else 0)]
         self.compile_freezing = compile_freezing
+        self.compile_backend = compile_backend
         self.tensor_parallel = tensor_parallel
         self.compiled: CompiledDecoder | None = None
         if compile:
@@ -143,6 +145,7 @@ class ModelRunner:
             unfuse_gated_mlps(self.model)
             self.compiled = CompiledDecoder(self.model, self.kv_caches, self.layer_group,
                                             self.backend.call_signatures, freezing=self.compile_freezing,
+                                            compile_backend=self.compile_backend,
                                             tensor_parallel=self.tensor_parallel)
             traced = type(self.backend).traceable_inputs is not AttentionBackend.traceable_inputs
             self.compiled.warm_up(self._dummy_forward, self.device, traced_attention=traced)

@@ -63,8 +63,12 @@ def distributed_timeout_s(config: EngineConfig) -> float:
 
 
 def default_num_threads(tensor_parallel_size: int) -> int:
-    """Threads per rank: the cores this process may use, split evenly over the ranks (at least 1)."""
-    return max(1, len(os.sched_getaffinity(0)) // tensor_parallel_size)
+    """Threads per rank: the cores this process may use, split evenly over the ranks (at least 1), and at most
+    ``$OMP_NUM_THREADS`` where the user set it (as torch itself honours it in a plain process: two threads
+    spinning on a core that another program holds make every parallel region wait, 10-20x slower steps)."""
+    threads = max(1, len(os.sched_getaffinity(0)) // tensor_parallel_size)
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    return min(threads, int(omp)) if omp.isdigit() and int(omp) >= 1 else threads
 
 
 @dataclass
@@ -228,6 +232,7 @@ class Worker:
                                   Sampler(spec.vocab_size, seed=self.config.seed), num_swap_blocks=num_swap_blocks,
                                   compile=self.config.compile == "true",
                                   compile_freezing=self.config.compile_freezing,
+                                  compile_backend=self.config.compile_backend,
                                   kv_cache_layout=self.kv_cache_layout, is_driver_rank=self.is_driver_rank,
                                   tensor_parallel=self.world_size > 1, cuda_graphs=cuda_graph_options(
                                       self.config.enforce_eager, self.backend, self.config.max_num_seqs,

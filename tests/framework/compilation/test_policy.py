@@ -276,6 +276,8 @@ def test_config_normalizes_the_mode(value, mode):
 def test_config_refuses_other_modes():
     with pytest.raises(ValueError, match="compile must be auto, true or false"):
         EngineConfig(model="m", compile="sometimes")
+    with pytest.raises(ValueError, match="compile_backend must be inductor or eager"):
+        EngineConfig(model="m", compile_backend="aot_eager")
 
 
 @pytest.fixture

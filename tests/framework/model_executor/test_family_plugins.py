@@ -41,19 +41,17 @@ def structure(layer) -> tuple:
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)
-def test_compiled_engine_traces_every_feature(family, make_llm, monkeypatch):
+def test_compiled_engine_traces_every_feature(family, make_llm):
     """``engine.compile=true`` (default ``torch_paged``: decode steps attend inside the layer graphs,
     others through the ``servelab::attention`` op with the layer's features as arguments; the LM head
     and Gemma's final softcap after the decoder): dynamo traces each layer kind whole (fullgraph) with
     windows, softcaps, sinks, NoPE layers, MoE and MLA's padded value heads, layers of one kind share
     its graphs (the layer index, KV cache and KV cache group's inputs are data), and the engine still equals transformers with
     no recompile, with each step's layers run as one loop of graph calls where the model's loop only chains
-    them. Inductor's code generation is replaced by running the traced FX graphs (tens of
-    seconds less per family here); ``test_compile.py`` covers inductor itself."""
-    import torch._inductor.compile_fx as inductor
-
-    monkeypatch.setattr(inductor, "compile_fx", lambda graph, example_inputs, **kwargs: graph)
-    llm, outs = run_family(make_llm, family, compile=True, attention_params={"min_paged_decodes": 1})
+    them. ``engine.compile_backend=eager`` runs the traced FX graphs instead of inductor's code (tens of
+    seconds less per family here); ``tests/framework/compilation/test_decoder.py`` covers inductor itself."""
+    llm, outs = run_family(make_llm, family, compile=True, compile_backend="eager",
+                           attention_params={"min_paged_decodes": 1})
     assert_matches_transformers(family, outs, "compiled")
     summary = llm.engine.metrics.summary()
     assert summary["compile_active"] and summary["compile_num_recompiles"] == 0, summary
