@@ -29,3 +29,18 @@ class LoRARequest:
         if not self.lora_name or not self.lora_path:
             raise ValueError("LoRARequest needs a lora_name and a lora_path (a PEFT adapter folder)")
 
+
+def named_lora_request(name: str, modules: dict[str, str]) -> LoRARequest:
+    """The :class:`LoRARequest` of adapter ``name`` among the run's ``lora.modules`` (name -> PEFT folder; vLLM's
+    ``--lora-modules``): its ``lora_int_id`` is its 1-based place in the sorted names, so one name is one adapter
+    for the whole run.
+
+    Raises:
+        ValueError: ``name`` is not in ``modules`` (the message lists the known names and the override to add).
+    """
+    if name not in modules:
+        known = ", ".join(sorted(modules)) or "none"
+        raise ValueError(f"LoRA adapter {name!r} is not in lora.modules (known: {known}); add "
+                         f"+lora.modules.{name}=<PEFT adapter folder> (and lora.enable=true)")
+    return LoRARequest(name, sorted(modules).index(name) + 1, str(modules[name]))
+

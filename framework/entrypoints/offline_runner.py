@@ -11,6 +11,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from framework.compilation.policy import output_budget
+from framework.core.lora_request import named_lora_request
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.structured_output_params import StructuredOutputsParams
@@ -23,13 +24,14 @@ logger = logging.getLogger(__name__)
 def _record(item: WorkloadItem, output: RequestOutput | None, error: str | None = None,
             labels: dict[str, Any] | None = None) -> dict[str, Any]:
     """One ``outputs.jsonl`` line: request_id, prompt (as the user wrote it), rendered_prompt (the text sent,
-    chat template applied; ``None`` for token-id prompts), text, token_ids, finish_reason, error, metrics, then
-    the run's ``labels`` (``simulated``, ``sim_profile``: a simulated run's text and token ids are synthetic)."""
+    chat template applied; ``None`` for token-id prompts), lora (the item's adapter name or ``None``), text,
+    token_ids, finish_reason, error, metrics, then the run's ``labels`` (``simulated``, ``sim_profile``: a simulated run's text and token ids are synthetic)."""
     completion = output.outputs[0] if output is not None and output.outputs else None
     return {
         "request_id": item.request_id,
         "prompt": item.raw_prompt if item.raw_prompt is not None else item.prompt,
         "rendered_prompt": item.prompt,
+        "lora": item.lora,
         "text": completion.text if completion else "",
         "token_ids": list(completion.token_ids) if completion else [],
         "finish_reason": completion.finish_reason if completion else "abort",
@@ -120,8 +122,10 @@ def _submit(engine: EngineClient, item: WorkloadItem, default_sampling: Sampling
         if item.structured_outputs is not None:
             overrides["structured_outputs"] = StructuredOutputsParams.from_dict(item.structured_outputs)
         params = dataclasses.replace(default_sampling, **overrides)  # a fresh copy per request
+        adapter = {} if item.lora is None else {"lora_request": named_lora_request(item.lora,
+                                                                                   engine.config.lora_modules)}
         engine.add_request(item.request_id, prompt, params, priority=item.priority, arrival_time=arrival_time,
-                           client_id=item.client_id)
+                           client_id=item.client_id, **adapter)
     except ValueError as e:
         logger.warning("request %s rejected: %s", item.request_id, e)
         return str(e)

@@ -28,6 +28,7 @@ class WorkloadItem:
     client_id: str | None = None  # sender, for fair-share scheduling (scheduler=fair)
     # vLLM ``structured_outputs`` fields, e.g. {"json": {...schema...}} or {"regex": "..."}
     structured_outputs: dict[str, Any] | None = None
+    lora: str | None = None  # LoRA adapter name from ``lora.modules`` (docs/lora.md); None = the base model
 
     def __post_init__(self) -> None:
         if self.prompt is None and self.prompt_token_ids is None:

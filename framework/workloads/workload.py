@@ -62,7 +62,8 @@ def resolve_chat(chat: bool | str, tokenizer: Any) -> bool:
 
 def load_prompts(path: str | Path, chat: bool | str, tokenizer: Any, limit: int | None = None) -> list[WorkloadItem]:
     """Read prompts from ``.txt`` (one per line) or ``.jsonl`` (``prompt``; optional ``priority``,
-    ``max_tokens``, ``arrival_time_s``, ``request_id``, ``client_id``, ``structured_outputs``).
+    ``max_tokens``, ``arrival_time_s``, ``request_id``, ``client_id``, ``structured_outputs``, ``lora``: an
+    adapter name from ``lora.modules``).
 
     With ``chat`` (``True``, or ``"auto"`` on a tokenizer with a chat template) each prompt is
     rendered as a user turn by the chat template and tokenized here without adding special tokens
@@ -89,7 +90,7 @@ def load_prompts(path: str | Path, chat: bool | str, tokenizer: Any, limit: int 
                                   prompt_token_ids=token_ids, priority=int(rec.get("priority", 0)),
                                   max_tokens=rec.get("max_tokens"), arrival_time_s=rec.get("arrival_time_s"),
                                   client_id=rec.get("client_id"),
-                                  structured_outputs=rec.get("structured_outputs")))
+                                  structured_outputs=rec.get("structured_outputs"), lora=rec.get("lora")))
     return items
 
 

@@ -154,3 +154,24 @@ def test_an_adapter_without_enable_lora_is_rejected(adapters):
     llm = LLM(STORIES, dtype="float32", num_blocks=32)
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), lora_request=adapters["attn"])[0]
     assert out.error is not None and "enable_lora=True" in out.error
+
+
+def test_a_workload_line_names_its_adapter_from_lora_modules(adapters, oracle, tmp_path):
+    """``+lora.modules.NAME=PATH`` and a JSONL line's ``"lora": NAME``: that request runs under the adapter (PEFT's
+    tokens), a line without one under the base model, an unknown name fails its own request naming the override."""
+    from framework.entrypoints.offline_runner import run_workload
+    from framework.workloads.workload import load_prompts
+
+    lines = [{"prompt": PROMPTS[0], "lora": "attn"}, {"prompt": PROMPTS[0]}, {"prompt": PROMPTS[1], "lora": "mlp"},
+             {"prompt": PROMPTS[1], "lora": "nope"}]
+    path = tmp_path / "workload.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    llm = _llm(max_loras=2, lora_modules={name: adapters[name].lora_path for name in ("attn", "mlp")})
+    items = load_prompts(path, chat=False, tokenizer=llm.get_tokenizer())
+    records, _ = run_workload(llm.engine, items, SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS),
+                              progress=False)
+    assert [r["lora"] for r in records] == ["attn", None, "mlp", "nope"]
+    assert records[0]["token_ids"] == oracle(PROMPTS[0], "attn") != records[1]["token_ids"]
+    assert records[1]["token_ids"] == oracle(PROMPTS[0], None)
+    assert records[2]["token_ids"] == oracle(PROMPTS[1], "mlp")
+    assert records[3]["finish_reason"] == "abort" and "+lora.modules.nope=" in records[3]["error"]
