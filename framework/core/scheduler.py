@@ -212,11 +212,13 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
         admitted: set[str] = set()
+        skipped = False  # a request was passed over (its adapter would exceed max_loras): admitted ones are not a prefix
         loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         for request in self.waiting:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if not self._lora_fits(request, loras):
+                skipped = True
                 continue  # vLLM's rule: its adapter would exceed max_loras; skipped this step, later ones may go
             computed_blocks, num_hit_tokens = self._lookup(request)
             num_new = self._num_new_tokens(request, budget, num_hit_tokens)
@@ -236,8 +238,10 @@ class Scheduler:
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-        if admitted:
+        if skipped:
             self.waiting = [r for r in self.waiting if r.request_id not in admitted]
+        else:  # the common case: the admitted requests are the queue's head
+            del self.waiting[:len(admitted)]
         return budget
 
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
