@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from framework.config import EngineConfig
+from framework.model_executor.model_loader import servelab_cache_dir
 from framework.platform import cpu_name
 
 FORMAT = 1
@@ -118,9 +118,9 @@ def profile_key(config: EngineConfig, hf_config: Any, device: str) -> dict[str, 
 
 
 def cache_dir() -> Path:
-    """Where profiles measured on first use go: ``$SERVELAB_CACHE_DIR/profiles`` or ``~/.cache/servelab/profiles``."""
-    root = os.environ.get("SERVELAB_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "servelab")
-    return Path(root) / "profiles"
+    """Where profiles measured on first use go: ``profiles/`` under servelab's cache (``$SERVELAB_CACHE``, else
+    ``~/.cache/servelab``: the same root as the compile calibration and converted models)."""
+    return servelab_cache_dir() / "profiles"
 
 
 def file_name(model_name: str, key: dict[str, Any]) -> str:

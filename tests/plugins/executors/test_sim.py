@@ -165,7 +165,7 @@ def test_servelab_profile_quick_grid_then_simulating_with_it(tmp_path, capsys):
 def test_profile_auto_measures_once_and_caches(tmp_path, monkeypatch, capsys):
     from framework.engine import profiler
 
-    monkeypatch.setenv("SERVELAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SERVELAB_CACHE", str(tmp_path))
     monkeypatch.setitem(profiler.GRIDS, "default", profiler.GRIDS["quick"])  # keep the first-use measuring short
     config = EngineConfig(model=STORIES, compile=False, executor="sim", executor_params={"profile": "auto"})
     build_engine(config).shutdown()
