@@ -176,6 +176,8 @@ def test_construction_compiles_so_the_first_large_step_does_not():
     """The kernel compiles in ``__init__`` (a dummy call); a real decode step of another size, cache
     and table width then reuses that graph instead of stalling on inductor mid-run. (float32, the dtype every
     CPU runs natively: a bf16 compile on an AVX2-only CPU would cost a cold compile of emulated code here.)"""
+    torch._dynamo.reset()  # as in a fresh engine process: no graph of the earlier tests' shapes and dynamism
+    torch_paged._COMPILED.clear()
     backend = TorchPagedAttentionBackend(6, 2, D, D ** -0.5, 4, torch.float32, torch.device("cpu"))
     graphs = torch_paged.COMPILE_STATS["graphs"]
     assert graphs >= 1
