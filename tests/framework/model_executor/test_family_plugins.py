@@ -48,10 +48,12 @@ def test_compiled_engine_traces_every_feature(family, make_llm):
     windows, softcaps, sinks, NoPE layers, MoE and MLA's padded value heads, layers of one kind share
     its graphs (the layer index, KV cache and KV cache group's inputs are data), and the engine still equals transformers with
     no recompile, with each step's layers run as one loop of graph calls where the model's loop only chains
-    them. ``engine.compile_backend=eager`` runs the traced FX graphs instead of inductor's code (tens of
-    seconds less per family here); ``tests/framework/compilation/test_decoder.py`` covers inductor itself."""
+    them. ``engine.compile_backend=eager`` runs the traced FX graphs instead of inductor's code, and the opaque
+    op's per-layer kernel runs uncompiled too (``attention_params.compile=false``: the traced decode path is the
+    same), tens of seconds less per family here; ``tests/framework/compilation/test_decoder.py`` and
+    ``tests/plugins/attention/test_torch_paged.py`` cover inductor itself."""
     llm, outs = run_family(make_llm, family, compile=True, compile_backend="eager",
-                           attention_params={"min_paged_decodes": 1})
+                           attention_params={"min_paged_decodes": 1, "compile": False})
     assert_matches_transformers(family, outs, "compiled")
     summary = llm.engine.metrics.summary()
     assert summary["compile_active"] and summary["compile_num_recompiles"] == 0, summary
