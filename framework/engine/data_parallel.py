@@ -37,6 +37,7 @@ from framework.compilation.policy import CompileDecision
 from framework.config import EngineConfig
 from framework.core.clock import Clock
 from framework.core.faults import EngineDeadError
+from framework.core.lora_request import LoRARequest
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import SamplingParams
 from framework.distributed.parallel_state import replica_cpus
@@ -154,7 +155,8 @@ class DataParallelEngine:
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, client_id: str | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None, client_id: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Route one request and queue it on the chosen replica (``LLMEngine.add_request``'s arguments).
 
         Raises:
@@ -174,7 +176,7 @@ class DataParallelEngine:
             replica.clock.sleep_until(arrival_time)  # an idle simulated replica catches up with the arrival
         try:
             replica.add_request(request_id, prompt, sampling_params, priority=priority, arrival_time=arrival_time,
-                                client_id=client_id)
+                                client_id=client_id, lora_request=lora_request)
         except Exception:
             self.replica_set.refused(request_id, choice)
             raise

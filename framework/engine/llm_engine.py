@@ -229,7 +229,7 @@ class LLMEngine:
             self.faults.record(request_id, what, detail)
         failed += self._abort_failed()  # a grammar matcher failed in the bitmask: its sampled token is dropped
         updated, _ = self.scheduler.update_from_output(sched_out, runner_out)
-        self.grammars.advance(updated, self.faults)
+        self.grammars.advance(updated)
         failed += self._abort_failed()  # detokenizer/stop checker or grammar matcher failed on the new tokens
         t3 = self.clock.now()
         draft_s = self.proposer.propose(sched_out, runner_out, updated) if self.proposer is not None else 0.0
@@ -268,7 +268,7 @@ class LLMEngine:
     def _fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every unfinished request as aborted with ``error`` (the executor is dead)."""
         ids = list(self.scheduler.requests)
-        held = self.grammars.fail(list(self.grammars.compiling), error)
+        held = self.grammars.fail(None, error)
         outputs = [self.output_processor.report_finished(r) for r in held]
         for request in self.scheduler.abort_requests(ids):
             request.error = error

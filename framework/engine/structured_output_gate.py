@@ -34,6 +34,7 @@ class StructuredOutputGate:
         self.manager = manager
         self.scheduler = scheduler
         self.clock = clock
+        self.faults = faults
         self.compiling: dict[str, Request] = {}  # request id -> request whose grammar compiles
         if manager is not None:
             manager.faults = faults
@@ -69,10 +70,11 @@ class StructuredOutputGate:
                 failed.append(self._finish(request, error))
         return failed
 
-    def fail(self, request_ids: Iterable[str], error: str | None) -> list[Request]:
-        """Finish the held requests among ``request_ids`` as aborted (``error``: why, or ``None`` for a user
-        abort); returns them."""
-        return [self._finish(self.compiling.pop(rid), error) for rid in list(request_ids) if rid in self.compiling]
+    def fail(self, request_ids: Iterable[str] | None, error: str | None) -> list[Request]:
+        """Finish the held requests among ``request_ids`` (``None``: all of them) as aborted (``error``: why, or
+        ``None`` for a user abort); returns them."""
+        ids = list(self.compiling if request_ids is None else request_ids)
+        return [self._finish(self.compiling.pop(rid), error) for rid in ids if rid in self.compiling]
 
     def _finish(self, request: Request, error: str | None) -> Request:
         self.manager.discard(request.request_id)
@@ -92,13 +94,13 @@ class StructuredOutputGate:
             sched_out.grammar_bitmask, sched_out.structured_output_request_ids = (
                 self.manager.grammar_bitmask(sched_out))
 
-    def advance(self, updated: list[Request], faults: RequestFaults) -> None:
+    def advance(self, updated: list[Request]) -> None:
         """Advance matchers on the tokens the scheduler appended to ``updated``; a terminated grammar finishes
-        its request with ``stop`` (a violating token is a fault: the manager records it in ``faults``)."""
+        its request with ``stop`` (a violating token is a fault: the manager records it in the engine's faults)."""
         if self.manager is None:
             return
         for request in updated:
-            if faults.failed(request.request_id):
+            if self.faults.failed(request.request_id):
                 continue  # aborted after this update anyway
             terminated = self.manager.advance(request)
             if request.is_finished:

@@ -119,10 +119,7 @@ class LLM:
             order.append(request_id)
             text, payload = self._unpack(prompt)
             try:
-                if lora is None:  # only engines with LoRA know the keyword (a data-parallel front does not)
-                    self.engine.add_request(request_id, payload, sp, priority=prio)
-                else:
-                    self.engine.add_request(request_id, payload, sp, priority=prio, lora_request=lora)
+                self.engine.add_request(request_id, payload, sp, priority=prio, lora_request=lora)
             except Exception as exc:  # noqa: BLE001 - add_request changes nothing before it raises: reject this one
                 logger.warning("request %s rejected: %s", request_id, exc, exc_info=not isinstance(exc, ValueError))
                 results[request_id] = _rejected(request_id, text, exc)

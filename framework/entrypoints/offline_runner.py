@@ -122,10 +122,9 @@ def _submit(engine: EngineClient, item: WorkloadItem, default_sampling: Sampling
         if item.structured_outputs is not None:
             overrides["structured_outputs"] = StructuredOutputsParams.from_dict(item.structured_outputs)
         params = dataclasses.replace(default_sampling, **overrides)  # a fresh copy per request
-        adapter = {} if item.lora is None else {"lora_request": named_lora_request(item.lora,
-                                                                                   engine.config.lora_modules)}
+        lora = None if item.lora is None else named_lora_request(item.lora, engine.config.lora_modules)
         engine.add_request(item.request_id, prompt, params, priority=item.priority, arrival_time=arrival_time,
-                           client_id=item.client_id, **adapter)
+                           client_id=item.client_id, lora_request=lora)
     except ValueError as e:
         logger.warning("request %s rejected: %s", item.request_id, e)
         return str(e)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from framework.config import EngineConfig
     from framework.core.clock import Clock
+    from framework.core.lora_request import LoRARequest
     from framework.core.outputs import RequestOutput
     from framework.core.sampling_params import SamplingParams
     from framework.core.structured_output import StructuredOutputManager
@@ -72,8 +73,9 @@ class EngineClient(Protocol):
     compile_decision: Any
 
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, client_id: str | None = None) -> None:
-        """Queue a request.
+                    priority: int = 0, arrival_time: float | None = None, client_id: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request (``lora_request``: its LoRA adapter, ``None`` for the base model).
 
         Raises:
             ValueError: a bad prompt or params, or a ``request_id`` in use (nothing changes).

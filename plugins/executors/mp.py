@@ -70,7 +70,7 @@ class _Resources:
             try:
                 self.ring.write((SHUTDOWN, (), {}, None), timeout_s=1.0)
             except (TimeoutError, RuntimeError, ValueError):
-                pass
+                pass  # the ring is full or closed: the join below, then the kill, end the workers anyway
         deadline = time.monotonic() + (5.0 if graceful else 0.0)
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))

@@ -33,7 +33,8 @@ class FakeEngine:
     def tokenize(self, prompt):
         return [ord(c) for c in prompt]
 
-    def add_request(self, request_id, prompt, sampling_params, priority=0, arrival_time=None, client_id=None):
+    def add_request(self, request_id, prompt, sampling_params, priority=0, arrival_time=None, client_id=None,
+                    lora_request=None):
         ids = prompt if isinstance(prompt, list) else [ord(c) for c in prompt]
         if len(ids) > 5:
             raise ValueError("prompt has too many tokens; max_model_len is 5")
