@@ -9,7 +9,8 @@ PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "
                  "lora_backend")
 #: fields set from the ``lora:`` section of the Hydra config (config key -> EngineConfig field; vLLM's names)
 LORA_FIELDS = {"enable": "enable_lora", "max_loras": "max_loras", "max_lora_rank": "max_lora_rank",
-               "max_cpu_loras": "max_cpu_loras", "modules": "lora_modules"}
+               "max_cpu_loras": "max_cpu_loras", "modules": "lora_modules",
+               "allow_runtime_updates": "allow_runtime_lora_updates"}
 COMPILE_MODES = ("auto", "true", "false")
 #: fields set from the ``parallel:`` section of the Hydra config (not ``engine.*``)
 PARALLEL_FIELDS = ("tensor_parallel_size", "data_parallel_size", "num_threads_per_rank", "communicator")
@@ -52,6 +53,8 @@ class EngineConfig:
     max_lora_rank: int = 16  # largest adapter rank accepted (slot width)
     max_cpu_loras: int | None = None  # adapters kept loaded in the CPU LRU cache; None -> max_loras
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT folder, known at start
+    # the server's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updates: bool = False
     lora_backend: str = "bgmv"  # the batched LoRA computation: a lora_backend plugin name (bgmv | sgmv | loop)
     lora_backend_params: dict[str, Any] = field(default_factory=dict)
     num_threads_per_rank: int = 0  # torch threads per rank; 0 = cores / tensor_parallel_size (at most $OMP_NUM_THREADS) in worker processes (uniproc: unchanged)

@@ -64,7 +64,8 @@ def engine_config_from_cfg(cfg: DictConfig) -> EngineConfig:
 
     Reads ``model.path``/``model.dtype`` (optional ``model.tokenizer``), ``device``, ``seed``,
     every ``engine.*`` knob, ``parallel.*`` (``tensor_parallel_size``, ``num_threads_per_rank``), ``lora.*``
-    (``enable``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, ``modules``; ``LORA_FIELDS``), and
+    (``enable``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, ``modules``,
+    ``allow_runtime_updates``; ``LORA_FIELDS``), and
     each plugin group's ``name`` + ``params`` (``kv_cache`` -> ``kv_allocator``, ``spec_decode`` ->
     ``drafter``; a config without an ``executor`` group gets ``auto``).
 
