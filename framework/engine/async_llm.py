@@ -31,6 +31,7 @@ import msgspec
 
 from framework import registry
 from framework.core.faults import EngineDeadError
+from framework.core.lora_request import LoRARequest
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.core_client import CoreClient, InprocCoreClient
@@ -137,13 +138,15 @@ class AsyncLLM:
 
     # ---- caller side ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Queue one request and yield its outputs as the engine produces them.
 
         Outputs follow ``sampling_params.output_kind`` (default here: ``DELTA``, i.e. only new
         text/tokens per output). The last output has ``finished=True``. Leaving the loop early
         (``break``, task cancellation, client disconnect) aborts the request: its blocks are
-        freed at the next step boundary.
+        freed at the next step boundary. ``lora_request``: the LoRA adapter it runs under (``None``: the base
+        model); it travels to the engine core with the request (``AddRequest.lora_request``).
 
         Raises:
             ValueError: the engine rejected the request (bad prompt/params, duplicate id).
@@ -164,7 +167,7 @@ class AsyncLLM:
             self._streams[request_id] = stream
             self.replicas.place(request_id, index)
             self._routed_since[index] += 1
-        self.clients[index].send(AddRequest(request_id, prompt, params, priority))
+        self.clients[index].send(AddRequest(request_id, prompt, params, priority, lora_request=lora_request))
         finished = False
         try:
             while True:

@@ -52,11 +52,13 @@ def replica_stats(engine: EngineClient, replica_id: int = 0) -> list[ReplicaStat
 def _one_replica(engine: ReplicaEngine, replica_id: int, alive: bool, num_routed: int) -> ReplicaStats:
     state = engine.replica_state(replica_id)
     kv = engine.kv_allocator.stats()
+    running_loras, waiting_loras = engine.lora_adapters()
     return ReplicaStats(replica_id=replica_id, alive=alive, num_running_reqs=state.num_running_reqs,
                         num_waiting_reqs=state.num_waiting_reqs, kv_cache_usage=state.kv_cache_usage,
                         prefix_queries_tokens=kv.prefix_queries_tokens, prefix_hits_tokens=kv.prefix_hits_tokens,
                         num_generated_tokens=engine.metrics.num_generated_tokens,
-                        num_preemptions=engine.metrics.num_preemptions, num_routed=num_routed)
+                        num_preemptions=engine.metrics.num_preemptions, num_routed=num_routed,
+                        running_lora_adapters=running_loras, waiting_lora_adapters=waiting_loras)
 
 
 def engine_facts(engine: EngineClient) -> EngineFacts:
@@ -173,7 +175,8 @@ class EngineCore:
             return RejectedRequest(request_id, f"request_id {request_id!r} is already in use; use a unique id")
         try:
             self.engine.add_request(request_id, command.prompt, command.sampling_params,
-                                    priority=command.priority, arrival_time=command.arrival_time)
+                                    priority=command.priority, arrival_time=command.arrival_time,
+                                    lora_request=command.lora_request)
         except EngineDeadError as exc:  # the engine's fault, not the request's: 503, not 400
             return RejectedRequest(request_id, str(exc), engine_dead=True)
         except Exception as exc:  # noqa: BLE001 - add_request changes nothing before it raises

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from framework.core.lora_request import LoRARequest
 from framework.core.outputs import RequestOutput, SchedulerStats
 from framework.core.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     sampling_params: SamplingParams
     priority: int = 0
     arrival_time: float | None = None  # seconds on the core's clock; None = when the core takes it
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs under (the server's ``model`` field); None: base
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -63,6 +65,8 @@ class ReplicaStats(msgspec.Struct):
     num_generated_tokens: int = 0  # output tokens, total
     num_preemptions: int = 0  # preemptions, total
     num_routed: int = 0  # requests routed to the replica, total (in-process data parallel; the front counts its own)
+    running_lora_adapters: list[str] = []  # names of the LoRA adapters of running requests, sorted (LoRA on)
+    waiting_lora_adapters: list[str] = []  # names of the LoRA adapters of waiting requests, sorted (LoRA on)
 
 
 class EngineFacts(msgspec.Struct):

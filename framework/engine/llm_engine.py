@@ -11,6 +11,7 @@ from framework.config import EngineConfig
 from framework.core.faults import RequestFailure
 from framework.core.lora_request import LoRARequest
 from framework.core.outputs import ModelRunnerOutput, RequestOutput
+from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.structured_output import StructuredOutputManager
@@ -163,6 +164,13 @@ class LLMEngine:
                             num_running_reqs=len(self.scheduler.running),
                             kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_blocks if kv.num_blocks else 0.0,
                             published_s=self.clock.now())
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """``ReplicaEngine.lora_adapters``: adapter names of the running and of the waiting requests, sorted."""
+        def names(requests: Sequence[Request]) -> list[str]:
+            return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
+
+        return names(self.scheduler.running), names(self.scheduler.waiting)
 
     def replica_views(self) -> list[ReplicaView]:
         """``EngineClient.replica_views``: this engine alone, alive, nothing routed."""

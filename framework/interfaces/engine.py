@@ -46,6 +46,10 @@ class ReplicaEngine(Protocol):
     def replica_state(self, replica_id: int) -> ReplicaState:
         """The replica's load now (waiting / running requests, KV usage), named ``replica_id``."""
 
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """Names of the LoRA adapters of the replica's running and of its waiting requests now, each sorted
+        and without repeats (both empty without LoRA): the server's ``servelab:lora_requests_info`` gauge."""
+
 
 @runtime_checkable
 class EngineClient(Protocol):

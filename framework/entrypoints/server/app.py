@@ -2,9 +2,11 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` -> Server-Sent
 Events: ``data: {chunk}`` lines, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
-``GET /version``, ``GET /metrics`` (Prometheus text). Errors use OpenAI's body
+``GET /version``, ``GET /metrics`` (Prometheus text), ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter`` (with ``lora.allow_runtime_updates=true``). The ``model`` field picks the base
+model or a LoRA adapter (``served_models.py``). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``: malformed JSON / wrong-typed or unknown field
--> 400, unknown model -> 404, missing/wrong bearer token on ``/v1/*`` (when an API key is set) ->
+-> 400, unknown model -> 404 (vLLM's body: type ``NotFoundError``, code 404), missing/wrong bearer token on ``/v1/*`` (when an API key is set) ->
 401, a plugin or the detokenizer failed on the request (``RequestOutput.internal_error``) -> 500,
 engine shut down or dead -> 503. A streaming client that disconnects aborts its requests.
 """
@@ -30,7 +32,14 @@ from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind
 from framework.entrypoints.server import responses as R
 from framework.entrypoints.server.completions import CompletionChoices, engine_fields
-from framework.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body
+from framework.entrypoints.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    error_body,
+)
 from framework.entrypoints.server.serving import (
     EngineJob,
     RequestError,
@@ -97,7 +106,7 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 
 def _error(exc: RequestError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.status, exc.param, exc.code), status_code=exc.status)
+    return JSONResponse(error_body(exc.message, exc.status, exc.param, exc.code, exc.kind), status_code=exc.status)
 
 
 def _engine_error(exc: Exception) -> RequestError:
@@ -152,26 +161,28 @@ async def _final(state: ServerState, jobs: list[EngineJob], request: Request) ->
 
 async def _stream(state: ServerState, jobs: list[EngineJob], rid: str, obj: str, num_prompt_tokens: int,
                   include_usage: bool, chunk_choices: Any, first_choices: list[dict] | None = None,
-                  count: Any = None) -> AsyncIterator[str]:
+                  count: Any = None, model: str | None = None) -> AsyncIterator[str]:
     """SSE body shared by both endpoints; ``chunk_choices(job, output, seen) -> list[choice]`` (``seen``: a
     dict the callback keeps per-choice state in, e.g. text offset and last token id); ``count(output)``: the
-    completion tokens it adds to ``usage`` (default: every generated token)."""
+    completion tokens it adds to ``usage`` (default: every generated token); ``model``: the chunks' ``model``
+    (the name the request used; default the served name)."""
     created, num_out, seen = int(time.time()), 0, {}
+    model = model or state.model_name
     try:
         for choice in first_choices or ():
-            yield _sse(R.envelope(rid, obj, state.model_name, [choice], created=created))
+            yield _sse(R.envelope(rid, obj, model, [choice], created=created))
         async with merged_outputs(state.llm, jobs) as outputs:
             async for job, out in outputs:
                 if out.error:
                     raise _output_error(out)
                 num_out += count(out) if count is not None else sum(len(c.token_ids) for c in out.outputs)
                 for choice in chunk_choices(job, out, seen):  # one choice per chunk, as vLLM streams them
-                    yield _sse(R.envelope(rid, obj, state.model_name, [choice], created=created))
+                    yield _sse(R.envelope(rid, obj, model, [choice], created=created))
         if include_usage:
-            yield _sse(R.envelope(rid, obj, state.model_name, [], R.usage(num_prompt_tokens, num_out), created))
+            yield _sse(R.envelope(rid, obj, model, [], R.usage(num_prompt_tokens, num_out), created))
     except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes into the stream
         err = _engine_error(exc)
-        yield _sse(error_body(err.message, err.status, err.param, err.code))
+        yield _sse(error_body(err.message, err.status, err.param, err.code, err.kind))
     yield _sse("[DONE]")
 
 
@@ -191,12 +202,35 @@ def _v1_routes(state: ServerState) -> APIRouter:
 
     @router.get("/models", responses=_responses(401, 500))
     async def models() -> dict[str, Any]:
+        if state.models is not None:  # the base model and each LoRA adapter (``parent``: the base model)
+            return {"object": "list", "data": state.models.cards()}
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "servelab", "max_model_len": state.max_model_len}]}
 
     _add_completions(router, state)
     _add_chat_completions(router, state)
+    _add_lora_adapters(router, state)
     return router
+
+
+def _add_lora_adapters(router: APIRouter, state: ServerState) -> None:
+    """vLLM's ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and ``POST /v1/unload_lora_adapter``
+    (``{"lora_name"}``): plain-text success, else an error body (``framework/entrypoints/server/served_models.py``:
+    404 while ``lora.allow_runtime_updates=false``, 400 for a folder that does not load; the server serves on)."""
+
+    def served() -> Any:
+        if state.models is None:
+            raise RequestError("this server serves no LoRA adapters; start it with lora.enable=true and "
+                               "lora.allow_runtime_updates=true", 404, kind="NotFoundError", code=404)
+        return state.models
+
+    @router.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_responses(400, 401, 404))
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await served().load(req.lora_name, req.lora_path))
+
+    @router.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=_responses(400, 401, 404))
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await served().unload(req.lora_name))
 
 
 def _add_completions(router: APIRouter, state: ServerState) -> None:
@@ -205,22 +239,25 @@ def _add_completions(router: APIRouter, state: ServerState) -> None:
 
     @router.post("/completions", responses=_responses(*_V1_ERRORS, ok=_OK_STREAM))
     async def completions(req: CompletionRequest, raw: Request) -> Any:
-        check_model(state, req.model)
+        lora = check_model(state, req.model)
+        model = req.model or state.model_name
         max_tokens, logprobs, n, prompt_logprobs = engine_fields(req)
         prompts = tokenize_prompts(state, req.prompt)
         texts = req.prompt if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) else (
             [req.prompt] if isinstance(req.prompt, str) else [None] * len(prompts))
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        jobs = build_jobs(state, req, prompts, max_tokens, logprobs, kind, n=n, prompt_logprobs=prompt_logprobs)
+        jobs = build_jobs(state, req, prompts, max_tokens, logprobs, kind, n=n, prompt_logprobs=prompt_logprobs,
+                          lora_request=lora)
         rid, num_prompt = f"cmpl-{uuid.uuid4().hex}", sum(len(p) for p in prompts)
         choices = CompletionChoices(req, state.tokenizer, texts)
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
             return _SSEResponse(_stream(state, jobs, rid, "text_completion", num_prompt, include,
-                                        lambda job, out, _: choices.chunk(job, out), count=choices.num_completion_tokens))
+                                        lambda job, out, _: choices.chunk(job, out), count=choices.num_completion_tokens,
+                                        model=model))
         outs = await _final(state, jobs, raw)
         body = [c for j, o in zip(jobs, outs) for c in choices.final(j, o)]
-        return R.envelope(rid, "text_completion", state.model_name, sorted(body, key=lambda c: c["index"]),
+        return R.envelope(rid, "text_completion", model, sorted(body, key=lambda c: c["index"]),
                           R.usage(num_prompt, sum(choices.num_completion_tokens(o) for o in outs)))
 
 
@@ -230,12 +267,13 @@ def _add_chat_completions(router: APIRouter, state: ServerState) -> None:
 
     @router.post("/chat/completions", responses=_responses(*_V1_ERRORS, ok=_OK_STREAM))
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
-        check_model(state, req.model)
+        lora = check_model(state, req.model)
+        model = req.model or state.model_name
         ids = render_chat(state, req.messages)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        jobs = build_jobs(state, req, [ids], max_tokens, num_top, kind)
+        jobs = build_jobs(state, req, [ids], max_tokens, num_top, kind, lora_request=lora)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
 
         def logprobs(out: Any, prev_id: int) -> dict | None:
@@ -255,10 +293,11 @@ def _add_chat_completions(router: APIRouter, state: ServerState) -> None:
 
             first = [R.chat_delta_choice(i, {"role": "assistant", "content": ""}) for i in range(req.n)]
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(_stream(state, jobs, rid, "chat.completion.chunk", len(ids), include, chunk, first))
+            return _SSEResponse(_stream(state, jobs, rid, "chat.completion.chunk", len(ids), include, chunk, first,
+                                        model=model))
         outs = await _final(state, jobs, raw)
         choices = [R.chat_choice(c.index, c, logprobs(c, jobs[0].prompt_token_ids[-1])) for c in outs[0].outputs]
-        return R.envelope(rid, "chat.completion", state.model_name, choices,
+        return R.envelope(rid, "chat.completion", model, choices,
                           R.usage(len(ids), sum(len(c.token_ids) for c in outs[0].outputs)))
 
 

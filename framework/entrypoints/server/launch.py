@@ -96,15 +96,19 @@ def build_server_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
 
 
 def server_state(cfg: DictConfig, facts: Any, tokenizer: Any, llm: AsyncLLM, name: str, metrics: Any,
-                 api_key: str | None) -> Any:
+                 api_key: str | None, engine_config: EngineConfig | None = None) -> Any:
     """The routes' shared ``ServerState`` for an engine's facts (``EngineFacts``) and its ``AsyncLLM``
-    (``cfg.server.chat_template``)."""
+    (``cfg.server.chat_template``); with ``engine_config``, the served names: the base model and its LoRA
+    adapters (``ServedModels``: ``lora.modules``, ``lora.allow_runtime_updates``)."""
+    from framework.entrypoints.server.served_models import ServedModels
     from framework.entrypoints.server.serving import ServerState
 
+    models = (ServedModels.from_config(name, engine_config, facts.max_model_len)
+              if engine_config is not None else None)
     return ServerState(llm=llm, model_name=name, max_model_len=facts.max_model_len, vocab_size=facts.vocab_size,
                        tokenizer=tokenizer, supports_structured_outputs=facts.supports_structured_outputs,
                        chat_template=load_chat_template(cfg.server.get("chat_template")), api_key=api_key,
-                       metrics=metrics)
+                       metrics=metrics, models=models)
 
 
 def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metrics: Any) -> tuple[AsyncLLM, Any, Any]:
@@ -198,10 +202,12 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
 
     # engine.compile=auto|true: a server's work is open-ended, so each core compiles at start, while uvicorn
     # already answers /health with 503 "compiling" (requests sent meanwhile wait)
-    metrics = ServerMetrics(name, engine_config.data_parallel_size)
+    metrics = ServerMetrics(name, engine_config.data_parallel_size,
+                            max_loras=engine_config.max_loras if engine_config.enable_lora else None)
     with exit_on_config_error():
         llm, facts, tokenizer = start_front(cfg, engine_config, on_dead, metrics)
-    state = server_state(cfg, facts, tokenizer, llm, name, metrics, api_key=resolve_api_key(server_cfg.get("api_key")))
+    state = server_state(cfg, facts, tokenizer, llm, name, metrics, api_key=resolve_api_key(server_cfg.get("api_key")),
+                         engine_config=engine_config)
     config = uvicorn.Config(build_app(state), host=server_cfg.host, port=int(server_cfg.port),
                             log_level=server_cfg.get("log_level", "info"), timeout_graceful_shutdown=30)
     server = _uvicorn_server(config, on_exit=lambda: llm.shutdown(timeout_s=0))

@@ -13,6 +13,7 @@ request's prompt once, when it finishes (aborted requests included).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from framework.core.outputs import RequestOutput
@@ -44,14 +45,19 @@ class ServerMetrics:
       ``request_time_per_output_token_seconds``;
     * with data-parallel replicas (``parallel.data_parallel_size > 1``) the gauges above sum the live replicas,
       and ``replica_alive``, ``replica_num_requests_running``, ``replica_num_requests_waiting``,
-      ``replica_kv_cache_usage_perc``, ``replica_num_requests_routed`` carry a ``replica`` label.
+      ``replica_kv_cache_usage_perc``, ``replica_num_requests_routed`` carry a ``replica`` label;
+    * with LoRA (``max_loras`` given), vLLM's info gauge ``lora_requests_info``: labels ``running_lora_adapters``
+      and ``waiting_lora_adapters`` (adapter names, comma-separated, sorted) and ``max_lora``, value the Unix
+      time of the publication (seconds). Unlike vLLM, one series only: the previous label set is dropped on
+      every update, so the series count stays 1 however many adapters come and go.
 
     Args:
         model_name: value of the ``model_name`` label.
         data_parallel_size: replicas behind the front; the per-replica gauges exist when it is > 1.
+        max_loras: ``lora.max_loras`` when the engine serves LoRA adapters (the gauge exists), else None.
     """
 
-    def __init__(self, model_name: str, data_parallel_size: int = 1) -> None:
+    def __init__(self, model_name: str, data_parallel_size: int = 1, max_loras: int | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -84,6 +90,10 @@ class ServerMetrics:
         self.tpot = histogram("request_time_per_output_token_seconds", "Time per output token after the first, s.",
                               _ITL_BUCKETS)
         self._last: dict[int, ReplicaStats] = {}  # replica id -> its previous publication (counter deltas)
+        self.max_loras = max_loras
+        self.lora_info = None if max_loras is None else Gauge(
+            PREFIX + "lora_requests_info", "Running and waiting LoRA adapters (labels); value: Unix time, s.",
+            ["model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry)
         self.data_parallel_size = data_parallel_size
         if data_parallel_size > 1:
             def per_replica(name: str, doc: str) -> Any:
@@ -116,6 +126,8 @@ class ServerMetrics:
         self.running.set(sum(s.num_running_reqs for s in live))
         self.waiting.set(sum(s.num_waiting_reqs for s in live))
         self.kv_usage.set(sum(s.kv_cache_usage for s in live) / len(live) if live else 0.0)
+        if self.lora_info is not None:
+            self._observe_loras(live)
         if self.data_parallel_size > 1:
             replica = (self.model_name, str(stats.replica_id))
             self.replica_gauges["alive"].labels(*replica).set(1 if stats.alive else 0)
@@ -123,6 +135,13 @@ class ServerMetrics:
             self.replica_gauges["waiting"].labels(*replica).set(stats.num_waiting_reqs)
             self.replica_gauges["kv_usage"].labels(*replica).set(stats.kv_cache_usage)
             self.replica_gauges["routed"].labels(*replica).set(stats.num_routed)
+
+    def _observe_loras(self, live: list[ReplicaStats]) -> None:
+        """``lora_requests_info``: the live replicas' running and waiting adapters, now (one series)."""
+        running = ",".join(sorted({name for s in live for name in s.running_lora_adapters}))
+        waiting = ",".join(sorted({name for s in live for name in s.waiting_lora_adapters}))
+        self.lora_info.clear()
+        self.lora_info.labels(self.model_name, str(self.max_loras), waiting, running).set(time.time())
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Per finished request: success counter, prompt tokens, latency histograms."""

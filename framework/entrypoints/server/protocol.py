@@ -94,9 +94,25 @@ class ErrorInfo(BaseModel):
     """The ``error`` object of OpenAI's error body (documents the schema in ``/openapi.json``)."""
 
     message: str  # what went wrong and how to fix it
-    type: str  # invalid_request_error | authentication_error | service_unavailable_error | server_error
+    type: str  # invalid_request_error | authentication_error | service_unavailable_error | server_error | NotFoundError
     param: str | None  # the offending field, when one is
-    code: str | None  # machine-readable reason (e.g. context_length_exceeded, engine_dead), when one is
+    code: str | int | None  # machine-readable reason (e.g. context_length_exceeded, engine_dead; vLLM's 404), or None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` body (vLLM's): serve the PEFT folder ``lora_path`` as model ``lora_name``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` body (vLLM's): stop serving model ``lora_name``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str | None = None
+    lora_int_id: int | None = None  # accepted as vLLM does, unused (the name identifies the adapter)
 
 
 class ErrorResponse(BaseModel):
@@ -105,12 +121,14 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(message: str, status: int, param: str | None = None, code: str | int | None = None,
+               kind: str | None = None) -> dict[str, Any]:
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``.
 
-    ``type`` follows the status (400/404 ``invalid_request_error``, 401 ``authentication_error``,
-    503 ``service_unavailable_error``, else ``server_error``).
+    ``type`` is ``kind`` when given (vLLM's ``NotFoundError`` for an unknown model or adapter), else it follows the
+    status (400/404 ``invalid_request_error``, 401 ``authentication_error``, 503 ``service_unavailable_error``,
+    else ``server_error``).
     """
-    kind = {400: "invalid_request_error", 404: "invalid_request_error", 401: "authentication_error",
+    kind = kind or {400: "invalid_request_error", 404: "invalid_request_error", 401: "authentication_error",
             503: "service_unavailable_error"}.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

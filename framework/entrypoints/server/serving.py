@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from framework.core.lora_request import LoRARequest
 from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.core.structured_output_params import structured_outputs_from_openai
@@ -22,11 +23,14 @@ from framework.entrypoints.server.protocol import ChatCompletionRequest, ChatMes
 
 
 class RequestError(Exception):
-    """A request the server refuses; becomes an OpenAI error body with HTTP ``status``."""
+    """A request the server refuses; becomes an OpenAI error body with HTTP ``status`` (``kind``: the body's
+    ``type`` when it is not the status's default, e.g. vLLM's ``NotFoundError``; ``code``: a string, or vLLM's
+    integer status)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | int | None = None,
+                 kind: str | None = None) -> None:
         super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
+        self.message, self.status, self.param, self.code, self.kind = message, status, param, code, kind
 
 
 @dataclasses.dataclass
@@ -46,6 +50,7 @@ class ServerState:
     chat_template: str | None = None  # Jinja template overriding the tokenizer's (server.chat_template)
     api_key: str | None = None  # required bearer token; None = no auth
     metrics: Any = None  # ServerMetrics, or None
+    models: Any = None  # ServedModels (served_models.py): base + LoRA adapter names; None = the base model alone
 
 
 @dataclasses.dataclass
@@ -58,13 +63,27 @@ class EngineJob:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    lora_request: LoRARequest | None = None  # the adapter the ``model`` field named; None: the base model
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    """Raises RequestError(404) when ``model`` is given and is not the served model name."""
+def model_not_found(model: str) -> RequestError:
+    """vLLM's 404 for a ``model`` field naming neither the served model nor a loaded adapter: ``{"error":
+    {"message": "The model `X` does not exist.", "type": "NotFoundError", "param": null, "code": 404}}``."""
+    return RequestError(f"The model `{model}` does not exist.", 404, kind="NotFoundError", code=404)
+
+
+def check_model(state: ServerState, model: str | None) -> LoRARequest | None:
+    """The LoRA adapter the ``model`` field names (``state.models``), ``None`` for the base model (its served
+    name, or no ``model`` field).
+
+    Raises:
+        RequestError(404): vLLM's body, "The model `X` does not exist.", type ``NotFoundError``, code 404.
+    """
+    if state.models is not None:
+        return state.models.lora_request(model)
     if model is not None and model != state.model_name:
-        raise RequestError(f"The model `{model}` does not exist; this server serves `{state.model_name}` "
-                           "(see GET /v1/models)", 404, "model", "model_not_found")
+        raise model_not_found(model)
+    return None
 
 
 def tokenize_prompts(state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
@@ -153,13 +172,14 @@ def _max_tokens(state: ServerState, num_prompt: int, requested: int | None) -> i
 
 def build_jobs(state: ServerState, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
                max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind, n: int | None = None,
-               prompt_logprobs: int | None = None) -> list[EngineJob]:
+               prompt_logprobs: int | None = None, lora_request: LoRARequest | None = None) -> list[EngineJob]:
     """One :class:`EngineJob` per prompt, each running ``n`` sequences (default ``req.n``) in the engine
     (seeds ``seed + i``, the prompt's KV shared through the prefix cache).
 
     Args:
         n: sequences per prompt (``best_of`` when the server picks the best ``req.n`` of more).
         prompt_logprobs: top logprobs per prompt token (``echo`` with ``logprobs``), or None.
+        lora_request: the LoRA adapter every job runs under (:func:`check_model`), or None.
 
     Raises:
         RequestError(400): out-of-range sampling fields (message names the field and range), a bad
@@ -190,7 +210,7 @@ def build_jobs(state: ServerState, req: CompletionRequest | ChatCompletionReques
                 dataclasses.replace(params, seed=params.seed + params.n - 1)
         except ValueError as exc:
             raise RequestError(str(exc).removeprefix("Invalid SamplingParams: ")) from exc
-        jobs.append(EngineJob(p, f"{base}-{p}", ids, params, req.priority))
+        jobs.append(EngineJob(p, f"{base}-{p}", ids, params, req.priority, lora_request))
     return jobs
 
 
@@ -219,7 +239,7 @@ async def generate_final(llm: AsyncLLM, jobs: list[EngineJob]) -> list[RequestOu
     async def one(job: EngineJob) -> RequestOutput:
         last = None
         async for out in llm.generate(job.prompt_token_ids, job.params, request_id=job.request_id,
-                                      priority=job.priority):
+                                      priority=job.priority, lora_request=job.lora_request):
             last = out
         return last
 
@@ -242,7 +262,7 @@ async def generate_merged(llm: AsyncLLM, jobs: list[EngineJob]) -> AsyncIterator
     if len(jobs) == 1:  # the common case: no pump task, no second queue per token
         job = jobs[0]
         async with contextlib.aclosing(llm.generate(job.prompt_token_ids, job.params, request_id=job.request_id,
-                                                    priority=job.priority)) as outputs:
+                                                    priority=job.priority, lora_request=job.lora_request)) as outputs:
             async for out in outputs:
                 yield job, out
         return
@@ -251,7 +271,7 @@ async def generate_merged(llm: AsyncLLM, jobs: list[EngineJob]) -> AsyncIterator
     async def pump(job: EngineJob) -> None:
         try:
             async for out in llm.generate(job.prompt_token_ids, job.params, request_id=job.request_id,
-                                          priority=job.priority):
+                                          priority=job.priority, lora_request=job.lora_request):
                 merged.put_nowait((job, out))
         except Exception as exc:  # noqa: BLE001 - re-raised to the consumer below
             merged.put_nowait((job, exc))

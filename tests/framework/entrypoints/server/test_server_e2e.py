@@ -95,7 +95,7 @@ def test_models_and_unknown_model(server):
     assert [m.id for m in client.models.list().data] == ["stories260K"]
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="nope", prompt="Once", max_tokens=2)
-    assert info.value.status_code == 404 and "stories260K" in str(info.value)
+    assert info.value.status_code == 404 and "The model `nope` does not exist." in str(info.value)
 
 
 def test_sync_completions_equal_offline_and_stream_concatenates(server, offline):
