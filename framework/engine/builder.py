@@ -7,7 +7,8 @@ The steps, in the order they run (each a function below, so a reader can follow 
    :func:`resolve_dtype` turns ``dtype="auto"`` into the dtype the checkpoint runs in here (``config.json``'s,
    float32 for a 16-bit checkpoint on a CPU without native 16-bit instructions: ``framework.platform``) and
    each class's ``validate(config)`` passes (device, dtype, block size, executor and rank count...).
-2. :func:`inspect_model` — ``config.json`` only: refuse pre-quantized checkpoints, resolve
+2. :func:`inspect_model` — ``config.json`` only: refuse a pre-quantized checkpoint the quant method does not
+   load, resolve
    ``max_model_len``, read each layer's attention (:class:`ModelSpec`), let the attention backend
    refuse a model it cannot run and refuse a tensor-parallel size the model cannot be split over
    (its plan, its heads, a rank's heads for the backend, the quant method's shards) — still
@@ -52,6 +53,11 @@ from framework.metrics.collector import MetricsCollector
 from framework.model_executor.embeddings import load_embeddings
 from framework.model_executor.model_families import attention_layers, family_of
 from framework.model_executor.model_loader import checkpoint_dtype, load_model_config, load_tokenizer
+from framework.model_executor.quantized_checkpoint import (
+    checkpoint_methods,
+    quantization_config,
+    resolve_checkpoint_quant,
+)
 from framework.model_executor.tensor_parallel import rank_layout, tp_problems
 from framework.platform import DtypeChoice, choose_dtype
 
@@ -106,10 +112,12 @@ def build_llm_engine(config: EngineConfig, metrics: MetricsCollector | None = No
 
 def resolve_and_log_dtype(config: EngineConfig) -> tuple[EngineConfig, DtypeChoice]:
     """Step 1a: refuse unknown plugin names (before anything is read from disk), then resolve the dtype
-    (:func:`dtype_choice`), logging the decision once per process (a warning when it is emulated).
+    (:func:`dtype_choice`), logging the decision once per process (a warning when it is emulated), and the quant
+    method of a pre-quantized checkpoint (``framework/model_executor/quantized_checkpoint.py``: ``quant=none``
+    takes the method that loads the checkpoint's format; another method is refused).
 
     Returns:
-        ``config`` with its dtype resolved, and the choice with its reason (``metrics.json``).
+        ``config`` with its dtype (and quant method) resolved, and the choice with its reason (``metrics.json``).
 
     Raises:
         registry.UnknownPluginError: an unknown plugin name.
@@ -124,7 +132,12 @@ def resolve_and_log_dtype(config: EngineConfig) -> tuple[EngineConfig, DtypeChoi
             logger.warning("%s", choice.reason)
         elif config.dtype == "auto":
             logger.info("%s", choice.reason)
-    return dataclasses.replace(config, dtype=choice.dtype), choice
+    try:
+        model_config = load_model_config(config.model)
+    except (OSError, ValueError, ModuleNotFoundError):  # a missing model is reported by the model checks
+        model_config = None
+    quant = resolve_checkpoint_quant(config, model_config) if model_config is not None else config.quant
+    return dataclasses.replace(config, dtype=choice.dtype, quant=quant), choice
 
 
 def _build_one(config: EngineConfig, metrics: MetricsCollector | None, defer_compile: bool) -> LLMEngine:
@@ -207,22 +220,24 @@ def validate_plugins(config: EngineConfig) -> list[type | None]:
     return classes
 
 
-def refuse_prequantized(model_config: Any) -> None:
-    """Refuse a pre-quantized (GPTQ/AWQ/compressed-tensors...) checkpoint before its weights load.
-
-    None of transformers' quantizer back ends for these formats is installed or verified here (they
-    need CUDA kernels or extra packages: gptqmodel, autoawq, compressed-tensors), so servelab loads
-    only unquantized checkpoints and quantizes them itself with ``quant=<method>``.
+def refuse_prequantized(model_config: Any, quant: str = "none") -> None:
+    """Refuse a pre-quantized (GPTQ/AWQ/compressed-tensors...) checkpoint that quant method ``quant`` does not
+    load, before its weights load (:func:`resolve_and_log_dtype` already chose the method that does).
 
     Raises:
-        ValueError: the config carries a ``quantization_config`` (names its ``quant_method``).
+        ValueError: the config carries a ``quantization_config`` whose ``quant_method`` is not ``quant``'s
+            ``checkpoint_format`` (names both and the fix).
     """
-    qc = getattr(model_config, "quantization_config", None)
-    if qc is not None:
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
-        raise ValueError(f"pre-quantized checkpoints are not supported (this one is {method!s}): transformers' "
-                         "quantizer for it needs kernels not available here; load the unquantized model and "
-                         "use quant=int8_wo|int4_wo|w8a8|fp8 instead")
+    qc = quantization_config(model_config)
+    if qc is None:
+        return
+    method = str(qc.get("quant_method", "")).lower()
+    cls = registry.get_class("quant", quant)
+    if cls is None or cls.checkpoint_format != method:
+        loaders = checkpoint_methods()
+        fix = f"use quant={loaders[method]}" if method in loaders else f"loadable formats: {sorted(loaders)}"
+        raise ValueError(f"pre-quantized checkpoint ({method}) with quant={quant}, which does not load it: {fix}; "
+                         "or load the unquantized model and use quant=int8_wo|int4_wo|w8a8|fp8")
 
 
 def inspect_model(config: EngineConfig) -> ModelSpec:
@@ -239,7 +254,7 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
     """
 
     mc = load_model_config(config.model)
-    refuse_prequantized(mc)
+    refuse_prequantized(mc, config.quant)
     max_pos = int(getattr(mc, "max_position_embeddings", 0) or 0)
     max_model_len = config.max_model_len or max_pos
     if max_pos and max_model_len > max_pos:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -16,7 +16,17 @@ if TYPE_CHECKING:
 class QuantMethod(Plugin, ABC):
     """Rewrites a finished ``torch.nn.Module`` (e.g. swaps ``nn.Linear`` for int8 weight-only
     linears); the model definition knows nothing of it. Config ``quant=none`` applies none.
+
+    A method that loads a pre-quantized checkpoint names its format in ``checkpoint_format``: the
+    ``quantization_config.quant_method`` of ``config.json`` it reads (``"gptq"``, ``"awq"``,
+    ``"compressed-tensors"``). The builder then chooses it for such a checkpoint when ``quant=none``
+    and refuses any other ``quant=`` (``framework/model_executor/quantized_checkpoint.py``); the model
+    loader builds the model without transformers' quantizer, and ``apply`` replaces the linears whose
+    packed tensors the checkpoint holds.
     """
+
+    #: ``config.json`` ``quantization_config.quant_method`` this method loads; None: it quantizes float weights
+    checkpoint_format: ClassVar[str | None] = None
 
     def __init__(self, **params: Any) -> None:
         self.params = params

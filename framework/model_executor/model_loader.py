@@ -9,11 +9,13 @@ folder. The dequantized weights carry the Q4_1 error; they are the reference wei
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -257,6 +259,23 @@ def eos_token_ids(generation_config: object, config: object, tokenizer: object) 
     return frozenset(ids)
 
 
+@contextlib.contextmanager
+def _quiet_load_report(quiet: bool) -> Iterator[None]:
+    """Silence transformers' load report while a pre-quantized checkpoint loads: its packed tensors are
+    expected to be "unexpected" and the float weights of the packed linears "missing" (the quant method checks
+    the file's tensors itself and names any that is wrong)."""
+    import logging
+
+    log = logging.getLogger("transformers.modeling_utils")
+    level = log.level
+    if quiet:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def load_model(model: str, dtype: str = "float32", device: str = "cpu",
                attn_implementation: str | None = None) -> LoadedModel:
     """Load ``model`` (see :func:`resolve_model_path`) with ``AutoModelForCausalLM`` / ``AutoTokenizer``.
@@ -275,13 +294,21 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu",
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     _offline()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model)
     kwargs: dict[str, object] = {"dtype": getattr(torch, dtype), "local_files_only": True}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    net = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if getattr(hf_config, "quantization_config", None) is not None:
+        # a pre-quantized checkpoint: built without transformers' quantizer (its back ends are not installed);
+        # the packed linears' float weights are left at their init, and the quant method whose
+        # checkpoint_format matches (framework/model_executor/quantized_checkpoint.py) replaces those linears
+        del hf_config.quantization_config
+        kwargs["config"] = hf_config
+    with _quiet_load_report(kwargs.get("config") is not None):
+        net = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
     net.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     config = net.config

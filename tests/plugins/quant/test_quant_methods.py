@@ -155,12 +155,15 @@ def test_method_the_device_cannot_run() -> None:
 
 
 def test_prequantized_checkpoint_refused() -> None:
+    """A pre-quantized checkpoint is refused before loading by every method that does not load its format."""
     from transformers import AutoConfig
 
     from framework.engine.builder import refuse_prequantized
 
     config = AutoConfig.from_pretrained(STORIES)
-    refuse_prequantized(config)  # plain checkpoint: fine
+    refuse_prequantized(config, "int8_wo")  # plain checkpoint: fine
     config.quantization_config = {"quant_method": "gptq", "bits": 4}
-    with pytest.raises(ValueError, match="pre-quantized checkpoints are not supported.*gptq"):
-        refuse_prequantized(config)
+    refuse_prequantized(config, "gptq")
+    for method in ("none", "int8_wo", "awq"):
+        with pytest.raises(ValueError, match=f"pre-quantized checkpoint \\(gptq\\) with quant={method}.*use quant=gptq"):
+            refuse_prequantized(config, method)

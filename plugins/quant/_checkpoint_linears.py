@@ -1,0 +1,139 @@
+"""The linears a pre-quantized checkpoint's layer becomes: the common integer form every format unpacks to
+(:class:`IntWeights`), its float reference and the CPU kernels it is repacked into once at load.
+
+Paths (``quant.params.kernel``):
+
+- ``reference``: the weight dequantized to the compute dtype, a plain ``nn.Linear`` (the exactness oracle;
+  oneDNN prepacking then applies as to any float linear).
+- ``auto`` (default): 4-bit layers run torch's ``aten._weight_int4pack_mm_for_cpu`` (the ``quant=int4_wo`` kernel)
+  when its shape rules hold: ``out_features % 16 == 0`` and a kernel group (256, 128, 64 or 32) dividing both
+  the checkpoint's group and ``in_features``. Zero points fold into the kernel's per-group zero
+  (``(q - z) * s == (q - 8) * s + (8 - z) * s``); act-order (``g_idx``) becomes a permutation of the input
+  columns, applied to the activations each call. 8-bit per-channel layers whose ``q - z`` fit int8 run
+  ``aten._weight_int8pack_mm`` (the ``quant=int8_wo`` kernel). Anything else falls back to ``reference``, and
+  the reason is logged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes aten._weight_int4pack_mm_for_cpu accepts
+
+
+@dataclass
+class IntWeights:
+    """One layer's quantized weight in a form common to GPTQ, AWQ and compressed-tensors:
+    ``W[o, i] = (codes[o, i] - zeros[o, g_idx[i]]) * scales[o, g_idx[i]]``."""
+
+    codes: torch.Tensor  # (out_features, in_features) int32, unsigned in [0, 2**bits)
+    zeros: torch.Tensor  # (out_features, num_groups) int32, same domain as codes (the file's offsets applied)
+    scales: torch.Tensor  # (out_features, num_groups) float32 (the file's fp16/bf16/fp32 scales, exactly)
+    g_idx: torch.Tensor  # (in_features,) int64: group of each input column (act-order permutes them)
+    bits: int  # 4 or 8
+    bias: torch.Tensor | None  # (out_features,) or None
+
+    def dequantize(self) -> torch.Tensor:
+        """``(out_features, in_features)`` float32 weight, computed as ``(codes - zeros) * scales`` in float32."""
+        return (self.codes - self.zeros[:, self.g_idx]).to(torch.float32) * self.scales[:, self.g_idx]
+
+    def contiguous_groups(self) -> tuple[torch.Tensor | None, int] | None:
+        """``(input permutation or None, group_size)`` making every group a contiguous run of ``group_size``
+        columns, or None when the groups have unequal sizes."""
+        in_features, num_groups = self.codes.shape[1], self.scales.shape[1]
+        counts = torch.bincount(self.g_idx, minlength=num_groups)
+        if num_groups * int(counts[0]) != in_features or bool((counts != counts[0]).any()):
+            return None
+        perm = torch.argsort(self.g_idx, stable=True)
+        identity = bool((perm == torch.arange(in_features)).all())
+        return (None if identity else perm), int(counts[0])
+
+
+class Int4CheckpointLinear(torch.nn.Module):
+    """A 4-bit checkpoint layer on ``aten._weight_int4pack_mm_for_cpu``.
+
+    Buffers: ``packed`` (the kernel's int4 layout of ``(out, in)``), ``scales_and_zeros``
+    ``(in / kernel_group, out, 2)`` in the activation dtype, ``in_perm`` ``(in,)`` int64 or None (act-order).
+    ``forward``: ``x (..., in)`` float -> ``(..., out)`` same dtype.
+    """
+
+    def __init__(self, w: IntWeights, kernel_group: int, in_perm: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        codes, zeros, scales, g_idx = w.codes, w.zeros.float(), w.scales, w.g_idx
+        if in_perm is not None:
+            codes, g_idx = codes[:, in_perm], g_idx[in_perm]
+        out_f, in_f = codes.shape
+        first = torch.arange(0, in_f, kernel_group)  # first column of each kernel group
+        s, z = scales[:, g_idx[first]], zeros[:, g_idx[first]]  # (out, in / kernel_group)
+        sz = torch.stack([s, (8 - z) * s], -1).transpose(0, 1).contiguous()
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1))
+        self.register_buffer("scales_and_zeros", sz.to(dtype))
+        self.register_buffer("in_perm", in_perm)
+        self.bias = None if w.bias is None else torch.nn.Parameter(w.bias.to(dtype), requires_grad=False)
+        self.in_features, self.out_features, self.group_size = in_f, out_f, kernel_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (..., in_features)`` -> ``(..., out_features)``."""
+        x2 = x.reshape(-1, self.in_features)
+        if self.in_perm is not None:
+            x2 = x2.index_select(1, self.in_perm)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+
+class Int8CheckpointLinear(torch.nn.Module):
+    """An 8-bit per-channel checkpoint layer on ``aten._weight_int8pack_mm``.
+
+    Buffers: ``weight_int8`` ``(out, in)`` int8 (``codes - zeros``), ``scales`` ``(out,)`` in the activation dtype.
+    ``forward``: ``x (..., in)`` float -> ``(..., out)`` same dtype.
+    """
+
+    def __init__(self, w: IntWeights, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight_int8", (w.codes - w.zeros).to(torch.int8))
+        self.register_buffer("scales", w.scales[:, 0].to(dtype))
+        self.bias = None if w.bias is None else torch.nn.Parameter(w.bias.to(dtype), requires_grad=False)
+        self.out_features, self.in_features = w.codes.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (..., in_features)`` -> ``(..., out_features)``."""
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight_int8, self.scales)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+
+def reference_linear(w: IntWeights, dtype: torch.dtype) -> torch.nn.Linear:
+    """A plain ``nn.Linear`` holding the dequantized weight in ``dtype`` (``quant.params.kernel=reference``)."""
+    out_f, in_f = w.codes.shape
+    linear = torch.nn.Linear(in_f, out_f, bias=w.bias is not None, dtype=dtype)
+    linear.weight = torch.nn.Parameter(w.dequantize().to(dtype), requires_grad=False)
+    if w.bias is not None:
+        linear.bias = torch.nn.Parameter(w.bias.to(dtype), requires_grad=False)
+    return linear
+
+
+def fast_linear(w: IntWeights, dtype: torch.dtype) -> tuple[torch.nn.Module | None, str]:
+    """The CPU kernel module for ``w``, or ``(None, why not)``; the string names the kernel when it is used."""
+    out_f, in_f = w.codes.shape
+    if w.bits == 8:
+        if w.scales.shape[1] != 1:
+            return None, "8-bit group-wise: torch's int8 kernel takes per-channel scales only"
+        q = w.codes - w.zeros
+        if int(q.min()) < -128 or int(q.max()) > 127:
+            return None, "8-bit asymmetric: codes minus zero points leave the int8 range"
+        return Int8CheckpointLinear(w, dtype), "aten._weight_int8pack_mm (per-channel)"
+    layout = w.contiguous_groups()
+    if layout is None:
+        return None, "g_idx groups of unequal size"
+    in_perm, group = layout
+    kernel_group = next((g for g in INT4_KERNEL_GROUPS if group % g == 0 and in_f % g == 0), None)
+    if kernel_group is None:
+        return None, f"group {group} / in_features {in_f} not a multiple of 32 (int4 kernel groups)"
+    if out_f % 16:
+        return None, f"out_features {out_f} not a multiple of 16 (int4 kernel)"
+    perm_note = ", act-order input permutation" if in_perm is not None else ""
+    return (Int4CheckpointLinear(w, kernel_group, in_perm, dtype),
+            f"aten._weight_int4pack_mm_for_cpu (kernel group {kernel_group}{perm_note})")
