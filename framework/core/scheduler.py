@@ -133,7 +133,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         preempted: set[str] = set()
-        # keys may change over time (aging, prefix hits): rank afresh every step
+        # keys may change over time (aging, prefix hits, the running set's adapters): rank afresh every step
+        self.policy.observe_running(self.running)
         self.waiting = self.policy.sort_waiting(self.waiting)
         self._preempt_for_waiting(preempted)
         num_preempted_for_waiting = len(preempted)
@@ -218,6 +219,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if not self._lora_fits(request, loras):
+                if self.policy.wait_for_lora_slot(request):
+                    break  # the policy holds the queue until running adapters drain (its starvation bound)
                 skipped = True
                 continue  # vLLM's rule: its adapter would exceed max_loras; skipped this step, later ones may go
             computed_blocks, num_hit_tokens = self._lookup(request)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from framework.interfaces.base import Plugin
@@ -50,6 +50,24 @@ class SchedulerPolicy(Plugin, ABC):
         ``(key(request), seq_no)``.
         """
         return sorted(waiting, key=lambda r: (self.key(r), r.seq_no))
+
+    def observe_running(self, running: Sequence[Request]) -> None:
+        """The running requests at the start of a step, before :meth:`sort_waiting` (read-only: do not mutate
+        the list or its requests), for policies that rank by what runs now (``lora_affinity``: the running set's
+        LoRA adapters are the ones in device slots). Called by the scheduler core every step; default: ignored.
+        """
+
+    def wait_for_lora_slot(self, request: Request) -> bool:
+        """Whether admission stops this step at waiting ``request``, whose LoRA adapter would exceed
+        ``max_loras`` distinct adapters in the running set.
+
+        Called by the scheduler core during admission, in :meth:`sort_waiting`'s order, only with LoRA on. False
+        (default): ``request`` is skipped this step and the requests behind it may still be admitted (vLLM's
+        rule). True: nothing behind it is admitted this step, so running adapters drain and ``request`` gets a
+        slot (a starvation bound: ``lora_affinity`` answers True for a request waiting longer than ``aging_s``).
+        Must not mutate the request.
+        """
+        return False
 
     def on_admitted(self, request: Request) -> None:
         """Notification that ``request`` left the waiting queue for the running batch (fair-share

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import random
 
+from framework.core.lora_request import LoRARequest
 from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
 from framework.interfaces import SchedulerPolicy
@@ -22,9 +23,10 @@ def _requests(n: int, seed: int) -> list[Request]:
 def check_policy_contract(policy_cls: type[SchedulerPolicy], seed: int = 0) -> None:
     """Unit contract, no model: ``key`` is a deterministic, comparable tuple that does not mutate the
     request; ``select_victim`` returns a member of the running list without mutating it;
-    ``may_preempt`` returns a bool; after ``attach`` (the scheduler's read-only prefix lookup),
-    ``sort_waiting`` returns a permutation of the waiting queue without mutating it, and
-    ``on_admitted`` accepts every request.
+    ``may_preempt`` returns a bool; after ``attach`` (the scheduler's read-only prefix lookup) and
+    ``observe_running`` (the running set, some requests under LoRA adapters), ``sort_waiting`` returns a
+    permutation of the waiting queue without mutating it, ``wait_for_lora_slot`` returns a bool without mutating
+    the request, and ``on_admitted`` accepts every request.
 
     Raises:
         AssertionError: naming the broken contract.
@@ -47,6 +49,10 @@ def check_policy_contract(policy_cls: type[SchedulerPolicy], seed: int = 0) -> N
         "the running requests and leave the list unchanged"
     assert isinstance(policy.may_preempt(reqs[9], victim), bool), f"{policy_cls.name}.may_preempt must return a bool"
     policy.attach(lambda request: len(request.prompt_token_ids) // 2)
+    for i, req in enumerate(reqs):  # a third of the requests under one of two adapters
+        req.lora_request = LoRARequest(f"adapter{i % 2}", 1 + i % 2, "/adapters/x") if i % 3 == 0 else None
+    policy.observe_running(running)
+    assert running == snapshot, f"{policy_cls.name}.observe_running must not mutate the running list"
     waiting = reqs[8:]
     snapshot = list(waiting)
     ordered = policy.sort_waiting(waiting)
@@ -54,6 +60,10 @@ def check_policy_contract(policy_cls: type[SchedulerPolicy], seed: int = 0) -> N
     assert sorted(r.request_id for r in ordered) == sorted(r.request_id for r in snapshot), \
         f"{policy_cls.name}.sort_waiting must return the same requests (a permutation)"
     for req in ordered:
+        before = copy.copy(req.__dict__)
+        assert isinstance(policy.wait_for_lora_slot(req), bool), f"{policy_cls.name}.wait_for_lora_slot must " \
+            "return a bool"
+        assert req.__dict__ == before, f"{policy_cls.name}.wait_for_lora_slot must not mutate the request"
         policy.on_admitted(req)
 
 

@@ -3,9 +3,9 @@
 The real engine writes the K/V of position ``p`` of a request into slot
 ``block_table[p // block_size] * block_size + p % block_size`` and later reads every position
 ``< num_computed_tokens + num_scheduled`` of the request through the same table. The K/V of
-position ``p`` is a function of the request's tokens ``0..p`` (causal attention), so a slot is
-correct for a reader iff it was last written by *some* request with the same token prefix up to
-``p``. The shadow cache stores, per slot, a fingerprint of that prefix; each simulated step first
+position ``p`` is a function of the request's tokens ``0..p`` (causal attention) and of its LoRA adapter, so a
+slot is correct for a reader iff it was last written by *some* request with the same token prefix up to ``p``
+under the same adapter (or both under the base model). The shadow cache stores, per slot, a fingerprint of that prefix; each simulated step first
 applies every write of the step (the backend contract: all of a step's K/V is written before any
 read), then asserts that every slot each scheduled request reads holds its own prefix fingerprint.
 Prefix-cache hits, chunked prefill, preemption (recompute or swap: the step's swap copies are
@@ -69,9 +69,11 @@ class ShadowCache:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
-def _fingerprints(tokens: Sequence[int], end: int) -> list[int]:
-    """Fingerprint of each prefix ``tokens[:p + 1]`` for ``p < end`` (a chained hash, O(end))."""
-    out, h = [], 0
+def _fingerprints(tokens: Sequence[int], end: int, lora_int_id: int = 0) -> list[int]:
+    """Fingerprint of each prefix ``tokens[:p + 1]`` for ``p < end`` (a chained hash, O(end)), computed under LoRA
+    adapter ``lora_int_id`` (0: the base model): K/V of one prefix under two adapters differs, so a slot written
+    under one is foreign to a reader under another."""
+    out, h = [], hash(("lora", lora_int_id)) if lora_int_id else 0
     for token in list(tokens)[:end]:
         h = hash((h, token))
         out.append(h)
@@ -122,7 +124,8 @@ def check_step(shadow: ShadowCache, out: SchedulerOutput) -> None:
         tables = out.block_ids[rid]
         assert len(tables) == len(shadow.groups), f"{rid}: {len(tables)} block tables for {len(shadow.groups)} groups"
         drafts = out.scheduled_spec_decode_tokens.get(rid, [])
-        fps = _fingerprints([*request.all_token_ids, *drafts], end)
+        lora_int_id = request.lora_request.lora_int_id if request.lora_request is not None else 0
+        fps = _fingerprints([*request.all_token_ids, *drafts], end, lora_int_id)
         for g, (group, table) in enumerate(zip(shadow.groups, tables)):
             assert len(table) * bs >= end, f"{rid}: group {g}'s block table covers {len(table) * bs} tokens, needs {end}"
             kept = [i for i in range(min(group.num_skipped_blocks(start, bs), len(table))) if table[i] != null]

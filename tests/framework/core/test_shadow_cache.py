@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from framework import registry
+from framework.core.lora_request import LoRARequest
 from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
 from framework.core.scheduler import Scheduler
@@ -34,7 +35,7 @@ def make_scheduler(allocator: tuple[str, dict], policy: str, *, num_blocks: int,
                    max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int | None = None,
                    long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
-                   swap_slots: int = 0, kv_cache_groups: tuple | None = None) -> Scheduler:
+                   swap_slots: int = 0, kv_cache_groups: tuple | None = None, max_loras: int = 0) -> Scheduler:
     """A scheduler over a fresh pool of ``allocator = (name, params)`` with ``policy`` (registry names);
     ``kv_cache_groups`` go to allocators that support them (the pool then grows by their number)."""
     name, params = allocator
@@ -48,12 +49,13 @@ def make_scheduler(allocator: tuple[str, dict], policy: str, *, num_blocks: int,
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      max_model_len=max_model_len,
                      long_prefill_token_threshold=long_prefill_token_threshold,
-                     swap_space=SwapSpace(swap_slots) if swap_slots else None)
+                     swap_space=SwapSpace(swap_slots) if swap_slots else None, max_loras=max_loras)
 
 
-def request(rid: str, tokens: list[int], max_tokens: int, priority: int = 0, arrival: float = 0.0) -> Request:
+def request(rid: str, tokens: list[int], max_tokens: int, priority: int = 0, arrival: float = 0.0,
+            lora: int = 0) -> Request:
     return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), priority=priority, arrival_time=arrival,
-                   eos_token_ids=frozenset())
+                   eos_token_ids=frozenset(), lora_request=LoRARequest(f"a{lora}", lora, f"/a{lora}") if lora else None)
 
 
 def _invariants(sched: Scheduler, _out) -> None:
@@ -164,6 +166,40 @@ def test_shadow_cache_with_speculative_steps(allocator: str, policy: str, mode: 
     arrivals = [Arrival(step, request(rid, tokens, max_tokens, priority, arrival=float(step)))
                 for rid, tokens, max_tokens, priority, step in w["reqs"]]
     simulate(sched, arrivals, after_step=_invariants, num_speculative_tokens=k, seed=seed)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+# the allocators LoRA runs with (framework/engine/lora_support.py): their prefix hashes are salted by adapter
+LORA_ALLOCATORS = [a for a in ALLOCATORS if a[0] in ("paged", "contiguous")]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("allocator", LORA_ALLOCATORS, ids=lambda a: "-".join([a[0], *map(str, a[1].values())]))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=st.one_of(workloads(), pressure_workloads()), loras=st.lists(st.integers(0, 3), min_size=8, max_size=8))
+def test_shadow_cache_with_lora_adapters(allocator: str, policy: str, mode: str, w: dict, loras: list[int]) -> None:
+    """Requests under LoRA adapters (0: the base model) sharing prefixes, ``max_loras=2``: no request reads K/V
+    written under another adapter (the fingerprints are salted by adapter), no step holds more than two adapters,
+    and every request finishes (``lora_affinity``'s aging bound on the engine's step clock included)."""
+    sched = make_scheduler(allocator, policy, num_blocks=w["num_blocks"], block_size=w["block_size"],
+                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
+                           max_model_len=w["max_model_len"],
+                           long_prefill_token_threshold=w["long_prefill_token_threshold"],
+                           enable_prefix_caching=w["caching"],
+                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0, kv_cache_groups=w["groups"],
+                           max_loras=2)
+    steps = [0]
+    sched.policy.use_clock(lambda: float(steps[0]))  # arrivals are step numbers: age on that clock
+
+    def check(sched: Scheduler, out) -> None:
+        _invariants(sched, out)
+        assert len({r.lora_request.lora_int_id for r in out.scheduled_requests if r.lora_request}) <= 2
+        steps[0] += 1
+
+    arrivals = [Arrival(step, request(rid, tokens, max_tokens, priority, arrival=float(step), lora=loras[i]))
+                for i, (rid, tokens, max_tokens, priority, step) in enumerate(w["reqs"])]
+    simulate(sched, arrivals, after_step=check)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 

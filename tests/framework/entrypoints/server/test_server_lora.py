@@ -54,7 +54,7 @@ def server(tmp_path_factory, adapters):
     cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "engine.compile=false", EAGER_KERNEL,
            f"server.port={port}", "tracker=none", "server.log_level=warning", f"hydra.run.dir={tmp / 'run'}",
            "lora.enable=true", "lora.max_loras=2", "lora.max_lora_rank=8", "lora.allow_runtime_updates=true",
-           f"+lora.modules.a1={adapters['a1']}", f"+lora.modules.a2={adapters['a2']}"]
+           "scheduler=lora_affinity", f"+lora.modules.a1={adapters['a1']}", f"+lora.modules.a2={adapters['a2']}"]
     log = open(tmp / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
