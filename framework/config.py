@@ -6,11 +6,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PLUGIN_FIELDS = ("scheduler", "kv_allocator", "attention", "drafter", "quant", "grammar", "executor", "router",
-                 "lora_backend")
+                 "lora_backend", "kv_connector")
 #: fields set from the ``lora:`` section of the Hydra config (config key -> EngineConfig field; vLLM's names)
 LORA_FIELDS = {"enable": "enable_lora", "max_loras": "max_loras", "max_lora_rank": "max_lora_rank",
                "max_cpu_loras": "max_cpu_loras", "modules": "lora_modules",
                "allow_runtime_updates": "allow_runtime_lora_updates"}
+#: fields set from the ``kv_transfer:`` section (config key -> EngineConfig field; vLLM's KVTransferConfig names)
+KV_TRANSFER_FIELDS = {"role": "kv_role", "load_failure_policy": "kv_load_failure_policy"}
 COMPILE_MODES = ("auto", "true", "false")
 #: fields set from the ``parallel:`` section of the Hydra config (not ``engine.*``)
 PARALLEL_FIELDS = ("tensor_parallel_size", "data_parallel_size", "num_threads_per_rank", "communicator")
@@ -57,6 +59,12 @@ class EngineConfig:
     allow_runtime_lora_updates: bool = False
     lora_backend: str = "bgmv"  # the batched LoRA computation: a lora_backend plugin name (bgmv | sgmv | loop)
     lora_backend_params: dict[str, Any] = field(default_factory=dict)
+    # KV transfer (docs/kv_transfer.md; vLLM's KVTransferConfig: kv_connector, kv_connector_extra_config, kv_role,
+    # kv_load_failure_policy)
+    kv_connector: str = "none"  # a kv_connector plugin name (none | shared_storage)
+    kv_connector_params: dict[str, Any] = field(default_factory=dict)
+    kv_role: str = "kv_both"  # kv_producer (stores KV) | kv_consumer (loads KV) | kv_both
+    kv_load_failure_policy: str = "recompute"  # a block that fails to load: recompute its tokens | fail the request
     num_threads_per_rank: int = 0  # torch threads per rank; 0 = cores / tensor_parallel_size (at most $OMP_NUM_THREADS) in worker processes (uniproc: unchanged)
     # TP collectives: shm (shared memory, CPU ranks on one host) | torch_distributed (gloo / NCCL) | auto (shm where it can)
     communicator: str = "auto"
@@ -142,6 +150,10 @@ class EngineConfig:
             (self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}"),
             (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
              f"max_cpu_loras must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}"),
+            (self.kv_role in ("kv_producer", "kv_consumer", "kv_both"),
+             f"kv_transfer.role must be kv_producer, kv_consumer or kv_both, got {self.kv_role!r}"),
+            (self.kv_load_failure_policy in ("recompute", "fail"),
+             f"kv_transfer.load_failure_policy must be recompute or fail, got {self.kv_load_failure_policy!r}"),
             (self.prepack_linears in ("auto", "on", "off"),
              f"prepack_linears must be auto, on or off, got {self.prepack_linears!r}"),
         ]

@@ -112,6 +112,15 @@ def register_lora_backends(register: Register) -> None:
 
 
 @hookspec
+def register_kv_connectors(register: Register) -> None:
+    """Register KV connectors (``framework.interfaces.KVConnector`` subclasses): what moves KV-cache blocks
+    between the engine's paged cache and an external store or another engine (vLLM V1's KV connectors).
+
+    :param register: ``register(name, cls)``; ``name`` becomes ``kv_connector=<name>``.
+    """
+
+
+@hookspec
 def on_engine_start(config: dict[str, Any]) -> None:
     """Called once when a run starts, before the first step.
 

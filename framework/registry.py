@@ -20,6 +20,7 @@ from framework.interfaces import (
     Executor,
     Grammar,
     KVAllocator,
+    KVConnector,
     LoRABackend,
     QuantMethod,
     Router,
@@ -42,9 +43,10 @@ KINDS: dict[str, tuple[str, type, str]] = {
     "executor": ("register_executors", Executor, "executor"),
     "router": ("register_routers", Router, "router"),
     "lora_backend": ("register_lora_backends", LoRABackend, "lora_backend"),
+    "kv_connector": ("register_kv_connectors", KVConnector, "kv_connector"),
 }
 # kinds whose "none" choice means "feature off" (no implementation object)
-OPTIONAL_KINDS = ("drafter", "quant", "grammar", "tracker")
+OPTIONAL_KINDS = ("drafter", "quant", "grammar", "tracker", "kv_connector")
 
 _plugin_manager: pluggy.PluginManager | None = None
 _sources: dict[int, tuple[str, str]] = {}  # id(plugin object) -> (distribution, version) of entry-point plugins

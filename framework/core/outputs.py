@@ -34,6 +34,8 @@ class SchedulerOutput:
     # request_id -> the draft tokens among its scheduled tokens (the last len(...) of them); only
     # requests that verify drafts this step have an entry (speculative decoding)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # what the KV connector's worker side loads and saves this step (kv_connector; None: no connector)
+    kv_connector_metadata: KVConnectorMetadata | None = None
     # structured output, filled by the engine after schedule() (vLLM's grammar_bitmask): one
     # (num_rows, ceil(vocab / 32)) int32 row per sampled position (k + 1 for a request verifying k
     # drafts) of each constrained request that samples this step; None when there is none
@@ -62,6 +64,8 @@ class ModelRunnerOutput:
     sample_s: float = 0.0  # logits processing + sampling time, seconds
     # request_id -> draft tokens accepted this step (speculative decoding; <= its scheduled drafts)
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    # the KV connector's worker-side report (finished transfers, blocks that failed to load); None: no connector
+    kv_connector_output: KVConnectorOutput | None = None
     # the target's last hidden states of every scheduled token; only when a drafter asks (EAGLE)
     hidden_states: TargetHiddenStates | None = None
     # request_id -> (what failed, "Type: message"): a per-request site of the driver rank's runner raised
@@ -70,6 +74,22 @@ class ModelRunnerOutput:
     # request_id -> (index of the first prompt token covered, its logprobs and those of the next prompt tokens
     # computed this step): requests with sampling_params.prompt_logprobs whose prefill chunk ran this step
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+
+
+class KVConnectorMetadata:
+    """What a KV connector's scheduler side tells its worker side for one step
+    (``KVConnector.build_connector_meta``; vLLM's ``KVConnectorMetadata``); a connector subclasses it with plain
+    values (it travels in the step message to every rank)."""
+
+
+@dataclass
+class KVConnectorOutput:
+    """What a KV connector's worker side reports after a step (vLLM's ``KVConnectorOutput``); the driver rank's
+    goes to the scheduler (``KVConnector.update_connector_output``, load failures)."""
+
+    finished_sending: set[str] | None = None  # requests whose asynchronous save/send completed
+    finished_recving: set[str] | None = None  # requests whose asynchronous load completed
+    invalid_block_ids: set[int] = field(default_factory=set)  # blocks whose K/V failed to load this step
 
 
 @dataclass

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -89,6 +90,8 @@ class Request:
     # the LoRA adapter it runs under (None: the base model); set at construction by the engine's processor.
     # The scheduler counts distinct adapters per step (max_loras), the KV allocator salts its prefix hashes with it
     lora_request: LoRARequest | None = None
+    # what the KV connector returned when the request finished (vLLM's kv_transfer_params); set by the scheduler
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from framework.core.structured_output_params import StructuredOutputsParams
 
@@ -55,6 +56,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra token ids that end the request
     ignore_eos: bool = False  # keep generating past the model's EOS ids
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    # what the KV connector reads for this request (vLLM's kv_transfer_params, e.g. a P/D peer); None: nothing
+    kv_transfer_params: dict[str, Any] | None = None
     logprobs: int | None = None  # number of top log-probabilities returned per sampled position
     # top log-probabilities returned per prompt token, besides the prompt token's own (vLLM's prompt_logprobs;
     # RequestOutput.prompt_logprobs, None for the first token); such a request does not read the prefix cache

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 
 from framework.core.clock import WALL_CLOCK, Clock
 from framework.core.faults import RequestFailure, RequestFaults
+from framework.core.kv_transfer import KVTransfer, LoadFailure
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput
 from framework.core.request import Request, RequestStatus
 from framework.core.stop import StopChecker
@@ -36,6 +37,8 @@ class Scheduler:
             preempts by recompute. A victim is swapped when its written blocks fit, else recomputed.
         clock: the run's time source (``Executor.clock``) for request timestamps; also handed to the
             policy (``SchedulerPolicy.use_clock``). ``None``: wall time, and the policy keeps its own.
+        kv_transfer: the scheduler side of a KV connector (``framework/core/kv_transfer.py``): external prompt
+            tokens at admission, the step's connector metadata, load failures; ``None``: no connector.
 
     Attributes:
         faults: failures of single requests (``framework.core.faults``); the stop checker runs under it
@@ -45,8 +48,9 @@ class Scheduler:
     def __init__(self, policy: SchedulerPolicy, kv_allocator: KVAllocator, stop_checker: StopChecker,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  long_prefill_token_threshold: int = 0, swap_space: SwapSpace | None = None,
-                 clock: Clock | None = None, max_loras: int = 0) -> None:
+                 clock: Clock | None = None, max_loras: int = 0, kv_transfer: KVTransfer | None = None) -> None:
         self.policy = policy
+        self.kv_transfer = kv_transfer
         self.clock = clock or WALL_CLOCK
         self.kv = kv_allocator
         self.stop_checker = stop_checker
@@ -181,6 +185,8 @@ class Scheduler:
             swap_in=self._swap_in,
             scheduled_spec_decode_tokens=spec_tokens,
         )
+        if self.kv_transfer is not None:
+            out.kv_connector_metadata = self.kv_transfer.build_meta(out)
         self._swap_out, self._swap_in = [], []
         self._finished_ids = set()
         self.num_preemptions_last_step = len(preempted)
@@ -223,9 +229,9 @@ class Scheduler:
                     break  # the policy holds the queue until running adapters drain (its starvation bound)
                 skipped = True
                 continue  # vLLM's rule: its adapter would exceed max_loras; skipped this step, later ones may go
-            computed_blocks, num_hit_tokens = self._lookup(request)
-            num_new = self._num_new_tokens(request, budget, num_hit_tokens)
-            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            computed_blocks, num_hit_tokens, num_external = self._lookup(request)
+            num_new = self._num_new_tokens(request, budget, num_hit_tokens + num_external)
+            if self.kv.allocate_slots(request, num_external + num_new, computed_blocks) is None:
                 break  # head-of-line: no skipping ahead of the policy's order (as vLLM)
             if self.swap_space is not None and request.request_id in self.swap_space:
                 self._swap_in.append(self._swap_in_copies(request))
@@ -237,6 +243,9 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens += num_hit_tokens
+            if self.kv_transfer is not None:  # loaded before this step's forward: computed from now on
+                self.kv_transfer.on_admitted(request, self.kv.get_block_ids(request.request_id), num_external)
+                request.num_computed_tokens += num_external
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
@@ -265,19 +274,22 @@ class Scheduler:
     def _can_admit(self, request: Request) -> bool:
         if len(self.running) >= self.max_num_seqs:
             return False
-        hit_blocks, num_hit = self._lookup(request)
-        first_chunk = self._num_new_tokens(request, self.max_num_batched_tokens, num_hit)
-        return self.kv.can_allocate(request, first_chunk, hit_blocks)
+        hit_blocks, num_hit, num_external = self._lookup(request)
+        first_chunk = self._num_new_tokens(request, self.max_num_batched_tokens, num_hit + num_external)
+        return self.kv.can_allocate(request, num_external + first_chunk, hit_blocks)
 
-    def _lookup(self, request: Request) -> tuple[list[int], int]:
-        """Prefix-cache lookup for admission; a swapped-out request brings its own K/V back instead, and a
-        request that asks for prompt logprobs reads no cache: its cached tokens' logits would be lost (it still
-        publishes its blocks; ``framework/sample/prompt_logprobs.py``)."""
+    def _lookup(self, request: Request) -> tuple[list[int], int, int]:
+        """Prefix-cache lookup for admission: ``(hit blocks, their tokens, tokens the KV connector loads after
+        them)``; a swapped-out request brings its own K/V back instead, and a request that asks for prompt logprobs
+        reads no cache: its cached tokens' logits would be lost (it still publishes its blocks;
+        ``framework/sample/prompt_logprobs.py``)."""
         if self.swap_space is not None and request.request_id in self.swap_space:
-            return [], 0
+            return [], 0, 0
         if request.sampling_params.prompt_logprobs is not None:
-            return [], 0
-        return self.kv.get_computed_blocks(request)
+            return [], 0, 0
+        blocks, num_hit = self.kv.get_computed_blocks(request)
+        num_external = self.kv_transfer.num_external_tokens(request, num_hit) if self.kv_transfer is not None else 0
+        return blocks, num_hit, num_external
 
     def _track_kv(self, request: Request) -> None:
         """Record the KV blocks the request holds after an allocation (and its peak so far)."""
@@ -335,10 +347,15 @@ class Scheduler:
         now = self.clock.now()
         updated: list[Request] = []
         finished: list[Request] = []
+        load_failures = (self.kv_transfer.load_failures(scheduler_output, runner_output.kv_connector_output)
+                         if self.kv_transfer is not None else {})
         for request in scheduler_output.scheduled_requests:
             if request.is_finished or self.requests.get(request.request_id) is not request:
                 continue  # aborted (or finished) after schedule(): its blocks are gone, drop its results
             rid = request.request_id
+            if rid in load_failures:  # its step ran over K/V that never arrived: its results are dropped
+                self._on_load_failure(request, load_failures[rid])
+                continue
             # speculative decoding: only accepted drafts count as computed; the KV of rejected
             # positions is overwritten by later steps
             num_rejected = (len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
@@ -376,7 +393,21 @@ class Scheduler:
         known = len(request.prompt_logprobs)
         request.prompt_logprobs.extend(entries[max(0, known - first_token):])
 
+    def _on_load_failure(self, request: Request, failure: LoadFailure) -> None:
+        """Some of the request's K/V failed to load (``kv_connector``): its blocks from the first bad one on (the
+        later ones were computed over it) leave the prefix cache, and it recomputes from there
+        (``kv_transfer.load_failure_policy=recompute``, vLLM's rule) or fails alone (``fail``: the engine aborts it
+        after the update, with the error)."""
+        self.kv.evict_blocks(self.kv.get_block_ids(request.request_id)[failure.first_bad_token // self.kv.block_size:])
+        request.num_computed_tokens = failure.first_bad_token
+        if self.kv_transfer.load_failure_policy == "fail":
+            self.faults.record(request.request_id, f"kv_connector {self.kv_transfer.connector.name!r} load",
+                               self.kv_transfer.failure_message(failure))
+
     def _finish(self, request: Request) -> None:
+        if self.kv_transfer is not None:
+            request.kv_transfer_params = self.kv_transfer.request_finished(
+                request, self.kv.get_block_ids(request.request_id))
         self.kv.free(request)
         request.times.finished_s = self.clock.now()
         self.stop_checker.finalize(request)

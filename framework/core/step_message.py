@@ -27,7 +27,7 @@ from framework.core.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import numpy as np
 
-    from framework.core.outputs import SchedulerOutput
+    from framework.core.outputs import KVConnectorMetadata, SchedulerOutput
 
 
 @dataclass
@@ -78,6 +78,7 @@ class StepMessage:
     # (num_rows, ceil(vocab / 32)) int32 row per sampled position of a constrained request
     grammar_bitmask: np.ndarray | None = None
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)  # request_id -> first bitmask row
+    kv_connector_metadata: KVConnectorMetadata | None = None  # the KV connector's loads and saves (kv_connector)
 
 
 class StepMessageBuilder:
@@ -129,7 +130,8 @@ class StepMessageBuilder:
             num_scheduled_tokens={r.request_id: so.num_scheduled_tokens[r.request_id] for r in so.scheduled_requests},
             total_num_scheduled_tokens=so.total_num_scheduled_tokens, finished_req_ids=set(so.finished_req_ids),
             swap_out=so.swap_out, swap_in=so.swap_in, scheduled_spec_decode_tokens=so.scheduled_spec_decode_tokens,
-            grammar_bitmask=so.grammar_bitmask, structured_output_request_ids=so.structured_output_request_ids)
+            grammar_bitmask=so.grammar_bitmask, structured_output_request_ids=so.structured_output_request_ids,
+            kv_connector_metadata=so.kv_connector_metadata)
 
     def _num_released(self, table: list[int]) -> int:
         """Leading entries of ``table`` that are the null block."""

@@ -46,6 +46,7 @@ from framework.core.stop import StopChecker
 from framework.core.structured_output import StructuredOutputManager
 from framework.core.swap import SwapSpace
 from framework.engine.compile_control import RankZeroCompileStats
+from framework.engine.kv_transfer_support import kv_transfer_problems, make_kv_transfer
 from framework.engine.llm_engine import LLMEngine
 from framework.engine.lora_support import lora_problems, resolve_lora_defaults
 from framework.interfaces import AttentionLayerSpec, Drafter, Executor
@@ -209,7 +210,7 @@ def validate_plugins(config: EngineConfig) -> list[type | None]:
     """
     classes = [registry.get_class(kind, getattr(config, kind)) for kind in PLUGIN_FIELDS]  # names first
     config = resolve_dtype(config)
-    problems: list[str] = lora_problems(config)
+    problems: list[str] = kv_transfer_problems(config) + lora_problems(config)
     for cls in classes:
         if cls is not None:
             problems += cls.validate(config)
@@ -383,7 +384,8 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, num_blocks: int, num_s
     return Scheduler(policy, allocator, StopChecker(tokenizer), max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=spec.max_model_len,
                      long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space,
-                     clock=clock, max_loras=config.max_loras if config.enable_lora else 0)
+                     clock=clock, max_loras=config.max_loras if config.enable_lora else 0,
+                     kv_transfer=make_kv_transfer(config))
 
 
 def attach_structured_output(config: EngineConfig, tokenizer: Any, eos_token_ids: frozenset[int],

@@ -17,14 +17,15 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from framework import registry
-from framework.config import LORA_FIELDS, PARALLEL_FIELDS, PLUGIN_FIELDS, EngineConfig
+from framework.config import KV_TRANSFER_FIELDS, LORA_FIELDS, PARALLEL_FIELDS, PLUGIN_FIELDS, EngineConfig
 from framework.core.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "conf"
 # engine.* keys map 1:1 onto EngineConfig fields; these come from other parts of the config
 _NON_ENGINE_FIELDS = {"model", "dtype", "device", "tokenizer", "seed"} | set(PLUGIN_FIELDS) | {
-    f"{kind}_params" for kind in PLUGIN_FIELDS} | set(PARALLEL_FIELDS) | set(LORA_FIELDS.values())
+    f"{kind}_params" for kind in PLUGIN_FIELDS} | set(PARALLEL_FIELDS) | set(LORA_FIELDS.values()) | set(
+    KV_TRANSFER_FIELDS.values())
 
 
 def _repo_path(relative: str = "") -> str:
@@ -70,21 +71,23 @@ def engine_config_from_cfg(cfg: DictConfig) -> EngineConfig:
     ``drafter``; a config without an ``executor`` group gets ``auto``).
 
     Raises:
-        ValueError: an unknown ``engine.*``, ``parallel.*`` or ``lora.*`` key (valid keys listed) or a knob out of
+        ValueError: an unknown ``engine.*``, ``parallel.*``, ``lora.*`` or ``kv_transfer.*`` key (valid keys listed) or a knob out of
             range.
     """
     valid = {f.name for f in dataclasses.fields(EngineConfig)} - _NON_ENGINE_FIELDS
     engine = _plain(cfg.get("engine")) or {}
     parallel = _plain(cfg.get("parallel")) or {}
     lora = _plain(cfg.get("lora")) or {}
+    kv_transfer = _plain(cfg.get("kv_transfer")) or {}
     for section, keys, allowed in (("engine", engine, valid), ("parallel", parallel, set(PARALLEL_FIELDS)),
-                                   ("lora", lora, set(LORA_FIELDS))):
+                                   ("lora", lora, set(LORA_FIELDS)), ("kv_transfer", kv_transfer, set(KV_TRANSFER_FIELDS))):
         unknown = sorted(set(keys) - allowed)
         if unknown:
             raise ValueError(f"unknown {section} keys {unknown}; valid: {', '.join(sorted(allowed))}")
     kwargs: dict[str, Any] = dict(engine, **parallel, model=cfg.model.path, dtype=cfg.model.dtype,
                                   tokenizer=cfg.model.get("tokenizer"), device=cfg.get("device", "cpu"),
-                                  seed=cfg.get("seed", 0), **{LORA_FIELDS[k]: v for k, v in lora.items()})
+                                  seed=cfg.get("seed", 0), **{LORA_FIELDS[k]: v for k, v in lora.items()},
+                                  **{KV_TRANSFER_FIELDS[k]: v for k, v in kv_transfer.items()})
     for kind in PLUGIN_FIELDS:
         node = cfg.get(registry.KINDS[kind][2])
         if node is None:  # a config composed without this group (older saved runs): the default

@@ -222,3 +222,17 @@ class KVAllocator(Plugin, ABC):
     def reset_prefix_cache(self) -> bool:
         """Drop all cached hashes (only when no block is owned). Returns True on success."""
         return False
+
+    def evict_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop these blocks from the prefix cache (vLLM's ``evict_blocks``): their K/V is wrong, e.g. a KV
+        connector failed to load them. Owners keep them; a later allocation may hash them again.
+
+        Called by the scheduler after a step whose loads failed (``kv_connector``). Default: nothing to drop
+        without prefix caching.
+
+        Raises:
+            NotImplementedError: prefix caching is on and this allocator cannot drop single blocks.
+        """
+        if self.enable_prefix_caching and block_ids:
+            raise NotImplementedError(f"kv allocator {self.name!r} cannot evict single blocks from its prefix "
+                                      "cache; use kv_cache=paged with a kv_connector")

@@ -110,7 +110,8 @@ class InputBatch:
             block_ids={r.request_id: r.block_ids for r in scheduled},
             finished_req_ids=step.finished_req_ids, swap_out=step.swap_out, swap_in=step.swap_in,
             scheduled_spec_decode_tokens=step.scheduled_spec_decode_tokens,
-            grammar_bitmask=step.grammar_bitmask, structured_output_request_ids=step.structured_output_request_ids)
+            grammar_bitmask=step.grammar_bitmask, structured_output_request_ids=step.structured_output_request_ids,
+            kv_connector_metadata=step.kv_connector_metadata)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from framework.sample.prompt_logprobs import gather_prompt_logprobs
 from framework.sample.rejection_sampler import RejectionSampler
 from framework.sample.sampler import Sampler
 from framework.worker.input_batch import BatchInputs, InputBatch, prepare_inputs
+from framework.worker.kv_connector_runner import KVConnectorRunner
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class ModelRunner:
         self.keep_hidden_states = False
         # multi-LoRA (lora.enable=true): places each step's adapters into slots; set by the Worker after construction
         self.lora: LoRAModelManager | None = None
+        self.kv_connector: KVConnectorRunner | None = None  # kv_connector's worker side; set by the Worker
         pad_block = num_blocks + layout.has_null_block  # after the null block (zeros, never written): CUDA-graph padding
         shape = backend.get_kv_cache_shape(pad_block + (cuda_graphs is not None))
         self.kv_tensors = [torch.zeros(shape, dtype=kv_cache_dtype, device=device)
@@ -288,6 +290,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         scheduler_output = self.input_batch.apply(step)
         out = self.execute_scheduled(scheduler_output)
+        if self.kv_connector is not None:  # after the forward wrote the step's K/V
+            out.kv_connector_output = self.kv_connector.end_step(step.finished_req_ids)
         out.prepare_s += time.perf_counter() - t0 - (out.prepare_s + out.forward_s + out.sample_s)
         return out
 
@@ -304,6 +308,8 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         self._swap(scheduler_output)
+        if self.kv_connector is not None:  # after the swaps: a block a swap-out frees may be this step's load target
+            self.kv_connector.start_step(scheduler_output.kv_connector_metadata)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={}, prepare_s=time.perf_counter() - t0)
         batch = self.prepare_inputs(scheduler_output)

@@ -47,6 +47,7 @@ from framework.model_executor.prepack import prepack_linears, should_prepack
 from framework.model_executor.tensor_parallel import rank_layout
 from framework.model_executor.tp_weights import load_tp_model
 from framework.sample.sampler import Sampler
+from framework.worker.kv_connector_runner import make_kv_connector_runner
 from framework.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -240,6 +241,8 @@ class Worker:
                                       len(self.kv_cache_layout.groups)))
         self.runner.keep_hidden_states = self.keep_hidden_states
         self.runner.lora = self.lora
+        self.runner.kv_connector = make_kv_connector_runner(self.config, self.runner.kv_caches, self.backend,
+                                                            len(self.kv_cache_layout.groups))
 
     def set_keep_hidden_states(self, keep: bool) -> None:
         """Return the target's last hidden states with each output (an EAGLE-style drafter asked)."""

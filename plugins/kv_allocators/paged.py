@@ -349,6 +349,12 @@ class PagedKVAllocator(KVAllocator):
         self._block_hash = [None] * self.num_blocks
         return True
 
+    def evict_blocks(self, block_ids: Sequence[int]) -> None:
+        """Unhash these blocks (ids outside the pool are ignored); owners and free-queue places are unchanged."""
+        for block in block_ids:
+            if 0 <= block < self.num_blocks:
+                self._unpublish(block)
+
     # ---- debugging ----------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Assert the pool is consistent (used by tests and the engine-test leak fixture).

@@ -1,0 +1,237 @@
+"""KV connector: moves KV-cache blocks between this engine's paged cache and somewhere else (vLLM V1's
+``KVConnectorBase_V1``, ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``).
+
+One class, two instances per engine: the **scheduler side** (built once on the driver, role
+``KVConnectorRole.SCHEDULER``) decides which prompt tokens an external store can supply and tells the
+workers what to move each step (a :class:`KVConnectorMetadata`); the **worker side** (built on every rank,
+role ``KVConnectorRole.WORKER``) moves the bytes between the store and the rank's KV tensors around the
+forward. Disaggregated prefill/decode (DistServe, Zhong et al., OSDI'24; Splitwise; Mooncake) and KV offload
+tiers (LMCache) are both connectors.
+
+Sources: vLLM V1 ``KVConnectorBase_V1`` and its ``SharedStorageConnector`` example; LMCache
+(``LMCacheConnectorV1``); DistServe.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from framework.core.outputs import KVConnectorMetadata, KVConnectorOutput
+from framework.interfaces.base import Plugin
+
+if TYPE_CHECKING:
+    import torch
+
+    from framework.core.outputs import SchedulerOutput
+    from framework.core.request import Request
+    from framework.interfaces.attention import AttentionBackend
+
+__all__ = ["KV_ROLES", "KVConnector", "KVConnectorMetadata", "KVConnectorOutput", "KVConnectorRole",
+           "prefix_block_hashes"]
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # kv_transfer.role (vLLM's KVTransferConfig.kv_role)
+
+
+class KVConnectorRole(enum.Enum):
+    """Which half of a connector an instance is (vLLM's ``KVConnectorRole``)."""
+
+    SCHEDULER = 0  # on the driver, next to the scheduler
+    WORKER = 1  # on each worker rank, next to the KV tensors
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[str]:
+    """Content keys of the full blocks of ``token_ids``: block ``i``'s key is the SHA-256 (hex) of block
+    ``i - 1``'s key and block ``i``'s tokens, so a key names a whole prefix (vLLM's prefix-cache hash chain,
+    with a stable hash: keys must agree across processes and runs).
+
+    Args:
+        token_ids: the token ids, in order.
+        block_size: tokens per block; a partial last block gets no key.
+        salt: mixed into the first block's key (e.g. a LoRA adapter's name): equal tokens under another salt
+            get other keys.
+
+    Returns:
+        ``len(token_ids) // block_size`` 64-character hex strings.
+    """
+    keys: list[str] = []
+    parent = hashlib.sha256(salt.encode()).hexdigest()
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = ",".join(map(str, token_ids[start:start + block_size]))
+        parent = hashlib.sha256(f"{parent}|{block}".encode()).hexdigest()
+        keys.append(parent)
+    return keys
+
+
+class KVConnector(Plugin, ABC):
+    """Base of KV connectors (config ``kv_connector=<name>``, ``kv_connector.params.*``); vLLM V1's method
+    names and meanings.
+
+    Args:
+        role: the half this instance is (scheduler side or worker side).
+        block_size: tokens per KV block (``engine.block_size``).
+        kv_role: ``kv_producer`` (stores KV, never loads), ``kv_consumer`` (loads, never stores) or
+            ``kv_both`` (``kv_transfer.role``); each connector honours it.
+        **params: ``kv_connector.params``, for the subclass.
+
+    Raises:
+        ValueError: an unknown ``kv_role``.
+        TypeError: unknown keyword parameters (a subclass passes on only what it does not take).
+    """
+
+    def __init__(self, role: KVConnectorRole, block_size: int, kv_role: str = "kv_both", **params: Any) -> None:
+        if params:
+            raise TypeError(f"kv connector {self.name!r} got unknown parameters {sorted(params)}")
+        if kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer.role must be one of {', '.join(KV_ROLES)}, got {kv_role!r}")
+        self.role = role
+        self.block_size = block_size
+        self.kv_role = kv_role
+        self._connector_metadata: KVConnectorMetadata | None = None
+
+    @property
+    def is_producer(self) -> bool:
+        """True when this engine stores KV for others (``kv_producer`` or ``kv_both``)."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """True when this engine loads KV that others stored (``kv_consumer`` or ``kv_both``)."""
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    # ---- scheduler side ----------------------------------------------------------------------------
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Prompt tokens beyond ``num_computed_tokens`` whose K/V the external store can supply now.
+
+        Called by the scheduler for a waiting request before admission (possibly several times for one
+        request, e.g. before a preemption decision): no side effects. The engine computes at least the last
+        token of the request itself (vLLM's rule: its logits are needed), so a full-prompt hit should answer
+        one block short; the scheduler caps the answer there in any case.
+
+        Args:
+            request: the waiting request (``all_token_ids``, ``sampling_params.kv_transfer_params``).
+            num_computed_tokens: tokens the local prefix cache already serves (a multiple of ``block_size``).
+
+        Returns:
+            ``(num_external_tokens, load_async)``: tokens to load (0: none), and True when the load completes
+            between steps (vLLM's ``WAITING_FOR_REMOTE_KVS``; not built yet: the scheduler raises), False for
+            loads done before the step's forward.
+        """
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Remember what to load for ``request`` once its blocks are allocated.
+
+        Called by the scheduler once per admission, after the KV allocator succeeded. Decide on
+        ``num_external_tokens`` (0: load nothing), not on ``block_ids``.
+
+        Args:
+            request: the admitted request; its ``num_computed_tokens`` counts the local prefix hit, and the
+                external tokens follow it.
+            block_ids: the request's whole block table after the allocation, in token order.
+            num_external_tokens: tokens to load, starting at the request's local prefix hit.
+        """
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """What the workers must load and save this step; resets the per-step state of this side.
+
+        Called by the scheduler at the end of every ``schedule()``; must not modify ``scheduler_output``.
+        """
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Take the worker side's report of a step (finished transfers, load errors).
+
+        Called by the scheduler in ``update_from_output`` before the step's tokens are applied. Default:
+        nothing.
+        """
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """A request finished (any reason, abort included), before its blocks are freed.
+
+        Called by the scheduler exactly once per request.
+
+        Returns:
+            ``(delay_free, kv_transfer_params)``: True when the connector still reads the blocks (an
+            asynchronous send) and frees them later through ``get_finished`` (refused by the engine until
+            asynchronous sends are built); parameters handed back to the caller with the request's output
+            (vLLM's ``kv_transfer_params``), or None. Default ``(False, None)``.
+        """
+        return False, None
+
+    # ---- worker side --------------------------------------------------------------------------------
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Set this step's metadata; called by the model runner before the step's loads."""
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        """Forget this step's metadata; called by the model runner after the step's saves."""
+        self._connector_metadata = None
+
+    def connector_metadata(self) -> KVConnectorMetadata:
+        """This step's metadata (inside a connector, between bind and clear).
+
+        Raises:
+            RuntimeError: no metadata is bound.
+        """
+        if self._connector_metadata is None:
+            raise RuntimeError(f"kv connector {self.name!r}: no step metadata bound")
+        return self._connector_metadata
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], backend: AttentionBackend) -> None:
+        """Hand this rank's KV tensors to the worker side (vLLM passes ``{layer name: tensor}``).
+
+        Called once by the worker after the model runner allocated its cache. Default: nothing.
+
+        Args:
+            kv_caches: one tensor per decoder layer, index = layer index, shaped
+                ``backend.get_kv_cache_shape(num_blocks)`` in the cache dtype; block ``b`` of every tensor
+                holds the K/V of the same tokens.
+            backend: the attention backend that owns the layout: move whole blocks with
+                ``backend.copy_blocks`` (any layout, scales included) into tensors of
+                ``backend.get_kv_cache_shape(n)``.
+        """
+
+    @abstractmethod
+    def start_load_kv(self, **kwargs: Any) -> None:
+        """Start loading this step's external K/V into the paged cache (a synchronous connector loads it all
+        here). Called by the model runner before the forward, after :meth:`bind_connector_metadata`."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Block until layer ``layer_idx``'s K/V of this step's loads is in the cache. Called by the model
+        runner for every layer before the forward (layer-by-layer overlap with the forward is not built)."""
+
+    @abstractmethod
+    def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, **kwargs: Any) -> None:
+        """Start saving layer ``layer_idx``'s K/V that this step's metadata names.
+
+        Called by the model runner for every layer after the forward wrote the step's K/V.
+
+        Args:
+            layer_idx: decoder layer index.
+            kv_layer: that layer's paged cache tensor (``backend.get_kv_cache_shape(num_blocks)``).
+        """
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Block until this step's saves are done (the cache may be overwritten next step). Called by the
+        model runner after every :meth:`save_kv_layer` of the step."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous transfers completed: ``(sending, recving)`` ids, or None each.
+
+        Called by the model runner once per step with the requests finished since the previous one.
+        Default ``(None, None)`` (synchronous connector).
+        """
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed in this step (a synchronous connector reports them in the step it
+        detected them). Called by the model runner after :meth:`wait_for_save`. The scheduler then recomputes
+        the affected tokens or fails the request (``kv_transfer.load_failure_policy``). Default: none."""
+        return set()

@@ -1,0 +1,103 @@
+"""KV connector contract (``framework.interfaces.KVConnector``), model-free, for connectors that store prompt
+blocks by content (a producer engine saves, a consumer engine loads): a producer's scheduler and worker sides
+save the full prompt blocks of a request; a consumer's scheduler side then offers them (side-effect free, whole
+blocks, never the block of the last prompt token), and its worker side loads them bitwise into other block ids of
+another cache; a producer-only side offers nothing; nothing fails to load; blocks are freed at once.
+Random K/V, a real attention backend's layout and ``copy_blocks``; no model runs."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from framework.core.outputs import SchedulerOutput
+from framework.core.request import Request
+from framework.core.sampling_params import SamplingParams
+from framework.interfaces import AttentionBackend, KVConnector, KVConnectorRole
+
+
+def _pair(cls: type[KVConnector], kv_role: str, block_size: int, params: dict[str, Any]
+          ) -> tuple[KVConnector, KVConnector]:
+    """A scheduler-side and a worker-side instance of ``cls`` for one engine of ``kv_role``."""
+    return (cls(role=KVConnectorRole.SCHEDULER, block_size=block_size, kv_role=kv_role, **params),
+            cls(role=KVConnectorRole.WORKER, block_size=block_size, kv_role=kv_role, **params))
+
+
+def _caches(backend: AttentionBackend, num_layers: int, num_blocks: int, seed: int) -> list[torch.Tensor]:
+    """Per-layer caches of random values in the backend's layout and dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = backend.get_kv_cache_shape(num_blocks)
+    return [torch.randn(shape, generator=gen).to(backend.cache_dtype) for _ in range(num_layers)]
+
+
+def _step(sched: KVConnector, worker: KVConnector, so: SchedulerOutput, caches: list[torch.Tensor]) -> set[int]:
+    """One step: the scheduler side's metadata, the worker side's loads and saves; the blocks that failed to load."""
+    worker.bind_connector_metadata(sched.build_connector_meta(so))
+    worker.start_load_kv()
+    for layer_idx in range(len(caches)):
+        worker.wait_for_layer_load(layer_idx)
+    for layer_idx, kv_layer in enumerate(caches):
+        worker.save_kv_layer(layer_idx, kv_layer)
+    worker.wait_for_save()
+    assert worker.get_finished(set()) in ((None, None), (set(), set())), "a synchronous step finished a transfer"
+    errors = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    return errors
+
+
+def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_layers: int = 2, seed: int = 0,
+                       **params: Any) -> None:
+    """Run ``cls`` (built with ``params``, e.g. ``path=`` a fresh folder) through a producer engine and a consumer
+    engine sharing its store.
+
+    Args:
+        backend: an attention backend instance (its ``block_size``, cache shape, dtype and ``copy_blocks``).
+        num_layers: decoder layers of the fake caches.
+
+    Raises:
+        AssertionError: naming the broken part of the contract.
+    """
+    bs, rng = backend.block_size, random.Random(seed)
+    prompt = [rng.randrange(3, 1000) for _ in range(5 * bs)]  # 5 full blocks: the last prompt token ends block 4
+    producer_sched, producer = _pair(cls, "kv_producer", bs, params)
+    consumer_sched, consumer = _pair(cls, "kv_consumer", bs, params)
+    src = _caches(backend, num_layers, 16, seed)
+    dst = _caches(backend, num_layers, 16, seed + 1)
+    producer.register_kv_caches(src, backend)
+    consumer.register_kv_caches(dst, backend)
+
+    request = Request("producer-0", list(prompt), SamplingParams(max_tokens=1))
+    assert producer_sched.get_num_new_matched_tokens(request, 0)[0] == 0, "a kv_producer must not offer tokens"
+    src_table = list(range(5))
+    so = SchedulerOutput(scheduled_requests=[request], num_scheduled_tokens={request.request_id: len(prompt)},
+                         total_num_scheduled_tokens=len(prompt), block_ids={request.request_id: (src_table,)})
+    producer_sched.update_state_after_alloc(request, src_table, 0)
+    assert not _step(producer_sched, producer, so, src), "the producer reported load errors without loading"
+
+    consumer_req = Request("consumer-0", list(prompt), SamplingParams(max_tokens=1))
+    offered = consumer_sched.get_num_new_matched_tokens(consumer_req, bs)
+    assert offered == consumer_sched.get_num_new_matched_tokens(consumer_req, bs), "the lookup is not side-effect free"
+    num_tokens, load_async = offered
+    assert not load_async, "check_kv_connector covers synchronous loads only"
+    assert num_tokens % bs == 0, f"offered {num_tokens} tokens: not whole blocks of {bs}"
+    assert bs + num_tokens <= len(prompt) - 1, "the block of the last prompt token must be computed, not loaded"
+    assert num_tokens == 3 * bs, f"expected stored blocks 1-3 after the local hit, got {num_tokens // bs} blocks"
+
+    dst_table = [15, 3, 9, 12, 7]  # block 0 is the local hit; blocks 1-3 load; other ids than the producer's
+    consumer_req.num_computed_tokens = bs
+    consumer_sched.update_state_after_alloc(consumer_req, dst_table, num_tokens)
+    consumer_req.num_computed_tokens += num_tokens
+    so = SchedulerOutput(scheduled_requests=[consumer_req], num_scheduled_tokens={consumer_req.request_id: bs},
+                         total_num_scheduled_tokens=bs, block_ids={consumer_req.request_id: (dst_table,)})
+    assert not _step(consumer_sched, consumer, so, dst), "stored blocks failed to load"
+    for i in range(1, 4):
+        for layer in range(num_layers):
+            got, want = (torch.empty(backend.get_kv_cache_shape(1), dtype=backend.cache_dtype) for _ in range(2))
+            backend.copy_blocks([dst[layer]], [dst_table[i]], [got], [0])
+            backend.copy_blocks([src[layer]], [src_table[i]], [want], [0])
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
+                f"block {i} of layer {layer} is not bitwise the producer's after the load")
+    assert consumer_sched.request_finished(consumer_req, dst_table)[0] is False, (
+        "a synchronous connector must free blocks at once (request_finished -> delay_free False)")

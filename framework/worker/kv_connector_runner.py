@@ -1,0 +1,75 @@
+"""The worker side of a KV connector around one rank's steps (``kv_connector=<name>``; docs/kv_transfer.md).
+
+The model runner calls :meth:`KVConnectorRunner.start_step` after the step's swaps and before its forward (bind
+the metadata, start the loads, wait for every layer's) and :meth:`KVConnectorRunner.end_step` after the forward
+(save every layer, wait for the saves, collect finished transfers and load errors), as vLLM V1's
+``KVConnectorModelRunnerMixin`` does. Layer-by-layer overlap of loads and saves with the forward is not built: the
+layer hooks run for every layer before and after it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from framework import registry
+from framework.config import EngineConfig
+from framework.core.outputs import KVConnectorMetadata, KVConnectorOutput
+from framework.interfaces import AttentionBackend, KVConnector, KVConnectorRole
+
+
+class KVConnectorRunner:
+    """Drives ``connector`` (role ``WORKER``) over the rank's per-layer KV caches.
+
+    Args:
+        connector: the worker-side instance.
+        kv_caches: one tensor per decoder layer (``ModelRunner.kv_caches``), handed to ``register_kv_caches``.
+        backend: the rank's attention backend (owns the cache layout).
+    """
+
+    def __init__(self, connector: KVConnector, kv_caches: list[torch.Tensor], backend: AttentionBackend) -> None:
+        self.connector = connector
+        self.kv_caches = kv_caches
+        connector.register_kv_caches(kv_caches, backend)
+        self._bound = False
+
+    def start_step(self, metadata: KVConnectorMetadata | None) -> None:
+        """Bind the step's metadata and load (``None``: nothing to do this step)."""
+        self._bound = metadata is not None
+        if not self._bound:
+            return
+        self.connector.bind_connector_metadata(metadata)
+        self.connector.start_load_kv()
+        for layer_idx in range(len(self.kv_caches)):
+            self.connector.wait_for_layer_load(layer_idx)
+
+    def end_step(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        """Save, then report: finished transfers and the blocks that failed to load this step."""
+        if self._bound:
+            for layer_idx, kv_layer in enumerate(self.kv_caches):
+                self.connector.save_kv_layer(layer_idx, kv_layer)
+            self.connector.wait_for_save()
+        sending, recving = self.connector.get_finished(set(finished_req_ids))
+        output = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                   invalid_block_ids=self.connector.get_block_ids_with_load_errors())
+        if self._bound:
+            self.connector.clear_connector_metadata()
+            self._bound = False
+        return output
+
+
+def make_kv_connector_runner(config: EngineConfig, kv_caches: list[torch.Tensor], backend: AttentionBackend,
+                             num_kv_cache_groups: int) -> KVConnectorRunner | None:
+    """This rank's worker side of ``config.kv_connector`` (``None`` for ``none``).
+
+    Raises:
+        ValueError: the model has several KV cache groups (sliding-window layers), which no connector moves yet.
+    """
+    if config.kv_connector == "none":
+        return None
+    if num_kv_cache_groups > 1:
+        raise ValueError(f"kv_connector={config.kv_connector} moves one block table per request; this model has "
+                         f"{num_kv_cache_groups} KV cache groups (sliding-window layers): use kv_connector=none")
+    connector = registry.create("kv_connector", config.kv_connector, role=KVConnectorRole.WORKER,
+                                block_size=config.block_size, kv_role=config.kv_role,
+                                **config.plugin_params("kv_connector"))
+    return KVConnectorRunner(connector, kv_caches, backend)
