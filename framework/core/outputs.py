@@ -189,6 +189,10 @@ class SchedulerStats:
     num_swap_out_blocks: int = 0  # KV blocks copied device -> swap space this step (swap preemption)
     num_swap_in_blocks: int = 0  # KV blocks copied swap space -> device this step
     swapped_bytes: int = 0  # bytes moved by this step's swaps (both directions)
+    # KV connector (vLLM's names), cumulative tokens: prompt tokens of the requests admitted while asking it, and of
+    # which it supplied; 0 without a connector
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
     num_sampled_reqs: int = 0  # requests that got >= 1 token this step
     num_spec_reqs: int = 0  # requests that verified drafts this step (speculative decoding)
     num_draft_tokens: int = 0  # draft tokens verified this step

@@ -123,6 +123,8 @@ class MetricsCollector:
         # per step: time_s, running, waiting, kv usage, fragmentation
         self.timeline: deque[dict[str, float]] = deque(maxlen=max_records)
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
+        # KV connector: last step's cumulative external prefix-cache queries and hits, tokens
+        self.external_prefix_cache = dict.fromkeys(("external_prefix_cache_queries", "external_prefix_cache_hits"), 0)
         self.num_preemptions = 0
         self.model_info: dict[str, Any] = {}  # set by build_engine: dtype, dtype_reason
         self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block,...}
@@ -164,6 +166,8 @@ class MetricsCollector:
                               "kv_cache_fragmentation": stats.kv_cache_fragmentation,
                               "num_preemptions": stats.num_preemptions})
         self.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
+        for key in self.external_prefix_cache:
+            self.external_prefix_cache[key] = getattr(stats, key)
         self.num_preemptions += stats.num_preemptions
         for key in _SWAP_COUNTERS:
             self.swap_totals[key] += getattr(stats, key)
@@ -224,7 +228,8 @@ class MetricsCollector:
             ``max_peak_kv_bytes_per_request`` (the most it held at once, e.g. during a prefill chunk),
             ``peak_kv_cache_usage``, ``mean_kv_cache_usage``, ``mean_kv_cache_fragmentation``,
             ``peak_num_running_reqs`` / ``mean_num_running_reqs`` (concurrency),
-            ``prefix_cache_hit_rate``, ``num_preemptions``, ``num_steps``,
+            ``prefix_cache_hit_rate``, ``external_prefix_cache_queries`` / ``external_prefix_cache_hits`` (a KV
+            connector's, tokens; 0 without one), ``num_preemptions``, ``num_steps``,
             ``dtype`` (the model's, resolved) and ``dtype_reason`` (why: ``framework.platform.choose_dtype``),
             ``kv_cache_dtype``, ``kv_cache_num_blocks``, ``kv_cache_bytes_per_block`` (bytes, the
             ``kv_cache_layers_per_block`` layers of a block), ``kv_cache_num_groups``, ``kv_cache_group_windows``,
@@ -279,6 +284,7 @@ class MetricsCollector:
                    num_preemptions_recompute=self.num_preemptions - self.swap_totals["num_preemptions_swap"],
                    **self.swap_totals, num_steps=self.num_steps, step_s=total_step_s,
                    **self.kv_cache_info)
+        out.update(self.external_prefix_cache)
         out.update(self.model_info)
         out.update(self.compile_info)
         out.update(self.run_labels)

@@ -101,6 +101,9 @@ def test_consumer_is_exact_with_full_hits(store, plain):
     assert transfer.external_prefix_cache_queries == sum(lengths)
     # every block before the last prompt token's (vLLM's rule); "Hi" (shorter than a block): nothing
     assert transfer.external_prefix_cache_hits == sum((n - 1) // BLOCK * BLOCK for n in lengths) > 0
+    summary = consumer.engine.metrics.summary()  # what metrics.json holds
+    assert summary["external_prefix_cache_queries"] == transfer.external_prefix_cache_queries
+    assert summary["external_prefix_cache_hits"] == transfer.external_prefix_cache_hits
     _assert_no_leak(consumer)
 
 
