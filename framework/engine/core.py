@@ -58,6 +58,8 @@ def _one_replica(engine: ReplicaEngine, replica_id: int, alive: bool, num_routed
                         prefix_queries_tokens=kv.prefix_queries_tokens, prefix_hits_tokens=kv.prefix_hits_tokens,
                         num_generated_tokens=engine.metrics.num_generated_tokens,
                         num_preemptions=engine.metrics.num_preemptions, num_routed=num_routed,
+                        external_prefix_queries_tokens=engine.metrics.external_prefix_cache["external_prefix_cache_queries"],
+                        external_prefix_hits_tokens=engine.metrics.external_prefix_cache["external_prefix_cache_hits"],
                         running_lora_adapters=running_loras, waiting_lora_adapters=waiting_loras)
 
 

@@ -64,6 +64,8 @@ class ReplicaStats(msgspec.Struct):
     prefix_hits_tokens: int = 0  # of which were found, total
     num_generated_tokens: int = 0  # output tokens, total
     num_preemptions: int = 0  # preemptions, total
+    external_prefix_queries_tokens: int = 0  # KV connector: prompt tokens of admissions that asked it, total
+    external_prefix_hits_tokens: int = 0  # of which it supplied, total
     num_routed: int = 0  # requests routed to the replica, total (in-process data parallel; the front counts its own)
     running_lora_adapters: list[str] = []  # names of the LoRA adapters of running requests, sorted (LoRA on)
     waiting_lora_adapters: list[str] = []  # names of the LoRA adapters of waiting requests, sorted (LoRA on)

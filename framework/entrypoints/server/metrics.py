@@ -38,6 +38,7 @@ class ServerMetrics:
     * gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (fraction of
       KV blocks in use, [0, 1], as vLLM despite the name);
     * counters ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens),
+      ``external_prefix_cache_queries_total`` / ``external_prefix_cache_hits_total`` (a KV connector's, tokens),
       ``prompt_tokens_total``, ``generation_tokens_total`` (tokens), ``num_preemptions_total``,
       ``request_success_total{finished_reason}`` (``stop``/``length``/``abort``);
     * histograms (seconds) ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
@@ -78,6 +79,8 @@ class ServerMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use, [0, 1].")
         self.prefix_queries = counter("prefix_cache_queries", "Prefix-cache queries, tokens.")
         self.prefix_hits = counter("prefix_cache_hits", "Prefix-cache hits, tokens.")
+        self.external_queries = counter("external_prefix_cache_queries", "KV connector queries, tokens.")
+        self.external_hits = counter("external_prefix_cache_hits", "KV connector hits, tokens.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.preemptions = counter("num_preemptions", "Cumulative preemptions.")
@@ -117,7 +120,9 @@ class ServerMetrics:
         (summed over live replicas)."""
         last = self._last.get(stats.replica_id)
         for counter, field in ((self.generation_tokens, "num_generated_tokens"), (self.preemptions, "num_preemptions"),
-                               (self.prefix_queries, "prefix_queries_tokens"), (self.prefix_hits, "prefix_hits_tokens")):
+                               (self.prefix_queries, "prefix_queries_tokens"), (self.prefix_hits, "prefix_hits_tokens"),
+                               (self.external_queries, "external_prefix_queries_tokens"),
+                               (self.external_hits, "external_prefix_hits_tokens")):
             delta = getattr(stats, field) - (getattr(last, field) if last is not None else 0)
             if delta > 0:
                 counter.inc(delta)
