@@ -200,3 +200,13 @@ def test_load_failure_fail_fails_only_that_request(store, plain, tmp_path):
     assert _tokens(rest) == _tokens(plain.generate(PROMPTS[1:], GREEDY))
     assert all(o.error is None for o in rest)
     _assert_no_leak(consumer)
+
+
+def test_consumer_preempted_reloads_and_stays_exact(store, plain):
+    """A KV cache too small for the batch: the consumer preempts (recompute) and re-admitted requests load again."""
+    prompts = PROMPTS + [PARTIAL]
+    consumer = LLM(**{**ENGINE, "num_blocks": 12, "max_model_len": 40}, kv_connector="shared_storage",
+                   kv_connector_params={"path": str(store)}, kv_role="kv_consumer")
+    assert _tokens(consumer.generate(prompts, GREEDY)) == _tokens(plain.generate(prompts, GREEDY))
+    assert consumer.engine.metrics.num_preemptions > 0
+    _assert_no_leak(consumer)
