@@ -2,9 +2,12 @@
 
 import os
 
+import torch
+from servelab_plugin_example.memory_connector import MemoryConnector
 from servelab_plugin_example.plugin import DenseLoRA, LIFOPolicy, PeakPagedKVAllocator
 
-from servelab.testing import check_kv_allocator, check_lora_backend, check_scheduler_policy
+from plugins.attention.torch_paged import TorchPagedAttentionBackend
+from servelab.testing import check_kv_allocator, check_kv_connector, check_lora_backend, check_scheduler_policy
 
 MODEL = os.environ.get("SERVELAB_TEST_MODEL")  # e.g. <servelab checkout>/models/stories260K
 
@@ -19,3 +22,9 @@ def test_peak_paged_allocator_invariants():
 
 def test_dense_lora_backend_contract():
     check_lora_backend(DenseLoRA)
+
+
+def test_memory_kv_connector_contract():
+    backend = TorchPagedAttentionBackend(num_heads=4, num_kv_heads=2, head_size=8, scale=8 ** -0.5, block_size=4,
+                                         dtype=torch.float32, device=torch.device("cpu"))
+    check_kv_connector(MemoryConnector, backend)

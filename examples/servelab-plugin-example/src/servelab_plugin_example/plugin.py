@@ -1,5 +1,6 @@
-"""The plugins: ``lifo`` (newest request first), ``peak_paged`` (paged allocator recording peak use) and
-``dense_lora`` (a LoRA backend computing every slot's term for every token, then masking)."""
+"""The plugins: ``lifo`` (newest request first), ``peak_paged`` (paged allocator recording peak use),
+``dense_lora`` (a LoRA backend computing every slot's term for every token, then masking) and ``memory`` (a KV
+connector keeping prompt blocks in a process-wide dict)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from framework import hookimpl
 from framework.interfaces import LoRABackend, LoRABatch, SchedulerPolicy
 from plugins.kv_allocators.paged import PagedKVAllocator
+from servelab_plugin_example.memory_connector import MemoryConnector
 
 
 class LIFOPolicy(SchedulerPolicy):
@@ -76,3 +78,9 @@ def register_kv_allocators(register: Any) -> None:
 def register_lora_backends(register: Any) -> None:
     """Register ``dense_lora``."""
     register("dense_lora", DenseLoRA)
+
+
+@hookimpl
+def register_kv_connectors(register: Any) -> None:
+    """Register ``memory``."""
+    register("memory", MemoryConnector)
