@@ -35,7 +35,7 @@ class ScriptedConnector(KVConnector):
         self.finished: list[str] = []
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return (self.offer if self.is_consumer and not self.is_producer else 0), self.load_async
+        return (self.offer if self.is_consumer else 0), self.load_async
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         self.allocs.append((request.request_id, request.num_computed_tokens, num_external_tokens))
