@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
@@ -162,6 +162,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # prompt tokens served from the prefix cache, summed over the request's n sequences (set once finished)
     num_cached_tokens: int | None = None
+    # what the KV connector's request_finished returned (vLLM's kv_transfer_params; set once finished, else None)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

@@ -62,7 +62,8 @@ class OutputProcessor:
                              metrics=compute_request_metrics(request, self.block_bytes) if finished else None,
                              error=request.error, internal_error=request.internal_error,
                              prompt_logprobs=prompt_logprobs,
-                             num_cached_tokens=request.num_cached_tokens if finished else None)
+                             num_cached_tokens=request.num_cached_tokens if finished else None,
+                             kv_transfer_params=request.kv_transfer_params if finished else None)
 
     def report_finished(self, request: Request) -> RequestOutput:
         """The final output of a finished ``request``, observed (:meth:`observe_finished`)."""

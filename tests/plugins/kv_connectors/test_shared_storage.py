@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework import LLM, SamplingParams, registry
+from framework import LLM, SamplingParams, hookimpl, registry
 from framework.interfaces.kv_connector import prefix_block_hashes
 from framework.testing import check_kv_connector
 from plugins.attention.torch_paged import TorchPagedAttentionBackend
@@ -210,3 +210,28 @@ def test_consumer_preempted_reloads_and_stays_exact(store, plain):
     assert _tokens(consumer.generate(prompts, GREEDY)) == _tokens(plain.generate(prompts, GREEDY))
     assert consumer.engine.metrics.num_preemptions > 0
     _assert_no_leak(consumer)
+
+
+class _EchoParams(SharedStorageConnector):
+    """shared_storage that hands back what the request brought (``SamplingParams.kv_transfer_params``) plus its id."""
+
+    name = "echo_params"
+
+    def request_finished(self, request, block_ids):
+        return False, {**(request.sampling_params.kv_transfer_params or {}), "request": request.request_id}
+
+
+class _EchoPlugin:
+    @hookimpl
+    def register_kv_connectors(self, register):
+        register("echo_params", _EchoParams)
+
+
+def test_kv_transfer_params_reach_the_output(tmp_path):
+    """What a request brings in ``SamplingParams.kv_transfer_params`` reaches the connector; what the connector's
+    ``request_finished`` returns reaches the final ``RequestOutput.kv_transfer_params`` (vLLM's fields)."""
+    with registry.registered(_EchoPlugin()):
+        llm = LLM(**ENGINE, kv_connector="echo_params", kv_connector_params={"path": str(tmp_path)})
+        params = SamplingParams(temperature=0, max_tokens=2, kv_transfer_params={"peer": "decode-0"})
+        (out,) = llm.generate([LONG], params)
+    assert out.finished and out.kv_transfer_params == {"peer": "decode-0", "request": out.request_id}
