@@ -12,8 +12,11 @@ Round-to-nearest (no calibration; GPTQ's error feedback and AWQ's activation sca
 first. ``--desc-act`` orders the columns by decreasing weight norm (GPTQ orders by the Hessian diagonal) and
 writes the resulting ``g_idx``. The GPTQ v1 format stores ``zero - 1``, so zero points are kept >= 1.
 Decoder linears whose shapes the format cannot pack stay float and are listed (``modules_to_not_convert`` /
-``ignore``). With the ``compressed-tensors`` package installed each compressed-tensors layer is decompressed
-by the library and checked equal to the quantizer's own dequantized weight.
+``ignore``). compressed-tensors is written ``pack-quantized`` (W4A16/W8A16) or, with ``--ct-format``,
+``int-quantized`` (llm-compressor's W8A8 preset: int8 per-channel weights, dynamic per-token int8 inputs) or
+``float-quantized`` (its FP8_DYNAMIC: e4m3 weights with ``scale = max|w_row| / 448``, dynamic per-token e4m3
+inputs). With the ``compressed-tensors`` package installed each compressed-tensors layer is decompressed by the
+library and checked equal to the quantizer's own dequantized weight.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from plugins.quant._packing import awq_pack, ct_pack, pack_int32  # noqa: E402
 
 logger = logging.getLogger("quantize_checkpoint")
 FORMATS = ("gptq", "awq", "compressed-tensors")
+CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized")  # the last two with dynamic per-token inputs
 DECODER_LINEAR = re.compile(r"^model\.layers\.\d+\..+\.weight$")
 
 
@@ -92,6 +96,8 @@ def layer_tensors(fmt: str, prefix: str, q: dict[str, torch.Tensor], bits: int) 
     if fmt == "awq":  # AutoAWQ WQLinear_GEMM.from_linear
         return {f"{prefix}.qweight": awq_pack(q["codes"].t()), f"{prefix}.qzeros": awq_pack(q["zeros"].t()),
                 f"{prefix}.scales": q["scales"].t().to(torch.float16).contiguous()}
+    if "weight" in q:  # compressed-tensors int-/float-quantized (NaiveQuantizationCompressor): unpacked
+        return {f"{prefix}.weight": q["weight"], f"{prefix}.weight_scale": q["scales"].to(q["scale_dtype"])}
     offset = 2 ** (bits - 1)  # compressed-tensors PackedQuantizationCompressor.compress
     out = {f"{prefix}.weight_packed": ct_pack(q["codes"] - offset, bits, dim=1),
            f"{prefix}.weight_scale": q["scales"].to(q["scale_dtype"]).contiguous(),
@@ -101,8 +107,25 @@ def layer_tensors(fmt: str, prefix: str, q: dict[str, torch.Tensor], bits: int) 
     return out
 
 
+def quantize_unpacked(w: torch.Tensor, ct_format: str, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """compressed-tensors ``int-quantized`` (int8, symmetric RTN) or ``float-quantized`` (e4m3, ``scale =
+    max|w_row| / 448``) weights of ``w`` ``(out, in)`` with per-channel scales.
+
+    Returns:
+        ``weight`` ``(out, in)`` int8 or float8_e4m3fn, ``scales`` ``(out, 1)`` float32 (exact in
+        ``scale_dtype``), ``dequantized`` ``(out, in)`` float32 ``= weight * scales``.
+    """
+    if ct_format == "int-quantized":
+        q = rtn(w, 8, -1, True, False, scale_dtype)
+        return {"weight": (q["codes"] - 128).to(torch.int8), "scales": q["scales"], "dequantized": q["dequantized"]}
+    top = float(torch.finfo(torch.float8_e4m3fn).max)
+    scales = (w.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / top).to(scale_dtype).float()
+    weight = (w.float() / scales).clamp(-top, top).to(torch.float8_e4m3fn)
+    return {"weight": weight, "scales": scales, "dequantized": weight.float() * scales}
+
+
 def quantization_config(fmt: str, bits: int, group_size: int, desc_act: bool, sym: bool,
-                        skipped: list[str]) -> dict:
+                        skipped: list[str], ct_format: str = "pack-quantized") -> dict:
     """``config.json``'s ``quantization_config`` as the format's own tools write it."""
     if fmt == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
@@ -111,18 +134,25 @@ def quantization_config(fmt: str, bits: int, group_size: int, desc_act: bool, sy
     if fmt == "awq":
         return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": skipped or None}
-    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "group_size": None if group_size == -1 else group_size,
+    kind = "float" if ct_format == "float-quantized" else "int"
+    weights = {"num_bits": bits, "type": kind, "symmetric": sym, "group_size": None if group_size == -1 else group_size,
                "strategy": "channel" if group_size == -1 else "group", "dynamic": False, "actorder": None}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                          "output_activations": None, "format": "pack-quantized"}},
+    inputs = None if ct_format == "pack-quantized" else {  # llm-compressor's W8A8 / FP8_DYNAMIC presets
+        "num_bits": 8, "type": kind, "symmetric": True, "strategy": "token", "dynamic": True}
+    return {"quant_method": "compressed-tensors", "format": ct_format, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+                                          "output_activations": None, "format": ct_format}},
             "ignore": ["lm_head", *skipped], "kv_cache_scheme": None}
 
 
-def check_options(fmt: str, bits: int, group_size: int, desc_act: bool) -> None:
+def check_options(fmt: str, bits: int, group_size: int, desc_act: bool, sym: bool, ct_format: str) -> None:
     """Raise ``ValueError`` for an option the format does not have."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if ct_format not in CT_FORMATS:
+        raise ValueError(f"ct_format must be one of {CT_FORMATS}, got {ct_format!r}")
+    if ct_format != "pack-quantized" and (fmt != "compressed-tensors" or bits != 8 or group_size != -1 or not sym):
+        raise ValueError(f"ct_format={ct_format} is compressed-tensors, 8-bit, symmetric, group_size -1 (per channel)")
     if bits not in ((4,) if fmt == "awq" else (4, 8)):
         raise ValueError(f"{fmt}: bits={bits} not written (gptq and compressed-tensors: 4 or 8; awq: 4)")
     if desc_act and fmt != "gptq":
@@ -132,8 +162,10 @@ def check_options(fmt: str, bits: int, group_size: int, desc_act: bool) -> None:
 
 
 def quantize_checkpoint(model: str, out_dir: str | Path, fmt: str, bits: int = 4, group_size: int = 128,
-                        desc_act: bool = False, sym: bool = True) -> dict[str, torch.Tensor]:
-    """Write ``model`` (a folder or servelab alias) quantized in ``fmt`` to ``out_dir``.
+                        desc_act: bool = False, sym: bool = True, ct_format: str = "pack-quantized",
+                        ) -> dict[str, torch.Tensor]:
+    """Write ``model`` (a folder or servelab alias) quantized in ``fmt`` to ``out_dir`` (compressed-tensors in
+    ``ct_format``: ``int-quantized`` is llm-compressor's W8A8, ``float-quantized`` its FP8_DYNAMIC).
 
     Returns:
         Layer name (``model.layers.0.self_attn.q_proj``) -> its dequantized ``(out, in)`` float32 weight, for
@@ -145,7 +177,7 @@ def quantize_checkpoint(model: str, out_dir: str | Path, fmt: str, bits: int = 4
     """
     from safetensors.torch import load_file, save_file
 
-    check_options(fmt, bits, group_size, desc_act)
+    check_options(fmt, bits, group_size, desc_act, sym, ct_format)
     src, out = Path(resolve_model_path(model)), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():  # tokenizer, generation config...
@@ -165,12 +197,15 @@ def quantize_checkpoint(model: str, out_dir: str | Path, fmt: str, bits: int = 4
                 logger.info("%s kept float: %s", prefix, why)
             continue
         scale_dtype = float_dtype if fmt == "compressed-tensors" else torch.float16
-        q = rtn(w, bits, group_size, sym, desc_act, scale_dtype, min_zero=1 if fmt == "gptq" else 0)
+        if ct_format != "pack-quantized":
+            q = quantize_unpacked(w, ct_format, scale_dtype)
+        else:
+            q = rtn(w, bits, group_size, sym, desc_act, scale_dtype, min_zero=1 if fmt == "gptq" else 0)
         tensors.update(layer_tensors(fmt, prefix, {**q, "scale_dtype": scale_dtype, "sym": sym}, bits))
         dequantized[prefix] = q["dequantized"]
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
-    config["quantization_config"] = quantization_config(fmt, bits, group_size, desc_act, sym, skipped)
+    config["quantization_config"] = quantization_config(fmt, bits, group_size, desc_act, sym, skipped, ct_format)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if fmt == "gptq":  # AutoGPTQ reads this file too
         (out / "quantize_config.json").write_text(json.dumps(config["quantization_config"], indent=2) + "\n")
@@ -190,7 +225,7 @@ def check_with_compressed_tensors(folder: Path, dequantized: dict[str, torch.Ten
         ValueError: a layer the library decompresses to another weight (names it).
     """
     try:
-        from compressed_tensors.compressors import PackedQuantizationCompressor
+        from compressed_tensors.compressors import NaiveQuantizationCompressor, PackedQuantizationCompressor
         from compressed_tensors.quantization import QuantizationScheme
     except ImportError:
         logger.info("compressed-tensors not installed: the library check is skipped")
@@ -203,7 +238,8 @@ def check_with_compressed_tensors(folder: Path, dequantized: dict[str, torch.Ten
     for prefix, expected in dequantized.items():
         local = {k.removeprefix(prefix + "."): v.float() if k.endswith("weight_scale") else v
                  for k, v in state.items() if k.startswith(prefix + ".")}
-        weight = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
+        compressor = PackedQuantizationCompressor if qc["format"] == "pack-quantized" else NaiveQuantizationCompressor
+        weight = compressor.decompress(local, scheme)["weight"]
         if not torch.equal(weight.float(), expected):
             raise ValueError(f"{prefix}: compressed-tensors decompresses another weight (max diff "
                              f"{(weight.float() - expected).abs().max():.3g})")
@@ -221,9 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--group-size", type=int, default=128, help="input columns per group; -1: per output channel")
     p.add_argument("--desc-act", action="store_true", help="GPTQ act-order: write a permuting g_idx")
     p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--ct-format", choices=CT_FORMATS, default="pack-quantized",
+                   help="compressed-tensors: int-quantized = W8A8, float-quantized = FP8 (dynamic per-token inputs)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    layers = quantize_checkpoint(args.model, args.out, args.format, args.bits, args.group_size, args.desc_act, args.sym)
+    layers = quantize_checkpoint(args.model, args.out, args.format, args.bits, args.group_size, args.desc_act, args.sym,
+                                 args.ct_format)
     logger.info("wrote %s: %d quantized layers (%s, %d-bit, group_size %d)", args.out, len(layers), args.format,
                 args.bits, args.group_size)
 

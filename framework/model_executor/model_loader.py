@@ -261,19 +261,23 @@ def eos_token_ids(generation_config: object, config: object, tokenizer: object) 
 
 @contextlib.contextmanager
 def _quiet_load_report(quiet: bool) -> Iterator[None]:
-    """Silence transformers' load report while a pre-quantized checkpoint loads: its packed tensors are
-    expected to be "unexpected" and the float weights of the packed linears "missing" (the quant method checks
-    the file's tensors itself and names any that is wrong)."""
+    """Drop transformers' load report while a pre-quantized checkpoint loads: its packed tensors are expected to
+    be "unexpected" and the float weights of the packed linears "missing" (the quant method checks the file's
+    tensors itself and names any that is wrong). A filter, not a level: transformers runs extra checks of its
+    own when that logger's level is raised."""
     import logging
 
     log = logging.getLogger("transformers.modeling_utils")
-    level = log.level
+
+    def drop_report(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
     if quiet:
-        log.setLevel(logging.ERROR)
+        log.addFilter(drop_report)
     try:
         yield
     finally:
-        log.setLevel(level)
+        log.removeFilter(drop_report)
 
 
 def load_model(model: str, dtype: str = "float32", device: str = "cpu",

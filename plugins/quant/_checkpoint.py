@@ -24,6 +24,7 @@ from framework.interfaces import QuantMethod
 from framework.model_executor.quantized_checkpoint import CheckpointTensors, read_quantization_config
 from plugins.quant._checkpoint_linears import IntWeights, fast_linear, reference_linear
 from plugins.quant._common import weight_bytes
+from plugins.quant._input_quant import Fp8Weights, InputQuantLinear
 
 if TYPE_CHECKING:
     from framework.config import EngineConfig
@@ -84,8 +85,9 @@ class CheckpointQuantMethod(QuantMethod):
 
     @abstractmethod
     def unpack(self, tensors: CheckpointTensors, qc: dict[str, Any], name: str, linear: torch.nn.Linear,
-               ) -> IntWeights | None:
-        """Layer ``name``'s tensors as :class:`IntWeights` (None: the file keeps this layer float).
+               ) -> IntWeights | Fp8Weights | None:
+        """Layer ``name``'s tensors as :class:`IntWeights` (or float8 :class:`Fp8Weights`; None: the file keeps this
+        layer float).
 
         Raises:
             ValueError: a missing tensor, or one of the wrong dtype or shape (the message names it).
@@ -162,7 +164,15 @@ class CheckpointQuantMethod(QuantMethod):
                     len(done), before / 2**20, weight_bytes(model) / 2**20)
         return model
 
-    def _linear(self, w: IntWeights, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, str]:
+    def _linear(self, w: IntWeights | Fp8Weights, dtype: torch.dtype, device: torch.device,
+                ) -> tuple[torch.nn.Module, str]:
+        module, path = self._weight_linear(w, dtype, device)
+        if w.input_quant is None:
+            return module, path
+        return InputQuantLinear(module, w.input_quant), f"{path}, {w.input_quant.describe()}"
+
+    def _weight_linear(self, w: IntWeights | Fp8Weights, dtype: torch.dtype, device: torch.device,
+                       ) -> tuple[torch.nn.Module, str]:
         if self.kernel == "reference":
             return reference_linear(w, dtype), f"reference: dequantized to {dtype} (kernel=reference)"
         if device.type != "cpu":

@@ -10,8 +10,9 @@ Paths (``quant.params.kernel``):
   the checkpoint's group and ``in_features``. Zero points fold into the kernel's per-group zero
   (``(q - z) * s == (q - 8) * s + (8 - z) * s``); act-order (``g_idx``) becomes a permutation of the input
   columns, applied to the activations each call. 8-bit per-channel layers whose ``q - z`` fit int8 run
-  ``aten._weight_int8pack_mm`` (the ``quant=int8_wo`` kernel). Anything else falls back to ``reference``, and
-  the reason is logged.
+  ``aten._weight_int8pack_mm`` (the ``quant=int8_wo`` kernel). Anything else (float8 weights too) falls back to
+  ``reference``, and the reason is logged. A W8A8 layer's inputs are quantized in front of either path
+  (``plugins/quant/_input_quant.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from plugins.quant._input_quant import Fp8Weights, InputQuant
 
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes aten._weight_int4pack_mm_for_cpu accepts
 
@@ -34,6 +37,7 @@ class IntWeights:
     g_idx: torch.Tensor  # (in_features,) int64: group of each input column (act-order permutes them)
     bits: int  # 4 or 8
     bias: torch.Tensor | None  # (out_features,) or None
+    input_quant: InputQuant | None = None  # the layer's input quantization (W8A8 schemes), else None
 
     def dequantize(self) -> torch.Tensor:
         """``(out_features, in_features)`` float32 weight, computed as ``(codes - zeros) * scales`` in float32."""
@@ -105,18 +109,21 @@ class Int8CheckpointLinear(torch.nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def reference_linear(w: IntWeights, dtype: torch.dtype) -> torch.nn.Linear:
+def reference_linear(w: IntWeights | Fp8Weights, dtype: torch.dtype) -> torch.nn.Linear:
     """A plain ``nn.Linear`` holding the dequantized weight in ``dtype`` (``quant.params.kernel=reference``)."""
-    out_f, in_f = w.codes.shape
+    weight = w.dequantize()
+    out_f, in_f = weight.shape
     linear = torch.nn.Linear(in_f, out_f, bias=w.bias is not None, dtype=dtype)
-    linear.weight = torch.nn.Parameter(w.dequantize().to(dtype), requires_grad=False)
+    linear.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
     if w.bias is not None:
         linear.bias = torch.nn.Parameter(w.bias.to(dtype), requires_grad=False)
     return linear
 
 
-def fast_linear(w: IntWeights, dtype: torch.dtype) -> tuple[torch.nn.Module | None, str]:
+def fast_linear(w: IntWeights | Fp8Weights, dtype: torch.dtype) -> tuple[torch.nn.Module | None, str]:
     """The CPU kernel module for ``w``, or ``(None, why not)``; the string names the kernel when it is used."""
+    if isinstance(w, Fp8Weights):
+        return None, "float8 weights: no fp8 matmul on this device"
     out_f, in_f = w.codes.shape
     if w.bits == 8:
         if w.scales.shape[1] != 1:

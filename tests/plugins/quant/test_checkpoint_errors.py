@@ -133,3 +133,39 @@ def test_compressed_tensors_packing_equals_the_library(bits: int, dim: int, shap
     assert torch.equal(ours, helpers.pack_to_int32(values, bits, packed_dim=dim))
     assert torch.equal(ct_unpack(ours, bits, shape[dim], dim).to(torch.int8),
                        helpers.unpack_from_int32(ours, bits, torch.Size(shape), packed_dim=dim))
+
+
+def test_fp8_static_input_scale(tmp_path) -> None:
+    """A static per-tensor ``input_scale`` quantizes the inputs with that scale; a missing one is named."""
+    src = tmp_path / "fp8"
+    deq = qc_script.quantize_checkpoint(STORIES, src, "compressed-tensors", bits=8, group_size=-1,
+                                        ct_format="float-quantized")
+    groups = json.loads((src / "config.json").read_text())["quantization_config"]["config_groups"]
+    groups["group_0"]["input_activations"].update(dynamic=False, strategy="tensor")
+    scales = {f"{layer}.input_scale": torch.tensor([0.02]) for layer in deq}
+    model = load_model(_variant(src, tmp_path / "static", {"config_groups": groups}, replace=scales)).model
+    model = registry.create("quant", "compressed_tensors").apply(model)
+    x = torch.randn(4, 64)
+    x_q = (x / 0.02).to(torch.float8_e4m3fn).float() * 0.02
+    ref = x_q @ deq[LAYER].t()
+    assert (model.get_submodule(LAYER)(x) - ref).abs().max() <= 1e-5 * ref.abs().max()
+    del scales[f"{LAYER}.input_scale"]
+    folder = _variant(src, tmp_path / "missing", {"config_groups": groups}, replace=scales)
+    with pytest.raises(ValueError, match=f"checkpoint tensor {LAYER}.input_scale is missing"):
+        _apply(folder, "compressed_tensors")
+
+
+def test_compressed_tensors_schemes_not_loaded_are_named() -> None:
+    cls = registry.get_class("quant", "compressed_tensors")
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    asym_in = {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "token", "dynamic": True}
+    qc = {"format": "int-quantized", "kv_cache_scheme": {"num_bits": 8},
+          "config_groups": {"a": {"targets": ["Linear"], "weights": weights, "input_activations": asym_in},
+                            "b": {"targets": ["Linear"], "weights": weights, "format": "naive-quantized"},
+                            "c": {"targets": ["Linear"], "weights": {**weights, "strategy": "block"},
+                                  "output_activations": {"num_bits": 8}}}}
+    problems = "\n".join(cls.config_problems(qc))
+    assert "kv_cache_scheme is not loaded" in problems
+    assert "config_groups.a.input_activations: only symmetric dynamic per-token or static per-tensor" in problems
+    assert "config_groups.b: format 'naive-quantized' is not loaded" in problems
+    assert "config_groups.c.weights.strategy='block'" in problems and "config_groups.c.output_activations" in problems
