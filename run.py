@@ -25,6 +25,7 @@ from rich.console import Console  # noqa: E402
 from framework import registry  # noqa: E402
 from framework.engine.builder import resolve_dtype, validate_plugins  # noqa: E402
 from framework.entrypoints.config_errors import exit_on_config_error, run_app  # noqa: E402
+from framework.entrypoints.engine import served_config  # noqa: E402
 from framework.entrypoints.hydra_config import (  # noqa: E402
     CONF_DIR,
     engine_config_from_cfg,
@@ -88,7 +89,8 @@ def _set_up(cfg: DictConfig, run_dir: Path) -> tuple[Any, Any]:
     (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     engine_config = engine_config_from_cfg(cfg)
     sampling_params_from_cfg(cfg.sampling)  # unknown keys / bad values fail here too
-    validate_plugins(engine_config)  # unknown names / capabilities fail before the tracker starts or weights load
+    # unknown names / capabilities fail before the tracker starts or weights load (a server: what each core builds)
+    validate_plugins(_served_config(cfg, engine_config) if cfg.mode == "serve" else engine_config)
     # run_record.json gets the dtype this machine runs (model.dtype=auto resolved); the engine resolves it again and
     # says why (metrics.json's dtype_reason), so it gets the config as the user gave it
     resolved = resolve_dtype(engine_config)
@@ -107,6 +109,12 @@ def _set_up(cfg: DictConfig, run_dir: Path) -> tuple[Any, Any]:
                                       "servelab_run": {k: v for k, v in record.items() if k != "config"}},
                               **tracker_params)
     return engine_config, tracker
+
+
+def _served_config(cfg: DictConfig, engine_config: Any) -> Any:
+    """The config each of a server's engine cores builds (``framework.entrypoints.engine.served_config``)."""
+    return served_config(engine_config, bool(cfg.server.get("engine_process", True)),
+                         str((cfg.get("executor") or {}).get("name", "auto")))
 
 
 def _without_secrets(config: dict[str, Any]) -> dict[str, Any]:

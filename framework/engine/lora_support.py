@@ -33,8 +33,9 @@ def lora_problems(config: EngineConfig) -> list[str]:
     rules = [
         (config.tensor_parallel_size == 1, f"parallel.tensor_parallel_size={config.tensor_parallel_size} is {_NOT_YET}; "
          "set parallel.tensor_parallel_size=1"),
-        (config.data_parallel_size == 1, f"parallel.data_parallel_size={config.data_parallel_size} is {_NOT_YET}; "
-         "set parallel.data_parallel_size=1"),
+        (config.data_parallel_size == 1, f"parallel.data_parallel_size={config.data_parallel_size} is {_NOT_YET} "
+         "offline or in one process; set parallel.data_parallel_size=1 (a server with server.engine_process=true "
+         "serves it: one engine-core process per replica)"),
         (config.executor == "uniproc", f"executor={config.executor} is {_NOT_YET}; use executor=uniproc"),
         (config.drafter == "none", f"speculative decoding (spec_decode={config.drafter}) is {_NOT_YET}; "
          "use spec_decode=none"),

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from framework.config import EngineConfig
 from framework.engine.builder import build_llm_engine, resolve_and_log_dtype, validate_plugins
 from framework.engine.data_parallel import build_data_parallel_engine
@@ -41,3 +43,15 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
     engine = build_data_parallel_engine(config, metrics, defer_compile)
     engine.metrics.front.model_info = {"dtype": choice.dtype, "dtype_reason": choice.reason}
     return engine
+
+
+def served_config(config: EngineConfig, engine_process: bool = True, requested_executor: str = "auto") -> EngineConfig:
+    """The config a server builds in each engine-core process: with ``engine_process`` (``server.engine_process``,
+    the default) one replica (``data_parallel_size=1``) whose executor resolves again for one replica when the user
+    asked for ``auto`` (``requested_executor``: ``uniproc`` for one rank); else ``config`` itself (the in-process
+    front builds it whole). ``run.py`` validates this config, so what one replica supports (multi-LoRA,
+    ``framework/engine/lora_support.py``) serves behind a data-parallel front of engine-core processes."""
+    if not engine_process:
+        return config
+    return dataclasses.replace(config, data_parallel_size=1,
+                               executor="auto" if requested_executor == "auto" else config.executor)

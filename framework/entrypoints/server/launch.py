@@ -27,7 +27,7 @@ from framework.distributed.parallel_state import replica_cpus
 from framework.engine.async_llm import AsyncLLM
 from framework.engine.core import engine_facts
 from framework.entrypoints.config_errors import exit_on_config_error
-from framework.entrypoints.engine import build_engine
+from framework.entrypoints.engine import build_engine, served_config
 from framework.metrics.collector import MetricsCollector
 from framework.model_executor.model_loader import load_tokenizer
 
@@ -111,6 +111,13 @@ def server_state(cfg: DictConfig, facts: Any, tokenizer: Any, llm: AsyncLLM, nam
                        metrics=metrics, models=models)
 
 
+def core_config(cfg: DictConfig, engine_config: EngineConfig) -> EngineConfig:
+    """The config a server builds in each engine-core process (:func:`framework.entrypoints.engine.served_config`
+    with ``server.engine_process`` and the ``executor`` the user asked for)."""
+    return served_config(engine_config, bool(cfg.server.get("engine_process", True)),
+                         str((cfg.get("executor") or {}).get("name", "auto")))
+
+
 def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metrics: Any) -> tuple[AsyncLLM, Any, Any]:
     """The ``AsyncLLM`` front of a server, its engine facts and tokenizer.
 
@@ -127,8 +134,6 @@ def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metr
         engine = build_server_engine(cfg, engine_config)
         llm = AsyncLLM(engine, on_dead=on_dead, startup=lambda: engine.maybe_compile(None), metrics=metrics)
         return llm, engine_facts(engine), engine.tokenizer
-    import dataclasses
-
     from framework.engine.core_client import MPCoreClient
 
     _check_serve_extra()
@@ -136,10 +141,7 @@ def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metr
     n = engine_config.data_parallel_size
     router = (registry.create("router", engine_config.router, seed=engine_config.seed,
                               **engine_config.plugin_params("router")) if n > 1 else None)
-    # each core process is one replica: executor=auto resolves again there (uniproc for one rank)
-    requested = cfg.get("executor", {}).get("name", "auto")
-    one = dataclasses.replace(engine_config, data_parallel_size=1,
-                              executor="auto" if requested == "auto" else engine_config.executor)
+    one = core_config(cfg, engine_config)  # each core process is one replica
     metrics_kwargs = {"slo_ttft_ms": cfg.slo.ttft_ms, "slo_tpot_ms": cfg.slo.tpot_ms,
                       "max_records": SERVER_METRICS_RECORDS}
     clients = [MPCoreClient(one, replica_id=i, data_parallel_size=n, metrics_kwargs=metrics_kwargs) for i in range(n)]

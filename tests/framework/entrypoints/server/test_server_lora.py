@@ -1,5 +1,5 @@
-"""Multi-LoRA serving through the real server (``python run.py mode=serve`` subprocess, the engine core in its own
-process, stories260K with PEFT adapters made at test time), driven by the official ``openai`` client: the ``model``
+"""Multi-LoRA serving through the real server (``python run.py mode=serve`` subprocess: a data-parallel front over two
+engine-core processes, stories260K with PEFT adapters made at test time), driven by the official ``openai`` client: the ``model``
 field picks the adapter and greedy outputs equal offline ``LLM.generate(lora_request=...)``; ``/v1/models`` lists
 the adapters with their ``parent``; an unknown adapter is vLLM's 404; an adapter loaded at run time serves, then is
 unloaded; a bad folder is a 400 and the server serves on; ``servelab:lora_requests_info`` is on ``/metrics``. One
@@ -53,7 +53,7 @@ def server(tmp_path_factory, adapters):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "engine.compile=false", EAGER_KERNEL,
            f"server.port={port}", "tracker=none", "server.log_level=warning", f"hydra.run.dir={tmp / 'run'}",
-           "lora.enable=true", "lora.max_loras=2", "lora.max_lora_rank=8", "lora.allow_runtime_updates=true",
+           "lora.enable=true", "parallel.data_parallel_size=2", "lora.max_loras=2", "lora.max_lora_rank=8", "lora.allow_runtime_updates=true",
            "scheduler=lora_affinity", f"+lora.modules.a1={adapters['a1']}", f"+lora.modules.a2={adapters['a2']}"]
     log = open(tmp / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -159,6 +159,8 @@ def test_lora_requests_info_gauge_on_metrics(server):
     labels = samples[0].labels
     assert labels["max_lora"] == "2" and {"running_lora_adapters", "waiting_lora_adapters"} <= set(labels)
     assert abs(samples[0].value - time.time()) < 600  # seconds since the epoch of the latest publication
+    routed = families["servelab:replica_num_requests_routed"].samples
+    assert len(routed) == 2 and all(s.value > 0 for s in routed)  # both replicas served adapter requests
 
 
 def test_runtime_updates_off_or_lora_off_are_clear_errors():
