@@ -16,11 +16,11 @@ from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.stop import StopChecker
-from framework.testing.scheduler_policy import check_policy_contract
 from framework.testing.shadow_cache import Arrival, simulate
 from plugins.kv_allocators.paged import PagedKVAllocator
 from plugins.schedulers.fcfs import FCFSPolicy
 from plugins.schedulers.lora_affinity import LoRAAffinityPolicy
+from servelab.testing import check_scheduler_policy
 
 
 def _request(rid: str, lora: int, arrival: float, max_tokens: int = 2) -> Request:
@@ -32,8 +32,8 @@ def _ids(requests: list[Request]) -> list[str]:
     return [r.request_id for r in requests]
 
 
-def test_contract():
-    check_policy_contract(LoRAAffinityPolicy)
+def test_contract_and_an_engine_run_under_kv_pressure_equal_to_fcfs():
+    check_scheduler_policy(LoRAAffinityPolicy, model=STORIES)
 
 
 def test_order_loaded_adapters_and_base_first_then_groups_by_oldest_request():
