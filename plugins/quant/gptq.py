@@ -5,7 +5,9 @@ Per quantized layer (``<layer>.qweight`` in the file; AutoGPTQ ``QuantLinear`` /
 - ``qweight`` ``(in * bits / 32, out)`` int32: codes packed along the input dimension (low bits first);
 - ``qzeros`` ``(groups, out * bits / 32)`` int32: zero points packed along the output dimension; in the v1
   format (``checkpoint_format: gptq``, what AutoGPTQ and gptqmodel save) each is stored minus 1, so the loader
-  adds 1 back modulo ``2 ** bits`` as AutoGPTQ's dequantization does (``gptq_v2`` stores them as they are);
+  adds 1 back (``gptq_v2`` stores them as they are). A v1 zero point of 0 cannot be stored (AutoGPTQ's ``pack``
+  writes -1 as 32 set bits over its neighbours); the loader reads it modulo ``2 ** bits`` and writers keep
+  zero points >= 1;
 - ``scales`` ``(groups, out)`` float16; ``g_idx`` ``(in,)`` int32, the group of each input column (act-order,
   ``desc_act: true``, permutes them; absent means ``i // group_size``); ``bias`` ``(out,)`` when the layer has one.
 
@@ -79,7 +81,7 @@ class GPTQ(CheckpointQuantMethod):
             g_idx = torch.arange(in_f) * groups // in_f
         zeros = unpack_int32(qzeros, bits, dim=1)  # (groups, out)
         if qc.get("checkpoint_format", "gptq") == "gptq":
-            zeros = (zeros + 1) & (2**bits - 1)  # the v1 offset, masked as AutoGPTQ's dequantization does
+            zeros = (zeros + 1) & (2**bits - 1)  # the v1 offset (see the module docstring for the mask)
         bias = (expect(tensors, f"{name}.bias", (torch.float16, torch.bfloat16, torch.float32), (out_f,)).float()
                 if f"{name}.bias" in tensors else None)
         return IntWeights(codes=unpack_int32(qweight, bits, dim=0).t().contiguous(), zeros=zeros.t().contiguous(),

@@ -169,3 +169,17 @@ def test_compressed_tensors_schemes_not_loaded_are_named() -> None:
     assert "config_groups.a.input_activations: only symmetric dynamic per-token or static per-tensor" in problems
     assert "config_groups.b: format 'naive-quantized' is not loaded" in problems
     assert "config_groups.c.weights.strategy='block'" in problems and "config_groups.c.output_activations" in problems
+
+
+def test_gptq_v2_zero_points_stored_as_they_are(gptq_folder, tmp_path) -> None:
+    """The same checkpoint in gptq_v2 (zero points without v1's minus 1) dequantizes to the same weights."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(gptq_folder / "model.safetensors"))
+    v2 = {k: pack_int32(unpack_int32(v, 4, dim=1) + 1, 4, dim=1) for k, v in tensors.items() if k.endswith("qzeros")}
+    v1_model = registry.create("quant", "gptq", kernel="reference").apply(load_model(str(gptq_folder)).model)
+    folder = _variant(gptq_folder, tmp_path / "v2", {"checkpoint_format": "gptq_v2"}, replace=v2)
+    v2_model = registry.create("quant", "gptq", kernel="reference").apply(load_model(folder).model)
+    assert torch.equal(v1_model.get_submodule(LAYER).weight, v2_model.get_submodule(LAYER).weight)
+    with pytest.raises(ValueError, match="checkpoint_format='marlin'"):
+        _apply(_variant(gptq_folder, tmp_path / "m", {"checkpoint_format": "marlin"}), "gptq")

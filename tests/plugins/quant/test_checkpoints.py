@@ -33,6 +33,7 @@ _spec.loader.exec_module(qc_script)
 CHECKPOINTS = {
     "gptq_w4_g32_desc_act_asym": ("gptq", {"bits": 4, "group_size": 32, "desc_act": True, "sym": False}),
     "gptq_w4_g32_sym": ("gptq", {"bits": 4, "group_size": 32, "sym": True}),
+    "gptq_w4_channel_asym": ("gptq", {"bits": 4, "group_size": -1, "sym": False}),
     "gptq_w8_channel_sym": ("gptq", {"bits": 8, "group_size": -1, "sym": True}),
     "awq_w4_g32": ("awq", {"bits": 4, "group_size": 32, "sym": False}),
     "ct_w4a16_g32_asym": ("compressed-tensors", {"bits": 4, "group_size": 32, "sym": False}),
