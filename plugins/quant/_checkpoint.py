@@ -110,11 +110,13 @@ class CheckpointQuantMethod(QuantMethod):
             qc = quantization_config(load_model_config(config.model))
         except (OSError, ValueError, ModuleNotFoundError):  # a missing model is reported by the model checks
             return problems
-        found = None if qc is None else qc.get("quant_method")
-        if found != cls.checkpoint_format:
+        if qc is None:
             return problems + [f"quant={cls.name} loads {cls.checkpoint_format} checkpoints, but {config.model}'s "
-                               f"config.json quantization_config names {found!r}; use quant=none (detected) or the "
-                               "unquantized model's quant methods"]
+                               "config.json has no quantization_config (not pre-quantized); quantize it with "
+                               "quant=int8_wo|int4_wo|w8a8|fp8, or write a checkpoint with scripts/quantize_checkpoint.py"]
+        if qc.get("quant_method") != cls.checkpoint_format:
+            return problems + [f"quant={cls.name} loads {cls.checkpoint_format} checkpoints, but {config.model} is a "
+                               f"{qc.get('quant_method')} checkpoint; use quant=none (detected)"]
         return problems + cls.config_problems(qc)
 
     @classmethod
