@@ -28,6 +28,8 @@ from framework import LoRARequest  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 PROMPTS = STORY_PROMPTS[:3]
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
 TARGETS = {"a1": (4, ["q_proj", "v_proj"]), "a2": (8, ["o_proj", "gate_proj", "down_proj"]),
            "a3": (2, ["k_proj", "up_proj"]), "too_big": (16, ["q_proj"])}
 
@@ -49,10 +51,12 @@ def adapters(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, adapters):
     tmp = tmp_path_factory.mktemp("serve_lora")
+    (tmp / "chat.jinja").write_text(TEMPLATE)
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "run.py", "mode=serve", "model=stories260K", "engine.compile=false", EAGER_KERNEL,
            f"server.port={port}", "tracker=none", "server.log_level=warning", f"hydra.run.dir={tmp / 'run'}",
+           f"server.chat_template={tmp / 'chat.jinja'}",
            "lora.enable=true", "parallel.data_parallel_size=2", "lora.max_loras=2", "lora.max_lora_rank=8", "lora.allow_runtime_updates=true",
            "scheduler=lora_affinity", f"+lora.modules.a1={adapters['a1']}", f"+lora.modules.a2={adapters['a2']}"]
     log = open(tmp / "server.log", "w+")
@@ -85,7 +89,12 @@ def offline(adapters):
 
     llm = LLM(model=STORIES, enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=64)
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    return lambda prompts, lora: [o.outputs[0].text for o in llm.generate(prompts, params, lora_request=lora)]
+
+    def generate(prompts, lora):
+        return [o.outputs[0].text for o in llm.generate(prompts, params, lora_request=lora)]
+
+    generate.tokenizer = llm.get_tokenizer()
+    return generate
 
 
 def _client(base: str):
@@ -115,6 +124,15 @@ def test_model_field_picks_the_adapter_and_outputs_equal_offline(server, adapter
     assert got["a1"] != got["stories260K"] and got["a2"] != got["a1"]  # the adapters do change the output
     stream = client.completions.create(model="a2", prompt=PROMPTS[0], max_tokens=12, temperature=0.0, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == got["a2"][0]
+
+
+def test_chat_picks_the_adapter_too(server, adapters, offline):
+    resp = _client(server).chat.completions.create(model="a2", messages=[{"role": "user", "content": "Once upon"}],
+                                                   max_tokens=12, temperature=0.0)
+    ids = offline.tokenizer("user: Once upon\nassistant:", add_special_tokens=False).input_ids
+    assert resp.model == "a2"
+    assert resp.choices[0].message.content == offline([{"prompt_token_ids": ids}],
+                                                      LoRARequest("a2", 2, adapters["a2"]))[0]
 
 
 def test_unknown_adapter_is_vllms_404(server):
