@@ -5,7 +5,8 @@ registered attention backend whether it has the features the family's checkpoint
 window, softcap, sinks: ``supports_*``). Head sizes are checked per checkpoint when an engine is
 built (``validate_model``); MLA families need the value head size padded to the key head size. For
 families with sliding windows, the KV-saving column lists the registered KV allocators that release
-out-of-window blocks (``KVAllocator.supports_kv_cache_groups``); the others keep every block.
+out-of-window blocks (``KVAllocator.supports_kv_cache_groups``); the others keep every block. A last line
+names the pre-quantized checkpoint formats that load (:func:`checkpoint_formats`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def family_rows() -> list[FamilyRow]:
                       ", ".join(backends_for(f)), kv_saving_allocators(f), f.test) for f in FAMILIES]
 
 
+def checkpoint_formats() -> str:
+    """The pre-quantized checkpoint formats registered quant methods load (``QuantMethod.checkpoint_format``),
+    as ``"<format> (quant=<method>), ..."``; ``"none"`` when no method loads one."""
+    from framework.model_executor.quantized_checkpoint import checkpoint_methods
+
+    return ", ".join(f"{fmt} (quant={name})" for fmt, name in sorted(checkpoint_methods().items())) or "none"
+
+
 def markdown_table() -> str:
     """The README's table of :func:`family_rows` (GitHub Markdown)."""
     lines = ["| family | architecture | needs | attention backends | sliding-window KV released by | test |",
@@ -80,5 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(column)
     for r in family_rows():
         table.add_row(r.family, r.architecture, r.model_types, r.needs, r.backends, r.kv_saving, r.test.split("::")[1])
-    Console(width=240).print(table)
+    console = Console(width=240)
+    console.print(table)
+    console.print(f"pre-quantized checkpoints (config.json quantization_config, detected): {checkpoint_formats()}; "
+                  "docs/quantization.md")
     return 0

@@ -184,3 +184,10 @@ def test_gptq_v2_zero_points_stored_as_they_are(gptq_folder, tmp_path) -> None:
     assert torch.equal(v1_model.get_submodule(LAYER).weight, v2_model.get_submodule(LAYER).weight)
     with pytest.raises(ValueError, match="checkpoint_format='marlin'"):
         _apply(_variant(gptq_folder, tmp_path / "m", {"checkpoint_format": "marlin"}), "gptq")
+
+
+def test_servelab_models_names_the_checkpoint_formats() -> None:
+    from framework.entrypoints.model_info import checkpoint_formats
+
+    assert checkpoint_formats() == ("awq (quant=awq), compressed-tensors (quant=compressed_tensors), "
+                                    "gptq (quant=gptq)")
