@@ -33,7 +33,7 @@ class ServedModels:
         base_root: the base model's folder (``root`` of its model card).
         max_model_len: prompt + output cap, tokens (every card's ``max_model_len``).
         enable_lora: the engine serves adapters (``lora.enable``); else every load is refused.
-        lora_modules: adapter name -> PEFT folder, served from the start (``lora.modules``).
+        lora_modules: adapter name -> PEFT folder, served from the start (``lora.modules``; ignored with LoRA off).
         max_lora_rank: the largest adapter rank the engine accepts (a load above it is a 400).
         allow_runtime_updates: ``lora.allow_runtime_updates``: the load/unload endpoints work.
     """
@@ -44,7 +44,8 @@ class ServedModels:
         self.base_name, self.base_root, self.max_model_len = base_name, base_root, max_model_len
         self.enable_lora, self.max_lora_rank = enable_lora, max_lora_rank
         self.allow_runtime_updates = allow_runtime_updates
-        modules = {str(k): str(v) for k, v in (lora_modules or {}).items()}
+        # lora.modules without lora.enable: nothing to serve them with, so they are not listed (requests naming them 404)
+        modules = {str(k): str(v) for k, v in (lora_modules or {}).items()} if enable_lora else {}
         self.adapters: dict[str, LoRARequest] = {name: named_lora_request(name, modules) for name in sorted(modules)}
         self._ids = itertools.count(len(modules) + 1)
         self._lock = asyncio.Lock()

@@ -207,3 +207,5 @@ def test_runtime_updates_off_or_lora_off_are_clear_errors():
     assert resp.status_code == 400 and "lora.enable=true" in resp.json()["error"]["message"]
     resp = call(off, "/v1/load_lora_adapter", {"lora_name": "x"})
     assert resp.status_code == 404  # the switch is checked first, as vLLM has no such route then
+    unused = ServedModels("tiny", STORIES, 256, enable_lora=False, lora_modules={"a1": "/x"})
+    assert [card["id"] for card in unused.cards()] == ["tiny"]  # lora.modules without lora.enable: not served
