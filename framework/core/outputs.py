@@ -34,6 +34,9 @@ class SchedulerOutput:
     # request_id -> the draft tokens among its scheduled tokens (the last len(...) of them); only
     # requests that verify drafts this step have an entry (speculative decoding)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> each scheduled draft's parent index (-1: the last real token) when its drafts are a tree
+    # (framework/core/spec_tree.py); requests whose drafts are a chain have no entry
+    scheduled_spec_decode_parents: dict[str, list[int]] = field(default_factory=dict)
     # what the KV connector's worker side loads and saves this step (kv_connector; None: no connector)
     kv_connector_metadata: KVConnectorMetadata | None = None
     # structured output, filled by the engine after schedule() (vLLM's grammar_bitmask): one
@@ -62,7 +65,8 @@ class ModelRunnerOutput:
     prepare_s: float = 0.0  # input preparation time, seconds
     forward_s: float = 0.0  # model forward time, seconds
     sample_s: float = 0.0  # logits processing + sampling time, seconds
-    # request_id -> draft tokens accepted this step (speculative decoding; <= its scheduled drafts)
+    # request_id -> draft tokens accepted this step (speculative decoding; <= its scheduled drafts); with a draft
+    # tree, the accepted path's length (its K/V already moved to the positions after the root)
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
     # the KV connector's worker-side report (finished transfers, blocks that failed to load); None: no connector
     kv_connector_output: KVConnectorOutput | None = None

@@ -87,6 +87,9 @@ class Request:
     # draft tokens proposed for the next step (speculative decoding); never output, never hashed
     # into the prefix cache; set by the engine from the drafter, cleared by the scheduler
     spec_token_ids: list[int] = field(default_factory=list)
+    # with a draft tree (framework/core/spec_tree.py): each draft's parent index, -1 = the last real token; empty:
+    # the drafts are a chain. Set and cleared with spec_token_ids
+    spec_parents: list[int] = field(default_factory=list)
     # the LoRA adapter it runs under (None: the base model); set at construction by the engine's processor.
     # The scheduler counts distinct adapters per step (max_loras), the KV allocator salts its prefix hashes with it
     lora_request: LoRARequest | None = None

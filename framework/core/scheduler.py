@@ -184,6 +184,8 @@ class Scheduler:
             swap_out=self._swap_out,
             swap_in=self._swap_in,
             scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_spec_decode_parents={r.request_id: r.spec_parents[:len(spec_tokens[r.request_id])]
+                                           for r in scheduled if r.spec_parents and r.request_id in spec_tokens},
         )
         if self.kv_transfer is not None:
             out.kv_connector_metadata = self.kv_transfer.build_meta(out)
@@ -324,7 +326,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         if slots is None:
             request.num_computed_tokens = 0
-        request.spec_token_ids = []  # drafts are re-proposed after re-admission
+        request.spec_token_ids, request.spec_parents = [], []  # drafts are re-proposed after re-admission
         request.num_preemptions += 1
         preempted.add(request.request_id)
         self.waiting.append(request)
@@ -361,7 +363,7 @@ class Scheduler:
             num_rejected = (len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
                             - runner_output.num_accepted_tokens.get(rid, 0))
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid] - num_rejected
-            request.spec_token_ids = []
+            request.spec_token_ids, request.spec_parents = [], []
             if rid in runner_output.prompt_logprobs:
                 self._add_prompt_logprobs(request, *runner_output.prompt_logprobs[rid])
             new_tokens = runner_output.sampled_token_ids.get(request.request_id)

@@ -79,6 +79,8 @@ class StepMessage:
     grammar_bitmask: np.ndarray | None = None
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)  # request_id -> first bitmask row
     kv_connector_metadata: KVConnectorMetadata | None = None  # the KV connector's loads and saves (kv_connector)
+    # request_id -> each draft's parent index when its drafts are a tree (framework/core/spec_tree.py)
+    scheduled_spec_decode_parents: dict[str, list[int]] = field(default_factory=dict)
 
 
 class StepMessageBuilder:
@@ -131,7 +133,8 @@ class StepMessageBuilder:
             total_num_scheduled_tokens=so.total_num_scheduled_tokens, finished_req_ids=set(so.finished_req_ids),
             swap_out=so.swap_out, swap_in=so.swap_in, scheduled_spec_decode_tokens=so.scheduled_spec_decode_tokens,
             grammar_bitmask=so.grammar_bitmask, structured_output_request_ids=so.structured_output_request_ids,
-            kv_connector_metadata=so.kv_connector_metadata)
+            kv_connector_metadata=so.kv_connector_metadata,
+            scheduled_spec_decode_parents=so.scheduled_spec_decode_parents)
 
     def _num_released(self, table: list[int]) -> int:
         """Leading entries of ``table`` that are the null block."""

@@ -49,6 +49,7 @@ from framework.engine.compile_control import RankZeroCompileStats
 from framework.engine.kv_transfer_support import kv_transfer_problems, make_kv_transfer
 from framework.engine.llm_engine import LLMEngine
 from framework.engine.lora_support import lora_problems, resolve_lora_defaults
+from framework.engine.spec_tree_support import tree_problems
 from framework.interfaces import AttentionLayerSpec, Drafter, Executor
 from framework.metrics.collector import MetricsCollector
 from framework.model_executor.embeddings import load_embeddings
@@ -210,7 +211,7 @@ def validate_plugins(config: EngineConfig) -> list[type | None]:
     """
     classes = [registry.get_class(kind, getattr(config, kind)) for kind in PLUGIN_FIELDS]  # names first
     config = resolve_dtype(config)
-    problems: list[str] = kv_transfer_problems(config) + lora_problems(config)
+    problems: list[str] = kv_transfer_problems(config) + lora_problems(config) + tree_problems(config)
     for cls in classes:
         if cls is not None:
             problems += cls.validate(config)

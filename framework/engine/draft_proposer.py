@@ -4,6 +4,11 @@
 them), tells it which requests left, and asks it for drafts for the running requests in their decode phase, capped so
 that verifying them never passes ``max_model_len`` or ``max_tokens`` and cut to the prefix a request's grammar accepts.
 The scheduler verifies the drafts in the next step (vLLM V1's ``spec_token_ids``); a draft never changes an output.
+
+A drafter may propose a token tree (``framework.core.spec_tree.DraftTree``) instead of a chain: it is pruned to the
+depth and the KV slots the request has room for, and a request that samples randomly or has a grammar verifies the
+tree's main chain only (tree rejection sampling and per-node grammar masks are not built), which keeps its output
+exact. A chain-shaped tree is sent as a chain.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from framework.core.faults import RequestFaults
 from framework.core.outputs import ModelRunnerOutput
 from framework.core.request import Request
 from framework.core.scheduler import Scheduler
+from framework.core.spec_tree import DraftTree
 from framework.core.structured_output import StructuredOutputManager
 from framework.interfaces import Drafter
 
@@ -69,19 +75,32 @@ class DraftProposer:
         if decoding:
             drafts = self.drafts(decoding)
             for request in decoding:
-                max_tokens = request.sampling_params.max_tokens or self.max_model_len
-                room = min(self.max_model_len - request.num_tokens, max_tokens - request.num_output_tokens) - 1
-                draft = list(drafts.get(request.request_id, ()))[:max(room, 0)]
-                if self.structured_output is not None and draft:
-                    draft = self.structured_output.valid_draft_prefix(request.request_id, draft)
-                request.spec_token_ids = draft
+                self.set_drafts(request, drafts.get(request.request_id, DraftTree([], [])))
         return self.clock.now() - t0
 
-    def drafts(self, requests: list[Request]) -> dict[str, list[int]]:
-        """``drafter.propose(requests)``, with faults kept to the request they belong to: when the batched call
-        raises, each request is proposed for alone and only those whose own call raises fail (their error
-        names the drafter); a draft token outside ``[0, vocab_size)`` fails its request too (it would index
-        out of the embedding table in the next forward)."""
+    def set_drafts(self, request: Request, tree: DraftTree) -> None:
+        """Set ``request.spec_token_ids`` (and ``spec_parents`` for a tree) from its proposal: capped so that
+        verifying it reaches neither ``max_model_len`` nor ``max_tokens``, its main chain only for random sampling
+        and grammars, cut to the prefix the request's grammar accepts."""
+        max_tokens = request.sampling_params.max_tokens or self.max_model_len
+        room = min(self.max_model_len - request.num_tokens, max_tokens - request.num_output_tokens) - 1
+        constrained = self.structured_output is not None and request.request_id in self.structured_output
+        if not tree.is_chain and (constrained or not request.sampling_params.greedy):
+            tree = tree.main_chain()
+        tree = tree.pruned(max_depth=room, max_nodes=self.max_model_len - request.num_tokens - 1)
+        draft = list(tree.token_ids)
+        if tree.is_chain:
+            if self.structured_output is not None and draft:
+                draft = self.structured_output.valid_draft_prefix(request.request_id, draft)
+            request.spec_token_ids, request.spec_parents = draft, []
+        else:
+            request.spec_token_ids, request.spec_parents = draft, list(tree.parents)
+
+    def drafts(self, requests: list[Request]) -> dict[str, DraftTree]:
+        """``drafter.propose(requests)`` as trees (a list of ids is a chain), with faults kept to the request they
+        belong to: when the batched call raises, each request is proposed for alone and only those whose own call
+        raises fail (their error names the drafter); a draft token outside ``[0, vocab_size)`` fails its request
+        too (it would index out of the embedding table in the next forward)."""
         what = f"drafter {self.drafter.name!r}"
         try:
             drafts = dict(self.drafter.propose(requests))
@@ -92,11 +111,12 @@ class DraftProposer:
                     drafts.update(self.drafter.propose([request]))
         for request in requests:
             with self.faults.guard(request.request_id, what):
-                draft = list(drafts.get(request.request_id) or ())
-                bad = [t for t in draft if not (isinstance(t, Integral) and 0 <= t < self.vocab_size)]
+                draft = drafts.get(request.request_id) or []
+                tree = draft if isinstance(draft, DraftTree) else DraftTree.chain(list(draft))
+                bad = [t for t in tree.token_ids if not (isinstance(t, Integral) and 0 <= t < self.vocab_size)]
                 if bad:
                     raise ValueError(f"proposed token id {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
-                drafts[request.request_id] = draft
+                drafts[request.request_id] = tree
         return {rid: d for rid, d in drafts.items() if not self.faults.failed(rid)}
 
     def call(self, method: str, arg: Any) -> None:

@@ -17,6 +17,7 @@ from framework.core.outputs import CompletionOutput, ModelRunnerOutput, RequestO
 from framework.core.request import Request
 from framework.core.sampling_params import RequestOutputKind
 from framework.core.scheduler import Scheduler
+from framework.core.spec_tree import tree_depths
 from framework.metrics.collector import MetricsCollector, compute_request_metrics
 
 
@@ -79,8 +80,11 @@ class OutputProcessor:
     def observe_step(self, stats: SchedulerStats, sched_out: Any, runner_out: ModelRunnerOutput) -> None:
         """A step's stats (:func:`scheduler_stats`) into the metrics and the ``on_step_end`` hook."""
         self.metrics.observe_step(stats)
-        if sched_out.scheduled_spec_decode_tokens:
-            self.metrics.observe_draft_positions(sched_out.scheduled_spec_decode_tokens, runner_out.num_accepted_tokens)
+        if sched_out.scheduled_spec_decode_tokens:  # a draft tree counts by depth: one position per level
+            levels = {rid: [0] * int(tree_depths(parents).max())
+                      for rid, parents in getattr(sched_out, "scheduled_spec_decode_parents", {}).items()}
+            self.metrics.observe_draft_positions({**sched_out.scheduled_spec_decode_tokens, **levels},
+                                                 runner_out.num_accepted_tokens)
         registry.call_hook("on_step_end", stats=stats)
 
 

@@ -1,6 +1,6 @@
 """One abstract base class per plugin kind; implementations live in ``plugins/`` or other packages."""
 
-from framework.interfaces.attention import AttentionBackend, AttentionLayerSpec, CommonAttentionMetadata
+from framework.interfaces.attention import AttentionBackend, AttentionLayerSpec, CommonAttentionMetadata, SpecTreeMask
 from framework.interfaces.base import Plugin
 from framework.interfaces.drafter import Drafter
 from framework.interfaces.executor import EngineDeadError, Executor, WorkerError
@@ -17,5 +17,5 @@ __all__ = [
     "AttentionBackend", "AttentionLayerSpec", "CommonAttentionMetadata", "Drafter", "EngineDeadError", "Executor",
     "Grammar", "GrammarMatcher", "KVAllocator", "KVCacheGroup", "KVCacheStats", "KVConnector",
     "KVConnectorMetadata", "KVConnectorOutput", "KVConnectorRole", "LoRABackend", "LoRABatch", "NoReplicaError", "Plugin", "QuantMethod",
-    "ReplicaState", "Router", "SchedulerPolicy", "Tracker", "WorkerError",
+    "ReplicaState", "Router", "SchedulerPolicy", "SpecTreeMask", "Tracker", "WorkerError",
 ]

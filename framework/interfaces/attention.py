@@ -22,6 +22,28 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class SpecTreeMask:
+    """Tree attention of a verify step's draft trees (speculative decoding with token trees,
+    ``framework/core/spec_tree.py``): which of its own query tokens each query token of a tree request sees.
+
+    The query tokens of a tree request sit at consecutive KV positions (its real tokens, then the tree's nodes
+    parents first); key ``m`` of the request's query chunk (at position ``context_len + m``) is visible to query
+    token ``j`` iff ``visible[i][j, m]``; context keys (positions ``< context_len``) stay visible to every query.
+    Requests without a tree attend causally, as always. Built by ``prepare_inputs``; honoured by backends with
+    ``supports_tree_attention``.
+    """
+
+    requests: list[int]  # batch indices of the requests that verify a tree this step
+    visible: list[torch.Tensor]  # per such request: (query_len, query_len) bool, CPU (ancestors and itself)
+
+    def shifted(self, first: int) -> SpecTreeMask | None:
+        """The same trees with batch indices counted from request ``first`` (requests before it dropped);
+        ``None`` when no tree request is left."""
+        kept = [(r - first, v) for r, v in zip(self.requests, self.visible, strict=True) if r >= first]
+        return SpecTreeMask([r for r, _ in kept], [v for _, v in kept]) if kept else None
+
+
+@dataclass
 class CommonAttentionMetadata:
     """Backend-independent description of one flattened batch, built once per step.
 
@@ -44,6 +66,7 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    spec_tree: SpecTreeMask | None = None  # tree attention of draft trees verified this step (None: causal)
 
 
 @dataclass(frozen=True)
@@ -137,6 +160,9 @@ class AttentionBackend(Plugin, ABC):
     supports_sliding_window: ClassVar[bool] = False  # forward(..., sliding_window=W)
     supports_softcap: ClassVar[bool] = False  # forward(..., softcap=c)
     supports_sinks: ClassVar[bool] = False  # forward(..., sinks=(num_heads,) tensor)
+    # draft-tree verification (token-tree speculative decoding): the backend honours
+    # CommonAttentionMetadata.spec_tree; a drafter proposing trees is refused with any other backend
+    supports_tree_attention: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device,

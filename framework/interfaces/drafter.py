@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from framework.config import EngineConfig
     from framework.core.outputs import TargetHiddenStates
     from framework.core.request import Request
+    from framework.core.spec_tree import DraftTree
 
 
 class Drafter(Plugin, ABC):
@@ -29,7 +30,12 @@ class Drafter(Plugin, ABC):
     :meth:`on_requests_freed` (requests that finished, were aborted or preempted: drop their
     state) and :meth:`propose` (requests in their decode phase).
 
+    A drafter may propose a token tree (:class:`framework.core.spec_tree.DraftTree`) per request instead of a
+    chain (Medusa, Cai et al. 2024; SpecInfer, Miao et al. 2023); a chain is the one-branch tree.
+
     Attributes:
+        drafts_trees: class attribute; True when the drafter takes ``spec_decode.params.tree`` (static
+            Medusa-style choice paths) and proposes trees; :meth:`validate` refuses ``tree`` for the others.
         needs_hidden_states: class attribute; True makes the model runner keep the target's last
             hidden states of every forward (from the same forward, no second pass) and the engine
             hand them to :meth:`observe_hidden_states` (EAGLE-style drafters).
@@ -42,6 +48,7 @@ class Drafter(Plugin, ABC):
     """
 
     needs_hidden_states: bool = False
+    drafts_trees: bool = False
 
     def __init__(self, num_speculative_tokens: int = 4, **params: Any) -> None:
         if int(num_speculative_tokens) < 1:
@@ -53,6 +60,13 @@ class Drafter(Plugin, ABC):
     def validate(cls, config: EngineConfig) -> list[str]:
         """Pre-flight checks before weights load: ``num_speculative_tokens >= 1``."""
         problems = super().validate(config)
+        tree = config.drafter_params.get("tree")
+        if tree == "dynamic":
+            problems.append(f"spec_decode {cls.name!r}: tree=dynamic (EAGLE-2 dynamic trees) is not built yet; give "
+                            "a static tree, e.g. spec_decode=medusa spec_decode.params.tree=[[0],[1],[0,0]]")
+        elif tree is not None and not cls.drafts_trees:
+            problems.append(f"spec_decode {cls.name!r} drafts chains only; drop spec_decode.params.tree, or use "
+                            "spec_decode=medusa for token trees")
         k = config.drafter_params.get("num_speculative_tokens", 4)
         if not isinstance(k, int) or k < 1:
             problems.append(f"spec_decode {cls.name!r}: num_speculative_tokens must be an integer >= 1, got {k!r}; "
@@ -84,12 +98,13 @@ class Drafter(Plugin, ABC):
         """
 
     @abstractmethod
-    def propose(self, requests: list[Request]) -> dict[str, list[int]]:
+    def propose(self, requests: list[Request]) -> dict[str, list[int] | DraftTree]:
         """Draft tokens for each request that is in its decode phase.
 
         Called by the engine after a step's outputs are appended, for running requests whose
         tokens are all computed but the last. Must not mutate requests.
 
         Returns:
-            request_id -> up to ``num_speculative_tokens`` token ids (empty list: no proposal).
+            request_id -> up to ``num_speculative_tokens`` token ids (a chain; empty list: no proposal), or a
+            :class:`~framework.core.spec_tree.DraftTree` (tree drafters, ``drafts_trees``).
         """

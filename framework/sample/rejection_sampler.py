@@ -15,6 +15,13 @@ accepts, so the output distribution is exactly the target's:
 ``p`` is the target distribution after exactly the processing normal sampling uses (min_tokens,
 logit_bias, penalties, temperature, min-p, top-k, top-p: :class:`framework.sample.sampler.Sampler`), and row ``j``
 of a request sees its output plus drafts ``0..j-1`` as if they had been generated.
+
+Draft trees (``framework/core/spec_tree.py``; Medusa, Cai et al. 2024; SpecInfer, Miao et al. 2023): row 0 is the
+root's, row ``i + 1`` node ``i``'s (it sees the output plus the node's root-to-node path). Greedy requests take the
+longest root-to-node path whose every token equals the target argmax of its parent's row, then the target's token
+after it. Random sampling over a tree (SpecInfer's multi-candidate rejection sampling, Sec. 4) is not built: the
+engine verifies only a tree's main chain for random requests (``framework/engine/draft_proposer.py``), and a tree
+reaching a random request here is refused.
 """
 
 from __future__ import annotations
@@ -62,6 +69,19 @@ class VerifyOutput:
     token_ids: list[list[int]]  # per request: accepted drafts + one target token (1..k+1 ids)
     num_accepted: list[int]  # per request: accepted drafts (0..k)
     logprobs: list[list[dict[int, float]]] | None  # per request, per emitted token; None if nobody asked
+    # per request: the accepted nodes, root side first, when its drafts are a tree (None for a chain)
+    accepted_nodes: list[list[int] | None] | None = None
+
+
+def _row_paths(drafts: list[int], parents: list[int] | None) -> list[list[int]]:
+    """Per verify row of one request, the drafts it sees as generated: ``drafts[:j]`` for row ``j`` of a chain; the
+    root-to-node path's tokens for row ``i + 1`` (node ``i``) of a tree, ``[]`` for row 0."""
+    if parents is None:
+        return [list(drafts[:j]) for j in range(len(drafts) + 1)]
+    paths: list[list[int]] = [[]]
+    for node, parent in enumerate(parents):
+        paths.append(paths[parent + 1] + [drafts[node]])
+    return paths
 
 
 class RejectionSampler:
@@ -75,7 +95,8 @@ class RejectionSampler:
         self.sampler = sampler
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], draft_token_ids: list[list[int]],
-                 draft_probs: list[torch.Tensor | None] | None = None) -> VerifyOutput:
+                 draft_probs: list[torch.Tensor | None] | None = None,
+                 draft_parents: list[list[int] | None] | None = None) -> VerifyOutput:
         """Verify ``draft_token_ids[i]`` of ``requests[i]``.
 
         Args:
@@ -85,19 +106,21 @@ class RejectionSampler:
             draft_token_ids: per request, its k_i drafts.
             draft_probs: per request, (k_i, vocab) float32 draft probabilities, or None for a
                 drafter without probabilities (one-hot q).
+            draft_parents: per request, its drafts' parent indices when they are a tree (None: a chain).
 
         Returns:
             :class:`VerifyOutput`.
 
         Raises:
-            ValueError: the row count does not match the drafts.
+            ValueError: the row count does not match the drafts, or a random-sampling request verifies a tree.
         """
         num_rows = sum(len(d) + 1 for d in draft_token_ids)
         if logits.dim() != 2 or logits.shape[0] != num_rows:
             raise ValueError(f"logits must have {num_rows} rows (k+1 per request), got {tuple(logits.shape)}")
         vocab = self.sampler.vocab_size
-        rows = [_VerifyRow(r, list(r.output_token_ids) + list(d[:j]))
-                for r, d in zip(requests, draft_token_ids, strict=True) for j in range(len(d) + 1)]
+        parents = draft_parents or [None] * len(requests)
+        rows = [_VerifyRow(r, list(r.output_token_ids) + path)
+                for r, d, p in zip(requests, draft_token_ids, parents, strict=True) for path in _row_paths(d, p)]
         logits = logits[:, :vocab].to(torch.float32, copy=True)
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
         raw_logprobs = logits.log_softmax(dim=1) if want_logprobs else None
@@ -114,10 +137,22 @@ class RejectionSampler:
         probs = None
         if not all(p.greedy for p in params):
             probs = self.sampler.processed_probs(logits, rows)  # type: ignore[arg-type]
-        out_tokens, num_accepted, emitted_rows = [], [], []
+        out_tokens, num_accepted, emitted_rows, accepted_nodes = [], [], [], []
         start = 0
         for i, (request, drafts) in enumerate(zip(requests, draft_token_ids, strict=True)):
             k = len(drafts)
+            accepted_nodes.append(None)
+            if parents[i] is not None:
+                if not request.sampling_params.greedy:
+                    raise ValueError("draft trees are verified for greedy requests only (SpecInfer's multi-candidate "
+                                     "rejection sampling is not built); random requests verify the tree's main chain")
+                nodes = self._verify_tree_greedy(drafts, parents[i], argmax[start:start + k + 1])
+                accepted_nodes[i] = nodes
+                out_tokens.append([drafts[n] for n in nodes] + [argmax[start + (nodes[-1] + 1 if nodes else 0)]])
+                num_accepted.append(len(nodes))
+                emitted_rows.append([start] + [start + n + 1 for n in nodes])
+                start += k + 1
+                continue
             if request.sampling_params.greedy:
                 tokens = self._verify_greedy(drafts, argmax[start:start + k + 1])
             else:
@@ -130,7 +165,31 @@ class RejectionSampler:
         logprobs = None
         if raw_logprobs is not None:
             logprobs = self._logprobs(raw_logprobs, requests, out_tokens, emitted_rows)
-        return VerifyOutput(out_tokens, num_accepted, logprobs)
+        return VerifyOutput(out_tokens, num_accepted, logprobs, accepted_nodes)
+
+    @staticmethod
+    def _verify_tree_greedy(drafts: list[int], parents: list[int], target: list[int]) -> list[int]:
+        """The longest root-to-node path whose tokens each equal the target argmax of their parent's row.
+
+        Args:
+            drafts, parents: the tree's ``k`` tokens and parent indices (``-1``: the root).
+            target: ``(k + 1,)`` argmax of row 0 (the root's) and of each node's row.
+
+        Returns:
+            The accepted node indices, root side first (empty: none accepted).
+        """
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(parents):
+            children.setdefault(parent, []).append(node)
+        best: list[int] = []
+        stack: list[tuple[int, list[int]]] = [(-1, [])]
+        while stack:
+            at, path = stack.pop()
+            if len(path) > len(best):
+                best = path
+            want = target[at + 1]
+            stack += [(c, path + [c]) for c in children.get(at, ()) if drafts[c] == want]
+        return best
 
     @staticmethod
     def _verify_greedy(drafts: list[int], target: list[int]) -> list[int]:

@@ -20,8 +20,9 @@ from framework.core.lora_request import LoRARequest
 from framework.core.outputs import SchedulerOutput
 from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
+from framework.core.spec_tree import ancestor_mask, tree_depths
 from framework.core.step_message import StepMessage
-from framework.interfaces import CommonAttentionMetadata
+from framework.interfaces import CommonAttentionMetadata, SpecTreeMask
 from framework.sample.prompt_logprobs import PromptLogprobRows, prompt_logprob_rows
 
 
@@ -111,7 +112,8 @@ class InputBatch:
             finished_req_ids=step.finished_req_ids, swap_out=step.swap_out, swap_in=step.swap_in,
             scheduled_spec_decode_tokens=step.scheduled_spec_decode_tokens,
             grammar_bitmask=step.grammar_bitmask, structured_output_request_ids=step.structured_output_request_ids,
-            kv_connector_metadata=step.kv_connector_metadata)
+            kv_connector_metadata=step.kv_connector_metadata,
+            scheduled_spec_decode_parents=step.scheduled_spec_decode_parents)
 
 
 @dataclass
@@ -141,6 +143,37 @@ def block_table(so: SchedulerOutput, requests: list[Request], group: int) -> np.
     for i, table in enumerate(tables):
         padded[i, :len(table)] = table
     return padded
+
+
+def tree_positions(so: SchedulerOutput, requests: list[Request], query_start_loc: np.ndarray, query_lens: np.ndarray,
+                   positions: np.ndarray) -> tuple[np.ndarray, SpecTreeMask | None]:
+    """RoPE positions and tree attention of the requests verifying a draft tree (``so.scheduled_spec_decode_parents``).
+
+    A tree's nodes sit at consecutive KV positions after their root (``positions``, which the slot mapping and the
+    masks keep), but each node's RoPE position is its root's plus its depth (Medusa, Cai et al. 2024, Sec. 2.3.1).
+
+    Args:
+        so: the step; requests: batch order; query_start_loc: ``(num_reqs + 1,)`` int64; query_lens: ``(num_reqs,)``
+            int64; positions: ``(num_tokens,)`` int64 consecutive KV positions of the step's tokens.
+
+    Returns:
+        ``(rope_positions (num_tokens,) int64, SpecTreeMask or None)``; ``positions`` itself when no request
+        verifies a tree.
+    """
+    trees = so.scheduled_spec_decode_parents
+    if not trees:
+        return positions, None
+    rope = positions.copy()
+    reqs, visible = [], []
+    for i, request in enumerate(requests):
+        parents = trees.get(request.request_id)
+        if not parents:
+            continue
+        end, k = int(query_start_loc[i + 1]), len(parents)
+        rope[end - k:end] = positions[end - k - 1] + tree_depths(parents)
+        reqs.append(i)
+        visible.append(torch.from_numpy(ancestor_mask(parents, int(query_lens[i]) - k)))
+    return rope, (SpecTreeMask(reqs, visible) if reqs else None)
 
 
 def prepare_inputs(so: SchedulerOutput, block_size: int, device: torch.device) -> BatchInputs:
@@ -173,6 +206,8 @@ def prepare_inputs(so: SchedulerOutput, block_size: int, device: torch.device) -
     req_of_token = np.repeat(np.arange(len(requests)), query_lens)
     positions = context_lens[req_of_token] + np.arange(num_tokens) - query_start_loc[req_of_token]
 
+    rope_positions, spec_tree = tree_positions(so, requests, query_start_loc, query_lens, positions)
+
     num_groups = len(so.block_ids[requests[0].request_id])  # KV cache groups (one table each)
     group_tables = [block_table(so, requests, g) for g in range(num_groups)]
     first_table = group_tables[0]
@@ -201,7 +236,7 @@ def prepare_inputs(so: SchedulerOutput, block_size: int, device: torch.device) -
         query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
         num_reqs=len(requests), num_tokens=num_tokens, num_decodes=num_decodes,
         num_decode_tokens=num_decodes, max_query_len=int(query_lens.max()),
-        max_seq_len=int(seq_lens.max()), block_size=block_size,
+        max_seq_len=int(seq_lens.max()), block_size=block_size, spec_tree=spec_tree,
     )
     group_commons = [common] + [  # the other groups: same batch, their own tables and slots
         replace(common, block_table=torch.from_numpy(table).to(dev, torch.int32),
@@ -211,7 +246,7 @@ def prepare_inputs(so: SchedulerOutput, block_size: int, device: torch.device) -
     return BatchInputs(
         requests=requests,
         input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev)[None],
-        positions=torch.from_numpy(positions).to(dev)[None],
+        positions=torch.from_numpy(rope_positions).to(dev)[None],
         common=common,
         group_commons=group_commons,
         sample_requests=[requests[i] for i in sample_idx.tolist()],

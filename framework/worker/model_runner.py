@@ -351,7 +351,8 @@ class ModelRunner:
                         if result[1] is not None and request.sampling_params.logprobs is not None:
                             logprobs[request.request_id] = [result[1]]
             if len(plain) < len(batch.num_spec):
-                self._verify(logits, batch, row_start, so=scheduler_output, out=(sampled, logprobs, accepted, errors))
+                self._verify(logits, batch, row_start, so=scheduler_output, out=(sampled, logprobs, accepted, errors),
+                             hidden=hidden)
         t3 = time.perf_counter()
         return ModelRunnerOutput(sampled, logprobs, prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2,
                                  num_accepted_tokens=accepted, hidden_states=hidden_states, request_errors=errors,
@@ -371,31 +372,68 @@ class ModelRunner:
         return [self.sampler.generator] + [r.generator for r in reqs if r.generator is not None]
 
     def _verify(self, logits: torch.Tensor, batch: BatchInputs, row_start: np.ndarray, so: SchedulerOutput,
-                out: tuple[dict, dict, dict, dict]) -> None:
-        """Rejection-sample the speculating requests' k+1 rows each; fills ``out`` in place."""
+                out: tuple[dict, dict, dict, dict], hidden: torch.Tensor | None = None) -> None:
+        """Rejection-sample the speculating requests' k+1 rows each; fills ``out`` in place. A draft tree's accepted
+        path is then moved into place (:meth:`_compact_tree`), in the KV cache and in ``hidden`` (when kept)."""
         sampled, logprobs, accepted, errors = out
         spec = [i for i, n in enumerate(batch.num_spec) if n > 0]
         rows = np.concatenate([np.arange(row_start[i], row_start[i + 1]) for i in spec])
         reqs = [batch.sample_requests[i] for i in spec]
         verify_logits = logits[torch.from_numpy(rows).to(logits.device)]
+        trees = so.scheduled_spec_decode_parents
 
-        def verify(x: torch.Tensor, rs: list[Any], rows_each: list[int]) -> list[tuple[list[int], int, Any]]:
+        def verify(x: torch.Tensor, rs: list[Any], rows_each: list[int]) -> list[tuple[list[int], int, Any, Any]]:
             drafts = [so.scheduled_spec_decode_tokens[r.request_id] for r in rs]
             if so.grammar_bitmask is not None:  # the driver's masks per verify row (output + drafts so far)
                 apply_grammar_bitmask(x, rs, so, num_rows_each=rows_each)
-            res = self.rejection_sampler(x, rs, drafts)
-            return [(res.token_ids[j], res.num_accepted[j], res.logprobs[j] if res.logprobs is not None else None)
-                    for j in range(len(rs))]
+            parents = [trees.get(r.request_id) for r in rs] if trees else None
+            res = self.rejection_sampler(x, rs, drafts, draft_parents=parents)
+            return [(res.token_ids[j], res.num_accepted[j], res.logprobs[j] if res.logprobs is not None else None,
+                     res.accepted_nodes[j] if res.accepted_nodes is not None else None) for j in range(len(rs))]
 
         rows_each = [batch.num_spec[i] + 1 for i in spec]
         results = guard_requests(verify, verify_logits, reqs, rows_each, "rejection sampler", self._generators(reqs),
                                  errors)
+        moves = []
         for request, result in zip(reqs, results):
             if result is None:
                 continue
             sampled[request.request_id], accepted[request.request_id] = result[0], result[1]
             if result[2] is not None and request.sampling_params.logprobs is not None:
                 logprobs[request.request_id] = result[2]
+            if result[3]:  # token index of the tree's node 0: the last k tokens of the request's query are its nodes
+                end = int(batch.query_start_loc_cpu[batch.requests.index(request) + 1])
+                moves.append((end - len(so.scheduled_spec_decode_tokens[request.request_id]), result[3]))
+        if moves:
+            self._compact_tree(batch, moves, hidden)
+
+    def _compact_tree(self, batch: BatchInputs, moves: list[tuple[int, list[int]]], hidden: torch.Tensor | None) -> None:
+        """Move each accepted tree path's K/V (every layer, every KV cache group) and hidden-state rows to the
+        positions right after its root, so the request's cache reads as if the path had been a chain; the rejected
+        nodes' slots are overwritten by later steps (the scheduler counts only the accepted path as computed).
+
+        Args:
+            batch: the step's inputs.
+            moves: per tree request, the flattened token index of its node 0 and its accepted node indices (root
+                side first).
+            hidden: ``(num_tokens, hidden)`` kept hidden states, moved the same way, or None.
+        """
+        src, dst = [], []
+        for first, nodes in moves:
+            pairs = [(first + n, first + d) for d, n in enumerate(nodes) if n != d]
+            src += [s for s, _ in pairs]
+            dst += [d for _, d in pairs]
+        if not src:
+            return
+        device = batch.positions.device
+        src_t, dst_t = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        slots = [common.slot_mapping for common in batch.group_commons]
+        for layer, cache in enumerate(self.kv_caches):
+            group_slots = slots[self.layer_group[layer]]
+            key, value = self.backend.read_kv(cache, group_slots[src_t])
+            self.backend.write_kv(cache, key, value, group_slots[dst_t])
+        if hidden is not None:
+            hidden[dst_t] = hidden[src_t]
 
     def _swap(self, so: SchedulerOutput) -> None:
         """The step's swap copies through the backend: every swap-out, then every swap-in, before

@@ -85,7 +85,7 @@ def split_decode_prefill(common: CommonAttentionMetadata) -> tuple[CommonAttenti
             slot_mapping=common.slot_mapping[:ndt], query_lens_cpu=common.query_lens_cpu[:nd],
             seq_lens_cpu=common.seq_lens_cpu[:nd], num_reqs=nd, num_tokens=ndt, num_decodes=nd,
             num_decode_tokens=ndt, max_query_len=max(common.query_lens_cpu[:nd]),
-            max_seq_len=max(common.seq_lens_cpu[:nd]))
+            max_seq_len=max(common.seq_lens_cpu[:nd]), spec_tree=None)
     if nd < common.num_reqs:
         q_lens = common.query_lens_cpu[nd:]
         seq_lens_cpu = common.seq_lens_cpu[nd:]
@@ -94,7 +94,8 @@ def split_decode_prefill(common: CommonAttentionMetadata) -> tuple[CommonAttenti
             context_lens=common.context_lens[nd:], block_table=common.block_table[nd:],
             slot_mapping=common.slot_mapping[ndt:], query_lens_cpu=q_lens, seq_lens_cpu=seq_lens_cpu,
             num_reqs=common.num_reqs - nd, num_tokens=common.num_tokens - ndt, num_decodes=0,
-            num_decode_tokens=0, max_query_len=max(q_lens), max_seq_len=max(seq_lens_cpu))
+            num_decode_tokens=0, max_query_len=max(q_lens), max_seq_len=max(seq_lens_cpu),
+            spec_tree=None if common.spec_tree is None else common.spec_tree.shifted(nd))
     return decode, prefill
 
 

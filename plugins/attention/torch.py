@@ -42,19 +42,23 @@ class _Segment:
     output_index: torch.Tensor | None  # (num_seg_tokens,) int64 into the flattened (reqs * max_q) outputs
     token_index: torch.Tensor | None = None  # (num_seg_tokens,) int64 step token of each output row; None: all of
     # token_start..token_end in order (a length bucket holds only some of the prefill requests)
+    tree_allow: torch.Tensor | None = None  # (num_seg_reqs, max_q, num_keys) bool: draft-tree attention (see mask)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # see mask
     additive_masks: dict[tuple[torch.dtype, int | None], torch.Tensor] = field(default_factory=dict)  # see sdpa_mask
 
     def mask(self, window: int | None = None) -> torch.Tensor:
         """``(num_seg_reqs, max_q, num_keys)`` bool, True = attend: keys at positions ``<= q`` (and
-        ``> q - window`` with a sliding window); a padded query row attends to key 0 only (no all-masked,
-        NaN rows). Built at the first layer with this window, reused by the others."""
+        ``> q - window`` with a sliding window), and, for draft-tree requests, among their own query tokens only the
+        ancestors (``tree_allow``); a padded query row attends to key 0 only (no all-masked, NaN rows). Built at the
+        first layer with this window, reused by the others."""
         if window not in self.masks:
             kv_pos = torch.arange(self.num_keys, device=self.q_pos.device)[None, None, :]
             q_pos = self.q_pos[:, :, None]
             mask = kv_pos <= q_pos
             if window is not None:  # transformers: a query at position p sees keys at positions > p - W
                 mask &= kv_pos > q_pos - window
+            if self.tree_allow is not None:
+                mask &= self.tree_allow
             if self.valid_q is not None:
                 mask &= self.valid_q[:, :, None]
                 mask[:, :, 0] |= ~self.valid_q
@@ -133,6 +137,7 @@ class TorchAttentionBackend(AttentionBackend):
     supports_sliding_window = True  # through the mask (keys at positions > q - W)
     supports_softcap = True  # explicit math (_attention_math), SDPA has no softcap
     supports_sinks = True  # explicit math, the sink joins the softmax denominator
+    supports_tree_attention = True  # the prefill segments' masks (tree_mask_rows)
     DECODE_KERNELS = ("packed", "gqa")
     PREFILL_KERNELS = ("packed", "gqa")
 
@@ -203,8 +208,10 @@ class TorchAttentionBackend(AttentionBackend):
         query_index = torch.where(valid_q, q_starts[:, None] + q_off[None, :], 0).clamp_(max=num_tokens - 1)
         output_index = valid_q.flatten().nonzero().squeeze(1)
         token_index = None if in_order else (start + q_starts[:, None] + q_off[None, :])[valid_q]
+        tree = None if common.spec_tree is None else tree_mask_rows(common, tiles, max_q, num_blocks * self.block_size)
         return _Segment(start, common.num_tokens, common.block_table[idx, :num_blocks].long(),
-                        num_blocks * self.block_size, q_pos, valid_q, group, query_index, output_index, token_index)
+                        num_blocks * self.block_size, q_pos, valid_q, group, query_index, output_index, token_index,
+                        tree)
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TorchAttentionMetadata, **features: Any) -> torch.Tensor:
@@ -336,6 +343,29 @@ class QueryTile:
     q_offset: int
     q_len: int
     kv_len: int
+
+
+def tree_mask_rows(common: CommonAttentionMetadata, tiles: list[QueryTile], max_q: int,
+                   num_keys: int) -> torch.Tensor | None:
+    """The draft-tree restriction of one padded prefill segment (``CommonAttentionMetadata.spec_tree``).
+
+    Returns:
+        ``(len(tiles), max_q, num_keys)`` bool on the metadata's device, True = allowed: everything but the keys of a
+        tree request's own query chunk that are not an ancestor (or itself) of the query row; ``None`` when no tile
+        belongs to a tree request.
+    """
+    trees = dict(zip(common.spec_tree.requests, common.spec_tree.visible, strict=True))
+    if not any(t.req in trees for t in tiles):
+        return None
+    allow = torch.ones((len(tiles), max_q, num_keys), dtype=torch.bool)
+    for i, tile in enumerate(tiles):
+        visible = trees.get(tile.req)
+        if visible is None:
+            continue
+        ctx = common.seq_lens_cpu[tile.req] - common.query_lens_cpu[tile.req]  # position of the chunk's first token
+        width = min(visible.shape[1], num_keys - ctx)
+        allow[i, :tile.q_len, ctx:ctx + width] = visible[tile.q_offset:tile.q_offset + tile.q_len, :width]
+    return allow.to(common.seq_lens.device)
 
 
 def query_tiles(reqs: Iterable[int], query_lens: list[int], seq_lens: list[int], tile: int) -> list[QueryTile]:

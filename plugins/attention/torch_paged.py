@@ -173,6 +173,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     supports_sliding_window = True  # partitions from the window's first block; the reference masks
     supports_softcap = True
     supports_sinks = True
+    supports_tree_attention = True  # a verify step's query chunks always go through the reference's masks
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, block_size: int,
                  dtype: torch.dtype, device: torch.device, layers: Sequence[AttentionLayerSpec] | None = None,
@@ -234,7 +235,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         token is a decode, also the whole-step metadata of :meth:`traceable_forward`."""
         all_decodes = common.num_decodes == common.num_reqs == common.num_tokens
         graph = self._paged_metadata(common) if self.in_place and all_decodes else None
-        if self.paged_prefill and self.in_place:
+        if self.paged_prefill and self.in_place and common.spec_tree is None:  # draft trees: the reference's masks
             return TorchPagedStepMetadata(common.slot_mapping, common.num_tokens,
                                           graph or self._paged_metadata(common), None, graph)
         if common.num_decodes < self.min_paged_decodes or not self.in_place:
