@@ -13,6 +13,7 @@ top-k rank taken at each depth; :func:`parse_tree_paths` checks them and orders 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,8 +103,8 @@ def parse_tree_paths(paths: object) -> list[list[int]]:
     """Check Medusa choice paths and order them parents first (by depth, then rank).
 
     Args:
-        paths: a list of non-empty lists of ranks >= 0 (``[[0], [1], [0, 0]]``), e.g. from
-            ``spec_decode.params.tree``.
+        paths: a sequence (list, tuple, Hydra ``ListConfig``) of non-empty sequences of ranks >= 0
+            (``[[0], [1], [0, 0]]``), e.g. from ``spec_decode.params.tree``.
 
     Returns:
         The paths sorted by (length, ranks).
@@ -111,12 +112,12 @@ def parse_tree_paths(paths: object) -> list[list[int]]:
     Raises:
         ValueError: not a list of rank lists, a duplicate path, or a path whose parent path is missing.
     """
-    if not isinstance(paths, (list, tuple)) or not paths:
+    if isinstance(paths, str) or not isinstance(paths, Sequence) or not paths:
         raise ValueError(f"spec_decode.params.tree must be a non-empty list of choice paths such as "
                          f"[[0],[1],[0,0]] (or dynamic, not built yet), got {paths!r}")
     out = []
     for path in paths:
-        if (not isinstance(path, (list, tuple)) or not path
+        if (isinstance(path, str) or not isinstance(path, Sequence) or not path
                 or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)):
             raise ValueError(f"spec_decode.params.tree: each path is a non-empty list of top-k ranks >= 0, got {path!r}")
         out.append([int(r) for r in path])
@@ -134,3 +135,38 @@ def paths_parents(paths: list[list[int]]) -> list[int]:
     """Parent index of each path of :func:`parse_tree_paths`'s output (``-1`` for depth-1 paths)."""
     index = {tuple(p): i for i, p in enumerate(paths)}
     return [index[tuple(p[:-1])] if len(p) > 1 else -1 for p in paths]
+
+
+def tree_from_ranked(paths: list[list[int]], parents: list[int], ranked: list[list[int]],
+                     probs: list[list[float]] | None = None) -> DraftTree:
+    """The static tree whose node ``[.., r]`` at depth ``d`` takes ``ranked[d - 1][r]``, the ``r``-th guess at that
+    depth (Medusa: head ``d - 1``'s top-k; a chain drafter: its top-k at step ``d`` along the top-1 chain). Paths
+    deeper than ``ranked`` (a drafter that stopped early) are left out, with their descendants.
+
+    Args:
+        paths: :func:`parse_tree_paths`'s output; parents: :func:`paths_parents` of it.
+        ranked: per depth, the guesses best first (at least ``max rank + 1`` of them).
+        probs: per depth, the drafter's probability of each guess (``DraftTree.draft_probs``), or None.
+    """
+    keep = [i for i, p in enumerate(paths) if len(p) <= len(ranked)]  # parents first: a prefix-closed subset
+    index = {old: new for new, old in enumerate(keep)}
+    tokens = [ranked[len(paths[i]) - 1][paths[i][-1]] for i in keep]
+    node_probs = None if probs is None else [probs[len(paths[i]) - 1][paths[i][-1]] for i in keep]
+    return DraftTree(tokens, [index[parents[i]] if parents[i] >= 0 else -1 for i in keep], node_probs)
+
+
+def sibling_tree_paths(tree: object, drafter: str) -> list[list[int]]:
+    """Static paths a chain drafter can fill from one top-1 chain: every rank but the last is 0 (the chain plus its
+    top-k alternatives at each depth as leaves), ordered parents first.
+
+    Raises:
+        ValueError: malformed paths (:func:`parse_tree_paths`), or a path that branches off a non-top-1 guess
+            (it would need another draft pass; use spec_decode=medusa, whose heads guess every depth at once).
+    """
+    paths = parse_tree_paths(tree)
+    bad = [p for p in paths if any(p[:-1])]
+    if bad:
+        raise ValueError(f"spec_decode={drafter} with a tree drafts its top-1 chain and the top-k alternatives at each "
+                         f"depth, so every rank but a path's last must be 0; {bad[0]} is not (use spec_decode=medusa "
+                         "for any static tree)")
+    return paths

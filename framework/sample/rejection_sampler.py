@@ -19,9 +19,12 @@ of a request sees its output plus drafts ``0..j-1`` as if they had been generate
 Draft trees (``framework/core/spec_tree.py``; Medusa, Cai et al. 2024; SpecInfer, Miao et al. 2023): row 0 is the
 root's, row ``i + 1`` node ``i``'s (it sees the output plus the node's root-to-node path). Greedy requests take the
 longest root-to-node path whose every token equals the target argmax of its parent's row, then the target's token
-after it. Random sampling over a tree (SpecInfer's multi-candidate rejection sampling, Sec. 4) is not built: the
-engine verifies only a tree's main chain for random requests (``framework/engine/draft_proposer.py``), and a tree
-reaching a random request here is refused.
+after it. Random requests use SpecInfer's multi-step speculative sampling (Miao et al. 2023, Sec. 4.2, Alg. 2) with
+deterministic candidates (a tree drafter's top-k guesses are functions of the context, so each child's ``q`` is
+one-hot): at a node, its children are tried in order, child ``c`` accepted with probability ``p'(c) / sum(p')``
+where ``p'`` is the node's target distribution with the already rejected siblings' tokens zeroed; the first accepted
+child becomes the node and the walk goes on; when every child is rejected the next token is sampled from ``p'``.
+Each emitted token then has exactly the target's probability, whatever the tree.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ class RejectionSampler:
             :class:`VerifyOutput`.
 
         Raises:
-            ValueError: the row count does not match the drafts, or a random-sampling request verifies a tree.
+            ValueError: the row count does not match the drafts.
         """
         num_rows = sum(len(d) + 1 for d in draft_token_ids)
         if logits.dim() != 2 or logits.shape[0] != num_rows:
@@ -143,12 +146,13 @@ class RejectionSampler:
             k = len(drafts)
             accepted_nodes.append(None)
             if parents[i] is not None:
-                if not request.sampling_params.greedy:
-                    raise ValueError("draft trees are verified for greedy requests only (SpecInfer's multi-candidate "
-                                     "rejection sampling is not built); random requests verify the tree's main chain")
-                nodes = self._verify_tree_greedy(drafts, parents[i], argmax[start:start + k + 1])
+                if request.sampling_params.greedy:
+                    nodes = self._verify_tree_greedy(drafts, parents[i], argmax[start:start + k + 1])
+                    last = argmax[start + (nodes[-1] + 1 if nodes else 0)]
+                else:
+                    nodes, last = self._verify_tree_random(request, drafts, parents[i], probs[start:start + k + 1])
                 accepted_nodes[i] = nodes
-                out_tokens.append([drafts[n] for n in nodes] + [argmax[start + (nodes[-1] + 1 if nodes else 0)]])
+                out_tokens.append([drafts[n] for n in nodes] + [last])
                 num_accepted.append(len(nodes))
                 emitted_rows.append([start] + [start + n + 1 for n in nodes])
                 start += k + 1
@@ -190,6 +194,42 @@ class RejectionSampler:
             want = target[at + 1]
             stack += [(c, path + [c]) for c in children.get(at, ()) if drafts[c] == want]
         return best
+
+    def _verify_tree_random(self, request: Request, drafts: list[int], parents: list[int],
+                            p: torch.Tensor) -> tuple[list[int], int]:
+        """SpecInfer's multi-step speculative sampling (Miao et al. 2023, Sec. 4.2) over one request's tree, with
+        deterministic (one-hot) candidates; see the module docstring.
+
+        Args:
+            drafts, parents: the tree's ``k`` tokens and parent indices (``-1``: the root).
+            p: ``(k + 1, vocab)`` float32 target probabilities of row 0 (the root's) and of each node's row.
+
+        Returns:
+            ``(accepted node indices root side first, the next token)``. Randomness: one uniform per tried child,
+            then one float64 uniform for the final draw, from the request's generator when seeded, else the
+            engine's.
+        """
+        gen = request.generator if request.generator is not None else self.sampler.generator
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(parents):
+            children.setdefault(parent, []).append(node)
+        p_cpu = p.cpu()
+        at, nodes = -1, []
+        while True:
+            dist = p_cpu[at + 1].clone()
+            accepted = None
+            for child in children.get(at, ()):
+                token = drafts[child]
+                # accept with probability p'(token) / sum(p'); rejected siblings' tokens are already zeroed
+                if float(torch.rand(1, generator=gen)) * float(dist.sum()) < float(dist[token]):
+                    accepted = child
+                    break
+                dist[token] = 0.0
+            if accepted is None:
+                u = torch.rand(1, dtype=torch.float64, generator=gen)
+                return nodes, int(inverse_cdf_sample(dist.unsqueeze(0), u)[0])
+            nodes.append(accepted)
+            at = accepted
 
     @staticmethod
     def _verify_greedy(drafts: list[int], target: list[int]) -> list[int]:

@@ -10,7 +10,9 @@ step only the longest common prefix of what it computed and the request's accept
 reused, the rest is recomputed (rejected positions are overwritten).
 
 Drafts are greedy (the draft's argmax), so ``q`` is one-hot and verification is exact for any
-sampling parameters (``framework.sample.rejection_sampler``).
+sampling parameters (``framework.sample.rejection_sampler``). With ``spec_decode.params.tree`` (static paths whose
+every rank but the last is 0, :func:`framework.core.spec_tree.sibling_tree_paths`) the drafter proposes a token tree:
+its greedy chain plus, at each depth, the draft's next-best tokens as leaves (its top-k logprobs of the same steps).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from framework import hookimpl
 from framework.config import EngineConfig
 from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
+from framework.core.spec_tree import DraftTree, paths_parents, sibling_tree_paths, tree_from_ranked
 from framework.hookspecs import Register
 from framework.interfaces import Drafter
 
@@ -39,18 +42,27 @@ class DraftModelDrafter(Drafter):
         model: path (or ``models/`` name) of the draft model; must share the target's vocabulary.
         num_blocks: draft KV blocks; default enough for ``max_num_seqs`` requests of
             ``max_model_len`` tokens, capped by the target's ``kv_cache_memory_bytes``.
+        tree: static Medusa-style paths, each rank but the last 0 (the chain plus top-k leaves per depth); the tree's
+            depth replaces ``num_speculative_tokens``. ``None``: a chain.
 
     Raises:
-        ValueError: no model given (also reported by :meth:`validate` before weights load).
+        ValueError: no model given, or a tree the drafter cannot fill (also reported by :meth:`validate`).
     """
 
     name = "draft_model"
+    drafts_trees = True
 
     def __init__(self, num_speculative_tokens: int = 4, model: str | None = None, num_blocks: int | None = None,
-                 **params: Any) -> None:
+                 tree: Any = None, **params: Any) -> None:
         super().__init__(num_speculative_tokens, **params)
         if not model:
             raise ValueError(MISSING_MODEL)
+        self.paths = sibling_tree_paths(tree, "draft_model") if tree is not None else None
+        self.topk: int | None = None  # top-k logprobs asked of each draft step (trees only)
+        if self.paths is not None:
+            self.parents = paths_parents(self.paths)
+            self.num_speculative_tokens = max(len(p) for p in self.paths)
+            self.topk = max(p[-1] for p in self.paths) + 1
         self.model_path = model
         self.num_blocks = num_blocks
         self._states: dict[str, Request] = {}  # request_id -> shadow request tracking the draft KV
@@ -60,6 +72,12 @@ class DraftModelDrafter(Drafter):
         """Model path given and present, its architecture runs on the chosen attention backend, and its
         vocabulary equals the target's (configs only)."""
         problems = super().validate(config)
+        tree = config.drafter_params.get("tree")
+        if tree is not None and tree != "dynamic":
+            try:
+                sibling_tree_paths(tree, "draft_model")
+            except ValueError as exc:
+                problems.append(str(exc))
         path = config.drafter_params.get("model")
         if not path:
             return problems + [MISSING_MODEL]
@@ -112,7 +130,7 @@ class DraftModelDrafter(Drafter):
         state = self._states.get(request.request_id)
         if state is None:
             state = Request(request_id=request.request_id, prompt_token_ids=list(request.all_token_ids),
-                            sampling_params=SamplingParams(temperature=0.0, max_tokens=None))
+                            sampling_params=SamplingParams(temperature=0.0, max_tokens=None, logprobs=self.topk))
             self._states[request.request_id] = state
             return state
         old = np.asarray(state.all_token_ids[:state.num_computed_tokens], dtype=np.int64)
@@ -123,12 +141,14 @@ class DraftModelDrafter(Drafter):
         state.num_computed_tokens = min(common, request.num_tokens - 1)
         return state
 
-    def propose(self, requests: list[Request]) -> dict[str, list[int]]:
-        """k greedy draft steps over all requests at once (the first also catches up the context)."""
+    def propose(self, requests: list[Request]) -> dict[str, list[int] | DraftTree]:
+        """k greedy draft steps over all requests at once (the first also catches up the context); with a tree,
+        each request's tree from the top-k of the same steps."""
         from framework.core.outputs import SchedulerOutput
 
         states = [self._sync(r) for r in requests]
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        ranked: dict[str, list[list[int]]] = {r.request_id: [] for r in requests}
         for _ in range(self.num_speculative_tokens):
             active = [s for s in states if s.num_tokens < self.max_len
                       and self.kv.allocate_slots(s, s.num_tokens - s.num_computed_tokens) is not None]
@@ -144,7 +164,12 @@ class DraftModelDrafter(Drafter):
                 token = out.sampled_token_ids[s.request_id][0]
                 s.all_token_ids.append(token)
                 drafts[s.request_id].append(token)
+                if self.paths is not None:  # the chain's token first, then the others by logprob
+                    top = out.logprobs[s.request_id][0]
+                    ranked[s.request_id].append([token] + sorted(set(top) - {token}, key=lambda t: -top[t]))
             states = active
+        if self.paths is not None:
+            return {rid: tree_from_ranked(self.paths, self.parents, ranked[rid]) for rid in drafts}
         return drafts
 
 

@@ -17,7 +17,9 @@ head's context starts at the first feature it saw. RoPE attention depends only o
 positions, so head positions count from that start; acceptance may drop, output never changes.
 
 Drafts are the head's argmax, so ``q`` is one-hot and verification is exact for every sampling
-setting (``framework.sample.rejection_sampler``).
+setting (``framework.sample.rejection_sampler``). With ``spec_decode.params.tree`` (static paths whose every rank but
+the last is 0, :func:`framework.core.spec_tree.sibling_tree_paths`) the drafter proposes a token tree: its argmax
+chain plus, at each depth, the head's next-best guesses as leaves (the LM head's top-k of the same steps).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from framework.config import EngineConfig
 from framework.core.outputs import SchedulerOutput, TargetHiddenStates
 from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
+from framework.core.spec_tree import DraftTree, paths_parents, sibling_tree_paths, tree_from_ranked
 from framework.hookspecs import Register
 from framework.interfaces import Drafter
 
@@ -58,19 +61,27 @@ class EagleDrafter(Drafter):
             e.g. ``models/stories260K-eagle`` or the output of ``python -m experiments.quality.train_eagle``.
         num_blocks: head KV blocks; default enough for ``max_num_seqs`` requests of
             ``max_model_len`` tokens, capped by the target's ``kv_cache_memory_bytes``.
+        tree: static Medusa-style paths, each rank but the last 0 (the chain plus top-k leaves per depth); the tree's
+            depth replaces ``num_speculative_tokens``. ``None``: a chain.
 
     Raises:
-        ValueError: no model given (also reported by :meth:`validate` before weights load).
+        ValueError: no model given, or a tree the drafter cannot fill (also reported by :meth:`validate`).
     """
 
     name = "eagle"
     needs_hidden_states = True
+    drafts_trees = True
 
     def __init__(self, num_speculative_tokens: int = 4, model: str | None = None, num_blocks: int | None = None,
-                 **params: Any) -> None:
+                 tree: Any = None, **params: Any) -> None:
         super().__init__(num_speculative_tokens, **params)
         if not model:
             raise ValueError(MISSING_MODEL)
+        self.paths = sibling_tree_paths(tree, "eagle") if tree is not None else None
+        if self.paths is not None:
+            self.parents = paths_parents(self.paths)
+            self.num_speculative_tokens = max(len(p) for p in self.paths)
+            self.topk = max(p[-1] for p in self.paths) + 1
         self.model_path = model
         self.num_blocks = num_blocks
         self._states: dict[str, _HeadState] = {}
@@ -79,6 +90,12 @@ class EagleDrafter(Drafter):
     def validate(cls, config: EngineConfig) -> list[str]:
         """Head folder given and readable; its hidden size and vocabulary equal the target's."""
         problems = super().validate(config)
+        tree = config.drafter_params.get("tree")
+        if tree is not None and tree != "dynamic":
+            try:
+                sibling_tree_paths(tree, "eagle")
+            except ValueError as exc:
+                problems.append(str(exc))
         path = config.drafter_params.get("model")
         if not path:
             return problems + [MISSING_MODEL]
@@ -139,9 +156,11 @@ class EagleDrafter(Drafter):
             self.kv.free(state.shadow)
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request]) -> dict[str, list[int]]:
-        """Catch the head up on real features, then k greedy draft steps over all requests at once."""
+    def propose(self, requests: list[Request]) -> dict[str, list[int] | DraftTree]:
+        """Catch the head up on real features, then k greedy draft steps over all requests at once (with a tree:
+        the top-k of each step too, then each request's tree)."""
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        ranked: dict[str, list[list[int]]] = {r.request_id: [] for r in requests}
         active, feats, real, caught_up = [], {}, {}, {}
         for request in requests:
             state = self._states.get(request.request_id)
@@ -165,9 +184,16 @@ class EagleDrafter(Drafter):
             if step == 0:  # only these caught up; the others keep their pending features for later
                 caught_up = {s.shadow.request_id: real[s.shadow.request_id] for s in active}
             hidden = self._head_step([s.shadow for s in active], feats)  # (len(active), hidden)
-            tokens = self.lm_head(hidden).argmax(-1).tolist()  # one LM-head GEMM for every request
+            logits = self.lm_head(hidden)  # one LM-head GEMM for every request
+            if self.paths is not None:
+                top = logits.topk(self.topk, dim=-1).indices.tolist()  # (len(active), topk), best first
+                tokens = [t[0] for t in top]
+            else:
+                tokens = logits.argmax(-1).tolist()
             for j, state in enumerate(active):
                 rid = state.shadow.request_id
+                if self.paths is not None:
+                    ranked[rid].append(top[j])
                 state.shadow.num_computed_tokens = state.shadow.num_tokens
                 state.shadow.all_token_ids.append(tokens[j])
                 drafts[rid].append(tokens[j])
@@ -177,6 +203,8 @@ class EagleDrafter(Drafter):
             state.pending = state.pending[:0]  # consumed; rows beyond were rejected drafts
             state.shadow.num_computed_tokens = n_real
             del state.shadow.all_token_ids[n_real:]
+        if self.paths is not None:
+            return {rid: tree_from_ranked(self.paths, self.parents, ranked[rid]) for rid in drafts}
         return drafts
 
     def _head_step(self, shadows: list[Request], feats: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,6 @@ is the one to draft from. No KV cache and no per-request state outlive a step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from framework import hookimpl
 from framework.config import EngineConfig
 from framework.core.outputs import TargetHiddenStates
 from framework.core.request import Request
-from framework.core.spec_tree import DraftTree, parse_tree_paths, paths_parents
+from framework.core.spec_tree import DraftTree, parse_tree_paths, paths_parents, tree_from_ranked
 from framework.hookspecs import Register
 from framework.interfaces import Drafter
 
@@ -55,7 +54,7 @@ class MedusaDrafter(Drafter):
         if not model:
             raise ValueError(MISSING_MODEL)
         self.model_path = model
-        paths = parse_tree_paths(_plain(tree)) if tree is not None else None
+        paths = parse_tree_paths(tree) if tree is not None else None
         self.paths = paths
         self._features: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (first position, rows) of this step
 
@@ -79,7 +78,7 @@ class MedusaDrafter(Drafter):
         tree = config.drafter_params.get("tree")
         if tree is not None and tree != "dynamic":
             try:
-                depth = max(len(p) for p in parse_tree_paths(_plain(tree)))
+                depth = max(len(p) for p in parse_tree_paths(tree))
             except ValueError as exc:
                 return problems + [str(exc)]
             if depth > heads.num_heads:
@@ -135,20 +134,8 @@ class MedusaDrafter(Drafter):
             return {}
         logits = self.heads(torch.stack(rows))[:self.depth]  # (depth, R, vocab)
         probs, tokens = logits.float().softmax(-1).topk(self.topk, dim=-1)  # (depth, R, topk)
-        tokens, probs = tokens.tolist(), probs.tolist()
-        drafts: dict[str, list[int] | DraftTree] = {}
-        for r, rid in enumerate(ids):
-            node_tokens = [tokens[len(p) - 1][r][p[-1]] for p in self.paths]
-            node_probs = [probs[len(p) - 1][r][p[-1]] for p in self.paths]
-            drafts[rid] = DraftTree(node_tokens, list(self.parents), node_probs)
-        return drafts
-
-
-def _plain(tree: Any) -> Any:
-    """``tree`` as plain lists (Hydra hands over ``ListConfig``s)."""
-    if isinstance(tree, Sequence) and not isinstance(tree, str):
-        return [_plain(x) for x in tree]
-    return tree
+        tokens, probs = tokens.transpose(0, 1).tolist(), probs.transpose(0, 1).tolist()  # (R, depth, topk)
+        return {rid: tree_from_ranked(self.paths, self.parents, tokens[r], probs[r]) for r, rid in enumerate(ids)}
 
 
 def _mismatches(heads: Any, target: Any, path: str) -> list[str]:
