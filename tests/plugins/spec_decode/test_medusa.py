@@ -154,6 +154,17 @@ def test_tree_sampling_keeps_target_distribution(make_llm, drafter):
     assert summary["spec_num_draft_tokens"] > NUM_SAMPLES, "trees were not verified"
 
 
+def test_compiled_target_keeps_parity_without_recompiles(make_llm):
+    """engine.compile=true: tree verify steps (several tokens per request, trees pruned to different sizes near
+    max_tokens) run the compiled decoder with the opaque attention op; output equals transformers and no graph is
+    compiled after the warm-up (``torch`` spares compiling ``torch_paged``'s traced-decode graphs)."""
+    llm = make_llm(drafter="medusa", drafter_params={"model": STORIES_MEDUSA, "tree": TREES["medusa"]}, compile=True,
+                   attention="torch")
+    assert llm.engine.runner.compile_stats.active
+    _check(llm, PROMPTS[:3], max_tokens=30)
+    assert llm.engine.runner.compile_stats.num_recompiles == 0
+
+
 def test_draft_tree_rules():
     paths = parse_tree_paths([[0, 1], [1], [0]])
     assert paths == [[0], [1], [0, 1]] and paths_parents(paths) == [-1, -1, 0]
