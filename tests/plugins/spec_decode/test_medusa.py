@@ -165,6 +165,22 @@ def test_compiled_target_keeps_parity_without_recompiles(make_llm):
     assert llm.engine.runner.compile_stats.num_recompiles == 0
 
 
+def test_penalties_and_logprobs_match_no_speculation(make_llm):
+    """Each verify row of a tree sees the output plus its node's path (repetition penalty, min_tokens), and the
+    logprobs of an accepted path come from its nodes' rows: greedy outputs and logprobs equal a run without
+    speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=32, repetition_penalty=1.3, min_tokens=20, logprobs=2)
+    plain = make_llm().generate(PROMPTS, params)
+    tree = make_llm(drafter="medusa", drafter_params={"model": STORIES_MEDUSA, "tree": TREES["medusa"]})
+    outs = tree.generate(PROMPTS, params)
+    assert tree.engine.metrics.summary()["spec_num_accepted_tokens"] > 0
+    for a, b in zip(plain, outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
 def test_draft_tree_rules():
     paths = parse_tree_paths([[0, 1], [1], [0]])
     assert paths == [[0], [1], [0, 1]] and paths_parents(paths) == [-1, -1, 0]
