@@ -30,10 +30,10 @@ from collections.abc import Callable, Sequence
 from framework import hookimpl
 from framework.core.request import Request
 from framework.hookspecs import Register
-from framework.interfaces import SchedulerPolicy
+from plugins.schedulers._aging import AgingPolicy
 
 
-class LoRAAffinityPolicy(SchedulerPolicy):
+class LoRAAffinityPolicy(AgingPolicy):
     """Aged requests first, then those of loaded adapters (and the base model), then the other adapters' groups.
 
     Args:
@@ -49,20 +49,12 @@ class LoRAAffinityPolicy(SchedulerPolicy):
     name = "lora_affinity"
 
     def __init__(self, aging_s: float = 10.0, clock: Callable[[], float] = time.perf_counter) -> None:
-        super().__init__()
-        if not aging_s > 0:
-            raise ValueError(f"scheduler.params.aging_s must be > 0 seconds, got {aging_s}")
-        self.aging_s = float(aging_s)
-        self.clock = clock
+        super().__init__(aging_s, clock)
         self.loaded: frozenset[int] = frozenset()  # lora_int_id of every running request's adapter (in slots)
 
     def observe_running(self, running: Sequence[Request]) -> None:
         """Remember the running set's adapters: they are in device slots this step."""
         self.loaded = frozenset(r.lora_request.lora_int_id for r in running if r.lora_request is not None)
-
-    def aged(self, request: Request, now: float | None = None) -> bool:
-        """Whether ``request`` has waited at least ``aging_s`` seconds since its arrival (``now``: the clock)."""
-        return (self.clock() if now is None else now) - request.arrival_time >= self.aging_s
 
     def key(self, request: Request) -> tuple:
         """``(tier, arrival_time_s, seq_no)`` with tier 0 aged, 1 hot (base model or loaded adapter), 2 cold;

@@ -10,16 +10,13 @@ served among the aged, so once aged it waits at most for the aged requests that 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 from framework import hookimpl
 from framework.core.request import Request
 from framework.hookspecs import Register
-from framework.interfaces import SchedulerPolicy
+from plugins.schedulers._aging import AgingPolicy
 
 
-class SJFPolicy(SchedulerPolicy):
+class SJFPolicy(AgingPolicy):
     """Shortest remaining work first; requests older than ``aging_s`` go first, FCFS among them.
 
     Args:
@@ -34,13 +31,6 @@ class SJFPolicy(SchedulerPolicy):
 
     name = "sjf"
 
-    def __init__(self, aging_s: float = 10.0, clock: Callable[[], float] = time.perf_counter) -> None:
-        super().__init__()
-        if not aging_s > 0:
-            raise ValueError(f"scheduler.params.aging_s must be > 0 seconds, got {aging_s}")
-        self.aging_s = float(aging_s)
-        self.clock = clock
-
     @staticmethod
     def remaining_work(request: Request) -> int:
         """Estimated tokens still to compute: uncomputed prompt/output plus the remaining output budget."""
@@ -50,7 +40,7 @@ class SJFPolicy(SchedulerPolicy):
 
     def key(self, request: Request) -> tuple:
         """``(0, arrival)`` once aged, else ``(1, remaining_work, arrival)``."""
-        if self.clock() - request.arrival_time >= self.aging_s:
+        if self.aged(request):
             return (0, request.arrival_time, 0)
         return (1, self.remaining_work(request), request.arrival_time)
 
