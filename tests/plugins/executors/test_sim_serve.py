@@ -4,14 +4,13 @@ clock cannot serve and is refused before the port opens."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 import time
 
 import pytest
-from helpers import REPO, free_port
+from helpers import REPO, free_port, wait_healthy
 from sim_helpers import linear_profile
 
 openai = pytest.importorskip("openai")
@@ -35,16 +34,7 @@ def server(tmp_path_factory):
     log = open(tmp / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        assert time.monotonic() < deadline, "server did not become healthy in 120 s"
-        time.sleep(0.3)
+    wait_healthy(proc, base, log, timeout_s=120)
     yield {"base": base, "run_dir": tmp / "run"}
     proc.terminate()
     try:

@@ -7,7 +7,6 @@ One server for the whole module; every wait is bounded."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from helpers import EAGER_KERNEL, REPO, STORIES, STORY_PROMPTS, free_port  # noqa: E402
+from helpers import EAGER_KERNEL, REPO, STORIES, STORY_PROMPTS, free_port, wait_healthy  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 KEY = "test-key"
@@ -44,16 +43,7 @@ def server(tmp_path_factory):
     log = open(tmp / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
-        with contextlib.suppress(httpx.HTTPError):  # not listening yet
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        assert time.monotonic() < deadline, "server did not become healthy in 180 s"
-        time.sleep(0.3)
+    wait_healthy(proc, base, log, timeout_s=180)
     yield {"base": base, "proc": proc, "log": log, "run_dir": tmp / "run"}
     if proc.poll() is None:
         proc.kill()

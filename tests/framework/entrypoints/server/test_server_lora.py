@@ -8,7 +8,6 @@ server for the module; runtime updates switched off are checked on the app in-pr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 peft = pytest.importorskip("peft")
-from helpers import EAGER_KERNEL, REPO, STORIES, STORY_PROMPTS, free_port  # noqa: E402
+from helpers import EAGER_KERNEL, REPO, STORIES, STORY_PROMPTS, free_port, wait_healthy  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from framework import LoRARequest  # noqa: E402
@@ -62,16 +61,7 @@ def server(tmp_path_factory, adapters):
     log = open(tmp / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
-        with contextlib.suppress(httpx.HTTPError):  # not listening yet
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        assert time.monotonic() < deadline, "server did not become healthy in 180 s"
-        time.sleep(0.3)
+    wait_healthy(proc, base, log, timeout_s=180)
     yield base
     proc.terminate()
     try:
