@@ -36,6 +36,11 @@ SOFTCAP_MODEL_TYPES = frozenset({"gemma2", "vaultgemma"})
 SINK_MODEL_TYPES = frozenset({"gpt_oss"})
 
 
+#: ``ModelFamily.tp`` of a family whose tiny model's greedy output at ``tensor_parallel_size=2`` equals
+#: transformers' (``tests/framework/model_executor/test_tensor_parallel_families.py``).
+TP_VERIFIED = "verified"
+
+
 class UnsupportedModelError(ValueError):
     """A model servelab refuses before its weights load; the message says why and what to use instead."""
 
@@ -51,6 +56,8 @@ class ModelFamily:
     traits: tuple[str, ...]  # what else is particular to it (MoE, biases, norms, positions...)
     examples: str  # checkpoints of the family
     test_id: str  # pytest id of its tiny random-weight model in tests/framework/model_executor/test_families.py
+    # tensor parallelism: TP_VERIFIED, or why it is refused (framework/model_executor/tensor_parallel.py)
+    tp: str = "not checked under tensor parallelism"
 
     @property
     def test(self) -> str:
@@ -60,34 +67,39 @@ class ModelFamily:
 
 _W, _S, _K = "sliding_window", "softcap", "has_sinks"
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily("Llama", "LlamaForCausalLM", ("llama",), (), (), "Llama-3.2-1B, SmolLM2-135M", "llama"),
-    ModelFamily("SmolLM3", "SmolLM3ForCausalLM", ("smollm3",), (_W,), ("NoPE layers",), "SmolLM3-3B", "smollm3"),
-    ModelFamily("Qwen2 / Qwen2.5", "Qwen2ForCausalLM", ("qwen2",), (_W,), ("q/k/v bias",), "Qwen2.5-0.5B", "qwen2"),
+    ModelFamily("Llama", "LlamaForCausalLM", ("llama",), (), (), "Llama-3.2-1B, SmolLM2-135M", "llama", tp=TP_VERIFIED),
+    ModelFamily("SmolLM3", "SmolLM3ForCausalLM", ("smollm3",), (_W,), ("NoPE layers",), "SmolLM3-3B", "smollm3", tp=TP_VERIFIED),
+    ModelFamily("Qwen2 / Qwen2.5", "Qwen2ForCausalLM", ("qwen2",), (_W,), ("q/k/v bias",), "Qwen2.5-0.5B", "qwen2", tp=TP_VERIFIED),
     ModelFamily("Qwen3", "Qwen3ForCausalLM", ("qwen3",), (), ("q/k norm", "head_dim != hidden/heads"),
-                "Qwen3-0.6B", "qwen3"),
+                "Qwen3-0.6B", "qwen3", tp=TP_VERIFIED),
     ModelFamily("Qwen3-MoE", "Qwen3MoeForCausalLM", ("qwen3_moe",), (_W,), ("MoE", "q/k norm"), "Qwen3-30B-A3B",
-                "qwen3_moe"),
+                "qwen3_moe", tp=TP_VERIFIED),
     ModelFamily("Mistral", "MistralForCausalLM", ("mistral",), (_W,), ("window on every layer",), "Mistral-7B-v0.1",
-                "mistral"),
+                "mistral", tp=TP_VERIFIED),
     ModelFamily("Ministral", "MinistralForCausalLM", ("ministral",), (_W,), ("window per layer_types",),
-                "Ministral-8B-Instruct-2410", "ministral"),
-    ModelFamily("Mixtral", "MixtralForCausalLM", ("mixtral",), (_W,), ("MoE",), "Mixtral-8x7B", "mixtral"),
+                "Ministral-8B-Instruct-2410", "ministral", tp=TP_VERIFIED),
+    ModelFamily("Mixtral", "MixtralForCausalLM", ("mixtral",), (_W,), ("MoE",), "Mixtral-8x7B", "mixtral", tp=TP_VERIFIED),
     ModelFamily("Gemma 2", "Gemma2ForCausalLM", ("gemma2",), (_W, _S),
-                ("final-logit softcap", "query_pre_attn_scalar", "embedding scaling"), "gemma-2-2b", "gemma2"),
+                ("final-logit softcap", "query_pre_attn_scalar", "embedding scaling"), "gemma-2-2b", "gemma2", tp=TP_VERIFIED),
     ModelFamily("Gemma 3 (text)", "Gemma3ForCausalLM", ("gemma3_text",), (_W,),
-                ("5:1 local/global layers", "per-type RoPE", "q/k norm"), "gemma-3-270m, gemma-3-1b", "gemma3"),
+                ("5:1 local/global layers", "per-type RoPE", "q/k norm"), "gemma-3-270m, gemma-3-1b", "gemma3", tp=TP_VERIFIED),
     ModelFamily("Phi-3 / Phi-4-mini", "Phi3ForCausalLM", ("phi3",), (_W,), ("fused qkv", "fused gate/up"),
-                "Phi-3-mini-4k, Phi-4-mini", "phi3"),
-    ModelFamily("OLMo 2", "Olmo2ForCausalLM", ("olmo2",), (), ("q/k norm", "post-norm"), "OLMo-2-0425-1B", "olmo2"),
-    ModelFamily("OLMoE", "OlmoeForCausalLM", ("olmoe",), (), ("MoE", "clip_qkv"), "OLMoE-1B-7B", "olmoe"),
-    ModelFamily("gpt-oss", "GptOssForCausalLM", ("gpt_oss",), (_W, _K), ("MoE", "biases"), "gpt-oss-20b", "gpt_oss"),
+                "Phi-3-mini-4k, Phi-4-mini", "phi3", tp=TP_VERIFIED),
+    ModelFamily("OLMo 2", "Olmo2ForCausalLM", ("olmo2",), (), ("q/k norm", "post-norm"), "OLMo-2-0425-1B", "olmo2", tp=TP_VERIFIED),
+    ModelFamily("OLMoE", "OlmoeForCausalLM", ("olmoe",), (), ("MoE", "clip_qkv"), "OLMoE-1B-7B", "olmoe", tp=TP_VERIFIED),
+    ModelFamily("gpt-oss", "GptOssForCausalLM", ("gpt_oss",), (_W, _K), ("MoE", "biases"), "gpt-oss-20b", "gpt_oss",
+                tp="transformers' plan shards only its embedding: the biased experts and the per-head attention "
+                   "sinks (s_aux) have no tensor-parallel plan"),
     ModelFamily("GPT-2", "GPT2LMHeadModel", ("gpt2",), (), ("absolute positions", "Conv1D", "per-layer scaling"),
-                "gpt2, distilgpt2", "gpt2"),
+                "gpt2, distilgpt2", "gpt2",
+                tp="no tensor-parallel plan (base_model_tp_plan), and its Conv1D projections are not nn.Linear"),
     ModelFamily("GPT-NeoX / Pythia", "GPTNeoXForCausalLM", ("gpt_neox",), (), ("partial rotary", "parallel residual"),
-                "pythia-160m", "gpt_neox"),
+                "pythia-160m", "gpt_neox", tp=TP_VERIFIED),
     ModelFamily("DeepSeek-V2 / V3 (MLA)", "DeepseekV3ForCausalLM", ("deepseek_v2", "deepseek_v3"), (),
                 ("MLA as expanded K/V, value head size != key head size", "MoE"), "DeepSeek-V2-Lite, DeepSeek-V3",
-                "deepseek_v3"),
+                "deepseek_v3",
+                tp="transformers' plan shards only the MLP and experts: MLA's low-rank q/kv projections have no plan, "
+                   "so every rank would compute every head"),
 )
 
 

@@ -15,6 +15,11 @@ partial output. One attention block and one MLP therefore cost one all-reduce ea
 * :class:`VocabParallelEmbedding`: a slice of the vocabulary; masked lookup, then an all-reduce.
 * :class:`ParallelLMHead`: a slice of the vocabulary (the embedding's slice when tied); logits are
   gathered to the driver rank only.
+* :class:`RowParallelExperts` (``moe_tp_experts``): a MoE block's fused experts, each holding a slice
+  of its intermediate features (``gate_up_proj`` packed column-parallel, ``down_proj`` row-parallel),
+  then one all-reduce of the weighted sum (vLLM's ``FusedMoE`` without expert parallelism).
+* :class:`ShardedRMSNorm`: an RMSNorm over the FULL width of a head-sharded projection (OLMo 2's
+  and OLMoE's q/k norm): one all-reduce of each token's sum of squares.
 
 Each layer holds its group's ``group_name`` (the TP group of
 :mod:`framework.distributed.parallel_state`, passed in by ``tensor_parallel.shard_model``) and calls
@@ -54,6 +59,26 @@ class Shard:
     start: int  # first index held, in the full tensor
     stop: int  # one past the last index held
     size: int  # local length along dim (>= stop - start)
+
+
+@dataclass(frozen=True)
+class PackedShard:
+    """Several slices of one checkpoint tensor, concatenated along their common ``dim``: a packed
+    projection's sections (``gate_up_proj``: this rank's gate rows, then its up rows; Phi-3's
+    ``qkv_proj``: its query, key and value heads), as vLLM's ``MergedColumnParallelLinear`` /
+    ``QKVParallelLinear`` load them."""
+
+    sections: tuple[Shard, ...]  # in the order they are concatenated; all along the same dim
+
+    @property
+    def dim(self) -> int:
+        """The dimension the sections are taken and concatenated along."""
+        return self.sections[0].dim
+
+    @property
+    def size(self) -> int:
+        """Local length along ``dim`` (the sections' sizes summed)."""
+        return sum(s.size for s in self.sections)
 
 
 def even_range(total: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -143,16 +168,19 @@ class VocabParallelEmbedding(nn.Module):
     Args:
         num_embeddings: FULL vocabulary size; embedding_dim: hidden size.
         tp_rank, tp_size, group_name, like: as :class:`RowParallelLinear`.
+        scale: multiplies the looked-up rows (Gemma's ``*ScaledWordEmbedding``: ``sqrt(hidden)``, cast
+            to the weight's dtype first as transformers does); applied after the all-reduce, which
+            is exact since the other ranks add zeros.
 
     ``forward``: ``ids (...,)`` int64 -> ``(..., embedding_dim)``: each rank looks up the ids it
     holds (zeros for the others), then one all-reduce of ``embedding_dim`` elements per token.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int, tp_size: int, group_name: str,
-                 like: torch.Tensor) -> None:
+                 like: torch.Tensor, scale: float | None = None) -> None:
         super().__init__()
         start, stop, size = padded_range(num_embeddings, tp_rank, tp_size)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings, self.embedding_dim, self.scale = num_embeddings, embedding_dim, scale
         self.shard = Shard(0, start, stop, size)
         self.group_name = group_name
         self.weight = _empty_weight(size, embedding_dim, like)
@@ -162,7 +190,10 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.shard.start
         held = (local >= 0) & (input_ids < self.shard.stop)
         out = nn.functional.embedding(local.masked_fill(~held, 0), self.weight)
-        return all_reduce(out.masked_fill(~held[..., None], 0), self.group_name)
+        out = all_reduce(out.masked_fill(~held[..., None], 0), self.group_name)
+        if self.scale is None:
+            return out
+        return out * torch.tensor(self.scale, dtype=torch.float32, device=out.device).to(out.dtype)
 
 
 class ParallelLMHead(nn.Module):
@@ -207,3 +238,66 @@ class ParallelLMHead(nn.Module):
             if full is None:
                 return local[..., :0]
         return full[..., :self.vocab_size] if self.tp_rank == DRIVER_RANK else local[..., :0]
+
+
+class RowParallelExperts(nn.Module):
+    """``moe_tp_experts``: ``y = all_reduce(experts(x, top_k_index, top_k_weights))``.
+
+    Args:
+        experts: a transformers ``*Experts`` module (fused 3-D ``gate_up_proj (E, 2 * I / tp, hidden)``
+            and ``down_proj (E, hidden, I / tp)``) whose parameters already hold this rank's slice of
+            every expert's intermediate features; it runs unmodified.
+        group_name: the TP process group's name.
+
+    ``forward``: the experts' own arguments (``hidden (tokens, hidden)``, the router's top-k indices
+    and weights, replicated on every rank) -> ``(tokens, hidden)``, same dtype. Each rank's experts
+    give a partial down-projection (Megatron's row-parallel sum), so one all-reduce of ``hidden``
+    elements per token completes the block; the routing weights multiply each partial sum, which
+    distributes over the sum.
+    """
+
+    def __init__(self, experts: nn.Module, group_name: str) -> None:
+        super().__init__()
+        self.experts = experts
+        self.group_name = group_name
+
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        """See the class docstring."""
+        return all_reduce(self.experts(*args, **kwargs), self.group_name)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over ``full_features`` values of which this rank holds a slice (OLMo 2 / OLMoE q/k norm).
+
+    ``y = w[shard] * x / sqrt(sum_all_ranks(x**2) / replicas / full_features + eps)``, computed in
+    float32 as transformers' ``Olmo2RMSNorm`` does; ``weight_after_cast`` multiplies the weight after
+    casting back to the input dtype (``OlmoeRMSNorm``'s order). vLLM gathers q and k before such a norm
+    and splits them after; summing squares needs one all-reduce of one value per token instead.
+
+    Args:
+        local_features: features this rank holds; full_features: the width the norm is over.
+        eps: the norm's epsilon.
+        replicas: ranks holding each value (``tp / num_kv_heads`` for a k norm whose KV heads are
+            replicated, else 1): the all-reduced sum counts each value that many times.
+        weight_after_cast: see above.
+        group_name, like: as :class:`RowParallelLinear`.
+
+    ``forward``: ``x (..., local_features)`` -> same shape and dtype.
+    """
+
+    def __init__(self, local_features: int, full_features: int, eps: float, replicas: int, weight_after_cast: bool,
+                 group_name: str, like: torch.Tensor) -> None:
+        super().__init__()
+        self.full_features, self.eps, self.replicas = full_features, eps, replicas
+        self.weight_after_cast = weight_after_cast
+        self.group_name = group_name
+        self.weight = nn.Parameter(torch.empty(local_features, dtype=like.dtype, device=like.device),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """See the class docstring."""
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        squares = all_reduce(h.pow(2).sum(-1, keepdim=True), self.group_name)
+        h = h * torch.rsqrt(squares / (self.replicas * self.full_features) + self.eps)
+        return self.weight * h.to(dtype) if self.weight_after_cast else (self.weight * h).to(dtype)

@@ -6,17 +6,21 @@ the ``meta`` device, every ``nn.Linear`` leaf its plan names is swapped for a te
 gathers logits to the driver; then each rank reads only its slices of the safetensors checkpoint
 (``framework/model_executor/tp_weights.py``). The model code itself is untouched.
 
-Plan styles (transformers' names, ``model.tp_plan`` = ``config.base_model_tp_plan`` + the head's):
-``colwise`` (output features split), ``rowwise`` (input features split, all-reduce),
-``colwise_rep`` / ``colwise_gather_output`` (split then all-gathered; on the LM head: gathered to
-the driver only), ``embedding_rowwise`` (vocab-parallel embedding, applied whether or not the plan
-names it, as vLLM does), ``replicated_with_grad_allreduce`` / ``replicate`` (kept whole: per-head
-norms). Any other style is refused by :func:`tp_problems`.
+Plan styles (transformers' names, ``model.tp_plan`` = ``config.base_model_tp_plan`` + the head's, with
+:data:`PLAN_OVERRIDES` where transformers gathers whole projections instead of sharding heads; each
+style's module is built in ``framework/model_executor/tp_styles.py``): ``colwise`` (output features
+split), ``rowwise`` (input features split, all-reduce), ``colwise_rep`` / ``colwise_gather_output``
+(split then all-gathered; on the LM head: gathered to the driver only), ``packed_colwise`` (a fused
+``gate_up_proj``), ``qkv_colwise`` (a fused ``qkv_proj``, split by heads), ``moe_tp_experts`` (fused
+experts split along their intermediate features, all-reduced), ``sharded_norm`` (a q/k norm over the
+full projection width), ``embedding_rowwise`` (vocab-parallel embedding, applied whether or not the
+plan names it, as vLLM does; Gemma's scaled embedding keeps its scale), ``replicated_with_grad_allreduce``
+/ ``replicate`` (kept whole: per-head norms). Any other style is refused by :func:`tp_problems`.
 
-Heads: rank ``r`` holds query heads ``[r * H / tp, (r + 1) * H / tp)``. KV heads are split the same
-way when ``tp`` divides their count ``K``; when ``tp`` is a multiple of ``K`` each KV head is
-replicated on ``tp / K`` consecutive ranks (rank ``r`` holds KV head ``r // (tp / K)``, vLLM's
-``QKVParallelLinear`` rule), which is the KV head its query heads attend to.
+Which families run at all is each family's ``tp`` record (``framework/model_executor/model_families.py``):
+:data:`~framework.model_executor.model_families.TP_VERIFIED` (its tiny model's greedy output at TP=2
+equals transformers', ``tests/framework/model_executor/test_tensor_parallel_families.py``) or the
+reason it is refused, which :func:`tp_problems` returns before any worker starts.
 """
 
 from __future__ import annotations
@@ -29,29 +33,35 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from framework.model_executor.parallel_layers import (
-    GatheredColumnParallelLinear,
-    ParallelLMHead,
-    RowParallelLinear,
-    Shard,
-    VocabParallelEmbedding,
-    even_range,
-)
+from framework.model_executor import tp_styles
+from framework.model_executor.model_families import TP_VERIFIED, family_of
+from framework.model_executor.parallel_layers import PackedShard, ParallelLMHead, Shard, VocabParallelEmbedding
+from framework.model_executor.tp_styles import KV_PROJECTIONS, ExpertSlices, RankDims, kv_head_range
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-#: ``config.model_type`` values whose attention code was checked under TP (reshapes with ``-1``
-#: heads, ``num_key_value_groups`` the only per-head count it keeps) and that the tests run.
-VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 GATHERED_STYLES = ("colwise_rep", "colwise_gather_output")
 REPLICATED_STYLES = ("replicated_with_grad_allreduce", "replicate")
-SUPPORTED_STYLES = ("colwise", "rowwise", "embedding_rowwise", *GATHERED_STYLES, *REPLICATED_STYLES)
-KV_PROJECTIONS = ("k_proj", "v_proj")  # colwise leaves holding KV heads (replicated when tp > K)
+SUPPORTED_STYLES = ("colwise", "rowwise", "embedding_rowwise", "packed_colwise", "qkv_colwise", "moe_tp_experts",
+                    "sharded_norm", *GATHERED_STYLES, *REPLICATED_STYLES)
+#: model_type -> {base-model plan key: style} replacing transformers' plan entries (or adding ones):
+#: Phi-3's and OLMo's plans all-gather q/k/v and split them again before ``o_proj``, so every rank
+#: would compute (and cache) every head; these shard heads instead, as vLLM's Phi-3 and OLMo 2 do.
+PLAN_OVERRIDES: dict[str, dict[str, str]] = {
+    "phi3": {"layers.*.self_attn.qkv_proj": "qkv_colwise", "layers.*.self_attn.o_proj": "rowwise",
+             "layers.*.mlp.gate_up_proj": "packed_colwise", "layers.*.mlp.down_proj": "rowwise"},
+    **{kind: {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+              "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+              "layers.*.self_attn.q_norm": "sharded_norm", "layers.*.self_attn.k_norm": "sharded_norm"}
+       for kind in ("olmo2", "olmoe")},
+}
+#: model types whose RMSNorm multiplies its weight after casting back to the input dtype (``OlmoeRMSNorm``)
+WEIGHT_AFTER_CAST_NORMS = frozenset({"olmoe"})
 
 #: param name in the sharded model -> (tensor name in the checkpoint, this rank's slice or None: whole)
-WeightSources = dict[str, tuple[str, Shard | None]]
+WeightSources = dict[str, tuple[str, Shard | PackedShard | ExpertSlices | None]]
 
 
 @dataclass
@@ -70,14 +80,6 @@ def _heads(hf_config: PretrainedConfig) -> tuple[int, int, int]:
     num_kv = int(getattr(text, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // num_heads)
     return num_heads, num_kv, head_dim
-
-
-def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
-    """``[start, stop)`` of the KV heads rank ``tp_rank`` holds (see the module docstring)."""
-    if tp_size <= num_kv_heads:
-        return even_range(num_kv_heads, tp_rank, tp_size)
-    head = tp_rank // (tp_size // num_kv_heads)
-    return head, head + 1
 
 
 def rank_layout(hf_config: PretrainedConfig, tp_rank: int, tp_size: int) -> TPLayout:
@@ -110,8 +112,13 @@ def meta_model(hf_config: PretrainedConfig, dtype: torch.dtype | None = None,
 
 
 def resolved_plan(model: nn.Module) -> dict[str, str]:
-    """``model.tp_plan`` expanded to the model's module names (``layers.*`` -> ``layers.3``)."""
+    """``model.tp_plan`` with its family's :data:`PLAN_OVERRIDES`, expanded to the model's module names
+    (``layers.*`` -> ``layers.3``); entries naming parameters (a fused experts' ``gate_up_proj``) are
+    left to their module's style."""
     plan = dict(getattr(model, "tp_plan", None) or {})
+    if plan:
+        prefix = f"{model.base_model_prefix}."
+        plan.update({prefix + key: style for key, style in PLAN_OVERRIDES.get(model.config.model_type, {}).items()})
     patterns = [(re.compile(re.escape(key).replace(r"\*", r"\d+")), style) for key, style in plan.items()]
     resolved = {}
     for name, _ in model.named_modules():
@@ -128,23 +135,48 @@ def _generic(name: str) -> str:
 def _static_problems(model: nn.Module, plan: dict[str, str]) -> list[str]:
     """Problems no tp size avoids: family not verified, no plan, styles or embeddings not handled."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if refusal := family_tp_refusal(model.config.model_type):
+        return [f"{type(model).__name__} ({model.config.model_type!r}) is not run tensor-parallel: {refusal}; "
+                "run it with tensor_parallel_size=1"]
     problems = []
     if not any(model.get_submodule(name) not in (embed, head) for name in plan):
         problems.append(f"{type(model).__name__} defines no tensor-parallel plan for its decoder layers "
                         "(config.base_model_tp_plan): run it with tensor_parallel_size=1")
-    kind = model.config.model_type
-    if kind not in VERIFIED_MODEL_TYPES:
-        problems.append(f"tensor parallelism is verified for model types {list(VERIFIED_MODEL_TYPES)}, not {kind!r} "
-                        f"({type(model).__name__}): run it with tensor_parallel_size=1")
     if problems:
         return problems
     problems = [f"tp_plan style {style!r} of {_generic(name)} is not supported (supported: {list(SUPPORTED_STYLES)})"
                 for name, style in plan.items() if style not in SUPPORTED_STYLES]
-    if type(embed) is not nn.Embedding:
-        problems.append(f"input embedding {type(embed).__name__} is not an nn.Embedding")
+    problems += [p for name, style in plan.items() if style == "moe_tp_experts"
+                 for p in tp_styles.experts_problems(model.get_submodule(name), model.config.model_type)]
+    if not isinstance(embed, nn.Embedding) or (type(embed) is not nn.Embedding and not hasattr(embed, "embed_scale")):
+        problems.append(f"input embedding {type(embed).__name__} is neither an nn.Embedding nor a scaled one")
     if type(head) is not nn.Linear:
         problems.append(f"LM head {type(head).__name__} is not an nn.Linear")
     return sorted(set(problems))
+
+
+def family_tp_refusal(model_type: str) -> str | None:
+    """Why the family of ``model_type`` is refused under tensor parallelism, or ``None`` when it is
+    verified (its ``ModelFamily.tp`` record; a model type outside the family table is refused)."""
+    family = family_of(model_type)
+    if family is None:
+        return "its model type is not in servelab's family table (servelab models)"
+    return None if family.tp == TP_VERIFIED else family.tp
+
+
+def _split_width(module: nn.Module, style: str, is_kv: bool) -> tuple[str, int] | None:
+    """The width ``style`` splits evenly over the ranks (``None``: heads decide, or nothing is split)."""
+    if style == "moe_tp_experts":
+        return "intermediate features", module.down_proj.shape[-1]
+    if not isinstance(module, nn.Linear):
+        return None
+    if style == "rowwise":
+        return "in_features", module.in_features
+    if style == "packed_colwise":
+        return "out_features / 2", module.out_features // 2
+    if style in GATHERED_STYLES or (style == "colwise" and not is_kv):
+        return "out_features", module.out_features
+    return None
 
 
 def _size_problems(model: nn.Module, plan: dict[str, str], tp_size: int) -> list[str]:
@@ -161,14 +193,9 @@ def _size_problems(model: nn.Module, plan: dict[str, str], tp_size: int) -> list
     head = model.get_output_embeddings()
     for name, style in plan.items():
         module = model.get_submodule(name)
-        if module is head or not isinstance(module, nn.Linear):
-            continue
-        is_kv = name.rpartition(".")[2] in KV_PROJECTIONS
-        if style == "rowwise" and module.in_features % tp_size:
-            problems.append(f"{_generic(name)} (rowwise): in_features={module.in_features} is not divisible "
-                            f"by tensor_parallel_size={tp_size}")
-        elif (style in GATHERED_STYLES or (style == "colwise" and not is_kv)) and module.out_features % tp_size:
-            problems.append(f"{_generic(name)} ({style}): out_features={module.out_features} is not divisible "
+        split = None if module is head else _split_width(module, style, name.rpartition(".")[2] in KV_PROJECTIONS)
+        if split is not None and split[1] % tp_size:
+            problems.append(f"{_generic(name)} ({style}): {split[0]}={split[1]} is not divisible "
                             f"by tensor_parallel_size={tp_size}")
     if tp_size > num_kv and not any(n.rpartition(".")[2] in KV_PROJECTIONS and s == "colwise" for n, s in plan.items()):
         problems.append(f"tensor_parallel_size={tp_size} > num_key_value_heads={num_kv} needs KV replication, "
@@ -208,17 +235,54 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def _colwise(linear: nn.Linear, name: str, tp_rank: int, tp_size: int, head_dim: int,
-             num_kv: int) -> tuple[nn.Linear, Shard]:
-    """A plain ``nn.Linear`` holding this rank's output rows (KV projections: its KV heads' rows)."""
-    if name.rpartition(".")[2] in KV_PROJECTIONS:
-        first, last = kv_head_range(num_kv, tp_rank, tp_size)
-        start, stop = first * head_dim, last * head_dim
-    else:
-        start, stop = even_range(linear.out_features, tp_rank, tp_size)
-    shard = nn.Linear(linear.in_features, stop - start, bias=linear.bias is not None, device="meta",
-                      dtype=linear.weight.dtype)
-    return shard, Shard(0, start, stop, stop - start)
+def _style_module(model: nn.Module, name: str, style: str, dims: RankDims) -> tuple[nn.Module, dict] | None:
+    """The module and sources ``style`` gives the planned module ``name`` (``None``: it stays whole)."""
+    module = model.get_submodule(name)
+    if style in REPLICATED_STYLES:
+        return None
+    if style == "moe_tp_experts":
+        return tp_styles.moe_tp_experts(module, dims, model.config.model_type)
+    if style == "sharded_norm":
+        return tp_styles.sharded_norm(module, name, dims, model.config.model_type in WEIGHT_AFTER_CAST_NORMS)
+    if not isinstance(module, nn.Linear):
+        return None
+    rules = {"colwise": lambda: tp_styles.colwise(module, name, dims), "rowwise": lambda: tp_styles.rowwise(module, dims),
+             "packed_colwise": lambda: tp_styles.packed_colwise(module, dims),
+             "qkv_colwise": lambda: tp_styles.qkv_colwise(module, dims)}
+    return rules.get(style, lambda: tp_styles.gathered(module, dims))()
+
+
+def _shard_embeddings(model: nn.Module, dims: RankDims, sources: WeightSources) -> None:
+    """The vocab-parallel input embedding (Gemma's keeps its scale) and the LM head gathering to the driver."""
+    names = {id(m): n for n, m in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    scale = getattr(embed, "scalar_embed_scale", None)
+    new_embed = VocabParallelEmbedding(embed.num_embeddings, embed.embedding_dim, like=embed.weight,
+                                       scale=None if scale is None else float(scale), **dims.collective_args())
+    sources[f"{names[id(embed)]}.weight"] = (f"{names[id(embed)]}.weight", new_embed.shard)
+    tied = head.weight is embed.weight
+    new_head = ParallelLMHead(head.in_features, head.out_features, like=head.weight,
+                              tied=new_embed if tied else None, **dims.collective_args())
+    if not tied:
+        sources[f"{names[id(head)]}.linear.weight"] = (f"{names[id(head)]}.weight", new_head.shard)
+    _set_module(model, names[id(embed)], new_embed)
+    _set_module(model, names[id(head)], new_head)
+
+
+def _localize_attention(model: nn.Module, layout: TPLayout) -> None:
+    """Per-head counts the attention modules keep: ``num_key_value_groups`` (eager/sdpa repeat KV heads
+    by it), ``num_key_value_heads``, and a per-module config copy with this rank's heads where the
+    module reads ``config.num_attention_heads`` to split a fused ``qkv_proj`` (Phi-3)."""
+    for module in model.modules():
+        if not hasattr(module, "num_key_value_groups"):
+            continue
+        module.num_key_value_groups = layout.num_heads // layout.num_kv_heads
+        if hasattr(module, "num_key_value_heads"):
+            module.num_key_value_heads = layout.num_kv_heads
+        if hasattr(module, "qkv_proj") and hasattr(module, "config"):
+            module.config = copy.copy(module.config)
+            module.config.num_attention_heads = layout.num_heads
+            module.config.num_key_value_heads = layout.num_kv_heads
 
 
 def shard_model(model: nn.Module, tp_rank: int, tp_size: int, group_name: str) -> WeightSources:
@@ -234,45 +298,17 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int, group_name: str) -
         Where each sharded parameter's values come from (params not listed load whole, same name).
     """
     plan = resolved_plan(model)
-    num_heads, num_kv, head_dim = _heads(model.config)
-    dims = {"tp_rank": tp_rank, "tp_size": tp_size, "group_name": group_name}
-    names = {id(m): n for n, m in model.named_modules()}
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    dims = RankDims(tp_rank, tp_size, group_name, *_heads(model.config))
     sources: WeightSources = {}
-    new_embed = VocabParallelEmbedding(embed.num_embeddings, embed.embedding_dim, like=embed.weight, **dims)
-    sources[f"{names[id(embed)]}.weight"] = (f"{names[id(embed)]}.weight", new_embed.shard)
-    tied = head.weight is embed.weight
-    new_head = ParallelLMHead(head.in_features, head.out_features, like=head.weight,
-                              tied=new_embed if tied else None, **dims)
-    if not tied:
-        sources[f"{names[id(head)]}.linear.weight"] = (f"{names[id(head)]}.weight", new_head.shard)
-    _set_module(model, names[id(embed)], new_embed)
-    _set_module(model, names[id(head)], new_head)
+    _shard_embeddings(model, dims, sources)
     for name, style in plan.items():
-        module = model.get_submodule(name)
-        if not isinstance(module, nn.Linear) or style in REPLICATED_STYLES:
+        swapped = _style_module(model, name, style, dims)
+        if swapped is None:
             continue
-        bias = module.bias is not None
-        if style == "colwise":
-            new, shard = _colwise(module, name, tp_rank, tp_size, head_dim, num_kv)
-            sources[f"{name}.weight"] = (f"{name}.weight", shard)
-            if bias:
-                sources[f"{name}.bias"] = (f"{name}.bias", Shard(0, shard.start, shard.stop, shard.size))
-        elif style == "rowwise":
-            new = RowParallelLinear(module.in_features, module.out_features, bias, like=module.weight, **dims)
-            sources[f"{name}.linear.weight"] = (f"{name}.weight", new.shard)
-        else:  # gathered
-            new = GatheredColumnParallelLinear(module.in_features, module.out_features, bias, like=module.weight,
-                                               **dims)
-            sources[f"{name}.linear.weight"] = (f"{name}.weight", new.shard)
-            if bias:
-                sources[f"{name}.linear.bias"] = (f"{name}.bias", Shard(0, new.shard.start, new.shard.stop,
-                                                                        new.shard.size))
+        new, local = swapped
+        sources.update({f"{name}.{param}": (f"{name}.{key}".rstrip("."), shard) for param, (key, shard) in local.items()})
         _set_module(model, name, new)
-    layout = rank_layout(model.config, tp_rank, tp_size)
-    for module in model.modules():  # eager/sdpa attention repeat KV heads by this ratio
-        if hasattr(module, "num_key_value_groups"):
-            module.num_key_value_groups = layout.num_heads // layout.num_kv_heads
+    _localize_attention(model, rank_layout(model.config, tp_rank, tp_size))
     return sources
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,15 @@ from torch import nn
 
 from framework.distributed.parallel_state import ensure_model_parallel_initialized
 from framework.model_executor.model_loader import DTYPES, LoadedModel, eos_token_ids, load_model, resolve_model_path
-from framework.model_executor.parallel_layers import Shard
+from framework.model_executor.parallel_layers import PackedShard, Shard
 from framework.model_executor.tensor_parallel import WeightSources, meta_model, shard_model, tp_problems
+from framework.model_executor.tp_styles import ExpertSlices
+
+#: model_type -> (pattern, replacement) of module names in the model to tensor names in checkpoints,
+#: tried when a name is not in the checkpoint (transformers renames these while loading,
+#: ``conversion_mapping.py``): Mixtral's MoE block, GPT-NeoX's head.
+CHECKPOINT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "mixtral": ((r"\.mlp\.", ".block_sparse_moe."),), "gpt_neox": ((r"^lm_head\.", "embed_out."),)}
 
 
 def safetensors_index(path: str | Path) -> dict[str, Path]:
@@ -46,13 +54,44 @@ def safetensors_index(path: str | Path) -> dict[str, Path]:
     return names
 
 
-def read_slice(handle: Any, name: str, shard: Shard | None) -> torch.Tensor:
+def checkpoint_name(name: str, index: dict[str, Path], model_type: str, prefix: bool = False) -> str:
+    """``name`` as the checkpoint spells it: itself, or renamed by :data:`CHECKPOINT_RENAMES`; with
+    ``prefix``, a fused experts' module name, found by its first expert's tensors (``<name>.0.*``)."""
+    for pattern, replacement in ((None, None), *CHECKPOINT_RENAMES.get(model_type, ())):
+        key = name if pattern is None else re.sub(pattern, replacement, name)
+        if key in index or (prefix and any(k.startswith(f"{key}.0.") for k in index)):
+            return key
+    return name
+
+
+def read_experts(open_file: Any, key: str, slices: ExpertSlices, index: dict[str, Path]) -> torch.Tensor:
+    """A fused experts parameter from per-expert tensors ``<key>.<e>.<leaf>.weight`` (see :class:`ExpertSlices`).
+
+    Raises:
+        FileNotFoundError: an expert's tensor is not in the checkpoint.
+    """
+    experts = []
+    for e in range(slices.num_experts):
+        parts = []
+        for leaf in slices.leaves:
+            name = f"{key}.{e}.{leaf}.weight"
+            if name not in index:
+                raise FileNotFoundError(f"no tensor {name!r} in the checkpoint (fused experts are read per expert)")
+            parts.append(read_slice(open_file(index[name]), name, slices.shard))
+        experts.append(torch.cat(parts, dim=0))
+    return torch.stack(experts)
+
+
+def read_slice(handle: Any, name: str, shard: Shard | PackedShard | None) -> torch.Tensor:
     """The ``shard`` of tensor ``name`` from an open ``safe_open`` handle (whole when ``shard`` is None),
-    zero-padded to ``shard.size`` along ``shard.dim``; on CPU in the checkpoint's dtype."""
+    zero-padded to ``shard.size`` along ``shard.dim`` (a :class:`PackedShard`: its sections read so and
+    concatenated along their dim); on CPU in the checkpoint's dtype."""
     if shard is None:
         return handle.get_tensor(name)
+    if isinstance(shard, PackedShard):
+        return torch.cat([read_slice(handle, name, section) for section in shard.sections], dim=shard.dim)
     part = handle.get_slice(name)
-    values = part[shard.start:shard.stop] if shard.dim == 0 else part[:, shard.start:shard.stop]
+    values = part[(slice(None),) * shard.dim + (slice(shard.start, shard.stop),)]
     missing = shard.size - (shard.stop - shard.start)
     if missing:
         pad_shape = list(values.shape)
@@ -73,16 +112,25 @@ def load_weights(model: nn.Module, path: str | Path, sources: WeightSources, dev
     from safetensors import safe_open
 
     index = safetensors_index(path)
+    model_type = model.config.model_type
     filled: dict[int, nn.Parameter] = {}
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}
+
+        def open_file(file: Path) -> Any:
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            return handles[file]
+
         for name, param in model.named_parameters():
             key, shard = sources.get(name, (name, None))
-            if key not in index:
+            key = checkpoint_name(key, index, model_type, prefix=isinstance(shard, ExpertSlices))
+            if isinstance(shard, ExpertSlices):
+                values = read_experts(open_file, key, shard, index)
+            elif key not in index:
                 raise FileNotFoundError(f"{path}: no tensor {key!r} in the checkpoint for parameter {name!r}")
-            if index[key] not in handles:
-                handles[index[key]] = stack.enter_context(safe_open(str(index[key]), framework="pt", device="cpu"))
-            values = read_slice(handles[index[key]], key, shard)
+            else:
+                values = read_slice(open_file(index[key]), key, shard)
             if values.shape != param.shape:
                 raise ValueError(f"{path}: {key} gives {tuple(values.shape)} for {name} of shape {tuple(param.shape)}")
             filled[id(param)] = nn.Parameter(values.to(device=device, dtype=param.dtype), requires_grad=False)

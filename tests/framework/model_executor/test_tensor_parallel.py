@@ -118,7 +118,7 @@ def test_refuses_models_without_a_plan_or_unverified() -> None:
     no_plan.base_model_tp_plan = None
     problems = tp_problems(no_plan, 2)
     assert "defines no tensor-parallel plan" in problems[0] and problems[-1].endswith("[1]")
-    assert any("not 'gpt2'" in p for p in tp_problems(GPT2Config(n_layer=1), 2))
+    assert "('gpt2') is not run tensor-parallel: no tensor-parallel plan" in tp_problems(GPT2Config(n_layer=1), 2)[0]
     assert tp_problems(no_plan, 0) == ["tensor_parallel_size must be a positive integer, got 0"]
 
 

@@ -1,0 +1,68 @@
+"""Tensor parallelism for every family (``ModelFamily.tp`` in ``framework/model_executor/model_families.py``):
+each newly verified family's tiny random-weight model (``tests/families.py``) served at
+``tensor_parallel_size=2`` (``executor=mp``, float32, chunked prefill, prefix caching and preemption
+forced) gives transformers' greedy tokens and log-probabilities, and every family not verified is
+refused with its reason before any worker starts. Llama, Mistral, Qwen2 and Qwen3 are checked layer by
+layer in ``test_tensor_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from families import assert_matches_transformers, run_family, tiny_config
+
+from framework.model_executor.model_families import FAMILIES, TP_VERIFIED
+from framework.model_executor.tensor_parallel import PLAN_OVERRIDES, meta_model, resolved_plan, tp_problems
+
+CHECKED_IN_TEST_TENSOR_PARALLEL = ("llama", "mistral", "qwen2", "qwen3")
+NEWLY_VERIFIED = tuple(f.test_id for f in FAMILIES
+                       if f.tp == TP_VERIFIED and f.test_id not in CHECKED_IN_TEST_TENSOR_PARALLEL)
+REFUSED = tuple(f for f in FAMILIES if f.tp != TP_VERIFIED)
+
+
+def test_every_family_has_a_tp_record() -> None:
+    """Each family is verified or says why not; the families with plan overrides are verified ones."""
+    assert {f.test_id for f in REFUSED} == {"gpt_oss", "gpt2", "deepseek_v3"}
+    assert all(f.tp and f.tp != "not checked under tensor parallelism" for f in FAMILIES)
+    kinds = {kind: f.tp for f in FAMILIES for kind in f.model_types}
+    assert all(kinds[kind] == TP_VERIFIED for kind in PLAN_OVERRIDES)
+
+
+@pytest.mark.parametrize("family", [f.test_id for f in REFUSED])
+def test_unverified_family_refused_with_its_reason(family: str) -> None:
+    """``tp_problems`` (the builder's pre-load check) names the family's reason and the one size that works."""
+    row = next(f for f in FAMILIES if f.test_id == family)
+    problems = tp_problems(tiny_config(family), 2)
+    assert len(problems) == 2 and row.tp in problems[0] and "tensor_parallel_size=1" in problems[0]
+    assert problems[1].endswith(": [1]")
+
+
+def test_refusal_comes_before_any_worker_starts(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building an engine of a refused family raises from the config check; no executor is made."""
+    from families import tiny_model_dir
+
+    from framework.engine import builder
+
+    def no_executor(*args, **kwargs):
+        raise AssertionError("an executor was started for a refused model")
+
+    monkeypatch.setattr(builder, "make_executor", no_executor)
+    with pytest.raises(ValueError, match="is not run tensor-parallel: transformers' plan shards only the MLP"):
+        make_llm(model=str(tiny_model_dir("deepseek_v3")), tensor_parallel_size=2, dtype="float32")
+
+
+def test_overrides_shard_heads_instead_of_gathering() -> None:
+    """Phi-3's fused qkv and OLMo's full-width q/k norms are split by heads (transformers' plan gathers them)."""
+    phi3 = resolved_plan(meta_model(tiny_config("phi3")))
+    assert phi3["model.layers.0.self_attn.qkv_proj"] == "qkv_colwise"
+    assert phi3["model.layers.0.mlp.gate_up_proj"] == "packed_colwise"
+    olmo2 = resolved_plan(meta_model(tiny_config("olmo2")))
+    assert olmo2["model.layers.1.self_attn.k_norm"] == "sharded_norm"
+    assert olmo2["model.layers.1.self_attn.o_proj"] == "rowwise"
+
+
+@pytest.mark.parametrize("family", NEWLY_VERIFIED)
+def test_family_tp2_matches_transformers(make_llm, family: str) -> None:
+    """Greedy tokens equal transformers' ``generate`` and top-5 log-probabilities agree within 1e-4."""
+    llm, outs = run_family(make_llm, family, tensor_parallel_size=2, executor="mp")
+    assert_matches_transformers(family, outs, "tensor_parallel_size=2")
