@@ -94,6 +94,9 @@ class KVConnectorOutput:
     finished_sending: set[str] | None = None  # requests whose asynchronous save/send completed
     finished_recving: set[str] | None = None  # requests whose asynchronous load completed
     invalid_block_ids: set[int] = field(default_factory=set)  # blocks whose K/V failed to load this step
+    # what the worker side's store gained or lost this step (connector-defined plain values, e.g. offload's
+    # ("stored", key) / ("removed", key)), for its scheduler side (vLLM's kv_cache_events); None: nothing
+    kv_cache_events: list[Any] | None = None
 
 
 @dataclass

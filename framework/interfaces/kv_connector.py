@@ -230,6 +230,17 @@ class KVConnector(Plugin, ABC):
         """
         return None, None
 
+    def get_kv_connector_kv_cache_events(self) -> list[Any] | None:
+        """What this worker side's store gained or lost since the last call (plain values of the connector's
+        choosing, e.g. ``("stored", key)`` / ``("removed", key)``), or None; vLLM's method of that name.
+
+        Called by the model runner once per step after :meth:`get_block_ids_with_load_errors`; the driver rank's
+        list reaches the scheduler side as ``KVConnectorOutput.kv_cache_events`` (:meth:`update_connector_output`),
+        before the next ``schedule()``. A connector whose store lives on the worker (``offload``) tells its
+        scheduler side what it can offer this way. Default: None.
+        """
+        return None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed in this step (a synchronous connector reports them in the step it
         detected them). Called by the model runner after :meth:`wait_for_save`. The scheduler then recomputes

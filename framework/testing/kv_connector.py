@@ -2,8 +2,11 @@
 blocks by content (a producer engine saves, a consumer engine loads): a producer's scheduler and worker sides
 save the full prompt blocks of a request; a consumer's scheduler side then offers them (side-effect free, whole
 blocks, never the block of the last prompt token), and its worker side loads them bitwise into other block ids of
-another cache; a producer-only side offers nothing; nothing fails to load; blocks are freed at once.
-Random K/V, a real attention backend's layout and ``copy_blocks``; no model runs."""
+another cache; a producer-only side offers nothing; nothing fails to load; blocks are freed at once. A connector
+that is its own store (``own_store=True``: ``offload``'s tiers live with its worker side) runs as one ``kv_both``
+engine instead: it saves, its scheduler side learns the store's contents from the step's report
+(``update_connector_output`` with ``get_kv_connector_kv_cache_events``), then offers and loads the blocks into other
+block ids of the same cache. Random K/V, a real attention backend's layout and ``copy_blocks``; no model runs."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Any
 
 import torch
 
-from framework.core.outputs import SchedulerOutput
+from framework.core.outputs import KVConnectorOutput, SchedulerOutput
 from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
 from framework.interfaces import AttentionBackend, KVConnector, KVConnectorRole
@@ -43,33 +46,45 @@ def _step(sched: KVConnector, worker: KVConnector, so: SchedulerOutput, caches: 
     worker.wait_for_save()
     assert worker.get_finished(set()) in ((None, None), (set(), set())), "a synchronous step finished a transfer"
     errors = worker.get_block_ids_with_load_errors()
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids=errors,
+                                                    kv_cache_events=worker.get_kv_connector_kv_cache_events()))
     worker.clear_connector_metadata()
     return errors
 
 
+def _block(cache: torch.Tensor, block: int, backend: AttentionBackend) -> torch.Tensor:
+    """A copy of block ``block`` of one layer's ``cache``."""
+    out = torch.empty(backend.get_kv_cache_shape(1), dtype=backend.cache_dtype)
+    backend.copy_blocks([cache], [block], [out], [0])
+    return out
+
+
 def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_layers: int = 2, seed: int = 0,
-                       **params: Any) -> None:
+                       own_store: bool = False, **params: Any) -> None:
     """Run ``cls`` (built with ``params``, e.g. ``path=`` a fresh folder) through a producer engine and a consumer
-    engine sharing its store.
+    engine sharing its store, or (``own_store``) through one ``kv_both`` engine that is its own store.
 
     Args:
         backend: an attention backend instance (its ``block_size``, cache shape, dtype and ``copy_blocks``).
         num_layers: decoder layers of the fake caches.
+        own_store: the store lives in the connector instance (not shared between engines): check one engine.
 
     Raises:
         AssertionError: naming the broken part of the contract.
     """
     bs, rng = backend.block_size, random.Random(seed)
     prompt = [rng.randrange(3, 1000) for _ in range(5 * bs)]  # 5 full blocks: the last prompt token ends block 4
-    producer_sched, producer = _pair(cls, "kv_producer", bs, params)
-    consumer_sched, consumer = _pair(cls, "kv_consumer", bs, params)
+    producer_sched, producer = _pair(cls, "kv_both" if own_store else "kv_producer", bs, params)
+    consumer_sched, consumer = (producer_sched, producer) if own_store else _pair(cls, "kv_consumer", bs, params)
     src = _caches(backend, num_layers, 16, seed)
-    dst = _caches(backend, num_layers, 16, seed + 1)
+    dst = src if own_store else _caches(backend, num_layers, 16, seed + 1)
     producer.register_kv_caches(src, backend)
-    consumer.register_kv_caches(dst, backend)
+    if not own_store:
+        consumer.register_kv_caches(dst, backend)
 
     request = Request("producer-0", list(prompt), SamplingParams(max_tokens=1))
-    assert producer_sched.get_num_new_matched_tokens(request, 0)[0] == 0, "a kv_producer must not offer tokens"
+    assert producer_sched.get_num_new_matched_tokens(request, 0)[0] == 0, (
+        "an empty store (or a kv_producer) must not offer tokens")
     src_table = list(range(5))
     so = SchedulerOutput(scheduled_requests=[request], num_scheduled_tokens={request.request_id: len(prompt)},
                          total_num_scheduled_tokens=len(prompt), block_ids={request.request_id: (src_table,)})
@@ -85,7 +100,8 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
     assert bs + num_tokens <= len(prompt) - 1, "the block of the last prompt token must be computed, not loaded"
     assert num_tokens == 3 * bs, f"expected stored blocks 1-3 after the local hit, got {num_tokens // bs} blocks"
 
-    dst_table = [15, 3, 9, 12, 7]  # block 0 is the local hit; blocks 1-3 load; other ids than the producer's
+    dst_table = [15, 8, 9, 12, 7]  # block 0 is the local hit; blocks 1-3 load; other ids than the producer's
+    want = [[_block(src[layer], src_table[i], backend) for layer in range(num_layers)] for i in range(5)]
     consumer_req.num_computed_tokens = bs
     consumer_sched.update_state_after_alloc(consumer_req, dst_table, num_tokens)
     consumer_req.num_computed_tokens += num_tokens
@@ -94,10 +110,8 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
     assert not _step(consumer_sched, consumer, so, dst), "stored blocks failed to load"
     for i in range(1, 4):
         for layer in range(num_layers):
-            got, want = (torch.empty(backend.get_kv_cache_shape(1), dtype=backend.cache_dtype) for _ in range(2))
-            backend.copy_blocks([dst[layer]], [dst_table[i]], [got], [0])
-            backend.copy_blocks([src[layer]], [src_table[i]], [want], [0])
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
+            got = _block(dst[layer], dst_table[i], backend)
+            assert torch.equal(got.view(torch.uint8), want[i][layer].view(torch.uint8)), (
                 f"block {i} of layer {layer} is not bitwise the producer's after the load")
     assert consumer_sched.request_finished(consumer_req, dst_table)[0] is False, (
         "a synchronous connector must free blocks at once (request_finished -> delay_free False)")

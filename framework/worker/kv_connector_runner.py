@@ -43,14 +43,15 @@ class KVConnectorRunner:
             self.connector.wait_for_layer_load(layer_idx)
 
     def end_step(self, finished_req_ids: set[str]) -> KVConnectorOutput:
-        """Save, then report: finished transfers and the blocks that failed to load this step."""
+        """Save, then report: finished transfers, the blocks that failed to load this step and the store's events."""
         if self._bound:
             for layer_idx, kv_layer in enumerate(self.kv_caches):
                 self.connector.save_kv_layer(layer_idx, kv_layer)
             self.connector.wait_for_save()
         sending, recving = self.connector.get_finished(set(finished_req_ids))
         output = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                   invalid_block_ids=self.connector.get_block_ids_with_load_errors())
+                                   invalid_block_ids=self.connector.get_block_ids_with_load_errors(),
+                                   kv_cache_events=self.connector.get_kv_connector_kv_cache_events())
         if self._bound:
             self.connector.clear_connector_metadata()
             self._bound = False
