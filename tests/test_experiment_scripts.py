@@ -269,6 +269,19 @@ def test_bench_attention_times_each_cpu_backend(tmp_path):
     assert "triton" in result["skipped"] and json.loads(out.read_text())["shape"]["head_size"] == 8
 
 
+def test_bench_kv_offload_smoke(tmp_path):
+    """Three tiny conversations at a thrashing KV budget: offload hits its tier, tokens equal recompute's."""
+    from experiments.offline import bench_kv_offload
+
+    out = tmp_path / "kv_offload.json"
+    result = bench_kv_offload.main(["--model", STORIES, "--dtype", "float32", "--num-conversations", "3", "--turns",
+                                    "3", "--first-len", "12", "--turn-len", "4", "--output-len", "4", "--block-size",
+                                    "4", "--num-blocks", "12", "--json-out", str(out)])
+    systems = {r["system"]: r for r in result["systems"]}
+    assert result["same_tokens"] and systems["offload"]["offload_hit_rate"] > 0
+    assert systems["recompute"]["offload_hit_rate"] == 0 and json.loads(out.read_text())["machine"]["cpu"]
+
+
 def test_readme_lists_every_script_with_its_command():
     readme = (EXPERIMENTS / "README.md").read_text()
     rows = [line for line in readme.splitlines() if line.startswith("| `")]
