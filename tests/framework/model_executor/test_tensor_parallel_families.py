@@ -1,17 +1,21 @@
 """Tensor parallelism for every family (``ModelFamily.tp`` in ``framework/model_executor/model_families.py``):
-each newly verified family's tiny random-weight model (``tests/families.py``) served at
-``tensor_parallel_size=2`` (``executor=mp``, float32, chunked prefill, prefix caching and preemption
-forced) gives transformers' greedy tokens and log-probabilities, and every family not verified is
-refused with its reason before any worker starts. Llama, Mistral, Qwen2 and Qwen3 are checked layer by
-layer in ``test_tensor_parallel.py``.
+each newly verified family's tiny random-weight model (``tests/families.py``) at ``tensor_parallel_size=2``
+gives transformers' greedy tokens: all of them in one spawned gloo group (``tests/tp_harness.py``: logits
+and per-layer hidden states too), and, ``slow``, served by an engine (``executor=mp``, float32, chunked
+prefill, prefix caching and preemption forced; log-probabilities too). Every family not verified is
+refused with its reason before any worker starts. Llama, Mistral, Qwen2 and Qwen3 are checked in
+``test_tensor_parallel.py``.
 """
 
 from __future__ import annotations
 
 import pytest
-from families import assert_matches_transformers, run_family, tiny_config
+import torch
+from families import assert_matches_transformers, hf_reference, prompts, run_family, tiny_config, tiny_model_dir
+from tp_harness import run_cases, spawn_ranks
 
 from framework.model_executor.model_families import FAMILIES, TP_VERIFIED
+from framework.model_executor.model_loader import load_model
 from framework.model_executor.tensor_parallel import PLAN_OVERRIDES, meta_model, resolved_plan, tp_problems
 
 CHECKED_IN_TEST_TENSOR_PARALLEL = ("llama", "mistral", "qwen2", "qwen3")
@@ -61,8 +65,35 @@ def test_overrides_shard_heads_instead_of_gathering() -> None:
     assert olmo2["model.layers.1.self_attn.o_proj"] == "rowwise"
 
 
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tp2_families() -> list[dict[str, dict]]:
+    """Every newly verified family's results on both ranks of one TP=2 group (one spawn for all)."""
+    cases = [{"name": f, "path": str(tiny_model_dir(f)), "prompt": prompts(1)[0], "new_tokens": NEW_TOKENS}
+             for f in NEWLY_VERIFIED]
+    return spawn_ranks(run_cases, 2, cases)
+
+
 @pytest.mark.parametrize("family", NEWLY_VERIFIED)
-def test_family_tp2_matches_transformers(make_llm, family: str) -> None:
+def test_family_tp2_shards_equal_transformers(tp2_families: list[dict], family: str) -> None:
+    """Both ranks' greedy tokens equal transformers' ``generate``; the driver's logits and every layer's
+    hidden states are within 1e-5 (relative to their scale) of the unsharded model's."""
+    prompt = prompts(1)[0]
+    want_tokens = hf_reference(family, [prompt], NEW_TOKENS)[0][0]
+    assert [rank[family]["tokens"] for rank in tp2_families] == [want_tokens, want_tokens]
+    model = load_model(str(tiny_model_dir(family)), attn_implementation="eager").model
+    with torch.inference_mode():
+        ref = model(input_ids=torch.tensor([prompt]), output_hidden_states=True, use_cache=False)
+    for got, want in [(tp2_families[0][family]["logits"], ref.logits),
+                      *((g, w) for rank in tp2_families for g, w in zip(rank[family]["hidden"], ref.hidden_states))]:
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), family
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", NEWLY_VERIFIED)
+def test_family_tp2_engine_matches_transformers(make_llm, family: str) -> None:
     """Greedy tokens equal transformers' ``generate`` and top-5 log-probabilities agree within 1e-4."""
     llm, outs = run_family(make_llm, family, tensor_parallel_size=2, executor="mp")
     assert_matches_transformers(family, outs, "tensor_parallel_size=2")
