@@ -61,7 +61,7 @@ class EngineConfig:
     lora_backend_params: dict[str, Any] = field(default_factory=dict)
     # KV transfer (docs/kv_transfer.md; vLLM's KVTransferConfig: kv_connector, kv_connector_extra_config, kv_role,
     # kv_load_failure_policy)
-    kv_connector: str = "none"  # a kv_connector plugin name (none | shared_storage)
+    kv_connector: str = "none"  # a kv_connector plugin name (none | shared_storage | offload | multi)
     kv_connector_params: dict[str, Any] = field(default_factory=dict)
     kv_role: str = "kv_both"  # kv_producer (stores KV) | kv_consumer (loads KV) | kv_both
     kv_load_failure_policy: str = "recompute"  # a block that fails to load: recompute its tokens | fail the request
