@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from framework import registry
 from framework.interfaces.attention import FEATURE_NAMES, LAYER_FEATURES
-from framework.model_executor.model_families import FAMILIES, ModelFamily
+from framework.model_executor.model_families import FAMILIES, TP_VERIFIED, ModelFamily
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class FamilyRow:
     backends: str  # registered attention backends with every feature it needs ("(CUDA)": GPU-only)
     kv_saving: str  # KV allocators releasing its out-of-window blocks ("-": no sliding window)
     test: str  # pytest node id of its tiny random-weight parity test
+    tp: str  # tensor parallelism: "verified at TP=2" (equals transformers) or "refused: <reason>"
 
 
 def backends_for(family: ModelFamily) -> list[str]:
@@ -53,7 +54,8 @@ def family_rows() -> list[FamilyRow]:
     """One :class:`FamilyRow` per family of :data:`FAMILIES`, in table order."""
     return [FamilyRow(f.name, f.architecture, ", ".join(f.model_types),
                       ", ".join([FEATURE_NAMES[x] for x in f.features] + list(f.traits)) or "-",
-                      ", ".join(backends_for(f)), kv_saving_allocators(f), f.test) for f in FAMILIES]
+                      ", ".join(backends_for(f)), kv_saving_allocators(f), f.test,
+                      "verified at TP=2" if f.tp == TP_VERIFIED else f"refused: {f.tp}") for f in FAMILIES]
 
 
 def checkpoint_formats() -> str:
@@ -66,10 +68,10 @@ def checkpoint_formats() -> str:
 
 def markdown_table() -> str:
     """The README's table of :func:`family_rows` (GitHub Markdown)."""
-    lines = ["| family | architecture | needs | attention backends | sliding-window KV released by | test |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| family | architecture | needs | attention backends | sliding-window KV released by | test | "
+             "tensor parallel |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r.family} | `{r.architecture}` | {r.needs} | {r.backends} | {r.kv_saving} | "
-              f"`{r.test.split('::')[1]}` |" for r in family_rows()]
+              f"`{r.test.split('::')[1]}` | {r.tp} |" for r in family_rows()]
     return "\n".join(lines)
 
 
@@ -85,10 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                         "encoder-decoder, non-causal, attention outside transformers' interface such as Falcon, "
                         "chunked/linear/state-space layers)", header_style="bold")
     for column in ("family", "architecture", "model_type", "needs", "attention backends",
-                   "sliding-window KV released by", "test"):
+                   "sliding-window KV released by", "test", "tensor parallel"):
         table.add_column(column)
     for r in family_rows():
-        table.add_row(r.family, r.architecture, r.model_types, r.needs, r.backends, r.kv_saving, r.test.split("::")[1])
+        table.add_row(r.family, r.architecture, r.model_types, r.needs, r.backends, r.kv_saving, r.test.split("::")[1],
+                      r.tp)
     console = Console(width=240)
     console.print(table)
     console.print(f"pre-quantized checkpoints (config.json quantization_config, detected): {checkpoint_formats()}; "
