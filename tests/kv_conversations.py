@@ -18,19 +18,21 @@ FOLLOW_UP = " Then she said"
 NUM_TURNS = 3
 
 
-def conversations(llm: LLM) -> list[list[int]]:
-    """Three conversations of NUM_TURNS turns run interleaved (A1 B1 C1 A2 ...), one request at a time; each turn's
-    prompt is the previous prompt, its output and a follow-up. Returns every turn's output token ids, in order."""
+def conversations(llm: LLM, batched: bool = False) -> list[list[int]]:
+    """Three conversations of NUM_TURNS turns run interleaved (A1 B1 C1 A2 ...), one request at a time (``batched``:
+    each turn of the three in one ``generate``); each turn's prompt is the previous prompt, its output and a
+    follow-up. Returns every turn's output token ids, in order."""
     tok = llm.engine.tokenizer
     follow = [t for t in tok(FOLLOW_UP).input_ids if t != tok.bos_token_id]
     prompts = [tok(text).input_ids for text in OPENINGS]
     outputs = []
     for _ in range(NUM_TURNS):
-        for i, prompt in enumerate(prompts):
-            (out,) = llm.generate([prompt], GREEDY)
-            assert out.error is None
-            outputs.append(list(out.outputs[0].token_ids))
-            prompts[i] = prompt + outputs[-1] + follow
+        groups = [list(range(len(prompts)))] if batched else [[i] for i in range(len(prompts))]
+        for group in groups:
+            for i, out in zip(group, llm.generate([prompts[i] for i in group], GREEDY)):
+                assert out.error is None
+                outputs.append(list(out.outputs[0].token_ids))
+                prompts[i] = prompts[i] + outputs[-1] + follow
     return outputs
 
 

@@ -43,7 +43,8 @@ class KVConnectorRole(enum.Enum):
     WORKER = 1  # on each worker rank, next to the KV tensors
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[str]:
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "",
+                        known: Sequence[str] = ()) -> list[str]:
     """Content keys of the full blocks of ``token_ids``: block ``i``'s key is the SHA-256 (hex) of block
     ``i - 1``'s key and block ``i``'s tokens, so a key names a whole prefix (vLLM's prefix-cache hash chain,
     with a stable hash: keys must agree across processes and runs).
@@ -53,13 +54,15 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "
         block_size: tokens per block; a partial last block gets no key.
         salt: mixed into the first block's key (e.g. a LoRA adapter's name): equal tokens under another salt
             get other keys.
+        known: the keys of the first ``len(known)`` blocks, from an earlier call on a prefix of ``token_ids``
+            with the same salt: only the later blocks are hashed (a growing sequence costs its new blocks).
 
     Returns:
         ``len(token_ids) // block_size`` 64-character hex strings.
     """
-    keys: list[str] = []
-    parent = hashlib.sha256(salt.encode()).hexdigest()
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    keys = list(known)
+    parent = keys[-1] if keys else hashlib.sha256(salt.encode()).hexdigest()
+    for start in range(len(keys) * block_size, len(token_ids) - block_size + 1, block_size):
         block = ",".join(map(str, token_ids[start:start + block_size]))
         parent = hashlib.sha256(f"{parent}|{block}".encode()).hexdigest()
         keys.append(parent)

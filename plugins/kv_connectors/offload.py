@@ -97,7 +97,7 @@ class OffloadConnector(KVConnector):
         tokens = request.all_token_ids
         if len(tokens) // self.block_size > len(keys):
             salt = request.lora_request.lora_name if request.lora_request is not None else ""
-            keys = prefix_block_hashes(tokens, self.block_size, salt)
+            keys = prefix_block_hashes(tokens, self.block_size, salt, known=keys)
             self._keys[request.request_id] = keys
         return keys
 

@@ -12,6 +12,7 @@ import torch
 from kv_conversations import BLOCK, ENGINE, TIGHT, assert_no_leak, conversations
 
 from framework import LLM, registry
+from framework.interfaces.kv_connector import prefix_block_hashes
 from framework.testing import check_kv_connector
 from plugins.attention.torch_paged import TorchPagedAttentionBackend
 from plugins.kv_connectors._tiers import TieredBlockStore
@@ -107,6 +108,43 @@ def test_disk_spill_and_reload_are_exact(plain_outputs, block_bytes, tmp_path):
     assert folder.parent == tmp_path and folder.is_dir()
     store.close()
     assert not folder.exists(), "the disk tier's folder outlived its store"
+
+
+def test_batched_turns_preempt_reload_and_stay_exact(block_bytes):
+    """Each turn of the three conversations in one batch at this budget: requests preempt (recompute), re-admitted
+    ones load from the CPU tier, outputs equal a plain engine's batched run."""
+    llm = offload_llm(cpu_bytes=64 * block_bytes)
+    assert conversations(llm, batched=True) == conversations(LLM(**ENGINE), batched=True)
+    assert llm.engine.metrics.num_preemptions > 0
+    assert llm.engine.scheduler.kv_transfer.external_prefix_cache_hits > 0
+    assert_within_limits(store_of(llm))
+    assert_no_leak(llm)
+
+
+def test_a_lost_disk_file_is_recomputed_exactly(plain_outputs, block_bytes, tmp_path):
+    """The file of a block the scheduler side offered disappears before the load: the load fails, the request
+    recomputes from that block (kv_transfer.load_failure_policy=recompute) and skips that step's saves; exact."""
+    llm = offload_llm(cpu_bytes=0, disk_path=str(tmp_path), disk_bytes=100 * block_bytes)
+    store, lost = store_of(llm), []
+    get = store.get
+
+    def get_losing_the_first(key):
+        if not lost and key in store.disk:
+            store.flush()
+            store._writer.file(key).unlink()
+            lost.append(key)
+        return get(key)
+
+    store.get = get_losing_the_first
+    assert conversations(llm) == plain_outputs
+    assert lost and llm.engine.scheduler.kv_transfer.external_prefix_cache_hits > 0
+    assert_no_leak(llm)
+
+
+def test_prefix_keys_extend_from_known_keys():
+    tokens = list(range(3, 30))
+    assert prefix_block_hashes(tokens, BLOCK, "a", known=prefix_block_hashes(tokens[:9], BLOCK, "a")) == (
+        prefix_block_hashes(tokens, BLOCK, "a"))
 
 
 def test_a_block_larger_than_the_tiers_is_not_stored(plain_outputs, block_bytes, caplog):
