@@ -114,7 +114,7 @@ def parse_tree_paths(paths: object) -> list[list[int]]:
     """
     if isinstance(paths, str) or not isinstance(paths, Sequence) or not paths:
         raise ValueError(f"spec_decode.params.tree must be a non-empty list of choice paths such as "
-                         f"[[0],[1],[0,0]] (or dynamic, not built yet), got {paths!r}")
+                         f"[[0],[1],[0,0]] (tree=dynamic: spec_decode=eagle only, EAGLE-2), got {paths!r}")
     out = []
     for path in paths:
         if (isinstance(path, str) or not isinstance(path, Sequence) or not path

@@ -35,7 +35,8 @@ class Drafter(Plugin, ABC):
 
     Attributes:
         drafts_trees: class attribute; True when the drafter takes ``spec_decode.params.tree`` (static
-            Medusa-style choice paths) and proposes trees; :meth:`validate` refuses ``tree`` for the others.
+            Medusa-style choice paths, or ``dynamic`` where the drafter grows trees itself) and proposes trees;
+            :meth:`validate` refuses ``tree`` for the others.
         needs_hidden_states: class attribute; True makes the model runner keep the target's last
             hidden states of every forward (from the same forward, no second pass) and the engine
             hand them to :meth:`observe_hidden_states` (EAGLE-style drafters).
@@ -61,10 +62,7 @@ class Drafter(Plugin, ABC):
         """Pre-flight checks before weights load: ``num_speculative_tokens >= 1``."""
         problems = super().validate(config)
         tree = config.drafter_params.get("tree")
-        if tree == "dynamic":
-            problems.append(f"spec_decode {cls.name!r}: tree=dynamic (EAGLE-2 dynamic trees) is not built yet; give "
-                            "a static tree, e.g. spec_decode=medusa spec_decode.params.tree=[[0],[1],[0,0]]")
-        elif tree is not None and not cls.drafts_trees:
+        if tree is not None and not cls.drafts_trees:
             problems.append(f"spec_decode {cls.name!r} drafts chains only; drop spec_decode.params.tree, or use "
                             "spec_decode=medusa for token trees")
         k = config.drafter_params.get("num_speculative_tokens", 4)

@@ -73,7 +73,7 @@ class DraftModelDrafter(Drafter):
         vocabulary equals the target's (configs only)."""
         problems = super().validate(config)
         tree = config.drafter_params.get("tree")
-        if tree is not None and tree != "dynamic":
+        if tree is not None:
             try:
                 sibling_tree_paths(tree, "draft_model")
             except ValueError as exc:

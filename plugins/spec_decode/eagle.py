@@ -19,7 +19,9 @@ positions, so head positions count from that start; acceptance may drop, output 
 Drafts are the head's argmax, so ``q`` is one-hot and verification is exact for every sampling
 setting (``framework.sample.rejection_sampler``). With ``spec_decode.params.tree`` (static paths whose every rank but
 the last is 0, :func:`framework.core.spec_tree.sibling_tree_paths`) the drafter proposes a token tree: its argmax
-chain plus, at each depth, the head's next-best guesses as leaves (the LM head's top-k of the same steps).
+chain plus, at each depth, the head's next-best guesses as leaves (the LM head's top-k of the same steps). With
+``spec_decode.params.tree=dynamic`` it grows EAGLE-2 dynamic trees (:mod:`plugins.spec_decode._eagle2_tree`:
+``num_speculative_tokens`` deep, ``topk`` nodes expanded per depth, the ``num_draft_tokens`` most likely kept).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from framework.core.sampling_params import SamplingParams
 from framework.core.spec_tree import DraftTree, paths_parents, sibling_tree_paths, tree_from_ranked
 from framework.hookspecs import Register
 from framework.interfaces import Drafter
+from plugins.spec_decode._eagle2_tree import grow_trees
 
 MISSING_MODEL = ("spec_decode=eagle needs spec_decode.params.model=PATH of an EAGLE head "
                  "(e.g. models/stories260K-eagle; train one with python -m experiments.quality.train_eagle)")
@@ -62,10 +65,14 @@ class EagleDrafter(Drafter):
         num_blocks: head KV blocks; default enough for ``max_num_seqs`` requests of
             ``max_model_len`` tokens, capped by the target's ``kv_cache_memory_bytes``.
         tree: static Medusa-style paths, each rank but the last 0 (the chain plus top-k leaves per depth); the tree's
-            depth replaces ``num_speculative_tokens``. ``None``: a chain.
+            depth replaces ``num_speculative_tokens``. ``"dynamic"``: EAGLE-2 trees ``num_speculative_tokens`` deep.
+            ``None``: a chain.
+        topk: with ``tree=dynamic``, nodes expanded per depth and children per expanded node (EAGLE-2's top-k).
+        num_draft_tokens: with ``tree=dynamic``, the nodes kept after reranking (EAGLE-2's total tokens).
 
     Raises:
-        ValueError: no model given, or a tree the drafter cannot fill (also reported by :meth:`validate`).
+        ValueError: no model given, a tree the drafter cannot fill, or ``topk``/``num_draft_tokens`` < 1 (also
+            reported by :meth:`validate`).
     """
 
     name = "eagle"
@@ -73,11 +80,17 @@ class EagleDrafter(Drafter):
     drafts_trees = True
 
     def __init__(self, num_speculative_tokens: int = 4, model: str | None = None, num_blocks: int | None = None,
-                 tree: Any = None, **params: Any) -> None:
+                 tree: Any = None, topk: int = 4, num_draft_tokens: int = 16, **params: Any) -> None:
         super().__init__(num_speculative_tokens, **params)
         if not model:
             raise ValueError(MISSING_MODEL)
-        self.paths = sibling_tree_paths(tree, "eagle") if tree is not None else None
+        problem = _dynamic_problem(tree, topk, num_draft_tokens)
+        if problem:
+            raise ValueError(problem)
+        self.dynamic = tree == "dynamic"
+        self.paths = sibling_tree_paths(tree, "eagle") if tree is not None and not self.dynamic else None
+        if self.dynamic:
+            self.topk, self.num_draft_tokens = int(topk), int(num_draft_tokens)
         if self.paths is not None:
             self.parents = paths_parents(self.paths)
             self.num_speculative_tokens = max(len(p) for p in self.paths)
@@ -90,8 +103,12 @@ class EagleDrafter(Drafter):
     def validate(cls, config: EngineConfig) -> list[str]:
         """Head folder given and readable; its hidden size and vocabulary equal the target's."""
         problems = super().validate(config)
-        tree = config.drafter_params.get("tree")
-        if tree is not None and tree != "dynamic":
+        params = config.drafter_params
+        tree = params.get("tree")
+        problem = _dynamic_problem(tree, params.get("topk", 4), params.get("num_draft_tokens", 16))
+        if problem:
+            problems.append(problem)
+        elif tree is not None and tree != "dynamic":
             try:
                 sibling_tree_paths(tree, "eagle")
             except ValueError as exc:
@@ -176,7 +193,9 @@ class EagleDrafter(Drafter):
             feats[request.request_id] = state.pending[:new]
             real[request.request_id] = n_real
             active.append(state)
-        for step in range(self.num_speculative_tokens):
+        root_features = {rid: f[-1] for rid, f in feats.items()}  # the last real pair's target feature
+        root_hidden: dict[str, torch.Tensor] = {}
+        for step in range(1 if self.dynamic else self.num_speculative_tokens):
             active = [s for s in active
                       if self.kv.allocate_slots(s.shadow, s.shadow.num_tokens - s.shadow.num_computed_tokens) is not None]
             if not active:
@@ -184,6 +203,11 @@ class EagleDrafter(Drafter):
             if step == 0:  # only these caught up; the others keep their pending features for later
                 caught_up = {s.shadow.request_id: real[s.shadow.request_id] for s in active}
             hidden = self._head_step([s.shadow for s in active], feats)  # (len(active), hidden)
+            if self.dynamic:  # the catch-up only; the trees grow from the last real pair's predicted feature
+                for j, state in enumerate(active):
+                    state.shadow.num_computed_tokens = state.shadow.num_tokens
+                    root_hidden[state.shadow.request_id] = hidden[j]
+                break
             logits = self.lm_head(hidden)  # one LM-head GEMM for every request
             if self.paths is not None:
                 top = logits.topk(self.topk, dim=-1).indices.tolist()  # (len(active), topk), best first
@@ -198,11 +222,16 @@ class EagleDrafter(Drafter):
                 state.shadow.all_token_ids.append(tokens[j])
                 drafts[rid].append(tokens[j])
                 feats[rid] = hidden[j:j + 1]  # the predicted next feature feeds the next step
+        trees = {}
+        if self.dynamic and caught_up:
+            trees = grow_trees(self, {rid: self._states[rid].shadow for rid in caught_up}, root_features, root_hidden)
         for rid, n_real in caught_up.items():  # keep the real pairs' KV only; draft pairs get overwritten
             state = self._states[rid]
             state.pending = state.pending[:0]  # consumed; rows beyond were rejected drafts
             state.shadow.num_computed_tokens = n_real
             del state.shadow.all_token_ids[n_real:]
+        if self.dynamic:
+            return trees
         if self.paths is not None:
             return {rid: tree_from_ranked(self.paths, self.parents, ranked[rid]) for rid in drafts}
         return drafts
@@ -223,6 +252,17 @@ class EagleDrafter(Drafter):
         last = out[batch.logits_index]  # (num_shadows, hidden), batch.sample_requests order
         row = {r.request_id: j for j, r in enumerate(batch.sample_requests)}
         return last[torch.tensor([row[s.request_id] for s in shadows], device=last.device)]
+
+
+def _dynamic_problem(tree: Any, topk: Any, num_draft_tokens: Any) -> str | None:
+    """Why ``tree=dynamic``'s parameters are unusable (None: fine, or no dynamic tree)."""
+    if tree != "dynamic":
+        return None
+    for name, value in (("topk", topk), ("num_draft_tokens", num_draft_tokens)):
+        if not isinstance(value, int) or value < 1:
+            return (f"spec_decode=eagle tree=dynamic: {name} must be an integer >= 1, got {value!r}; e.g. "
+                    "spec_decode.params.topk=4 spec_decode.params.num_draft_tokens=16")
+    return None
 
 
 def _mismatches(head: Any, target: Any, path: str) -> list[str]:

@@ -76,7 +76,7 @@ class MedusaDrafter(Drafter):
             return problems + [f"spec_decode=medusa: cannot read the Medusa heads {path!r} ({exc})"]
         problems += _mismatches(heads, target, path)
         tree = config.drafter_params.get("tree")
-        if tree is not None and tree != "dynamic":
+        if tree is not None:
             try:
                 depth = max(len(p) for p in parse_tree_paths(tree))
             except ValueError as exc:

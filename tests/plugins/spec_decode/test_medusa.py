@@ -126,10 +126,11 @@ class _FixedTreePlugin:
         register("fixed_tree", _FixedTree)
 
 
-@pytest.mark.parametrize("drafter", ["medusa", "fixed_tree"])
+@pytest.mark.parametrize("drafter", ["medusa", "fixed_tree", "eagle"])
 def test_tree_sampling_keeps_target_distribution(make_llm, drafter):
     """Chi-square of the first three sampled tokens against the exact target joint (the chain drafters' test in
-    test_spec_distribution.py, same power: 3,000 samples, every bin with >= 5 expected)."""
+    test_spec_distribution.py, same power: 3,000 samples, every bin with >= 5 expected): a Medusa tree, a poor fixed
+    tree and EAGLE-2 dynamic trees."""
     import collections
     import importlib.util
     import math
@@ -140,7 +141,9 @@ def test_tree_sampling_keeps_target_distribution(make_llm, drafter):
     spec.loader.exec_module(chain)
     NUM_SAMPLES, PROMPT, _chi_square, _exact_joint = chain.NUM_SAMPLES, chain.PROMPT, chain._chi_square, chain._exact_joint  # noqa: N806
 
-    params = {"model": STORIES_MEDUSA, "tree": TREES["medusa"]} if drafter == "medusa" else {}
+    params = {"medusa": {"model": STORIES_MEDUSA, "tree": TREES["medusa"]}, "fixed_tree": {},
+              "eagle": {"model": str(Path(STORIES).parent / "stories260K-eagle"), "tree": "dynamic", "topk": 3,
+                        "num_draft_tokens": 8, "num_speculative_tokens": 3}}[drafter]
     with registry.registered(_FixedTreePlugin()):
         llm = make_llm(drafter=drafter, drafter_params=params)
     ids = llm.get_tokenizer()(PROMPT).input_ids
@@ -213,7 +216,7 @@ def test_public_layout_round_trip(tmp_path):
     ("medusa", {}, "needs spec_decode.params.model"),
     ("medusa", {"model": STORIES_MEDUSA, "tree": [[0] * d for d in range(1, 6)]}, "5 deep but"),
     ("medusa", {"model": STORIES_MEDUSA, "tree": [[0, 1]]}, "has no parent path"),
-    ("medusa", {"model": STORIES_MEDUSA, "tree": "dynamic"}, "EAGLE-2 dynamic trees"),
+    ("medusa", {"model": STORIES_MEDUSA, "tree": "dynamic"}, "tree=dynamic: spec_decode=eagle only"),
     ("ngram", {"tree": [[0], [1]]}, "drafts chains only"),
 ])
 def test_misconfigurations_refused(drafter, params, match):
