@@ -272,7 +272,9 @@ def _shard_embeddings(model: nn.Module, dims: RankDims, sources: WeightSources) 
 def _localize_attention(model: nn.Module, layout: TPLayout) -> None:
     """Per-head counts the attention modules keep: ``num_key_value_groups`` (eager/sdpa repeat KV heads
     by it), ``num_key_value_heads``, and a per-module config copy with this rank's heads where the
-    module reads ``config.num_attention_heads`` to split a fused ``qkv_proj`` (Phi-3)."""
+    module reads ``config.num_attention_heads`` to split a fused ``qkv_proj`` (Phi-3; one copy shared by
+    the layers, so that a compiled decoder still sees one layer kind)."""
+    local_configs: dict[int, Any] = {}
     for module in model.modules():
         if not hasattr(module, "num_key_value_groups"):
             continue
@@ -280,9 +282,10 @@ def _localize_attention(model: nn.Module, layout: TPLayout) -> None:
         if hasattr(module, "num_key_value_heads"):
             module.num_key_value_heads = layout.num_kv_heads
         if hasattr(module, "qkv_proj") and hasattr(module, "config"):
-            module.config = copy.copy(module.config)
-            module.config.num_attention_heads = layout.num_heads
-            module.config.num_key_value_heads = layout.num_kv_heads
+            if id(module.config) not in local_configs:
+                local = local_configs[id(module.config)] = copy.copy(module.config)
+                local.num_attention_heads, local.num_key_value_heads = layout.num_heads, layout.num_kv_heads
+            module.config = local_configs[id(module.config)]
 
 
 def shard_model(model: nn.Module, tp_rank: int, tp_size: int, group_name: str) -> WeightSources:
