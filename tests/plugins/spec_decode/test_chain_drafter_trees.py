@@ -22,6 +22,8 @@ def _run(make_llm, drafter, **params):
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=32))
     for i, (out, exp) in enumerate(zip(outs, hf_greedy(STORIES, ids, 32))):
         assert out.outputs[0].token_ids == exp, f"prompt {i} diverged from transformers"
+    draft_kv = llm.engine.drafter.kv  # the draft's own block pool is empty again (tree nodes' slots included)
+    assert draft_kv.num_free_blocks == draft_kv.num_blocks, "draft KV blocks leaked"
     return llm.engine.metrics.summary()
 
 
