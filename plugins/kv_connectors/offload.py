@@ -126,9 +126,6 @@ class OffloadConnector(KVConnector):
         meta = OffloadMetadata(loads=self._loads)
         self._step_loads = {block_id: rid for block_id, _, rid in self._loads}
         self._loads = []
-        for rid in scheduler_output.finished_req_ids:
-            self._num_saved.pop(rid, None)
-            self._keys.pop(rid, None)
         if not self.is_producer:
             return meta
         for request in scheduler_output.scheduled_requests:
@@ -154,6 +151,13 @@ class OffloadConnector(KVConnector):
                 self._stored.add(key)
             else:
                 self._stored.discard(key)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request (finished or aborted, waiting or running); its blocks are free at once: the saves
+        copied them out synchronously."""
+        self._keys.pop(request.request_id, None)
+        self._num_saved.pop(request.request_id, None)
+        return False, None
 
     # ---- worker side ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor], backend: AttentionBackend) -> None:

@@ -89,6 +89,9 @@ def test_cpu_tier_turns_hit_and_stay_exact(plain_outputs, block_bytes):
     assert store.cpu and not store.disk
     assert_within_limits(store)
     assert_no_leak(llm)
+    scheduler_side = llm.engine.scheduler.kv_transfer.connector
+    assert not scheduler_side._keys and not scheduler_side._num_saved, "finished requests left scheduler-side state"
+    assert scheduler_side._stored == set(store.cpu), "the scheduler side's view differs from the tiers"
 
 
 def test_disk_spill_and_reload_are_exact(plain_outputs, block_bytes, tmp_path):
