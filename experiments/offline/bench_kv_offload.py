@@ -36,6 +36,7 @@ from experiments.common import bench_dtype, code_state, machine_info, markdown_t
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))

@@ -50,9 +50,11 @@ class _DiskWriter:
         self.wanted = lambda key: True  # set by the store: is ``key`` still in the disk tier?
 
     def file(self, key: str) -> Path:
+        """The file of block ``key`` (raw bytes of its tensors, in layer order)."""
         return self.folder / f"{key}.kv"
 
     def submit(self, key: str, block: Block) -> None:
+        """Queue ``block``'s write; it is readable from ``pending`` until its file is complete."""
         with self.lock:
             self.pending[key] = block
         self._queue.put((key, block))
