@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from plugins.spec_decode._weight_files import read_first_weight_file
+
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 IGNORED_KEYS = ("embed_tokens.weight", "layers.0.input_layernorm.weight", "norm.weight", "lm_head.weight")
 
@@ -100,16 +102,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     Raises:
         FileNotFoundError: neither file exists.
     """
-    folder = Path(path)
-    for name in WEIGHT_FILES:
-        file = folder / name
-        if file.is_file():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                return load_file(str(file))
-            return torch.load(file, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"EAGLE head {str(folder)!r} has neither {' nor '.join(WEIGHT_FILES)}")
+    return read_first_weight_file(path, WEIGHT_FILES, "EAGLE head")
 
 
 def load_head(path: str | Path, embed_tokens: nn.Module, dtype: torch.dtype, device: torch.device,

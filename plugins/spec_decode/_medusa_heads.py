@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from plugins.spec_decode._weight_files import read_first_weight_file
+
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
 
@@ -92,17 +94,8 @@ def read_medusa_weights(path: str | Path) -> dict[str, torch.Tensor]:
     Raises:
         FileNotFoundError: neither file exists.
     """
-    folder = Path(path)
-    for name in WEIGHT_FILES:
-        file = folder / name
-        if file.is_file():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                return load_file(str(file))
-            return torch.load(file, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"Medusa heads {str(folder)!r} have neither {' nor '.join(WEIGHT_FILES)}; train some with "
-                            "python -m experiments.quality.train_medusa")
+    return read_first_weight_file(path, WEIGHT_FILES, "Medusa heads",
+                                  "; train some with python -m experiments.quality.train_medusa")
 
 
 def load_medusa_config(path: str | Path) -> MedusaConfig:
