@@ -197,9 +197,11 @@ def _size_problems(model: nn.Module, plan: dict[str, str], tp_size: int) -> list
         if split is not None and split[1] % tp_size:
             problems.append(f"{_generic(name)} ({style}): {split[0]}={split[1]} is not divisible "
                             f"by tensor_parallel_size={tp_size}")
-    if tp_size > num_kv and not any(n.rpartition(".")[2] in KV_PROJECTIONS and s == "colwise" for n, s in plan.items()):
+    splits_kv = any((n.rpartition(".")[2] in KV_PROJECTIONS and s == "colwise") or s == "qkv_colwise"
+                    for n, s in plan.items())
+    if tp_size > num_kv and not splits_kv:
         problems.append(f"tensor_parallel_size={tp_size} > num_key_value_heads={num_kv} needs KV replication, "
-                        f"but the plan has no colwise {list(KV_PROJECTIONS)}")
+                        f"but the plan has no colwise {list(KV_PROJECTIONS)} nor a qkv_colwise qkv_proj")
     return sorted(set(problems))
 
 

@@ -97,3 +97,26 @@ def test_family_tp2_engine_matches_transformers(make_llm, family: str) -> None:
     """Greedy tokens equal transformers' ``generate`` and top-5 log-probabilities agree within 1e-4."""
     llm, outs = run_family(make_llm, family, tensor_parallel_size=2, executor="mp")
     assert_matches_transformers(family, outs, "tensor_parallel_size=2")
+
+
+def test_expert_width_the_size_cannot_split_is_refused() -> None:
+    """Experts split along their intermediate features: a width ``tp`` does not divide names them."""
+    config = tiny_config("qwen3_moe")
+    config.moe_intermediate_size = 30
+    problems = tp_problems(config, 4)
+    assert any("mlp.experts (moe_tp_experts): intermediate features=30 is not divisible by "
+               "tensor_parallel_size=4" in p for p in problems)
+    assert problems[-1].endswith("[1, 2]")
+
+
+@pytest.mark.slow
+def test_kv_replicated_over_four_ranks() -> None:
+    """TP=4 over 2 KV heads (each on two ranks): OLMo's k norm counts replicated values once, Phi-3's fused
+    qkv takes its KV head's rows; greedy tokens equal transformers' on every rank (MoE included)."""
+    families = ("olmo2", "olmoe", "phi3", "qwen3_moe")
+    prompt = prompts(1)[0]
+    cases = [{"name": f, "path": str(tiny_model_dir(f)), "prompt": prompt, "new_tokens": NEW_TOKENS} for f in families]
+    ranks = spawn_ranks(run_cases, 4, cases)
+    for family in families:
+        want = hf_reference(family, [prompt], NEW_TOKENS)[0][0]
+        assert [rank[family]["tokens"] for rank in ranks] == [want] * 4, family
