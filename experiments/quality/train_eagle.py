@@ -236,17 +236,24 @@ def evaluate(model: str, out: str, dtype: str, k: int, num_prompts: int, max_tok
     return llm.engine.metrics.summary()
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_generation_args(p: argparse.ArgumentParser, layout: str, batch_size: int) -> None:
+    """The options every drafter-training script shares: the target, the output folder (``layout``: the format
+    written), the generation pass that makes the training data and the training budget (seconds, epochs,
+    ``batch_size`` sequences or pairs per step)."""
     p.add_argument("--model", default="smollm2", help="target: smollm2, stories260K or a folder")
-    p.add_argument("--out", required=True, help="output folder (EAGLE layout)")
+    p.add_argument("--out", required=True, help=f"output folder ({layout} layout)")
     p.add_argument("--num-sequences", type=int, default=384)
     p.add_argument("--max-tokens", type=int, default=160, help="generated tokens per sequence")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--gen-dtype", default="bfloat16", help="dtype of the generation pass")
     p.add_argument("--train-seconds", type=float, default=480.0)
     p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=batch_size)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_generation_args(p, "EAGLE", batch_size=16)
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--noise", type=float, default=0.1, help="uniform feature noise amplitude (EAGLE: 0.1)")

@@ -36,7 +36,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from experiments.quality.train_eagle import generate, training_prompts, with_labels  # noqa: E402
+from experiments.quality.train_eagle import add_generation_args, generate, training_prompts, with_labels  # noqa: E402
 
 LOSS_DECAY = 0.8  # lambda_k = 0.8 ** k (Medusa, Sec. 2.2.1)
 
@@ -106,17 +106,9 @@ def evaluate(model: str, out: str, dtype: str, num_prompts: int, max_tokens: int
 def main(argv: list[str] | None = None) -> None:
     """Generate, label, train, save (and evaluate) Medusa heads; see the module docstring."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2", help="target: smollm2, stories260K or a folder")
-    p.add_argument("--out", required=True, help="output folder (Medusa layout)")
+    add_generation_args(p, "Medusa", batch_size=256)
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head (Medusa-1: 1)")
-    p.add_argument("--num-sequences", type=int, default=384)
-    p.add_argument("--max-tokens", type=int, default=160, help="generated tokens per sequence")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--gen-dtype", default="bfloat16", help="dtype of the generation pass")
-    p.add_argument("--train-seconds", type=float, default=480.0)
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--holdout", type=float, default=0.05, help="fraction of sequences held out for top-1")
     p.add_argument("--seed", type=int, default=0)
