@@ -2,8 +2,8 @@
 driver's admission check of each request's adapter (docs/lora.md).
 
 This slice of multi-LoRA serving (issue 59) runs offline, on one rank in the driver's process (``executor=uniproc``),
-eagerly, with unfused linears; every other combination is refused here with the setting that fixes it, before any
-weights load (``framework/engine/builder.py``, ``validate_plugins``).
+eagerly or compiled (``engine.compile=true``: the LoRA term is an opaque op in the layer graphs), with unfused
+linears; every other combination is refused here with the setting that fixes it, before any weights load (``framework/engine/builder.py``, ``validate_plugins``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _NOT_YET = "not supported with lora.enable=true yet (issue 59: multi-LoRA servin
 def lora_problems(config: EngineConfig) -> list[str]:
     """Why ``config`` cannot serve LoRA adapters (empty: it can, or LoRA is off); each problem names its fix.
 
-    Checked: one rank, one replica, ``executor=uniproc``, no drafter, no quant method, ``compile`` not ``true``,
+    Checked: one rank, one replica, ``executor=uniproc``, no drafter, no quant method,
     ``prepack_linears`` not ``on``, no insisted-on CUDA graphs, a KV allocator whose prefix cache is salted with the
     adapter (``paged``; ``contiguous`` shares nothing) or prefix caching off, and each ``lora.modules`` folder's
     ``adapter_config.json`` (rank within ``max_lora_rank``).
@@ -40,8 +40,6 @@ def lora_problems(config: EngineConfig) -> list[str]:
         (config.drafter == "none", f"speculative decoding (spec_decode={config.drafter}) is {_NOT_YET}; "
          "use spec_decode=none"),
         (config.quant == "none", f"a quantized base (quant={config.quant}) is {_NOT_YET}; use quant=none"),
-        (config.compile != "true", f"engine.compile=true is {_NOT_YET}: LoRA linears run eagerly; "
-         "use engine.compile=false (or auto, which picks eager with LoRA)"),
         (config.prepack_linears != "on", f"engine.prepack_linears=on is {_NOT_YET}: it fuses q/k/v and gate/up, "
          "which LoRA adapts one by one; use engine.prepack_linears=auto or off"),
         (config.enforce_eager is not False, f"decode CUDA graphs (engine.enforce_eager=false) are {_NOT_YET}; "
@@ -61,8 +59,8 @@ def lora_problems(config: EngineConfig) -> list[str]:
 
 def resolve_lora_defaults(config: EngineConfig) -> EngineConfig:
     """With LoRA on, the ``auto`` choices that would fuse or compile the wrapped linears resolve to their off
-    setting (logged with the reason): ``compile=auto`` -> ``false``, ``prepack_linears=auto`` -> ``off``,
-    ``enforce_eager=None`` -> ``True``. ``config`` unchanged when LoRA is off."""
+    setting (logged with the reason): ``compile=auto`` -> ``false`` (``true`` compiles: asked for explicitly),
+    ``prepack_linears=auto`` -> ``off``, ``enforce_eager=None`` -> ``True``. ``config`` unchanged when LoRA is off."""
     if not config.enable_lora:
         return config
     changes = {}
@@ -73,7 +71,8 @@ def resolve_lora_defaults(config: EngineConfig) -> EngineConfig:
     if config.enforce_eager is None:
         changes["enforce_eager"] = True
     if changes:
-        logger.info("lora.enable=true: %s (LoRA-wrapped linears run eagerly and unfused in this slice, issue 59)",
+        logger.info("lora.enable=true: %s (LoRA-wrapped linears run unfused, and eagerly unless "
+                    "engine.compile=true, in this slice, issue 59)",
                     ", ".join(f"{k}={v}" for k, v in changes.items()))
     return dataclasses.replace(config, **changes)
 

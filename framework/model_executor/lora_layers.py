@@ -9,6 +9,11 @@ per-token computation is the ``lora_backend`` plugin's (``framework/interfaces/l
 
 The model must keep its linears separate (no prepacked / fused q/k/v or gate/up: the builder turns
 ``prepack_linears`` off with LoRA) and unsharded (one rank).
+
+Under ``engine.compile=true`` the LoRA term is the opaque custom op ``torch.ops.servelab.lora`` (like attention's
+``servelab::attention``): the compiled layer graphs see only fixed-shape slot buffers, so changing which adapters
+sit in the slots, or how many a step uses, never recompiles (the per-step batch is read from the forward context
+inside the op).
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(..., in_features)`` -> ``(..., out_features)``; the step's tokens in flattened order."""
         y = self.base(x)
+        if torch.compiler.is_compiling():  # traced once: the step's adapters are data the op reads, not guards
+            return lora_op(y, x, self.lora_a, self.lora_b)
         step: LoRAStep | None = current_lora()
         if step is None or not step.batch.any_lora:
             return y
@@ -88,6 +95,35 @@ class LoRALinear(nn.Module):
             rank = a.shape[0]
             self.lora_a[slot, :rank].copy_(a)
             self.lora_b[slot, :, :rank].copy_(b)
+
+
+# The step's LoRA batch (per-token slots, any_lora) varies in structure from step to step and lives in the forward
+# context, so it is read inside the op rather than passed: the traced graph depends only on the slot buffers' shapes.
+@torch.library.custom_op("servelab::lora", mutates_args=())
+def lora_op(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    """``y`` plus the current forward's LoRA term (opaque to dynamo; :meth:`LoRALinear.forward` under compile).
+
+    Args:
+        y: ``(..., out_features)`` the base linear's output, model dtype.
+        x: ``(..., in_features)`` its input.
+        lora_a: ``(max_loras, max_lora_rank, in_features)``; lora_b: ``(max_loras, out_features, max_lora_rank)``.
+
+    Returns:
+        A new tensor shaped like ``y``: ``y`` plus ``backend.add_lora``'s term for the tokens with an adapter
+        (``y``'s values when the step has none, or outside a forward context).
+    """
+    out = y.clone(memory_format=torch.contiguous_format)  # may not alias an input; add_lora writes a view
+    step: LoRAStep | None = current_lora()
+    if step is not None and step.batch.any_lora:
+        step.backend.add_lora(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b,
+                              step.scales, step.batch)
+    return out
+
+
+@lora_op.register_fake
+def _lora_fake(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    """Shape-only version for tracing: like ``y``."""
+    return torch.empty_like(y)
 
 
 def wrap_lora_linears(model: nn.Module, max_loras: int, max_lora_rank: int) -> dict[str, LoRALinear]:

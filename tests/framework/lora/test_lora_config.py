@@ -53,7 +53,6 @@ def test_knob_ranges():
     ({"executor": "sim"}, "use executor=uniproc"),
     ({"drafter": "ngram"}, "use spec_decode=none"),
     ({"quant": "int8_wo"}, "use quant=none"),
-    ({"compile": True}, "use engine.compile=false"),
     ({"prepack_linears": "on"}, "use engine.prepack_linears=auto or off"),
     ({"kv_allocator": "radix"}, "use kv_cache=paged"),
 ])
