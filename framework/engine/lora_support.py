@@ -1,9 +1,11 @@
 """Multi-LoRA at the engine level: what ``lora.enable=true`` refuses before weights load, what it turns off, and the
 driver's admission check of each request's adapter (docs/lora.md).
 
-This slice of multi-LoRA serving (issue 59) runs offline, on one rank in the driver's process (``executor=uniproc``),
-eagerly or compiled (``engine.compile=true``: the LoRA term is an opaque op in the layer graphs), with unfused
-linears; every other combination is refused here with the setting that fixes it, before any weights load (``framework/engine/builder.py``, ``validate_plugins``).
+This slice of multi-LoRA serving (issue 59) runs offline, on one rank in the driver's process (``executor=uniproc``)
+or on tensor-parallel ranks (``executor=mp``: A and B sharded as vLLM shards them), eagerly or compiled
+(``engine.compile=true``: the LoRA term is an opaque op in the layer graphs), with unfused linears; every other
+combination is refused here with the setting that fixes it, before any weights load (``framework/engine/builder.py``,
+``validate_plugins``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ _NOT_YET = "not supported with lora.enable=true yet (issue 59: multi-LoRA servin
 def lora_problems(config: EngineConfig) -> list[str]:
     """Why ``config`` cannot serve LoRA adapters (empty: it can, or LoRA is off); each problem names its fix.
 
-    Checked: one rank, one replica, ``executor=uniproc``, no drafter, no quant method,
+    Checked: one replica, ``executor=uniproc`` or ``mp``, no drafter, no quant method,
     ``prepack_linears`` not ``on``, no insisted-on CUDA graphs, a KV allocator whose prefix cache is salted with the
     adapter (``paged``; ``contiguous`` shares nothing) or prefix caching off, and each ``lora.modules`` folder's
     ``adapter_config.json`` (rank within ``max_lora_rank``).
@@ -31,12 +33,11 @@ def lora_problems(config: EngineConfig) -> list[str]:
     if not config.enable_lora:
         return []
     rules = [
-        (config.tensor_parallel_size == 1, f"parallel.tensor_parallel_size={config.tensor_parallel_size} is {_NOT_YET}; "
-         "set parallel.tensor_parallel_size=1"),
         (config.data_parallel_size == 1, f"parallel.data_parallel_size={config.data_parallel_size} is {_NOT_YET} "
          "offline or in one process; set parallel.data_parallel_size=1 (a server with server.engine_process=true "
          "serves it: one engine-core process per replica)"),
-        (config.executor == "uniproc", f"executor={config.executor} is {_NOT_YET}; use executor=uniproc"),
+        (config.executor in ("uniproc", "mp"), f"executor={config.executor} is {_NOT_YET}; use executor=uniproc, "
+         "or executor=mp for tensor parallelism"),
         (config.drafter == "none", f"speculative decoding (spec_decode={config.drafter}) is {_NOT_YET}; "
          "use spec_decode=none"),
         (config.quant == "none", f"a quantized base (quant={config.quant}) is {_NOT_YET}; use quant=none"),

@@ -8,7 +8,9 @@ a slot stay loaded in an LRU cache of ``max_cpu_loras`` on the CPU, and are read
 per-token computation is the ``lora_backend`` plugin's (``framework/interfaces/lora_backend.py``).
 
 The model must keep its linears separate (no prepacked / fused q/k/v or gate/up: the builder turns
-``prepack_linears`` off with LoRA) and unsharded (one rank).
+``prepack_linears`` off with LoRA). Under tensor parallelism each slot holds this rank's cut of A and B
+(``framework/model_executor/lora_tp.py``: B's rows on a column-parallel linear, A's columns on a row-parallel one,
+whose LoRA term joins its partial output before the all-reduce).
 
 Under ``engine.compile=true`` the LoRA term is the opaque custom op ``torch.ops.servelab.lora`` (like attention's
 ``servelab::attention``): the compiled layer graphs see only fixed-shape slot buffers, so changing which adapters
@@ -30,6 +32,7 @@ from framework.core.lora_request import LoRARequest
 from framework.interfaces.lora_backend import LoRABackend, LoRABatch
 from framework.model_executor.forward_context import current_lora
 from framework.model_executor.lora_adapter import TARGET_MODULES, LoRAAdapter, load_adapter
+from framework.model_executor.parallel_layers import RowParallelLinear, Shard
 
 
 @dataclass
@@ -46,14 +49,17 @@ class LoRALinear(nn.Module):
     request carries an adapter (the current forward's :class:`LoRAStep`), ``base(x)`` otherwise.
 
     Args:
-        base: the model's linear (kept as is, weights untouched).
+        base: the model's linear (kept as is, weights untouched); under tensor parallelism this rank's shard.
         max_loras: slots.
         max_lora_rank: slot width (ranks below it are zero-padded).
+        shard: the cut of the full weight ``base`` holds (``dim`` 0: output rows, so :meth:`set_slot` keeps B's
+            rows ``[start, stop)``; 1: input columns, so A's columns); ``None``: the whole linear.
     """
 
-    def __init__(self, base: nn.Linear, max_loras: int, max_lora_rank: int) -> None:
+    def __init__(self, base: nn.Linear, max_loras: int, max_lora_rank: int, shard: Shard | None = None) -> None:
         super().__init__()
         self.base = base
+        self.shard = shard
         kw = {"dtype": base.weight.dtype, "device": base.weight.device}
         # (max_loras, max_lora_rank, in_features) / (max_loras, out_features, max_lora_rank), model dtype
         self.register_buffer("lora_a", torch.zeros(max_loras, max_lora_rank, base.in_features, **kw), persistent=False)
@@ -88,10 +94,14 @@ class LoRALinear(nn.Module):
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Write one adapter's ``a`` ``(r, in)`` and ``b`` ``(out, r)`` into ``slot`` (zeros elsewhere; ``None``:
-        the adapter does not target this module)."""
+        the adapter does not target this module); full shapes, cut here to this rank's :attr:`shard`."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if a is not None and b is not None:
+            if self.shard is not None and self.shard.dim == 0:
+                b = b[self.shard.start:self.shard.stop]
+            elif self.shard is not None:
+                a = a[:, self.shard.start:self.shard.stop]
             rank = a.shape[0]
             self.lora_a[slot, :rank].copy_(a)
             self.lora_b[slot, :, :rank].copy_(b)
@@ -126,8 +136,13 @@ def _lora_fake(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     return torch.empty_like(y)
 
 
-def wrap_lora_linears(model: nn.Module, max_loras: int, max_lora_rank: int) -> dict[str, LoRALinear]:
-    """Replace every ``nn.Linear`` named one of ``TARGET_MODULES`` in ``model`` by a :class:`LoRALinear` (in place).
+def wrap_lora_linears(model: nn.Module, max_loras: int, max_lora_rank: int,
+                      shards: dict[str, Shard] | None = None) -> dict[str, LoRALinear]:
+    """Replace every ``nn.Linear`` named one of ``TARGET_MODULES`` in ``model`` by a :class:`LoRALinear` (in place);
+    a :class:`RowParallelLinear`'s inner shard is wrapped, so its LoRA term is all-reduced with the base output.
+
+    Args:
+        shards: under tensor parallelism, each module's weight shard (``lora_tp.lora_shards``); ``None``: one rank.
 
     Returns:
         The wrapped linears by their module name in ``model`` (``model.layers.0.self_attn.q_proj``...).
@@ -135,10 +150,14 @@ def wrap_lora_linears(model: nn.Module, max_loras: int, max_lora_rank: int) -> d
     wrapped: dict[str, LoRALinear] = {}
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
+            full_name = f"{name}.{child_name}" if name else child_name
+            shard = (shards or {}).get(full_name)
             if child_name in TARGET_MODULES and type(child) is nn.Linear:
-                layer = LoRALinear(child, max_loras, max_lora_rank)
+                layer = LoRALinear(child, max_loras, max_lora_rank, shard)
                 setattr(module, child_name, layer)
-                wrapped[f"{name}.{child_name}" if name else child_name] = layer
+                wrapped[full_name] = layer
+            elif child_name in TARGET_MODULES and isinstance(child, RowParallelLinear) and type(child.linear) is nn.Linear:
+                child.linear = wrapped[full_name] = LoRALinear(child.linear, max_loras, max_lora_rank, shard)
     return wrapped
 
 
@@ -151,18 +170,24 @@ class LoRAModelManager:
         max_loras: device slots; the scheduler never puts more distinct adapters into one step.
         max_lora_rank: the largest rank accepted.
         max_cpu_loras: adapters kept loaded on the CPU (LRU), slots' adapters included.
+        shards: under tensor parallelism, each targetable module's weight shard on this rank
+            (``lora_tp.lora_shards``); ``None``: one rank.
+        full_shapes: with ``shards``, each module's unsharded ``(in_features, out_features)`` (what adapters are
+            checked against); ``None``: the wrapped linears' own shapes.
 
     Raises:
         ValueError: the model has none of ``TARGET_MODULES`` as plain ``nn.Linear`` (fused or quantized linears).
     """
 
     def __init__(self, model: nn.Module, backend: LoRABackend, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int) -> None:
-        self.layers = wrap_lora_linears(model, max_loras, max_lora_rank)
+                 max_cpu_loras: int, shards: dict[str, Shard] | None = None,
+                 full_shapes: dict[str, tuple[int, int]] | None = None) -> None:
+        self.layers = wrap_lora_linears(model, max_loras, max_lora_rank, shards)
         if not self.layers:
             raise ValueError(f"LoRA found none of {TARGET_MODULES} as plain nn.Linear in the model; turn off "
                              "prepack_linears and quantization with lora.enable=true")
-        self.shapes = {name: (m.in_features, m.out_features) for name, m in self.layers.items()}
+        self.shapes = {name: (full_shapes or {}).get(name, (m.in_features, m.out_features))
+                       for name, m in self.layers.items()}
         first = next(iter(self.layers.values()))
         self.device, self.dtype = first.lora_a.device, first.lora_a.dtype
         self.backend = backend

@@ -41,6 +41,8 @@ from framework.model_executor import parallel_layers
 from framework.model_executor.cpu_malloc import tune_malloc
 from framework.model_executor.forward_context import register_attention_implementation
 from framework.model_executor.lora_layers import LoRAModelManager
+from framework.model_executor.lora_tp import lora_shards
+from framework.model_executor.mla import use_latent_attention
 from framework.model_executor.model_families import attention_layers
 from framework.model_executor.model_loader import LoadedModel, load_model
 from framework.model_executor.prepack import prepack_linears, should_prepack
@@ -104,12 +106,15 @@ def load_weights(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> Lo
                          kv_cache_dtype=quant.kv_cache_dtype(dtype) if quant is not None else None)
 
 
-def make_lora_manager(config: EngineConfig, model: torch.nn.Module) -> LoRAModelManager:
+def make_lora_manager(config: EngineConfig, model: torch.nn.Module, tp_rank: int = 0,
+                      tp_size: int = 1) -> LoRAModelManager:
     """Wrap ``model``'s targetable linears with ``max_loras`` LoRA slots and build the ``lora_backend`` plugin
-    (``lora.enable=true``; one rank, unfused linears: the builder refuses the rest)."""
+    (``lora.enable=true``; unfused linears: the builder refuses the rest). Under tensor parallelism (``tp_size > 1``)
+    each slot holds this rank's cut of A and B (``framework/model_executor/lora_tp.py``)."""
     backend = registry.create("lora_backend", config.lora_backend, **config.plugin_params("lora_backend"))
+    shards, full_shapes = lora_shards(model.config, tp_rank, tp_size) if tp_size > 1 else (None, None)
     return LoRAModelManager(model, backend, config.max_loras, config.max_lora_rank,
-                            config.max_cpu_loras or config.max_loras)
+                            config.max_cpu_loras or config.max_loras, shards, full_shapes)
 
 
 def make_attention_backend(config: EngineConfig, model: torch.nn.Module, layers: list[AttentionLayerSpec],
@@ -195,13 +200,15 @@ class Worker:
 
         self.loaded = load_weights(self.config, self.rank, self.world_size)
         mc = self.loaded.config
-        layers = attention_layers(mc)
+        layers = attention_layers(mc, self.config.mla_latent_cache)
+        use_latent_attention(self.loaded.model, layers)  # MLA: the bridge absorbs around latent calls
         if self.world_size > 1:  # this rank's share of the heads (KV heads replicated when tp > their count)
             shard = rank_layout(mc, self.rank, self.world_size)
             layers = [dataclasses.replace(layer, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads)
                       for layer in layers]
         self.backend = make_attention_backend(self.config, self.loaded.model, layers, self.loaded.kv_cache_dtype)
-        self.lora = make_lora_manager(self.config, self.loaded.model) if self.config.enable_lora else None
+        self.lora = (make_lora_manager(self.config, self.loaded.model, self.rank, self.world_size)
+                     if self.config.enable_lora else None)
         self.kv_cache_layout = plan_kv_cache_layout(self.config.kv_allocator, layers)
 
     def kv_cache_bytes_per_block(self) -> int:

@@ -48,8 +48,6 @@ def test_knob_ranges():
 
 
 @pytest.mark.parametrize("overrides, fix", [
-    ({"tensor_parallel_size": 2}, "set parallel.tensor_parallel_size=1"),
-    ({"executor": "mp"}, "use executor=uniproc"),
     ({"executor": "sim"}, "use executor=uniproc"),
     ({"drafter": "ngram"}, "use spec_decode=none"),
     ({"quant": "int8_wo"}, "use quant=none"),
