@@ -49,7 +49,7 @@ from framework.engine.compile_control import RankZeroCompileStats
 from framework.engine.kv_transfer_support import kv_transfer_problems, make_kv_transfer
 from framework.engine.llm_engine import LLMEngine
 from framework.engine.lora_support import lora_problems, resolve_lora_defaults
-from framework.engine.spec_tree_support import tree_problems
+from framework.engine.spec_tree_support import acceptance_label, apply_acceptance, tree_problems
 from framework.interfaces import AttentionLayerSpec, Drafter, Executor
 from framework.metrics.collector import MetricsCollector
 from framework.model_executor.embeddings import load_embeddings
@@ -108,7 +108,7 @@ def build_llm_engine(config: EngineConfig, metrics: MetricsCollector | None = No
     validate_plugins(config)
     config = resolve_lora_defaults(config)  # LoRA: compile/prepack/CUDA-graph "auto" choices resolve to off
     engine = _build_one(config, metrics, defer_compile)
-    engine.metrics.model_info = {"dtype": choice.dtype, "dtype_reason": choice.reason}
+    engine.metrics.model_info = {"dtype": choice.dtype, "dtype_reason": choice.reason, **acceptance_label(config)}
     return engine
 
 
@@ -261,7 +261,7 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
     max_model_len = config.max_model_len or max_pos
     if max_pos and max_model_len > max_pos:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
-    layers = attention_layers(mc)
+    layers = attention_layers(mc, config.mla_latent_cache)
     if family_of(mc.model_type) is None:
         logger.warning("model_type %r is not among the families servelab tests (servelab models); its attention "
                        "calls are checked against config.json, the rest of the model is transformers' own",
@@ -417,6 +417,7 @@ def attach_drafter(config: EngineConfig, executor: Executor, spec: ModelSpec) ->
         drafter.load(model=target, model_config=spec.hf_config, config=config)
         if drafter.needs_hidden_states:
             executor.collective_rpc("set_keep_hidden_states", args=(True,))
+        apply_acceptance(config, executor)
     return drafter
 
 

@@ -25,6 +25,9 @@ one-hot): at a node, its children are tried in order, child ``c`` accepted with 
 where ``p'`` is the node's target distribution with the already rejected siblings' tokens zeroed; the first accepted
 child becomes the node and the walk goes on; when every child is rejected the next token is sampled from ``p'``.
 Each emitted token then has exactly the target's probability, whatever the tree.
+
+``spec_decode.params.acceptance=typical`` (:attr:`RejectionSampler.typical`) verifies random requests, chains and
+trees, with Medusa's lossy typical acceptance instead (``framework/sample/typical_acceptance.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 
 from framework.core.request import Request
 from framework.sample.sampler import Sampler, apply_logit_bias, apply_min_tokens, apply_penalties, inverse_cdf_sample
+from framework.sample.typical_acceptance import TypicalAcceptance
 
 
 @dataclass
@@ -92,10 +96,15 @@ class RejectionSampler:
 
     Args:
         sampler: the engine's sampler (its ``processed_probs``, vocab size and generator).
+
+    Attributes:
+        typical: Medusa's typical acceptance for random requests (lossy), set by the worker from
+            ``spec_decode.params.acceptance=typical``; ``None`` (default): exact rejection sampling.
     """
 
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
+        self.typical: TypicalAcceptance | None = None
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], draft_token_ids: list[list[int]],
                  draft_probs: list[torch.Tensor | None] | None = None,
@@ -145,13 +154,18 @@ class RejectionSampler:
         for i, (request, drafts) in enumerate(zip(requests, draft_token_ids, strict=True)):
             k = len(drafts)
             accepted_nodes.append(None)
-            if parents[i] is not None:
+            typical = self.typical is not None and not request.sampling_params.greedy
+            if parents[i] is not None or typical:
+                tree = parents[i] if parents[i] is not None else list(range(-1, k - 1))  # a chain: one branch
                 if request.sampling_params.greedy:
-                    nodes = self._verify_tree_greedy(drafts, parents[i], argmax[start:start + k + 1])
+                    nodes = self._verify_tree_greedy(drafts, tree, argmax[start:start + k + 1])
                     last = argmax[start + (nodes[-1] + 1 if nodes else 0)]
+                elif typical:
+                    gen = request.generator if request.generator is not None else self.sampler.generator
+                    nodes, last = self.typical.verify(drafts, tree, probs[start:start + k + 1], gen)
                 else:
-                    nodes, last = self._verify_tree_random(request, drafts, parents[i], probs[start:start + k + 1])
-                accepted_nodes[i] = nodes
+                    nodes, last = self._verify_tree_random(request, drafts, tree, probs[start:start + k + 1])
+                accepted_nodes[i] = nodes if parents[i] is not None else None
                 out_tokens.append([drafts[n] for n in nodes] + [last])
                 num_accepted.append(len(nodes))
                 emitted_rows.append([start] + [start + n + 1 for n in nodes])
