@@ -22,6 +22,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued; holds no KV blocks
     RUNNING = "running"  # admitted; holds KV blocks
     PREEMPTED = "preempted"  # evicted by recompute; back in the waiting queue, blocks freed
+    # admitted with an asynchronous KV connector load in flight (vLLM's name): holds its blocks, in no queue and in
+    # no step until the connector reports the load done (framework/core/kv_transfer.py)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "abort"  # aborted by the caller or rejected

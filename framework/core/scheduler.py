@@ -51,6 +51,8 @@ class Scheduler:
                  clock: Clock | None = None, max_loras: int = 0, kv_transfer: KVTransfer | None = None) -> None:
         self.policy = policy
         self.kv_transfer = kv_transfer
+        if kv_transfer is not None:
+            kv_transfer.attach(kv_allocator)
         self.clock = clock or WALL_CLOCK
         self.kv = kv_allocator
         self.stop_checker = stop_checker
@@ -98,7 +100,7 @@ class Scheduler:
                 request.error, request.internal_error = failures[rid].error, failures[rid].internal
             if request in self.running:
                 self.running.remove(request)
-            else:
+            elif request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:  # parked requests are in no queue
                 self.waiting.remove(request)
                 if self.swap_space is not None:
                     self.swap_space.drop(rid)
@@ -109,8 +111,15 @@ class Scheduler:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self.requests)
+        """True while any request is waiting, parked or running, or a KV connector still reads a finished one's
+        blocks (a delayed free: the engine steps on until the connector reports it)."""
+        return bool(self.requests) or (self.kv_transfer is not None and bool(self.kv_transfer.held))
+
+    @property
+    def kv_transfers_in_flight(self) -> bool:
+        """True while a KV connector's asynchronous load or delayed free waits for its worker side's report: the
+        engine runs the workers even on a step with nothing scheduled."""
+        return self.kv_transfer is not None and self.kv_transfer.in_flight
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix (vLLM's ``reset_prefix_cache``): afterwards no block holds K/V that a
@@ -123,8 +132,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Requests in the waiting queue."""
-        return len(self.waiting)
+        """Requests in the waiting queue, and parked ones (``WAITING_FOR_REMOTE_KVS``)."""
+        return len(self.waiting) + (len(self.kv_transfer.parked) if self.kv_transfer is not None else 0)
 
     # ---- scheduling -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -231,23 +240,26 @@ class Scheduler:
                     break  # the policy holds the queue until running adapters drain (its starvation bound)
                 skipped = True
                 continue  # vLLM's rule: its adapter would exceed max_loras; skipped this step, later ones may go
-            computed_blocks, num_hit_tokens, num_external = self._lookup(request)
-            num_new = self._num_new_tokens(request, budget, num_hit_tokens + num_external)
+            computed_blocks, num_hit_tokens, num_external, load_async = self._lookup(request)
+            num_new = 0 if load_async else self._num_new_tokens(request, budget, num_hit_tokens + num_external)
             if self.kv.allocate_slots(request, num_external + num_new, computed_blocks) is None:
                 break  # head-of-line: no skipping ahead of the policy's order (as vLLM)
             if self.swap_space is not None and request.request_id in self.swap_space:
                 self._swap_in.append(self._swap_in_copies(request))
             self._track_kv(request)
             admitted.add(request.request_id)
+            if request.num_preemptions == 0 and request.num_computed_tokens == 0:  # not a re-admission after a load
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens += num_hit_tokens
+            if self.kv_transfer is not None:
+                self.kv_transfer.on_admitted(request, self.kv.get_block_ids(request.request_id), num_external,
+                                             load_async)
+                if load_async:
+                    continue  # parked (WAITING_FOR_REMOTE_KVS) until the connector reports its load done
+                request.num_computed_tokens += num_external  # loaded before this step's forward
             if request.lora_request is not None:
                 loras.add(request.lora_request.lora_int_id)
             self.policy.on_admitted(request)
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_hit_tokens
-            request.num_computed_tokens += num_hit_tokens
-            if self.kv_transfer is not None:  # loaded before this step's forward: computed from now on
-                self.kv_transfer.on_admitted(request, self.kv.get_block_ids(request.request_id), num_external)
-                request.num_computed_tokens += num_external
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
@@ -276,22 +288,26 @@ class Scheduler:
     def _can_admit(self, request: Request) -> bool:
         if len(self.running) >= self.max_num_seqs:
             return False
-        hit_blocks, num_hit, num_external = self._lookup(request)
-        first_chunk = self._num_new_tokens(request, self.max_num_batched_tokens, num_hit + num_external)
+        hit_blocks, num_hit, num_external, load_async = self._lookup(request)
+        first_chunk = 0 if load_async else self._num_new_tokens(request, self.max_num_batched_tokens,
+                                                               num_hit + num_external)
         return self.kv.can_allocate(request, num_external + first_chunk, hit_blocks)
 
-    def _lookup(self, request: Request) -> tuple[list[int], int, int]:
+    def _lookup(self, request: Request) -> tuple[list[int], int, int, bool]:
         """Prefix-cache lookup for admission: ``(hit blocks, their tokens, tokens the KV connector loads after
-        them)``; a swapped-out request brings its own K/V back instead, and a request that asks for prompt logprobs
+        them, whether it loads them asynchronously)``; a swapped-out request brings its own K/V back instead, one
+        whose asynchronous load completed holds its blocks already, and a request that asks for prompt logprobs
         reads no cache: its cached tokens' logits would be lost (it still publishes its blocks;
         ``framework/sample/prompt_logprobs.py``)."""
         if self.swap_space is not None and request.request_id in self.swap_space:
-            return [], 0, 0
-        if request.sampling_params.prompt_logprobs is not None:
-            return [], 0, 0
+            return [], 0, 0, False
+        if request.sampling_params.prompt_logprobs is not None or (
+                self.kv_transfer is not None and request.request_id in self.kv_transfer.loaded):
+            return [], 0, 0, False
         blocks, num_hit = self.kv.get_computed_blocks(request)
-        num_external = self.kv_transfer.num_external_tokens(request, num_hit) if self.kv_transfer is not None else 0
-        return blocks, num_hit, num_external
+        if self.kv_transfer is None:
+            return blocks, num_hit, 0, False
+        return blocks, num_hit, *self.kv_transfer.num_external_tokens(request, num_hit)
 
     def _track_kv(self, request: Request) -> None:
         """Record the KV blocks the request holds after an allocation (and its peak so far)."""
@@ -349,8 +365,12 @@ class Scheduler:
         now = self.clock.now()
         updated: list[Request] = []
         finished: list[Request] = []
-        load_failures = (self.kv_transfer.load_failures(scheduler_output, runner_output.kv_connector_output)
-                         if self.kv_transfer is not None else {})
+        load_failures, loaded = (self.kv_transfer.update(scheduler_output, runner_output.kv_connector_output)
+                                 if self.kv_transfer is not None else ({}, []))
+        for request, failure in loaded:  # asynchronous loads done: back in the queue, holding their blocks
+            self.waiting.append(request)
+            if failure is not None and self.kv_transfer.load_failure_policy == "fail":
+                self._record_load_failure(request, failure)
         for request in scheduler_output.scheduled_requests:
             if request.is_finished or self.requests.get(request.request_id) is not request:
                 continue  # aborted (or finished) after schedule(): its blocks are gone, drop its results
@@ -403,14 +423,20 @@ class Scheduler:
         self.kv.evict_blocks(self.kv.get_block_ids(request.request_id)[failure.first_bad_token // self.kv.block_size:])
         request.num_computed_tokens = failure.first_bad_token
         if self.kv_transfer.load_failure_policy == "fail":
-            self.faults.record(request.request_id, f"kv_connector {self.kv_transfer.connector.name!r} load",
-                               self.kv_transfer.failure_message(failure))
+            self._record_load_failure(request, failure)
+
+    def _record_load_failure(self, request: Request, failure: LoadFailure) -> None:
+        """``load_failure_policy=fail``: the engine aborts the request after the update, with the error."""
+        self.faults.record(request.request_id, f"kv_connector {self.kv_transfer.connector.name!r} load",
+                           self.kv_transfer.failure_message(failure))
 
     def _finish(self, request: Request) -> None:
+        held = False  # a KV connector still reads the blocks (delayed free): it frees them when it reports so
         if self.kv_transfer is not None:
-            request.kv_transfer_params = self.kv_transfer.request_finished(
+            held, request.kv_transfer_params = self.kv_transfer.request_finished(
                 request, self.kv.get_block_ids(request.request_id))
-        self.kv.free(request)
+        if not held:
+            self.kv.free(request)
         request.times.finished_s = self.clock.now()
         self.stop_checker.finalize(request)
         self.requests.pop(request.request_id, None)

@@ -224,7 +224,7 @@ class LLMEngine:
         try:
             if self.executor.dead is not None:
                 raise self.executor.dead
-            if sched_out.is_empty and not sched_out.finished_req_ids:
+            if sched_out.is_empty and not sched_out.finished_req_ids and not self.scheduler.kv_transfers_in_flight:
                 runner_out = ModelRunnerOutput(sampled_token_ids={})
             else:  # finished ids alone still go out: the workers drop those requests' state
                 runner_out = self.executor.execute_model(sched_out)

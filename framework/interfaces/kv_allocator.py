@@ -223,6 +223,14 @@ class KVAllocator(Plugin, ABC):
         """Drop all cached hashes (only when no block is owned). Returns True on success."""
         return False
 
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks among its first ``num_tokens`` tokens that are not in the prefix cache
+        (vLLM's ``cache_blocks``): their K/V arrived after the allocation that covered them (a KV connector's
+        asynchronous load, whose blocks the scheduler dropped with :meth:`evict_blocks` until then).
+
+        Called by the scheduler when such a load completes. Default: nothing (the blocks are never hit; correct).
+        """
+
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop these blocks from the prefix cache (vLLM's ``evict_blocks``): their K/V is wrong, e.g. a KV
         connector failed to load them. Owners keep them; a later allocation may hash them again.

@@ -121,8 +121,9 @@ class KVConnector(Plugin, ABC):
 
         Returns:
             ``(num_external_tokens, load_async)``: tokens to load (0: none), and True when the load completes
-            between steps (vLLM's ``WAITING_FOR_REMOTE_KVS``; not built yet: the scheduler raises), False for
-            loads done before the step's forward.
+            between steps (vLLM's ``WAITING_FOR_REMOTE_KVS``: the request holds its blocks, is in no step, and its
+            loaded blocks serve no prefix hit until the worker side reports it in ``get_finished``'s ``recving``),
+            False for loads done before the step's forward.
         """
 
     @abstractmethod
@@ -160,9 +161,11 @@ class KVConnector(Plugin, ABC):
 
         Returns:
             ``(delay_free, kv_transfer_params)``: True when the connector still reads the blocks (an
-            asynchronous send) and frees them later through ``get_finished`` (refused by the engine until
-            asynchronous sends are built); parameters handed back to the caller with the request's output
-            (vLLM's ``kv_transfer_params``), or None. Default ``(False, None)``.
+            asynchronous send) or still writes them (a request aborted while its asynchronous load is in flight):
+            the engine keeps them until the worker side reports the request in ``get_finished`` (``sending``, or
+            ``recving`` for a load); False frees them now (for such an aborted request: the connector cancelled
+            its load and its worker side will not touch the blocks again). Parameters handed back to the caller
+            with the request's output (vLLM's ``kv_transfer_params``), or None. Default ``(False, None)``.
         """
         return False, None
 
@@ -228,7 +231,9 @@ class KVConnector(Plugin, ABC):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose asynchronous transfers completed: ``(sending, recving)`` ids, or None each.
 
-        Called by the model runner once per step with the requests finished since the previous one.
+        Called by the model runner once per step (also on steps with nothing scheduled while transfers are in
+        flight) with the requests finished since the previous one. A load's bad blocks must be reported by
+        :meth:`get_block_ids_with_load_errors` no later than the step that reports the load in ``recving``.
         Default ``(None, None)`` (synchronous connector).
         """
         return None, None

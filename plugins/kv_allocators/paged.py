@@ -349,6 +349,22 @@ class PagedKVAllocator(KVAllocator):
         self._block_hash = [None] * self.num_blocks
         return True
 
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Hash and cache the request's unhashed full blocks among its first ``num_tokens`` tokens, every group (a
+        key that already maps to another block keeps its mapping); no-op without prefix caching or for a request
+        that holds nothing."""
+        tables = self._tables.get(request.request_id)
+        if not self.enable_prefix_caching or not tables:
+            return
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        hashes = self._hashes(request, num_full)
+        for g, table in enumerate(tables):
+            for i, block in enumerate(table[:num_full]):
+                key = (g, hashes[i])
+                if block != self.null_block and self._block_hash[block] is None and key not in self._cached:
+                    self._cached[key] = block
+                    self._block_hash[block] = key
+
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Unhash these blocks (ids outside the pool are ignored); owners and free-queue places are unchanged."""
         for block in block_ids:

@@ -1,7 +1,7 @@
 """The scheduler with a KV connector (``framework/core/kv_transfer.py``), model-free: a scripted connector offers
 tokens; admission counts them as computed and allocates their blocks; the last token is always computed; a load
 failure drops the bad blocks from the prefix cache and recomputes (or fails the request alone); the external
-prefix-cache counters; asynchronous loads and delayed frees are refused with a clear error; no block leaks."""
+prefix-cache counters; no block leaks (asynchronous loads and delayed frees: test_kv_transfer_async.py)."""
 
 from __future__ import annotations
 
@@ -142,17 +142,6 @@ def test_load_failure_fail_records_a_fault_for_that_request_only():
     aborted = sched.abort_requests(list(failures), failures)  # what the engine does after the update
     assert aborted[0].error == failures["a"].error
     assert sched.kv._block_hash[bad] is None
-
-
-def test_async_loads_and_delayed_frees_are_refused():
-    sched = make(ScriptedConnector(offer=4, load_async=True))
-    sched.add_request(request("a", 9))
-    with pytest.raises(RuntimeError, match="asynchronous load"):
-        sched.schedule()
-    sched = make(ScriptedConnector(delay_free=True))
-    sched.add_request(request("a", 3, max_tokens=1))
-    with pytest.raises(RuntimeError, match="free request a's blocks later"):
-        run_step(sched)
 
 
 def test_unknown_policy_is_refused():
