@@ -25,7 +25,7 @@ _NOT_YET = "not supported with lora.enable=true yet (issue 59: multi-LoRA servin
 def lora_problems(config: EngineConfig) -> list[str]:
     """Why ``config`` cannot serve LoRA adapters (empty: it can, or LoRA is off); each problem names its fix.
 
-    Checked: one replica, ``executor=uniproc`` or ``mp``, no drafter, no quant method,
+    Checked: one replica, ``executor=uniproc``, ``mp`` or ``sim``, no drafter, no quant method,
     ``prepack_linears`` not ``on``, no insisted-on CUDA graphs, a KV allocator whose prefix cache is salted with the
     adapter (``paged``; ``contiguous`` shares nothing) or prefix caching off, and each ``lora.modules`` folder's
     ``adapter_config.json`` (rank within ``max_lora_rank``).
@@ -36,8 +36,8 @@ def lora_problems(config: EngineConfig) -> list[str]:
         (config.data_parallel_size == 1, f"parallel.data_parallel_size={config.data_parallel_size} is {_NOT_YET} "
          "offline or in one process; set parallel.data_parallel_size=1 (a server with server.engine_process=true "
          "serves it: one engine-core process per replica)"),
-        (config.executor in ("uniproc", "mp"), f"executor={config.executor} is {_NOT_YET}; use executor=uniproc, "
-         "or executor=mp for tensor parallelism"),
+        (config.executor in ("uniproc", "mp", "sim"), f"executor={config.executor} is {_NOT_YET}; use "
+         "executor=uniproc, executor=mp for tensor parallelism, or executor=sim"),
         (config.drafter == "none", f"speculative decoding (spec_decode={config.drafter}) is {_NOT_YET}; "
          "use spec_decode=none"),
         (config.quant == "none", f"a quantized base (quant={config.quant}) is {_NOT_YET}; use quant=none"),
@@ -81,7 +81,8 @@ def resolve_lora_defaults(config: EngineConfig) -> EngineConfig:
 class LoRAAdmission:
     """The driver's check of each request's adapter, before it is queued: the first request naming an adapter
     reads and checks it (:func:`framework.model_executor.lora_adapter.load_adapter` against ``config.json``'s
-    shapes); later ones reuse the verdict.
+    shapes; under ``executor=sim``, which loads no weights, its ``adapter_config.json`` only); later ones reuse the
+    verdict.
 
     Args:
         config: the engine's config (``enable_lora``, ``max_lora_rank``, ``model``).
@@ -89,6 +90,7 @@ class LoRAAdmission:
 
     def __init__(self, config: EngineConfig) -> None:
         self.enabled = config.enable_lora
+        self._config_only = config.executor == "sim"  # a simulated run reads no weights: adapter_config.json only
         self.max_lora_rank = config.max_lora_rank
         self._model = config.model
         self._shapes: dict[str, tuple[int, int]] | None = None
@@ -113,7 +115,10 @@ class LoRAAdmission:
                 raise ValueError(f"lora_int_id {lora_request.lora_int_id} already names adapter {seen.lora_name!r} "
                                  f"({seen.lora_path}); give each adapter its own lora_int_id")
             return
-        if self._shapes is None:
-            self._shapes = module_shapes(load_model_config(self._model))
-        load_adapter(lora_request, self._shapes, self.max_lora_rank)
+        if self._config_only:
+            read_adapter_config(lora_request, self.max_lora_rank)
+        else:
+            if self._shapes is None:
+                self._shapes = module_shapes(load_model_config(self._model))
+            load_adapter(lora_request, self._shapes, self.max_lora_rank)
         self._checked[lora_request.lora_int_id] = lora_request

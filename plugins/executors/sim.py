@@ -20,7 +20,10 @@ model's time and tokens are modelled (LLM-Emu's idea, Vidur's cost models). Para
 * ``memory``: ``auto`` (an analytic device's memory: ``gpu_memory_utilization`` of it minus weights and
   activations; a measured profile: the engine's ``kv_cache_memory_bytes`` rule) or ``engine``;
 * ``gpu_memory_utilization``: vLLM's knob for analytic devices; ``seed``: synthetic tokens' seed
-  (``null``: the engine's ``seed``).
+  (``null``: the engine's ``seed``);
+* ``lora_device``: with ``lora.enable=true``, the ``framework.sim.roofline`` device whose peak and bandwidth price
+  LoRA's adapter loads and shrink/expand FLOPs (``framework/sim/lora_cost.py``), added to every step; ``auto``:
+  the analytic profile's device (a measured profile needs it named).
 
 ``parallel.tensor_parallel_size`` is the simulated TP degree (per-rank heads in the memory model, collectives in
 the roofline). One executor is one replica with its own virtual clock; a router over several replicas (a later
@@ -49,7 +52,7 @@ logger = logging.getLogger(__name__)
 CLOCKS = ("virtual", "realtime")
 MEMORY_MODES = ("auto", "engine")
 PARAMS = ("clock", "profile", "eos_probability", "acceptance", "draft_step_s", "grammar_mask_s", "memory",
-          "gpu_memory_utilization", "seed")
+          "gpu_memory_utilization", "seed", "lora_device")
 
 
 class SimExecutor(Executor):
@@ -65,7 +68,7 @@ class SimExecutor(Executor):
     def __init__(self, config: EngineConfig, clock: str = "virtual", profile: str = "auto",
                  eos_probability: float | None = None, acceptance: Any = None, draft_step_s: float = 0.0,
                  grammar_mask_s: str | float = "auto", memory: str = "auto", gpu_memory_utilization: float = 0.9,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, lora_device: str = "auto") -> None:
         super().__init__(config, clock=clock, profile=profile)
         import torch
 
@@ -86,6 +89,7 @@ class SimExecutor(Executor):
         self.grammar_mask_s: float | None = None  # resolved on the first constrained step
         from plugins.executors._sim_rank import SimRank
 
+        self.lora_cost = _lora_cost(config, self.hf_config, lora_device) if config.enable_lora else None
         self.rank = SimRank(config, self.hf_config, self.profile, self.predictor.source, memory,
                             float(gpu_memory_utilization))
         logger.info("executor=sim: clock=%s, step times from %s, no weights loaded", clock, self.predictor.source)
@@ -109,6 +113,11 @@ class SimExecutor(Executor):
             problems.append("executor.params.gpu_memory_utilization must be in (0, 1]")
         if float(params.get("draft_step_s", 0.0)) < 0:
             problems.append("executor.params.draft_step_s must be >= 0 seconds")
+        if (config.enable_lora and params.get("lora_device", "auto") == "auto"
+                and not str(params.get("profile", "auto")).startswith("analytic:")):
+            problems.append("executor=sim with lora.enable=true prices adapter loads and LoRA FLOPs on a roofline "
+                            "device: set executor.params.lora_device=<h100|h200|a100|l4> or "
+                            "executor.params.profile=analytic:<device>")
         problem = check_profile_spec(params.get("profile", "auto"))
         return problems + ([problem] if problem else [])
 
@@ -135,6 +144,10 @@ class SimExecutor(Executor):
         features = step_features(scheduler_output, self.config.block_size)
         predicted = self.predictor.predict(features)
         extra_s = self.draft_step_s * self.num_drafts if scheduler_output.scheduled_spec_decode_tokens else 0.0
+        if self.lora_cost is not None:
+            requests = scheduler_output.scheduled_requests
+            extra_s += self.lora_cost.step_s([r.lora_request for r in requests],
+                                             [scheduler_output.num_scheduled_tokens[r.request_id] for r in requests])
         out = self._sample(scheduler_output)
         if isinstance(self.clock, VirtualClock):
             if features.num_constrained_rows:
@@ -203,6 +216,17 @@ class SimExecutor(Executor):
 
     def shutdown(self) -> None:
         """Nothing runs."""
+
+
+def _lora_cost(config: EngineConfig, hf_config: Any, lora_device: str) -> Any:
+    """The run's :class:`framework.sim.lora_cost.LoRAStepCost` (``lora_device=auto``: the analytic profile's)."""
+    from framework.sim.lora_cost import LoRAStepCost
+    from framework.sim.memory import DTYPE_BYTES
+
+    if lora_device == "auto":
+        lora_device = str(config.executor_params.get("profile", "")).removeprefix("analytic:")
+    return LoRAStepCost(hf_config, DTYPE_BYTES.get(config.dtype, 2), config.max_loras, config.max_lora_rank,
+                        lora_device, config.tensor_parallel_size)
 
 
 class SimulatedDrafter(Drafter):

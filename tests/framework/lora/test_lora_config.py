@@ -48,7 +48,7 @@ def test_knob_ranges():
 
 
 @pytest.mark.parametrize("overrides, fix", [
-    ({"executor": "sim"}, "use executor=uniproc"),
+    ({"executor": "ray"}, "use executor=uniproc"),
     ({"drafter": "ngram"}, "use spec_decode=none"),
     ({"quant": "int8_wo"}, "use quant=none"),
     ({"prepack_linears": "on"}, "use engine.prepack_linears=auto or off"),
