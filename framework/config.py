@@ -75,6 +75,9 @@ class EngineConfig:
     num_blocks: int | None = None  # KV blocks; overrides kv_cache_memory_bytes when set
     kv_cache_memory_bytes: int = 1 << 30  # KV cache budget when num_blocks is None, bytes
     kv_cache_dtype: str = "auto"  # auto (model dtype) | int8 | fp8_e4m3: quantized K/V + per token-head scales
+    # MLA models (DeepSeek-V2/V3): cache the latent [c_kv, k_rope] per token and layer and absorb the up-projections
+    # (framework/model_executor/mla.py); false caches K/V expanded per head (the ablation)
+    mla_latent_cache: bool = True
     enable_prefix_caching: bool = True  # hash-chain prefix reuse in the allocator
     long_prefill_token_threshold: int = 0  # cap per-request prefill chunk, tokens; 0 disables
     seed: int = 0  # engine RNG seed (requests without their own seed)

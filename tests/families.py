@@ -78,6 +78,12 @@ def _configs() -> dict[str, Callable[[], Any]]:
             n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
             qk_nope_head_dim=16, v_head_dim=12,  # key head size 24, value head size 12
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        # not in FAMILY_IDS (DeepseekV3ForCausalLM is the family's row); the MLA tests' V2: no q LoRA (q_proj),
+        # complex-number RoPE, greedy expert routing
+        "deepseek_v2": lambda: t.DeepseekV2Config(
+            **{**c, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=12, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     }
 
 

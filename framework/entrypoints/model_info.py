@@ -2,7 +2,7 @@
 
 The rows are :data:`framework.model_executor.model_families.FAMILIES`; the backends column asks every
 registered attention backend whether it has the features the family's checkpoints use (sliding
-window, softcap, sinks: ``supports_*``). Head sizes are checked per checkpoint when an engine is
+window, softcap, sinks, MLA's latent cache: ``supports_*``). Head sizes are checked per checkpoint when an engine is
 built (``validate_model``); MLA families need the value head size padded to the key head size. For
 families with sliding windows, the KV-saving column lists the registered KV allocators that release
 out-of-window blocks (``KVAllocator.supports_kv_cache_groups``); the others keep every block. A last line
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from framework import registry
-from framework.interfaces.attention import FEATURE_NAMES, LAYER_FEATURES
+from framework.interfaces.attention import CAPABILITY_OF, FEATURE_NAMES
 from framework.model_executor.model_families import FAMILIES, TP_VERIFIED, ModelFamily
 
 
@@ -36,7 +36,7 @@ def backends_for(family: ModelFamily) -> list[str]:
     """Registered attention backends declaring every feature ``family`` uses (``"(CUDA)"`` marks GPU-only)."""
     names = []
     for name, cls in sorted(registry.available("attention").items(), key=lambda item: (item[1].requires_cuda, item[0])):
-        if all(getattr(cls, LAYER_FEATURES[feature]) for feature in family.features):
+        if all(getattr(cls, CAPABILITY_OF[feature]) for feature in family.features):
             names.append(f"{name} (CUDA)" if cls.requires_cuda else name)
     return names
 

@@ -80,12 +80,16 @@ class AttentionLayerSpec:
     """
 
     num_heads: int  # query heads
-    num_kv_heads: int  # key/value heads (== num_heads without GQA, and for MLA's expanded K/V)
+    num_kv_heads: int  # key/value heads (== num_heads without GQA and for MLA's expanded K/V; 1 for MLA's latent)
     head_size: int  # query/key channels per head
     value_head_size: int  # value channels per head (!= head_size for MLA: DeepSeek-V2/V3)
     sliding_window: int | None = None  # W: a query at position p sees keys at positions > p - W (W keys incl. itself)
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap), after scaling, before the mask
     has_sinks: bool = False  # a learned per-head logit joins the softmax denominator only (gpt-oss ``s_aux``)
+    # MLA latent KV cache (DeepSeek-V2 §2.1, ``engine.mla_latent_cache``): the cache holds one K "head" per token,
+    # [c_kv (value_head_size = kv_lora_rank), k_rope] (head_size wide), and V is its first value_head_size channels
+    # (no V tensor: the cache's leading dim is 1); queries arrive already absorbed (framework/model_executor/mla.py)
+    latent_kv: bool = False
 
     @property
     def cache_head_size(self) -> int:
@@ -94,16 +98,21 @@ class AttentionLayerSpec:
         return max(self.head_size, self.value_head_size)
 
 
-#: Optional attention features a layer may need -> the backend capability attribute that runs it.
+#: Optional attention features a layer may need, passed with each call -> the backend capability attribute that runs it.
 LAYER_FEATURES: dict[str, str] = {"sliding_window": "supports_sliding_window", "softcap": "supports_softcap",
                                   "has_sinks": "supports_sinks"}
+#: Layer features that change the KV cache's layout instead of the call -> the backend capability attribute.
+CACHE_FEATURES: dict[str, str] = {"latent_kv": "supports_latent_kv"}
+#: Every layer feature -> its capability attribute (what validate_model and ``servelab models`` check).
+CAPABILITY_OF: dict[str, str] = {**LAYER_FEATURES, **CACHE_FEATURES}
 #: How problems name each feature.
 FEATURE_NAMES: dict[str, str] = {"sliding_window": "sliding-window attention", "softcap": "attention-logit softcapping",
-                                 "has_sinks": "attention sinks (s_aux)"}
+                                 "has_sinks": "attention sinks (s_aux)",
+                 "latent_kv": "MLA latent KV cache (engine.mla_latent_cache=false expands K/V per head instead)"}
 
 
 def required_features(layers: Sequence[AttentionLayerSpec]) -> dict[str, str]:
-    """Features of :data:`LAYER_FEATURES` some layer needs -> a description naming the layers.
+    """Features of :data:`CAPABILITY_OF` some layer needs -> a description naming the layers.
 
     Example: ``{"sliding_window": "sliding-window attention (window 7 on layers [0, 1, 3])"}``.
     """
@@ -115,6 +124,22 @@ def required_features(layers: Sequence[AttentionLayerSpec]) -> dict[str, str]:
             detail = f"{feature.removeprefix('has_').replace('_', ' ')} {', '.join(map(str, values))} " if values else ""
             needs[feature] = f"{label} ({detail}on layers {using})"
     return needs
+
+
+def latent_kv_problems(layers: Sequence[AttentionLayerSpec], config: EngineConfig | None) -> list[str]:
+    """What the MLA latent cache (``engine.mla_latent_cache=true``) is not built to combine with, for a model
+    whose ``layers`` cache the latent: a quantized KV cache, weight quantization (the absorbed ``kv_b_proj``
+    is read as a float matrix), LoRA, ``engine.compile=true`` and tensor parallelism. Empty when no layer is
+    latent or ``config`` is ``None``; each problem names the fix."""
+    if config is None or not any(layer.latent_kv for layer in layers):
+        return []
+    fix = ", or engine.mla_latent_cache=false to expand K/V per head"
+    checks = [(config.kv_cache_dtype == "auto", f"kv_cache_dtype={config.kv_cache_dtype} (set kv_cache_dtype=auto"),
+              (config.quant in (None, "none"), f"quant={config.quant} (set quant=none"),
+              (not getattr(config, "enable_lora", False), "LoRA adapters (set lora.enable=false"),
+              (str(config.compile) != "true", "engine.compile=true (set engine.compile=false"),
+              (config.tensor_parallel_size == 1, "tensor parallelism (set parallel.tensor_parallel_size=1")]
+    return [f"the MLA latent KV cache is not built with {what}{fix})" for ok, what in checks if not ok]
 
 
 class AttentionBackend(Plugin, ABC):
@@ -163,6 +188,9 @@ class AttentionBackend(Plugin, ABC):
     # draft-tree verification (token-tree speculative decoding): the backend honours
     # CommonAttentionMetadata.spec_tree; a drafter proposing trees is refused with any other backend
     supports_tree_attention: ClassVar[bool] = False
+    # MLA's latent cache (AttentionLayerSpec.latent_kv): get_kv_cache_shape's leading dim is 1 (K only) and V is
+    # read as the first value_head_size channels of K (the bridge cuts the output to them)
+    supports_latent_kv: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device,
@@ -178,6 +206,8 @@ class AttentionBackend(Plugin, ABC):
         #: every window some layer uses, ascending (per-step metadata is built for each)
         self.sliding_windows: tuple[int, ...] = tuple(sorted({w for layer in self.layers
                                                               if (w := layer.sliding_window)}))
+        #: every layer caches MLA's latent (K only, V = K's first channels): the cache tensors' leading dim is 1
+        self.latent_kv: bool = bool(self.layers) and all(layer.latent_kv for layer in self.layers)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -225,7 +255,7 @@ class AttentionBackend(Plugin, ABC):
 
         Called by ``framework.build_engine`` (``inspect_model``) with the layers read from
         ``config.json``: head sizes (``supported_head_sizes``), GQA, and each layer feature
-        (:data:`LAYER_FEATURES`) against the ``supports_*`` attributes. ``config`` lets a composite
+        (:data:`CAPABILITY_OF`) against the ``supports_*`` attributes. ``config`` lets a composite
         backend (``hybrid``) check its parts.
 
         Returns:
@@ -240,13 +270,14 @@ class AttentionBackend(Plugin, ABC):
             if num_heads % num_kv_heads:
                 problems.append(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         for feature, description in required_features(layers).items():
-            if not getattr(cls, LAYER_FEATURES[feature]):
+            if not getattr(cls, CAPABILITY_OF[feature]):
                 problems.append(f"attention {cls.name!r} has no {description}, which this model needs")
-        return problems
+        return problems + latent_kv_problems(layers, config)
 
     def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache. Default ``(2, num_blocks, block_size, num_kv_heads, head_size)``."""
-        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        """Shape of one layer's KV cache. Default ``(2, num_blocks, block_size, num_kv_heads, head_size)``;
+        a latent (MLA) cache ``(1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim)``."""
+        return (1 if self.latent_kv else 2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
 
     def kv_cache_bytes_per_block(self, num_layers: int) -> int:
         """Bytes one block costs across all layers (K and V, plus scales if any), for sizing the pool."""

@@ -31,6 +31,7 @@ import torch
 
 from framework.interfaces import AttentionBackend
 from framework.interfaces.attention import FEATURE_NAMES, LAYER_FEATURES
+from framework.model_executor import mla
 
 ATTN_IMPLEMENTATION = "servelab"
 
@@ -113,7 +114,9 @@ def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     of computing something else. Head counts and sizes come from the tensors. When the value head
     size differs from the key head size (MLA), the smaller of the two is zero-padded to the cache's
     head size (zero query/key channels add nothing to the scores; zero value channels are cut from
-    the output).
+    the output). A module routed through MLA's latent cache (``framework/model_executor/mla.py``) passes
+    the latents as one KV head: its query is absorbed before the backend and its output projected to
+    ``v_head_dim`` after.
 
     Args:
         module: the transformers attention module (provides ``layer_idx``; ``is_causal`` if no kwarg).
@@ -136,6 +139,9 @@ def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     window = kwargs.get("sliding_window") or None
     softcap = kwargs.get("softcap") or None
     sinks = kwargs.get("s_aux")
+    latent = getattr(module, mla.MARK, None) is not None  # MLA over the latent cache: attend in latent space
+    if latent:
+        query = mla.absorb_query(module, query)
     value_head_size = value.shape[-1]
     if key.shape[-1] != value_head_size:  # MLA
         query, key, value = _pad_head_size(query, key, value)
@@ -157,7 +163,8 @@ def servelab_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         out = torch.ops.servelab.attention(query, key, value, handle.index, scaling, window, softcap, sinks)
     else:
         out = _attention(query, key, value, module.layer_idx, scaling, window, softcap, sinks)
-    return (out if out.shape[-1] == value_head_size else out[..., :value_head_size]), None
+    out = out if out.shape[-1] == value_head_size else out[..., :value_head_size]
+    return (mla.project_output(module, out) if latent else out), None
 
 
 def _pad_head_size(query: torch.Tensor, key: torch.Tensor,

@@ -11,8 +11,10 @@ weights load. It mirrors what transformers 5's modeling files pass their attenti
 - attention-logit softcap: ``attn_logit_softcapping`` of Gemma 2 (Gemma 3 keeps the field but
   does not pass it);
 - sinks: gpt-oss (``s_aux``, one learned logit per head);
-- MLA (DeepSeek-V2/V3): K/V expanded per head, ``head_size = qk_nope_head_dim + qk_rope_head_dim``
-  and ``value_head_size = v_head_dim``.
+- MLA (DeepSeek-V2/V3): with ``mla_latent_cache`` (``engine.mla_latent_cache``, default on) one latent
+  "KV head" per token, ``head_size = kv_lora_rank + qk_rope_head_dim``, ``value_head_size = kv_lora_rank``,
+  ``latent_kv`` (framework/model_executor/mla.py absorbs the up-projections); without it K/V expanded
+  per head, ``head_size = qk_nope_head_dim + qk_rope_head_dim`` and ``value_head_size = v_head_dim``.
 
 The bridge (``framework/model_executor/forward_context.py``) checks every call against these specs, so a
 rule that falls out of date with transformers fails loudly instead of computing something else.
@@ -52,7 +54,7 @@ class ModelFamily:
     name: str  # family, as researchers call it
     architecture: str  # transformers ``*ForCausalLM`` class
     model_types: tuple[str, ...]  # ``config.model_type`` values it covers
-    features: tuple[str, ...]  # attention features its checkpoints use (keys of interfaces.attention.LAYER_FEATURES)
+    features: tuple[str, ...]  # attention features its checkpoints use (keys of interfaces.attention.CAPABILITY_OF)
     traits: tuple[str, ...]  # what else is particular to it (MoE, biases, norms, positions...)
     examples: str  # checkpoints of the family
     test_id: str  # pytest id of its tiny random-weight model in tests/framework/model_executor/test_families.py
@@ -95,8 +97,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 tp="no tensor-parallel plan (base_model_tp_plan), and its Conv1D projections are not nn.Linear"),
     ModelFamily("GPT-NeoX / Pythia", "GPTNeoXForCausalLM", ("gpt_neox",), (), ("partial rotary", "parallel residual"),
                 "pythia-160m", "gpt_neox", tp=TP_VERIFIED),
-    ModelFamily("DeepSeek-V2 / V3 (MLA)", "DeepseekV3ForCausalLM", ("deepseek_v2", "deepseek_v3"), (),
-                ("MLA as expanded K/V, value head size != key head size", "MoE"), "DeepSeek-V2-Lite, DeepSeek-V3",
+    ModelFamily("DeepSeek-V2 / V3 (MLA)", "DeepseekV3ForCausalLM", ("deepseek_v2", "deepseek_v3"), ("latent_kv",),
+                ("absorbed up-projections", "MoE"), "DeepSeek-V2-Lite, DeepSeek-V3",
                 "deepseek_v3",
                 tp="transformers' plan shards only the MLP and experts: MLA's low-rank q/kv projections have no plan, "
                    "so every rank would compute every head"),
@@ -165,8 +167,11 @@ def _windows(config: Any, num_layers: int) -> list[int | None]:
     return [int(window)] * num_layers
 
 
-def attention_layers(config: Any) -> list[AttentionLayerSpec]:
+def attention_layers(config: Any, mla_latent_cache: bool = False) -> list[AttentionLayerSpec]:
     """One :class:`AttentionLayerSpec` per decoder layer of ``config`` (a transformers config).
+
+    ``mla_latent_cache`` (the engine passes ``engine.mla_latent_cache``) makes an MLA model's layers cache
+    the latent (``latent_kv``); other models ignore it.
 
     Raises:
         UnsupportedModelError: :func:`refusal` names a reason, or ``layer_types`` has the wrong length.
@@ -175,7 +180,11 @@ def attention_layers(config: Any) -> list[AttentionLayerSpec]:
     if reason is not None:
         raise UnsupportedModelError(f"servelab cannot run this model: {reason}")
     num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
-    if getattr(config, "qk_nope_head_dim", None) and getattr(config, "v_head_dim", None):  # MLA, K/V expanded
+    latent = False
+    if is_mla(config) and mla_latent_cache:  # one KV "head": [c_kv, k_rope], V = c_kv
+        head_size = config.kv_lora_rank + config.qk_rope_head_dim
+        value_head_size, num_kv_heads, latent = config.kv_lora_rank, 1, True
+    elif is_mla(config):  # K/V expanded per head
         head_size = config.qk_nope_head_dim + config.qk_rope_head_dim
         value_head_size, num_kv_heads = config.v_head_dim, num_heads
     else:
@@ -189,8 +198,13 @@ def attention_layers(config: Any) -> list[AttentionLayerSpec]:
     sinks = config.model_type in SINK_MODEL_TYPES
     return [AttentionLayerSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                                value_head_size=value_head_size, sliding_window=window,
-                               softcap=float(softcap) if softcap else None, has_sinks=sinks)
+                               softcap=float(softcap) if softcap else None, has_sinks=sinks, latent_kv=latent)
             for window in windows]
+
+
+def is_mla(config: Any) -> bool:
+    """``config`` describes multi-head latent attention (DeepSeek-V2/V3: ``qk_nope_head_dim``, ``v_head_dim``)."""
+    return bool(getattr(config, "qk_nope_head_dim", None) and getattr(config, "v_head_dim", None))
 
 
 def output_logits(model: Any, hidden_states: Any) -> Any:

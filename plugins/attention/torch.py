@@ -138,6 +138,7 @@ class TorchAttentionBackend(AttentionBackend):
     supports_softcap = True  # explicit math (_attention_math), SDPA has no softcap
     supports_sinks = True  # explicit math, the sink joins the softmax denominator
     supports_tree_attention = True  # the prefill segments' masks (tree_mask_rows)
+    supports_latent_kv = True  # MLA: one cache tensor, V read as K (NHD only)
     DECODE_KERNELS = ("packed", "gqa")
     PREFILL_KERNELS = ("packed", "gqa")
 
@@ -156,8 +157,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_quant = self.dtype if self.dtype in QMAX else None  # int8 / float8_e4m3fn or None
         if self.kv_quant is not None:
             self.cache_dtype = torch.int8
-        if kv_layout not in ("NHD", "HDN") or (kv_layout == "HDN" and self.kv_quant is not None):
-            raise ValueError(f"kv_layout must be NHD, or HDN with an unquantized cache; got {kv_layout!r}")
+        if kv_layout not in ("NHD", "HDN") or (kv_layout == "HDN" and (self.kv_quant is not None or self.latent_kv)):
+            raise ValueError(f"kv_layout must be NHD, or HDN with an unquantized, non-latent cache; got {kv_layout!r}")
         self.kv_cache_layout = kv_layout
 
     def get_kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -166,7 +167,7 @@ class TorchAttentionBackend(AttentionBackend):
         if self.kv_cache_layout == "HDN":
             return _paged_kernel.cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_size)
         extra = SCALE_BYTES if self.kv_quant is not None else 0
-        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size + extra)
+        return (1 if self.latent_kv else 2, num_blocks, self.block_size, self.num_kv_heads, self.head_size + extra)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         """Split into decode/prefill segments and build gather indices and masks (once per step)."""
@@ -229,14 +230,15 @@ class TorchAttentionBackend(AttentionBackend):
         if self.kv_quant is not None:
             key, value = quantize_rows(key, self.kv_quant), quantize_rows(value, self.kv_quant)
         kv_cache[0].view(flat_shape).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        kv_cache[1].view(flat_shape).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        if not self.latent_kv:  # a latent cache's V is its K's first channels
+            kv_cache[1].view(flat_shape).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
     def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V stored at ``slots`` (dequantized to ``float32`` when the cache is quantized);
         see ``AttentionBackend.read_kv``."""
         if self.kv_cache_layout == "HDN":
             return _paged_kernel.read_kv(kv_cache, slots, self.head_size)
-        key, value = (kv_cache[i].reshape(-1, self.num_kv_heads, kv_cache.shape[-1])[slots] for i in (0, 1))
+        key, value = (kv_cache[i].reshape(-1, self.num_kv_heads, kv_cache.shape[-1])[slots] for i in (0, -1))
         if self.kv_quant is not None:
             key = dequantize_rows(key, self.kv_quant, torch.float32)
             value = dequantize_rows(value, self.kv_quant, torch.float32)
@@ -292,7 +294,9 @@ class TorchAttentionBackend(AttentionBackend):
             v = v.view(num_reqs, blocks, *v.shape[1:]).transpose(1, 2)
             k, v = (x.reshape(num_reqs, self.num_kv_heads, -1, self.head_size) for x in (k, v))
             return k.to(dtype), v.to(dtype)
-        k, v = (x.index_select(0, flat).view(num_reqs, -1, self.num_kv_heads, x.shape[-1]) for x in kv_cache)
+        # a latent cache (MLA) has one tensor, K = [c_kv, k_rope]: V is K itself (the bridge keeps c_kv's channels)
+        kv = [x.index_select(0, flat).view(num_reqs, -1, self.num_kv_heads, x.shape[-1]) for x in kv_cache]
+        k, v = kv[0], kv[-1]
         if self.kv_quant is not None:
             k, v = dequantize_rows(k, self.kv_quant, dtype), dequantize_rows(v, self.kv_quant, dtype)
         return k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)

@@ -162,7 +162,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
             ``TorchAttentionBackend``).
 
     KV-cache quantization (``engine.kv_cache_dtype=int8|fp8_e4m3``) uses the reference's quantized
-    layout and runs every step through the reference (the kernel reads unquantized caches only).
+    layout and runs every step through the reference (the kernel reads unquantized caches only); so does
+    MLA's latent cache (``AttentionLayerSpec.latent_kv``: the reference's NHD layout, V read as K).
 
     Raises:
         ValueError: ``min_paged_decodes < 1``.
@@ -174,6 +175,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     supports_softcap = True
     supports_sinks = True
     supports_tree_attention = True  # a verify step's query chunks always go through the reference's masks
+    supports_latent_kv = True  # MLA's latent cache: every step through the reference (NHD, V read as K)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, block_size: int,
                  dtype: torch.dtype, device: torch.device, layers: Sequence[AttentionLayerSpec] | None = None,
@@ -185,7 +187,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         self.compile = bool(compile)
         self.min_paged_decodes = int(min_paged_decodes)
         self.paged_prefill = bool(paged_prefill)
-        self.in_place = dtype not in QMAX  # the kernel reads unquantized caches only
+        self.in_place = dtype not in QMAX and not self.latent_kv  # the kernel reads unquantized (K, V) caches only
         self.reference = TorchAttentionBackend(num_heads, num_kv_heads, head_size, scale, block_size, dtype, device,
                                                layers, prefill_kernel=prefill_kernel, prefill_tile=prefill_tile,
                                                kv_layout="HDN" if self.in_place else "NHD")

@@ -1,0 +1,94 @@
+"""DeepSeek's MLA over a latent KV cache (``framework/model_executor/mla.py``, ``engine.mla_latent_cache``).
+
+Tiny DeepSeek-V2 (no q LoRA, complex RoPE) and V3 (q LoRA) models equal transformers token for token
+with chunked prefill, prefix hits and preemption forced (``tests/families.py``'s engine); a KV block
+costs exactly the latent's bytes; at one KV budget more sequences fit than with the expanded cache;
+what the latent cache is not built with is refused, naming the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import ENGINE, MAX_TOKENS, assert_matches_transformers, run_family, tiny_config
+
+from framework import EngineConfig, registry
+from framework.interfaces import AttentionLayerSpec
+from framework.model_executor.model_families import attention_layers
+from plugins.attention.torch import TorchAttentionBackend
+
+BACKENDS = {
+    "torch": dict(attention="torch"),
+    "torch_paged": dict(attention="torch_paged", prepack_linears="on", attention_params={"compile": False}),
+}
+
+
+def latent_bytes_per_block(family: str, dtype_bytes: int = 4) -> int:
+    """The latent formula: ``(kv_lora_rank + qk_rope_head_dim) * dtype bytes * num_layers`` per token."""
+    c = tiny_config(family)
+    return (c.kv_lora_rank + c.qk_rope_head_dim) * dtype_bytes * c.num_hidden_layers * ENGINE["block_size"]
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_latent_cache_matches_transformers(family, backend, make_llm):
+    llm, outs = run_family(make_llm, family, **BACKENDS[backend])
+    assert_matches_transformers(family, outs, f"latent cache, {backend}")
+    summary = llm.engine.metrics.summary()
+    assert summary["num_preemptions"] > 0 and llm.engine.kv_allocator.stats().hit_rate > 0.2, summary
+    assert summary["num_steps"] > MAX_TOKENS + 2  # prompts were chunked
+    assert llm.engine.metrics.kv_cache_info["kv_cache_bytes_per_block"] == latent_bytes_per_block(family)
+
+
+def test_ablation_switch_gives_the_expanded_cache(make_llm):
+    """``mla_latent_cache=false`` caches K and V per head (padded to the key head size): 2 x 4 heads x 24."""
+    llm, outs = run_family(make_llm, "deepseek_v3", attention="torch", mla_latent_cache=False)
+    assert_matches_transformers("deepseek_v3", outs, "expanded cache")
+    c = tiny_config("deepseek_v3")
+    expanded = 2 * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) * 4 * c.num_hidden_layers * 4
+    assert llm.engine.metrics.kv_cache_info["kv_cache_bytes_per_block"] == expanded
+    assert expanded == 8 * latent_bytes_per_block("deepseek_v3")
+
+
+def test_more_sequences_fit_one_kv_budget(make_llm):
+    """At a fixed ``kv_cache_memory_bytes`` the latent cache holds 8x the blocks, so 8x the sequences of
+    ``max_model_len`` tokens (2 -> 16 here) run at once."""
+    from families import tiny_model_dir
+
+    budget = 2 * 16 * 9216  # two 64-token sequences of the expanded cache (16 blocks of 9216 bytes each)
+    fits = {}
+    for latent in (True, False):
+        llm = make_llm(model=str(tiny_model_dir("deepseek_v3")), **{**ENGINE, "num_blocks": None},
+                       kv_cache_memory_bytes=budget, mla_latent_cache=latent, attention="torch")
+        fits[latent] = llm.engine.scheduler.kv.num_blocks // (ENGINE["max_model_len"] // ENGINE["block_size"])
+    assert fits == {True: 16, False: 2}
+
+
+def test_latent_layer_spec():
+    layers = attention_layers(tiny_config("deepseek_v2"), mla_latent_cache=True)
+    assert {(x.num_heads, x.num_kv_heads, x.head_size, x.value_head_size, x.latent_kv) for x in layers} == \
+        {(4, 1, 24, 16, True)}
+    assert not any(x.latent_kv for x in attention_layers(tiny_config("llama"), mla_latent_cache=True))
+
+
+def test_torch_backend_stores_only_the_latent():
+    """One cache tensor ``(1, num_blocks, block_size, 1, rank + rope)``; V is read back as K."""
+    spec = AttentionLayerSpec(num_heads=4, num_kv_heads=1, head_size=24, value_head_size=16, latent_kv=True)
+    backend = TorchAttentionBackend(4, 1, 24, 0.2, 4, torch.float32, torch.device("cpu"), [spec, spec])
+    cache = torch.zeros(backend.get_kv_cache_shape(3))
+    assert cache.shape == (1, 3, 4, 1, 24)
+    assert backend.kv_cache_bytes_per_block(2) == 24 * 4 * 4 * 2
+    key = torch.randn(2, 1, 24)
+    backend.write_kv(cache, key, torch.zeros(2, 1, 24), torch.tensor([5, 6]))
+    k, v = backend.read_kv(cache, torch.tensor([5, 6]))
+    assert torch.equal(k, key) and torch.equal(v, key)
+
+
+def test_refusals_name_the_fix():
+    layers = attention_layers(tiny_config("deepseek_v3"), mla_latent_cache=True)
+    triton = registry.get_class("attention", "triton").validate_model(layers)
+    assert any("MLA latent KV cache" in p and "mla_latent_cache=false" in p for p in triton)
+    for knob in (dict(kv_cache_dtype="int8"), dict(quant="int8_wo"), dict(compile="true")):
+        problems = registry.get_class("attention", "torch").validate_model(layers, EngineConfig(model="m", **knob))
+        assert len(problems) == 1 and "mla_latent_cache=false" in problems[0], (knob, problems)
+    assert not registry.get_class("attention", "torch").validate_model(layers, EngineConfig(model="m"))
