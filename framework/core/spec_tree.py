@@ -65,7 +65,10 @@ class DraftTree:
 
     def pruned(self, max_depth: int, max_nodes: int) -> DraftTree:
         """The nodes of depth ``<= max_depth``, then the first ``max_nodes`` of them (still parents first)."""
-        keep = [i for i, d in enumerate(self.depths()) if d <= max_depth][:max(max_nodes, 0)]
+        return self.kept([i for i, d in enumerate(self.depths()) if d <= max_depth][:max(max_nodes, 0)])
+
+    def kept(self, keep: list[int]) -> DraftTree:
+        """The tree of nodes ``keep`` (ascending; each node's parent kept too, or it becomes a root child)."""
         index = {old: new for new, old in enumerate(keep)}
         probs = None if self.draft_probs is None else [self.draft_probs[i] for i in keep]
         return DraftTree([self.token_ids[i] for i in keep], [index.get(self.parents[i], -1) for i in keep], probs)

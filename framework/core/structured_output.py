@@ -21,8 +21,10 @@ import numpy as np
 import torch
 
 from framework.core.faults import RequestFaults
+from framework.core.grammar_trees import fill_tree_bitmask, valid_tree_nodes
 from framework.core.outputs import SchedulerOutput
 from framework.core.request import Request
+from framework.core.spec_tree import DraftTree, tree_depths
 from framework.interfaces import Grammar, GrammarMatcher
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -125,7 +127,9 @@ class StructuredOutputManager:
         Every constrained request that samples this step (its scheduled tokens reach its end) gets
         one row, or ``k + 1`` rows when it verifies ``k`` drafts: row ``j`` is the mask after its
         output plus ``drafts[:j]`` (:meth:`fill_draft_bitmask`; rows past the longest valid draft
-        prefix stay all-allowed, drafts having been cut to that prefix when proposed).
+        prefix stay all-allowed, drafts having been cut to that prefix when proposed); for a token tree
+        row ``i + 1`` is the mask after node ``i``'s root-to-node path
+        (``framework/core/grammar_trees.py``).
 
         A matcher that raises fails its request (``faults``; its rows stay all-allowed and the engine
         drops its sampled token with the abort); a row that allows no token rejects its request
@@ -152,8 +156,15 @@ class StructuredOutputManager:
             return None, {}
         bitmask = torch.full((num_rows, self.num_words), -1, dtype=torch.int32)
         rows: dict[int, tuple[Request, int]] = {}  # filled row -> (its request, output tokens before it)
+        trees = so.scheduled_spec_decode_parents or {}
         for request, drafts in blocks:
             rid, start = request.request_id, first_row[request.request_id]
+            if drafts and trees.get(rid):  # a token tree: each node's row masked after its own path
+                depths = [0] + tree_depths(trees[rid]).tolist()
+                offsets = self.faults.call(rid, self._what, fill_tree_bitmask, self.matchers[rid], bitmask, start,
+                                           drafts, trees[rid], default=None) or []
+                rows.update({start + j: (request, request.num_output_tokens + depths[j]) for j in offsets})
+                continue
             if drafts:
                 n = self.faults.call(rid, self._what, self.fill_draft_bitmask, bitmask, start, rid, drafts,
                                      default=None)
@@ -231,6 +242,16 @@ class StructuredOutputManager:
             return draft_token_ids
         return draft_token_ids[:self.faults.call(request_id, self._what, matcher.validate_tokens, draft_token_ids,
                                                  default=0)]
+
+    def valid_draft_tree(self, request_id: str, tree: DraftTree) -> DraftTree:
+        """The nodes of ``tree`` whose root-to-node path the request's grammar accepts from its current state
+        (unconstrained requests: the whole tree; a matcher that raises: no node). Does not advance the matcher."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None:
+            return tree
+        keep = self.faults.call(request_id, self._what, valid_tree_nodes, matcher, tree.token_ids, tree.parents,
+                                default=[])
+        return tree.kept(keep)
 
     def advance(self, request: Request) -> bool:
         """Feed the matcher the output tokens appended since the last call; returns True when the grammar

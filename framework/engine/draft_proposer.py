@@ -6,8 +6,9 @@ that verifying them never passes ``max_model_len`` or ``max_tokens`` and cut to 
 The scheduler verifies the drafts in the next step (vLLM V1's ``spec_token_ids``); a draft never changes an output.
 
 A drafter may propose a token tree (``framework.core.spec_tree.DraftTree``) instead of a chain: it is pruned to the
-depth and the KV slots the request has room for, and a request with a grammar verifies the tree's main chain only
-(per-node grammar masks are not built), which keeps its output exact. A chain-shaped tree is sent as a chain.
+depth and the KV slots the request has room for, and for a request with a grammar to the nodes whose path the grammar
+accepts (each node's verify row then gets its own path's mask: ``framework/core/grammar_trees.py``). A chain-shaped
+tree is sent as a chain.
 """
 
 from __future__ import annotations
@@ -79,14 +80,13 @@ class DraftProposer:
 
     def set_drafts(self, request: Request, tree: DraftTree) -> None:
         """Set ``request.spec_token_ids`` (and ``spec_parents`` for a tree) from its proposal: capped so that
-        verifying it reaches neither ``max_model_len`` nor ``max_tokens``, its main chain only for a request with a
-        grammar, cut to the prefix the grammar accepts."""
+        verifying it reaches neither ``max_model_len`` nor ``max_tokens``, cut to the nodes (the prefix, for a chain)
+        the request's grammar accepts."""
         max_tokens = request.sampling_params.max_tokens or self.max_model_len
         room = min(self.max_model_len - request.num_tokens, max_tokens - request.num_output_tokens) - 1
-        constrained = self.structured_output is not None and request.request_id in self.structured_output
-        if constrained and not tree.is_chain:
-            tree = tree.main_chain()
         tree = tree.pruned(max_depth=room, max_nodes=self.max_model_len - request.num_tokens - 1)
+        if self.structured_output is not None and not tree.is_chain:
+            tree = self.structured_output.valid_draft_tree(request.request_id, tree)
         draft = list(tree.token_ids)
         if tree.is_chain:
             if self.structured_output is not None and draft:
