@@ -44,5 +44,7 @@ def test_tensor_parallel_mixed_batch_equals_peft(compile, adapters, oracle):
                             lora_request=[adapters[n] if n else None for n in names])
         for prompt, name, out in zip(prompts, names, outs):
             assert out.error is None and out.outputs[0].token_ids == oracle(prompt, name), (prompt, name)
+        stats = llm.engine.executor.collective_rpc("compile_stats")
+        assert all(s.active == compile and s.num_recompiles == 0 for s in stats), stats
     finally:
         llm.engine.shutdown()
