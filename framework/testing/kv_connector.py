@@ -6,11 +6,14 @@ another cache; a producer-only side offers nothing; nothing fails to load; block
 that is its own store (``own_store=True``: ``offload``'s tiers live with its worker side) runs as one ``kv_both``
 engine instead: it saves, its scheduler side learns the store's contents from the step's report
 (``update_connector_output`` with ``get_kv_connector_kv_cache_events``), then offers and loads the blocks into other
-block ids of the same cache. Random K/V, a real attention backend's layout and ``copy_blocks``; no model runs."""
+block ids of the same cache. A load the scheduler side answers asynchronously (``load_async``, vLLM's
+``WAITING_FOR_REMOTE_KVS``) runs in steps that schedule nothing until ``get_finished`` reports it (within
+``async_steps`` steps). Random K/V, a real attention backend's layout and ``copy_blocks``; no model runs."""
 
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import torch
@@ -35,8 +38,10 @@ def _caches(backend: AttentionBackend, num_layers: int, num_blocks: int, seed: i
     return [torch.randn(shape, generator=gen).to(backend.cache_dtype) for _ in range(num_layers)]
 
 
-def _step(sched: KVConnector, worker: KVConnector, so: SchedulerOutput, caches: list[torch.Tensor]) -> set[int]:
-    """One step: the scheduler side's metadata, the worker side's loads and saves; the blocks that failed to load."""
+def _step(sched: KVConnector, worker: KVConnector, so: SchedulerOutput, caches: list[torch.Tensor],
+          recving: set[str] | None = None) -> set[int]:
+    """One step: the scheduler side's metadata, the worker side's loads and saves; the blocks that failed to load.
+    ``recving``: collects the loads reported done (None: none may be, a synchronous step)."""
     worker.bind_connector_metadata(sched.build_connector_meta(so))
     worker.start_load_kv()
     for layer_idx in range(len(caches)):
@@ -44,9 +49,13 @@ def _step(sched: KVConnector, worker: KVConnector, so: SchedulerOutput, caches: 
     for layer_idx, kv_layer in enumerate(caches):
         worker.save_kv_layer(layer_idx, kv_layer)
     worker.wait_for_save()
-    assert worker.get_finished(set()) in ((None, None), (set(), set())), "a synchronous step finished a transfer"
+    sending, done = worker.get_finished(set())
+    assert not sending, "no request finished: nothing may finish sending"
+    assert recving is not None or not done, "a synchronous step finished a transfer"
+    if recving is not None:
+        recving |= done or set()
     errors = worker.get_block_ids_with_load_errors()
-    sched.update_connector_output(KVConnectorOutput(invalid_block_ids=errors,
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids=errors, finished_recving=done,
                                                     kv_cache_events=worker.get_kv_connector_kv_cache_events()))
     worker.clear_connector_metadata()
     return errors
@@ -60,7 +69,7 @@ def _block(cache: torch.Tensor, block: int, backend: AttentionBackend) -> torch.
 
 
 def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_layers: int = 2, seed: int = 0,
-                       own_store: bool = False, **params: Any) -> None:
+                       own_store: bool = False, async_steps: int = 200, **params: Any) -> None:
     """Run ``cls`` (built with ``params``, e.g. ``path=`` a fresh folder) through a producer engine and a consumer
     engine sharing its store, or (``own_store``) through one ``kv_both`` engine that is its own store.
 
@@ -68,6 +77,7 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
         backend: an attention backend instance (its ``block_size``, cache shape, dtype and ``copy_blocks``).
         num_layers: decoder layers of the fake caches.
         own_store: the store lives in the connector instance (not shared between engines): check one engine.
+        async_steps: steps (5 ms apart) an asynchronous load may take before it is reported done.
 
     Raises:
         AssertionError: naming the broken part of the contract.
@@ -95,7 +105,6 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
     offered = consumer_sched.get_num_new_matched_tokens(consumer_req, bs)
     assert offered == consumer_sched.get_num_new_matched_tokens(consumer_req, bs), "the lookup is not side-effect free"
     num_tokens, load_async = offered
-    assert not load_async, "check_kv_connector covers synchronous loads only"
     assert num_tokens % bs == 0, f"offered {num_tokens} tokens: not whole blocks of {bs}"
     assert bs + num_tokens <= len(prompt) - 1, "the block of the last prompt token must be computed, not loaded"
     assert num_tokens == 3 * bs, f"expected stored blocks 1-3 after the local hit, got {num_tokens // bs} blocks"
@@ -105,9 +114,19 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
     consumer_req.num_computed_tokens = bs
     consumer_sched.update_state_after_alloc(consumer_req, dst_table, num_tokens)
     consumer_req.num_computed_tokens += num_tokens
-    so = SchedulerOutput(scheduled_requests=[consumer_req], num_scheduled_tokens={consumer_req.request_id: bs},
-                         total_num_scheduled_tokens=bs, block_ids={consumer_req.request_id: (dst_table,)})
-    assert not _step(consumer_sched, consumer, so, dst), "stored blocks failed to load"
+    if load_async:  # parked: steps that schedule nothing until the worker side reports the load done
+        recving: set[str] = set()
+        for _ in range(async_steps):
+            idle = SchedulerOutput(scheduled_requests=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0, block_ids={})
+            assert not _step(consumer_sched, consumer, idle, dst, recving), "stored blocks failed to load"
+            if consumer_req.request_id in recving:
+                break
+            time.sleep(0.005)
+        assert recving == {consumer_req.request_id}, f"the asynchronous load was not reported done: {recving}"
+    else:
+        so = SchedulerOutput(scheduled_requests=[consumer_req], num_scheduled_tokens={consumer_req.request_id: bs},
+                             total_num_scheduled_tokens=bs, block_ids={consumer_req.request_id: (dst_table,)})
+        assert not _step(consumer_sched, consumer, so, dst), "stored blocks failed to load"
     for i in range(1, 4):
         for layer in range(num_layers):
             got = _block(dst[layer], dst_table[i], backend)

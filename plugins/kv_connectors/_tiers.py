@@ -8,7 +8,8 @@ is one) or are dropped; a full disk tier drops its least recently used blocks. R
 hit is promoted back to the CPU tier by the caller (:meth:`TieredBlockStore.put` after the step's loads). Bytes are
 the tensors' ``nbytes`` in both tiers: a disk file holds the block's raw bytes and nothing else, so the folder's
 size is what the index counts. Disk writes run on a background thread; a block being written is read from its
-pending CPU copy.
+pending CPU copy. Disk reads run on the caller's thread (:meth:`TieredBlockStore.get`) or on a background reader
+thread (:meth:`TieredBlockStore.locate`, then :meth:`TieredBlockStore.read_async`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import tempfile
 import threading
 import weakref
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -104,7 +106,9 @@ class TieredBlockStore:
         layout: ``(shape, dtype)`` of each layer's tensor of one block (a disk file is read back into it).
 
     Attributes:
-        events: ``("stored", key)`` / ``("removed", key)`` since the last :meth:`take_events`, for the scheduler side.
+        events: ``("stored", key)`` / ``("removed", key)`` since the last :meth:`take_events`, for the scheduler side,
+            and the tier moves ``("disk", key)`` (spilled to, or stored straight on, disk) / ``("cpu", key)``
+            (promoted back to the CPU tier).
 
     Raises:
         ValueError: a negative limit, or ``disk_bytes`` without ``disk_path``.
@@ -123,11 +127,13 @@ class TieredBlockStore:
         self.events: list[tuple[str, str]] = []
         self._warned = False
         self._writer: _DiskWriter | None = None
+        self._reader: ThreadPoolExecutor | None = None
         if disk_path:
             Path(disk_path).mkdir(parents=True, exist_ok=True)
             self._writer = _DiskWriter(Path(tempfile.mkdtemp(prefix="servelab-offload-", dir=disk_path)))
             self._writer.wanted = self.disk.__contains__
-            self._finalizer = weakref.finalize(self, self._writer.close)
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload-disk-read")
+            self._finalizer = weakref.finalize(self, _close, self._writer, self._reader)
 
     @property
     def disk_folder(self) -> Path | None:
@@ -148,6 +154,16 @@ class TieredBlockStore:
         Raises:
             OSError, ValueError: the disk file is unreadable or of the wrong size.
         """
+        found = self.locate(key)
+        if found is None:
+            return None
+        where, from_disk = found
+        return (self.read_file(*where) if isinstance(where, tuple) else where), from_disk
+
+    def locate(self, key: str) -> tuple[Block | tuple[Path, int], bool] | None:
+        """Where ``key``'s block is, refreshed in its tier's LRU order: ``(block, from_disk)`` when it is in memory
+        (the CPU tier, or a disk write still pending), ``((file, nbytes), True)`` when it must be read from disk
+        (:meth:`read_file`, :meth:`read_async`); None when absent. No disk I/O."""
         if key in self.cpu:
             self.cpu.move_to_end(key)
             return self.cpu[key], False
@@ -156,17 +172,27 @@ class TieredBlockStore:
         self.disk.move_to_end(key)
         with self._writer.lock:
             pending = self._writer.pending.get(key)
-        if pending is not None:
-            return pending, True
-        raw = torch.from_numpy(np.fromfile(self._writer.file(key), dtype=np.uint8))
-        if raw.numel() != self.disk[key]:
-            raise ValueError(f"file of block {key} holds {raw.numel()} bytes, expected {self.disk[key]}")
+        return (pending, True) if pending is not None else ((self._writer.file(key), self.disk[key]), True)
+
+    def read_file(self, path: Path, nbytes: int) -> Block:
+        """The block in file ``path`` (``nbytes`` raw bytes in :attr:`layout`); any thread.
+
+        Raises:
+            OSError, ValueError: the file is unreadable (e.g. dropped from the tier since) or of the wrong size.
+        """
+        raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+        if raw.numel() != nbytes:
+            raise ValueError(f"file {path.name} holds {raw.numel()} bytes, expected {nbytes}")
         block, offset = [], 0
         for shape, dtype in self.layout:
             n = torch.empty(shape, dtype=dtype).nbytes
             block.append(raw[offset:offset + n].view(dtype).view(shape).clone())
             offset += n
-        return block, True
+        return block
+
+    def read_async(self, path: Path, nbytes: int) -> Future[Block]:
+        """:meth:`read_file` on the background reader thread (one, in submission order)."""
+        return self._reader.submit(self.read_file, path, nbytes)
 
     def put(self, key: str, block: Block) -> None:
         """Store ``block`` under ``key`` in the CPU tier (most recently used), spilling the CPU tier's LRU blocks
@@ -190,6 +216,7 @@ class TieredBlockStore:
             return
         if was_stored:
             self._drop_disk(key)
+            self.events.append(("cpu", key))
         while self.cpu_used + nbytes > self.cpu_bytes:
             old_key, old = self.cpu.popitem(last=False)
             self.cpu_used -= block_nbytes(old)
@@ -211,6 +238,7 @@ class TieredBlockStore:
             self.events.append(("removed", old_key))
         self.disk[key] = nbytes
         self.disk_used += nbytes
+        self.events.append(("disk", key))
         self._writer.submit(key, block)
 
     def _drop_disk(self, key: str) -> None:
@@ -225,6 +253,12 @@ class TieredBlockStore:
             self._writer.flush()
 
     def close(self) -> None:
-        """Stop the disk writer and remove this store's folder (also done at garbage collection)."""
+        """Stop the disk reader and writer and remove this store's folder (also done at garbage collection)."""
         if self._writer is not None:
             self._finalizer()
+
+
+def _close(writer: _DiskWriter, reader: ThreadPoolExecutor) -> None:
+    """Stop ``reader`` (its queued reads are dropped) and ``writer`` (after its queued writes)."""
+    reader.shutdown(wait=True, cancel_futures=True)
+    writer.close()

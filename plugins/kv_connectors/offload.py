@@ -12,12 +12,17 @@ The tiers live with the worker side (:class:`~plugins.kv_connectors._tiers.Tiere
 bytes, the LRU order and the limits; it reports each block it gains or drops (``get_kv_connector_kv_cache_events``)
 and the scheduler side offers exactly the blocks reported stored. Saves copy the block out of the cache
 synchronously (``wait_for_save``; the cache may be overwritten next step); disk writes then run on a background
-thread. Loads are synchronous, before the forward; a disk hit moves back to the CPU tier after the step's loads.
+thread. Loads from the CPU tier are synchronous, before the forward. A lookup that needs a block from the disk tier
+loads asynchronously (``async_load=True``, the default; vLLM's ``WAITING_FOR_REMOTE_KVS``): the request is parked,
+its disk blocks are read on a background thread while the engine runs other requests, and the worker side copies
+them into the cache on its own thread in ``get_finished`` before reporting the load done; with
+``async_load=False`` disk reads are synchronous too. A disk hit moves back to the CPU tier once loaded.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +48,8 @@ class OffloadMetadata(KVConnectorMetadata):
     """One step's block moves (plain values)."""
 
     loads: list[tuple[int, str, str]] = field(default_factory=list)  # (block id, key, request id): before the forward
+    async_loads: list[tuple[int, str, str]] = field(default_factory=list)  # (block id, key, request id): in background
+    cancels: list[str] = field(default_factory=list)  # parked requests aborted: drop their loads, touch nothing
     saves: list[tuple[int, str, str]] = field(default_factory=list)  # (block id, key, request id): after the forward
 
 
@@ -55,6 +62,8 @@ class OffloadConnector(KVConnector):
         disk_path: a folder for the disk tier (``kv_connector.params.disk_path``; None or empty: no disk tier);
             each engine writes under its own fresh subfolder, removed when the engine goes away.
         disk_bytes: the disk tier's limit, bytes (``kv_connector.params.disk_bytes``).
+        async_load: a lookup that needs a disk block loads asynchronously (``kv_connector.params.async_load``;
+            default True); False: every load is synchronous, before the forward.
 
     Raises:
         ValueError: a negative limit, or ``disk_bytes`` without ``disk_path``.
@@ -63,17 +72,22 @@ class OffloadConnector(KVConnector):
     name = "offload"
 
     def __init__(self, role: KVConnectorRole, block_size: int, kv_role: str = "kv_both", cpu_bytes: int = 1 << 30,
-                 disk_path: str | None = None, disk_bytes: int = 0, **params: Any) -> None:
+                 disk_path: str | None = None, disk_bytes: int = 0, async_load: bool = True, **params: Any) -> None:
         super().__init__(role, block_size, kv_role, **params)
         problems = _param_problems(cpu_bytes, disk_path, disk_bytes)
         if problems:
             raise ValueError("; ".join(problems))
         self.cpu_bytes, self.disk_path, self.disk_bytes = int(cpu_bytes), disk_path or None, int(disk_bytes)
+        self.async_load = bool(async_load)
         # scheduler side
         self._stored: set[str] = set()  # keys the worker side reported stored and not removed since
+        self._on_disk: set[str] = set()  # of which the worker side last reported in the disk tier
+        self._recving: set[str] = set()  # parked requests whose asynchronous loads are queued or in flight
+        self._cancels: list[str] = []
         self._keys: dict[str, list[str]] = {}  # request id -> prefix keys of its full blocks so far
         self._num_saved: dict[str, int] = {}  # request id -> its leading blocks already asked to save
         self._loads: list[tuple[int, str, str]] = []
+        self._async_loads: list[tuple[int, str, str]] = []
         self._step_loads: dict[int, str] = {}  # block id -> request id, of the last step's loads
         # worker side
         self.store: TieredBlockStore | None = None
@@ -82,6 +96,7 @@ class OffloadConnector(KVConnector):
         self._pending: dict[str, list[torch.Tensor | None]] = {}
         self._load_errors: set[int] = set()
         self._failed_req_ids: set[str] = set()  # requests with a load error this step: their saves are skipped
+        self._reading: dict[str, list[tuple[int, str, Any]]] = {}  # request id -> (block, key, block or Future)
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
@@ -111,21 +126,34 @@ class OffloadConnector(KVConnector):
         first = end = num_computed_tokens // self.block_size
         while end < len(keys) and keys[end] in self._stored:
             end += 1
-        return (end - first) * self.block_size, False
+        load_async = self.async_load and any(key in self._on_disk for key in keys[first:end])
+        return (end - first) * self.block_size, load_async
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        """Queue the loads of the ``num_external_tokens / block_size`` blocks after the local hit."""
+    def _queue_loads(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Queue the loads of the ``num_external_tokens / block_size`` blocks after the local hit, asynchronous when
+        one of them is on disk (the same rule as :meth:`get_num_new_matched_tokens`)."""
         first = request.num_computed_tokens // self.block_size
         keys = self._request_keys(request)
-        self._loads += [(block_ids[i], keys[i], request.request_id)
-                        for i in range(first, first + num_external_tokens // self.block_size)]
+        loads = [(block_ids[i], keys[i], request.request_id)
+                 for i in range(first, first + num_external_tokens // self.block_size)]
+        if self.async_load and any(key in self._on_disk for _, key, _ in loads):
+            self._async_loads += loads
+            self._recving.add(request.request_id)
+        else:
+            self._loads += loads
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Queue the loads of the ``num_external_tokens / block_size`` blocks after the local hit (asynchronous when
+        one of them is on disk and ``async_load``)."""
+        if num_external_tokens:
+            self._queue_loads(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
         """This step's loads, and (producer) the saves of every full block this step completes that the tiers
         do not hold (draft tokens of speculative decoding are not counted: their K/V may be rejected)."""
-        meta = OffloadMetadata(loads=self._loads)
+        meta = OffloadMetadata(loads=self._loads, async_loads=self._async_loads, cancels=self._cancels)
         self._step_loads = {block_id: rid for block_id, _, rid in self._loads}
-        self._loads = []
+        self._loads, self._async_loads, self._cancels = [], [], []
         if not self.is_producer:
             return meta
         for request in scheduler_output.scheduled_requests:
@@ -146,17 +174,28 @@ class OffloadConnector(KVConnector):
         for block_id in connector_output.invalid_block_ids:
             if block_id in self._step_loads:
                 self._num_saved.pop(self._step_loads[block_id], None)
+        self._recving -= connector_output.finished_recving or set()
         for kind, key in connector_output.kv_cache_events or ():
             if kind == "stored":
                 self._stored.add(key)
+            elif kind == "disk":
+                self._on_disk.add(key)
+            elif kind == "cpu":
+                self._on_disk.discard(key)
             else:
                 self._stored.discard(key)
+                self._on_disk.discard(key)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request (finished or aborted, waiting or running); its blocks are free at once: the saves
-        copied them out synchronously."""
+        """Forget the request (finished or aborted, waiting, parked or running); its blocks are free at once: the
+        saves copied them out synchronously, and a parked request's loads are cancelled (the worker side drops them
+        at the start of the next step, before it could copy them)."""
         self._keys.pop(request.request_id, None)
         self._num_saved.pop(request.request_id, None)
+        if request.request_id in self._recving:
+            self._recving.discard(request.request_id)
+            self._async_loads = [load for load in self._async_loads if load[2] != request.request_id]
+            self._cancels.append(request.request_id)
         return False, None
 
     # ---- worker side ---------------------------------------------------------------------------------
@@ -168,10 +207,20 @@ class OffloadConnector(KVConnector):
                                       [(shape, t.dtype) for t in kv_caches])
 
     def start_load_kv(self, **kwargs: Any) -> None:
-        """Copy every queued block from its tier into the cache (synchronous), then move the disk hits to the CPU
-        tier; a block missing or unreadable is reported by :meth:`get_block_ids_with_load_errors`."""
+        """Drop the loads of cancelled requests; start the asynchronous loads (disk reads on the background thread,
+        :meth:`get_finished` copies them); copy every synchronous load from its tier into the cache, then move the
+        disk hits to the CPU tier; a block missing or unreadable is reported by
+        :meth:`get_block_ids_with_load_errors`."""
+        meta = self.connector_metadata()
+        for rid in meta.cancels:
+            self._reading.pop(rid, None)
+        for block_id, key, rid in meta.async_loads:
+            found = self.store.locate(key)
+            where = None if found is None else found[0]
+            self._reading.setdefault(rid, []).append(
+                (block_id, key, self.store.read_async(*where) if isinstance(where, tuple) else where))
         promote = []
-        for block_id, key, rid in self.connector_metadata().loads:
+        for block_id, key, rid in meta.loads:
             try:
                 found = self.store.get(key)
             except (OSError, ValueError) as exc:
@@ -191,7 +240,30 @@ class OffloadConnector(KVConnector):
             self.store.put(key, block)
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
-        """Nothing to wait for: :meth:`start_load_kv` loaded every layer."""
+        """Nothing to wait for: :meth:`start_load_kv` loaded every layer of the synchronous loads."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The parked requests whose every block is read: their blocks are copied into the cache here (the
+        worker's own thread, between steps: nothing else uses them) and the disk hits move to the CPU tier; a block
+        missing or unreadable is a load error of this step. No sends are asynchronous."""
+        done = [rid for rid, reads in self._reading.items()
+                if all(not isinstance(r, Future) or r.done() for _, _, r in reads)]
+        for rid in done:
+            for block_id, key, read in self._reading.pop(rid):
+                try:
+                    block = read.result() if isinstance(read, Future) else read
+                except (OSError, ValueError) as exc:
+                    block, error = None, exc
+                else:
+                    error = "not in either tier"
+                if block is None:
+                    logger.warning("kv_connector=offload: block %s (%s) failed to load: %s", block_id, key, error)
+                    self._load_errors.add(block_id)
+                    continue
+                self._backend.copy_blocks(block, [0], self._kv_caches, [block_id])
+                if isinstance(read, Future) or key in self.store.disk:
+                    self.store.put(key, block)
+        return None, set(done) or None
 
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, **kwargs: Any) -> None:
         """Copy this layer's part of every block to save into a CPU buffer (skipping the requests whose load failed

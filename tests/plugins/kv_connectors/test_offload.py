@@ -95,8 +95,10 @@ def test_cpu_tier_turns_hit_and_stay_exact(plain_outputs, block_bytes):
 
 
 def test_disk_spill_and_reload_are_exact(plain_outputs, block_bytes, tmp_path):
-    """A CPU tier of 4 blocks spills to a 40-block disk tier; the turns load from disk (and promote) exactly."""
-    llm = offload_llm(cpu_bytes=4 * block_bytes + block_bytes // 2, disk_path=str(tmp_path), disk_bytes=40 * block_bytes)
+    """A CPU tier of 4 blocks spills to a 40-block disk tier; the turns load from disk (and promote) exactly
+    (synchronous disk reads, ``async_load=False``; the asynchronous path: test_offload_async.py)."""
+    llm = offload_llm(cpu_bytes=4 * block_bytes + block_bytes // 2, disk_path=str(tmp_path), disk_bytes=40 * block_bytes,
+                      async_load=False)
     store = store_of(llm)
     reads = []
     get = store.get
@@ -127,7 +129,7 @@ def test_batched_turns_preempt_reload_and_stay_exact(block_bytes):
 def test_a_lost_disk_file_is_recomputed_exactly(plain_outputs, block_bytes, tmp_path):
     """The file of a block the scheduler side offered disappears before the load: the load fails, the request
     recomputes from that block (kv_transfer.load_failure_policy=recompute) and skips that step's saves; exact."""
-    llm = offload_llm(cpu_bytes=0, disk_path=str(tmp_path), disk_bytes=100 * block_bytes)
+    llm = offload_llm(cpu_bytes=0, disk_path=str(tmp_path), disk_bytes=100 * block_bytes, async_load=False)
     store, lost = store_of(llm), []
     get = store.get
 
@@ -176,13 +178,15 @@ def test_lru_spill_promotion_and_byte_accounting(tmp_path):
     assert list(store.cpu) == ["b", "d"] and list(store.disk) == ["a", "c"]
     store.put("e", _block(4))  # b spills; the disk tier drops a
     assert list(store.cpu) == ["d", "e"] and list(store.disk) == ["c", "b"]
-    assert store.take_events() == [("stored", k) for k in "abcd"] + [("removed", "a"), ("stored", "e")]
+    events = store.take_events()
+    assert [e for e in events if e[0] != "disk"] == [("stored", k) for k in "abcd"] + [("removed", "a"), ("stored", "e")]
+    assert [e for e in events if e[0] == "disk"] == [("disk", "a"), ("disk", "c"), ("disk", "b")]  # tier moves
     store.flush()
     block, from_disk = store.get("c")  # read back from its file
     assert from_disk and all(torch.equal(x, y) for x, y in zip(block, _block(2)))
     store.put("c", block)  # promoted: d spills, c leaves the disk tier
     assert list(store.cpu) == ["e", "c"] and list(store.disk) == ["b", "d"]
-    assert store.take_events() == []  # nothing gained or lost, only moved
+    assert store.take_events() == [("cpu", "c"), ("disk", "d")]  # nothing gained or lost, only moved
     assert (store.cpu_used, store.disk_used) == (128, 128)
     assert_within_limits(store)
     store.put("x", _block(9, nbytes=256))  # larger than both tiers: not stored
