@@ -28,12 +28,14 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUANT_WEIGHT_BYTES: dict[str, float | None] = {"none": None, "int8_wo": 1.0, "int4_wo": 0.5, "w8a8": 1.0, "fp8": 1.0}
 
 
-def rank_attention_layers(hf_config: Any, tensor_parallel_size: int) -> list[AttentionLayerSpec]:
-    """Each layer's attention as one rank holds it (its heads under tensor parallelism)."""
+def rank_attention_layers(hf_config: Any, tensor_parallel_size: int,
+                          mla_latent_cache: bool = False) -> list[AttentionLayerSpec]:
+    """Each layer's attention as one rank holds it (its heads under tensor parallelism; MLA's latent when
+    ``mla_latent_cache``, the engine's ``engine.mla_latent_cache``)."""
     from framework.model_executor.model_families import attention_layers
     from framework.model_executor.tensor_parallel import rank_layout
 
-    layers = attention_layers(hf_config)
+    layers = attention_layers(hf_config, mla_latent_cache)
     if tensor_parallel_size == 1:
         return layers
     shard = rank_layout(hf_config, 0, tensor_parallel_size)
@@ -50,11 +52,11 @@ def kv_element_bytes(config: EngineConfig) -> tuple[int, int]:
 def kv_cache_bytes_per_block(config: EngineConfig, hf_config: Any, layers_per_block: int) -> int:
     """Bytes of one KV block on one rank: ``2 * layers_per_block * block_size * kv_heads_per_rank *
     (head_size * element_bytes + scale_bytes)`` (what ``AttentionBackend.kv_cache_bytes_per_block`` gives
-    for the ``torch`` and ``torch_paged`` layouts, quantized or not)."""
-    layers = rank_attention_layers(hf_config, config.tensor_parallel_size)
+    for the ``torch`` and ``torch_paged`` layouts, quantized or not); MLA's latent cache has no V (1, not 2)."""
+    layers = rank_attention_layers(hf_config, config.tensor_parallel_size, config.mla_latent_cache)
     element, extra = kv_element_bytes(config)
     head_size = max(layer.cache_head_size for layer in layers)
-    return 2 * layers_per_block * config.block_size * layers[0].num_kv_heads * (head_size * element + extra)
+    return (1 if layers[0].latent_kv else 2) * layers_per_block * config.block_size * layers[0].num_kv_heads * (head_size * element + extra)
 
 
 def parameter_counts(hf_config: Any) -> dict[str, int]:

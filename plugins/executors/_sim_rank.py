@@ -36,7 +36,7 @@ class SimRank:
         self.device = source.removeprefix("analytic:") if source.startswith("analytic:") else None
         self.memory = memory
         self.gpu_memory_utilization = gpu_memory_utilization
-        layers = rank_attention_layers(hf_config, config.tensor_parallel_size)
+        layers = rank_attention_layers(hf_config, config.tensor_parallel_size, config.mla_latent_cache)
         self.layout = plan_kv_cache_layout(config.kv_allocator, layers)
         self.num_blocks = 0
         self.num_swap_blocks = 0

@@ -92,3 +92,21 @@ def test_refusals_name_the_fix():
         problems = registry.get_class("attention", "torch").validate_model(layers, EngineConfig(model="m", **knob))
         assert len(problems) == 1 and "mla_latent_cache=false" in problems[0], (knob, problems)
     assert not registry.get_class("attention", "torch").validate_model(layers, EngineConfig(model="m"))
+
+
+def test_swap_preemption_moves_the_latent_blocks(make_llm):
+    """``preemption_mode=swap`` copies the one latent tensor per layer out and back (``copy_blocks``)."""
+    llm, outs = run_family(make_llm, "deepseek_v2", attention="torch", preemption_mode="swap",
+                           swap_space_bytes=64 * latent_bytes_per_block("deepseek_v2"))
+    assert_matches_transformers("deepseek_v2", outs, "latent cache, swap")
+    assert llm.engine.metrics.summary()["num_preemptions"] > 0
+
+
+def test_simulator_prices_the_latent_block():
+    """``executor=sim`` sizes a block as the engine does, latent or expanded."""
+    from framework.sim.memory import kv_cache_bytes_per_block
+
+    c = tiny_config("deepseek_v3")
+    for latent, factor in ((True, 1), (False, 8)):
+        config = EngineConfig(model="m", dtype="float32", block_size=ENGINE["block_size"], mla_latent_cache=latent)
+        assert kv_cache_bytes_per_block(config, c, c.num_hidden_layers) == factor * latent_bytes_per_block("deepseek_v3")
