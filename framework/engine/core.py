@@ -60,7 +60,15 @@ def _one_replica(engine: ReplicaEngine, replica_id: int, alive: bool, num_routed
                         num_preemptions=engine.metrics.num_preemptions, num_routed=num_routed,
                         external_prefix_queries_tokens=engine.metrics.external_prefix_cache["external_prefix_cache_queries"],
                         external_prefix_hits_tokens=engine.metrics.external_prefix_cache["external_prefix_cache_hits"],
-                        running_lora_adapters=running_loras, waiting_lora_adapters=waiting_loras)
+                        running_lora_adapters=running_loras, waiting_lora_adapters=waiting_loras,
+                        **_spec_counters(engine.metrics))
+
+
+def _spec_counters(metrics: Any) -> dict[str, Any]:
+    """A collector's speculative-decoding totals as :class:`ReplicaStats` fields (zeros without speculation)."""
+    return {"spec_num_drafts": metrics.spec["num_spec_reqs"], "spec_num_draft_tokens": metrics.spec["num_draft_tokens"],
+            "spec_num_accepted_tokens": metrics.spec["num_accepted_tokens"],
+            "spec_accepted_per_pos": [accepted for _, accepted in metrics.spec_positions]}
 
 
 def engine_facts(engine: EngineClient) -> EngineFacts:

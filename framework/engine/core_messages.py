@@ -69,6 +69,10 @@ class ReplicaStats(msgspec.Struct):
     num_routed: int = 0  # requests routed to the replica, total (in-process data parallel; the front counts its own)
     running_lora_adapters: list[str] = []  # names of the LoRA adapters of running requests, sorted (LoRA on)
     waiting_lora_adapters: list[str] = []  # names of the LoRA adapters of waiting requests, sorted (LoRA on)
+    spec_num_drafts: int = 0  # speculative decoding: verify steps of requests with drafts (vLLM's num_drafts), total
+    spec_num_draft_tokens: int = 0  # draft tokens (tree nodes) verified, total
+    spec_num_accepted_tokens: int = 0  # draft tokens accepted, total
+    spec_accepted_per_pos: list[int] = []  # per draft position (tree depth - 1): drafts accepted there, total
 
 
 class EngineFacts(msgspec.Struct):

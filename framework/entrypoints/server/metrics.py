@@ -41,6 +41,11 @@ class ServerMetrics:
       ``external_prefix_cache_queries_total`` / ``external_prefix_cache_hits_total`` (a KV connector's, tokens),
       ``prompt_tokens_total``, ``generation_tokens_total`` (tokens), ``num_preemptions_total``,
       ``request_success_total{finished_reason}`` (``stop``/``length``/``abort``);
+    * speculative decoding (vLLM's names): counters ``spec_decode_num_drafts_total`` (verify steps of requests
+      with drafts), ``spec_decode_num_draft_tokens_total`` (draft tokens or tree nodes verified),
+      ``spec_decode_num_accepted_tokens_total`` and ``spec_decode_num_accepted_tokens_per_pos_total{position}``
+      (accepted drafts at each draft position; for token trees ``position`` is the tree depth - 1, as vLLM
+      counts chain positions from 0);
     * histograms (seconds) ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
       ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
       ``request_time_per_output_token_seconds``;
@@ -92,6 +97,12 @@ class ServerMetrics:
         self.queue = histogram("request_queue_time_seconds", "Time waiting before first scheduled, s.", _E2E_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds", "Time per output token after the first, s.",
                               _ITL_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verify steps of requests with drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens (tree nodes) verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted per position (tree depth - 1).",
+                                             ["model_name", "position"], registry=self.registry)
         self._last: dict[int, ReplicaStats] = {}  # replica id -> its previous publication (counter deltas)
         self.max_loras = max_loras
         self.lora_info = None if max_loras is None else Gauge(
@@ -122,10 +133,18 @@ class ServerMetrics:
         for counter, field in ((self.generation_tokens, "num_generated_tokens"), (self.preemptions, "num_preemptions"),
                                (self.prefix_queries, "prefix_queries_tokens"), (self.prefix_hits, "prefix_hits_tokens"),
                                (self.external_queries, "external_prefix_queries_tokens"),
-                               (self.external_hits, "external_prefix_hits_tokens")):
+                               (self.external_hits, "external_prefix_hits_tokens"),
+                               (self.spec_drafts, "spec_num_drafts"), (self.spec_draft_tokens, "spec_num_draft_tokens"),
+                               (self.spec_accepted, "spec_num_accepted_tokens")):
             delta = getattr(stats, field) - (getattr(last, field) if last is not None else 0)
             if delta > 0:
                 counter.inc(delta)
+        before = last.spec_accepted_per_pos if last is not None else []
+        for pos, total in enumerate(stats.spec_accepted_per_pos):
+            series = self.spec_accepted_per_pos.labels(self.model_name, str(pos))  # exists at 0 once reached
+            delta = total - (before[pos] if pos < len(before) else 0)
+            if delta > 0:
+                series.inc(delta)
         self._last[stats.replica_id] = stats
         live = [s for s in self._last.values() if s.alive]
         self.running.set(sum(s.num_running_reqs for s in live))
