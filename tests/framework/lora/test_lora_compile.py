@@ -33,9 +33,25 @@ def test_compiled_lora_equals_peft_without_recompiles(adapters, oracle):
     assert stats.num_recompiles == 0 and stats.num_graphs == stats.num_graphs_warmup
 
 
-def test_the_lora_op_adds_nothing_outside_a_lora_step():
-    from framework.model_executor.lora_layers import lora_op
+def test_the_lora_op_contract():
+    """``servelab::lora`` passes ``torch.library.opcheck`` (schema, fake shapes, AOT dispatch) inside a LoRA step,
+    equals ``y + scale * x A^T B^T`` for the tokens with a slot, and adds nothing outside a step."""
+    from framework import registry
+    from framework.model_executor.forward_context import ForwardContext, forward_context
+    from framework.model_executor.lora_layers import LoRAStep, lora_op
 
+    torch.manual_seed(0)
     y, x = torch.randn(3, 5), torch.randn(3, 4)
-    out = lora_op(y, x, torch.ones(2, 2, 4), torch.ones(2, 5, 2))
+    a, b = torch.randn(2, 2, 4), torch.randn(2, 5, 2)
+    out = lora_op(y, x, a, b)
     assert torch.equal(out, y) and out.data_ptr() != y.data_ptr()
+    backend = registry.create("lora_backend", "bgmv")
+    scales = torch.tensor([0.5, 2.0])
+    step = LoRAStep(backend, backend.prepare(torch.tensor([1, -1, 0])), scales)
+    with forward_context(ForwardContext(None, None, [], lora=step)):
+        torch.library.opcheck(lora_op, (y, x, a, b))
+        out = lora_op(y, x, a, b)
+    expected = y.clone()
+    for token, slot in ((0, 1), (2, 0)):
+        expected[token] += scales[slot] * (x[token] @ a[slot].T @ b[slot].T)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
