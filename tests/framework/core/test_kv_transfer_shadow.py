@@ -126,3 +126,82 @@ def test_failed_loads_never_serve_a_prefix_hit(policy, seed, threshold):
     assert not pending and not sched.has_unfinished_requests()
     assert sched.kv_transfer.external_prefix_cache_hits > 0
     assert kv.num_free_blocks == kv.num_blocks
+
+
+class AsyncStoreConnector(StoreConnector):
+    """:class:`StoreConnector` whose loads are all asynchronous; a finished request's blocks are freed at once or
+    after a send (``delay_free``) at random; so is an abort while parked (cancelled, or held until the load lands)."""
+
+    name = "async_store"
+
+    def __init__(self, stored: set[tuple[int, ...]], rng: random.Random) -> None:
+        super().__init__(stored)
+        self.rng = rng
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)[0], True
+
+    def request_finished(self, request, block_ids):
+        return self.rng.random() < 0.5, None
+
+
+def _async_step(sched: Scheduler, shadow: ShadowCache, rng: random.Random, inflight: dict, cancelled: set) -> None:
+    """One step of a simulated worker whose loads land 0-3 steps after they start; a load writes its blocks only
+    when it lands (garbage before: a prefix hit on them would read it), unless its request was cancelled; delayed
+    sends finish at random."""
+    out = sched.schedule()
+    for block, request, i in out.kv_connector_metadata.loads:
+        inflight.setdefault(request.request_id, [rng.randint(0, 3), []])[1].append((block, request, i))
+        for pos in range(i * BS, (i + 1) * BS):
+            shadow.slots[block * BS + pos % BS] = (0, -1)
+    check_step(shadow, out)
+    recving, bad = set(), set()
+    for rid in list(inflight):
+        if rid in cancelled:  # the scheduler freed its blocks: the worker drops the load, writes nothing
+            del inflight[rid]
+            continue
+        inflight[rid][0] -= 1
+        if inflight[rid][0] >= 0:
+            continue
+        for block, request, i in inflight.pop(rid)[1]:
+            ok = rng.random() >= 0.2
+            bad |= set() if ok else {block}
+            fps = _fingerprints(request.all_token_ids, (i + 1) * BS)
+            for pos in range(i * BS, (i + 1) * BS):
+                shadow.slots[block * BS + pos % BS] = (0, fps[pos]) if ok else (0, -1)
+        recving.add(rid)
+    sending = {rid for rid in sched.kv_transfer.held if rid not in inflight and rng.random() < 0.5}
+    runner = fake_runner(out, lambda r: 7)
+    runner.kv_connector_output = KVConnectorOutput(invalid_block_ids=bad, finished_recving=recving or None,
+                                                   finished_sending=sending or None)
+    sched.update_from_output(out, runner)
+    failures = sched.faults.take()
+    sched.abort_requests(list(failures), failures)
+    parked = list(sched.kv_transfer.parked)
+    if parked and rng.random() < 0.1:  # the caller aborts a parked request
+        rid = rng.choice(parked)
+        sched.abort_requests([rid])
+        if rid not in sched.kv_transfer.held:
+            cancelled.add(rid)
+    sched.kv.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("seed", range(8))
+def test_asynchronous_loads_never_serve_a_prefix_hit_before_they_land(policy, seed):
+    rng = random.Random(seed)
+    requests, stored = _workload(rng, 12)
+    kv = PagedKVAllocator(40, BS, enable_prefix_caching=True)
+    sched = Scheduler(FCFSPolicy(), kv, StopChecker(tokenizer=None), max_num_seqs=4, max_num_batched_tokens=24,
+                      max_model_len=80, kv_transfer=KVTransfer(AsyncStoreConnector(stored, rng), policy))
+    shadow, inflight, cancelled = ShadowCache(BS), {}, set()
+    pending = list(requests)
+    for _ in range(600):
+        while pending and rng.random() < 0.5:
+            sched.add_request(pending.pop(0))
+        if not pending and not sched.has_unfinished_requests():
+            break
+        _async_step(sched, shadow, rng, inflight, cancelled)
+    assert not pending and not sched.has_unfinished_requests() and not sched.kv_transfers_in_flight
+    assert sched.kv_transfer.external_prefix_cache_hits > 0
+    assert kv.num_free_blocks == kv.num_blocks
