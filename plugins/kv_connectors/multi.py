@@ -6,7 +6,9 @@ order and the first non-zero answer wins (vLLM's rule, even when a later one wou
 told to load (``update_state_after_alloc``; the others get 0 tokens). Every connector saves what it saves on its
 own. Each step's metadata is one per connector; each worker side's events and load errors come back together
 (events tagged with the connector's index, so each scheduler side sees its own). At most one connector may hand
-back ``kv_transfer_params`` for a request (vLLM's rule).
+back ``kv_transfer_params`` for a request (vLLM's rule). A finished request whose blocks several connectors still
+send (``delay_free``) is reported ``finished_sending`` once all of them have (vLLM's ``extra_async_saves``: the
+scheduler side tells the worker sides how many more reports to wait for).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class MultiMetadata(KVConnectorMetadata):
     """One metadata per connector, in list order."""
 
     metas: list[KVConnectorMetadata] = field(default_factory=list)
+    # request id -> sends beyond the first still to come before its blocks may be freed (several connectors delayed)
+    extra_async_saves: dict[str, int] = field(default_factory=dict)
 
 
 class MultiConnector(KVConnector):
@@ -60,6 +64,7 @@ class MultiConnector(KVConnector):
                             **dict(entry.get("params") or {}))
             for entry in connectors]
         self._chosen: dict[str, int] = {}  # request id -> index of the connector its lookup chose
+        self._extra_async_saves: dict[str, int] = {}  # scheduler side: to send; worker side: sends still withheld
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
@@ -84,8 +89,12 @@ class MultiConnector(KVConnector):
             connector.update_state_after_alloc(request, block_ids, num_external_tokens if i == chosen else 0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MultiMetadata:
-        """Every connector's metadata, in order."""
-        return MultiMetadata(metas=[c.build_connector_meta(scheduler_output) for c in self.connectors])
+        """Every connector's metadata, in order, and the requests finished since the last step that several
+        connectors delay."""
+        meta = MultiMetadata(metas=[c.build_connector_meta(scheduler_output) for c in self.connectors],
+                             extra_async_saves=self._extra_async_saves)
+        self._extra_async_saves = {}
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Each connector gets the report with its own events (``(index, event)`` pairs, untagged here)."""
@@ -103,15 +112,17 @@ class MultiConnector(KVConnector):
             RuntimeError: two connectors hand back ``kv_transfer_params`` for the request (vLLM's rule).
         """
         self._chosen.pop(request.request_id, None)
-        delay, params = False, None
+        num_delayed, params = 0, None
         for connector in self.connectors:
             delay_one, params_one = connector.request_finished(request, block_ids)
-            delay = delay or delay_one
+            num_delayed += bool(delay_one)
             if params_one is not None:
                 if params is not None:
                     raise RuntimeError("kv_connector=multi: only one connector may return kv_transfer_params")
                 params = params_one
-        return delay, params
+        if num_delayed > 1:
+            self._extra_async_saves[request.request_id] = num_delayed - 1
+        return num_delayed > 0, params
 
     # ---- worker side ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor], backend: AttentionBackend) -> None:
@@ -122,6 +133,7 @@ class MultiConnector(KVConnector):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Bind each connector's own metadata."""
         super().bind_connector_metadata(connector_metadata)
+        self._extra_async_saves.update(connector_metadata.extra_async_saves)
         for connector, meta in zip(self.connectors, connector_metadata.metas, strict=True):
             connector.bind_connector_metadata(meta)
 
@@ -152,11 +164,19 @@ class MultiConnector(KVConnector):
             connector.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """The union of the connectors' finished transfers (None when none reports any)."""
+        """The union of the connectors' finished transfers (None when none reports any); a request several
+        connectors send is reported once the last of them reports it."""
         results = [connector.get_finished(finished_req_ids) for connector in self.connectors]
-        sending = [s for s, _ in results if s is not None]
+        sending: set[str] = set()
+        for one, _ in results:
+            for rid in one or ():
+                if self._extra_async_saves.get(rid, 0) > 0:  # another connector still sends it
+                    self._extra_async_saves[rid] -= 1
+                else:
+                    self._extra_async_saves.pop(rid, None)
+                    sending.add(rid)
         recving = [r for _, r in results if r is not None]
-        return (set().union(*sending) if sending else None), (set().union(*recving) if recving else None)
+        return (sending or None), (set().union(*recving) if recving else None)
 
     def get_kv_connector_kv_cache_events(self) -> list[tuple[int, Any]] | None:
         """Every connector's events, tagged with its index."""

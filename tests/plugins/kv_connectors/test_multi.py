@@ -24,9 +24,17 @@ class _Fixed(KVConnector):
 
     name = "fixed"
 
-    def __init__(self, role, block_size, kv_role="kv_both", tokens=0, **params):
+    def __init__(self, role, block_size, kv_role="kv_both", tokens=0, delay_free=False, **params):
         super().__init__(role, block_size, kv_role, **params)
         self.tokens, self.told, self.events = tokens, [], []
+        self.delay_free, self.sent = delay_free, set()  # sent: what get_finished reports as finished sending
+
+    def request_finished(self, request, block_ids):
+        return self.delay_free, None
+
+    def get_finished(self, finished_req_ids):
+        sent, self.sent = self.sent, set()
+        return sent or None, None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return self.tokens, False
@@ -119,3 +127,20 @@ def test_offload_then_shared_storage_exact(plain_outputs, tmp_path):
     assert conversations(fresh) == plain_outputs
     assert shared_loads
     assert_no_leak(fresh)
+
+
+def test_a_send_several_connectors_delay_is_finished_once_all_report_it():
+    with registry.registered(_FixedPlugin()):
+        params = [{"name": "fixed", "params": {"delay_free": True}}, {"name": "fixed", "params": {"delay_free": True}},
+                  {"name": "fixed"}]
+        sched, worker = (MultiConnector(role, BLOCK, connectors=params)
+                         for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER))
+    request = Request("r", list(range(3, 20)), SamplingParams(max_tokens=1))
+    assert sched.request_finished(request, [0, 1]) == (True, None)
+    meta = sched.build_connector_meta(None)
+    assert meta.extra_async_saves == {"r": 1} and sched.build_connector_meta(None).extra_async_saves == {}
+    worker.bind_connector_metadata(meta)
+    worker.connectors[0].sent = {"r"}
+    assert worker.get_finished({"r"}) == (None, None)  # the second connector still sends it
+    worker.connectors[1].sent = {"r"}
+    assert worker.get_finished(set()) == ({"r"}, None)
