@@ -25,7 +25,7 @@ _NOT_YET = "not supported with lora.enable=true yet (issue 59: multi-LoRA servin
 def lora_problems(config: EngineConfig) -> list[str]:
     """Why ``config`` cannot serve LoRA adapters (empty: it can, or LoRA is off); each problem names its fix.
 
-    Checked: one replica, ``executor=uniproc``, ``mp`` or ``sim``, no drafter, no quant method,
+    Checked: ``executor=uniproc``, ``mp`` or ``sim`` (each data-parallel replica its own), no drafter, no quant method,
     ``prepack_linears`` not ``on``, no insisted-on CUDA graphs, a KV allocator whose prefix cache is salted with the
     adapter (``paged``; ``contiguous`` shares nothing) or prefix caching off, and each ``lora.modules`` folder's
     ``adapter_config.json`` (rank within ``max_lora_rank``).
@@ -33,9 +33,6 @@ def lora_problems(config: EngineConfig) -> list[str]:
     if not config.enable_lora:
         return []
     rules = [
-        (config.data_parallel_size == 1, f"parallel.data_parallel_size={config.data_parallel_size} is {_NOT_YET} "
-         "offline or in one process; set parallel.data_parallel_size=1 (a server with server.engine_process=true "
-         "serves it: one engine-core process per replica)"),
         (config.executor in ("uniproc", "mp", "sim"), f"executor={config.executor} is {_NOT_YET}; use "
          "executor=uniproc, executor=mp for tensor parallelism, or executor=sim"),
         (config.drafter == "none", f"speculative decoding (spec_decode={config.drafter}) is {_NOT_YET}; "
