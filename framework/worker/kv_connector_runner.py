@@ -4,7 +4,8 @@ The model runner calls :meth:`KVConnectorRunner.start_step` after the step's swa
 the metadata, start the loads, wait for every layer's) and :meth:`KVConnectorRunner.end_step` after the forward
 (save every layer, wait for the saves, collect finished transfers and load errors), as vLLM V1's
 ``KVConnectorModelRunnerMixin`` does. Layer-by-layer overlap of loads and saves with the forward is not built: the
-layer hooks run for every layer before and after it.
+layer hooks run for every layer before and after it. While an asynchronous load or a delayed free is in flight the
+engine also sends steps that schedule nothing; they run both calls too (no forward), so ``get_finished`` is polled.
 """
 
 from __future__ import annotations
