@@ -119,3 +119,17 @@ def test_simulator_prices_the_latent_block():
     for latent, factor in ((True, 1), (False, 8)):
         config = EngineConfig(model="m", dtype="float32", block_size=ENGINE["block_size"], mla_latent_cache=latent)
         assert kv_cache_bytes_per_block(config, c, c.num_hidden_layers) == factor * latent_bytes_per_block("deepseek_v3")
+
+
+def test_kv_memory_experiment_reports_the_latent_formula():
+    """``experiments/engine/kv_memory_mla.py``: the backend's bytes equal the formula for the published dims."""
+    import sys
+
+    from helpers import REPO
+
+    sys.path.insert(0, str(REPO))
+    from experiments.engine import kv_memory_mla
+
+    results = kv_memory_mla.main([])
+    assert results == {"DeepSeek-V2-Lite": (576 * 2 * 27, 2 * 16 * 192 * 2 * 27),
+                       "DeepSeek-V3": (576 * 2 * 61, 2 * 128 * 192 * 2 * 61)}
