@@ -3,7 +3,8 @@ driver's admission check of each request's adapter (docs/lora.md).
 
 This slice of multi-LoRA serving (issue 59) runs offline, on one rank in the driver's process (``executor=uniproc``)
 or on tensor-parallel ranks (``executor=mp``: A and B sharded as vLLM shards them), eagerly or compiled
-(``engine.compile=true``: the LoRA term is an opaque op in the layer graphs), with unfused linears; every other
+(``engine.compile=true``: the LoRA term is an opaque op in the layer graphs), simulated (``executor=sim``: adapter
+loads and LoRA FLOPs in the step model), over data-parallel replicas, with unfused linears; every other
 combination is refused here with the setting that fixes it, before any weights load (``framework/engine/builder.py``,
 ``validate_plugins``).
 """
