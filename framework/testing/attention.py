@@ -2,7 +2,7 @@
 seeded random mixed batches — decodes first, then first-chunk prefills and later chunks with cached
 context — with GQA and blocks scattered through the pool; K/V land in the cache at ``slot_mapping``.
 Layers with the features a backend declares (sliding window, softcap, sinks) are checked on the same
-batches against transformers' semantics of each."""
+batches against transformers' semantics of each; MLA's latent cache on request (``latent=True``)."""
 
 from __future__ import annotations
 
@@ -73,20 +73,25 @@ def _batch(rng: random.Random) -> list[tuple[int, int]]:
 def check_attention_backend(backend_cls: type[AttentionBackend], num_batches: int = 20, seed: int = 0,
                             dtype: torch.dtype = torch.float32, device: str = "cpu", atol: float = 1e-4,
                             num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 8, block_size: int = 4,
-                            **params: Any) -> None:
+                            latent: bool = False, **params: Any) -> None:
     """Run ``num_batches`` random mixed batches through ``backend_cls(..., **params)`` and compare with
     :func:`reference_attention` (``atol`` absolute, float32 reference) on every layer of
     :func:`conformance_layers` (plain, and each feature the backend declares: window, softcap, sinks);
     the cached context is stored with the backend's own ``write_kv``; also checks each new token's K/V
     reads back at its ``slot_mapping`` slot through ``read_kv``, and that ``copy_blocks``
     (swap preemption) round-trips every block through a CPU cache under a block permutation unchanged.
+    ``latent=True`` checks MLA's latent cache instead (a backend declaring ``supports_latent_kv``): one layer
+    with ``latent_kv``, one KV head, and V equal to K (the bridge keeps the first ``value_head_size`` channels).
 
     Raises:
         AssertionError: naming the batch (``(context_len, query_len)`` per request) that differs.
     """
     dev = torch.device(device)
     scale = head_size ** -0.5
-    layers = conformance_layers(backend_cls, num_heads, num_kv_heads, head_size)
+    if latent:
+        num_kv_heads, layers = 1, [AttentionLayerSpec(num_heads, 1, head_size, head_size // 2, latent_kv=True)]
+    else:
+        layers = conformance_layers(backend_cls, num_heads, num_kv_heads, head_size)
     backend = backend_cls(num_heads, num_kv_heads, head_size, scale, block_size, dtype, dev, layers=layers, **params)
     sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(dev)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
@@ -100,7 +105,7 @@ def check_attention_backend(backend_cls: type[AttentionBackend], num_batches: in
         for c, q in spec:
             table = [free.pop() for _ in range(-(-(c + q) // block_size))]
             k_all = torch.randn(c + q, num_kv_heads, head_size, generator=gen).to(dtype)
-            v_all = torch.randn(c + q, num_kv_heads, head_size, generator=gen).to(dtype)
+            v_all = k_all if latent else torch.randn(c + q, num_kv_heads, head_size, generator=gen).to(dtype)
             ctx_slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(c)],
                                      dtype=torch.long, device=dev)
             backend.write_kv(cache, k_all[:c].to(dev), v_all[:c].to(dev), ctx_slots)  # cached context, its layout

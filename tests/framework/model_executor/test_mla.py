@@ -133,3 +133,12 @@ def test_kv_memory_experiment_reports_the_latent_formula():
     results = kv_memory_mla.main([])
     assert results == {"DeepSeek-V2-Lite": (576 * 2 * 27, 2 * 16 * 192 * 2 * 27),
                        "DeepSeek-V3": (576 * 2 * 61, 2 * 128 * 192 * 2 * 61)}
+
+
+@pytest.mark.parametrize("name", ["torch", "torch_paged"])
+def test_latent_backends_pass_the_conformance_suite(name):
+    """``servelab.testing``'s suite with ``latent=True``: random mixed batches equal naive attention with V = K."""
+    from framework.testing.attention import check_attention_backend
+
+    params = {"compile": False} if name == "torch_paged" else {}
+    check_attention_backend(registry.get_class("attention", name), num_batches=8, head_size=12, latent=True, **params)
