@@ -51,6 +51,7 @@ from framework.engine.llm_engine import LLMEngine
 from framework.engine.lora_support import lora_problems, resolve_lora_defaults
 from framework.engine.spec_tree_support import acceptance_label, apply_acceptance, tree_problems
 from framework.interfaces import AttentionLayerSpec, Drafter, Executor
+from framework.interfaces.attention import latent_kv_problems
 from framework.metrics.collector import MetricsCollector
 from framework.model_executor.embeddings import load_embeddings
 from framework.model_executor.model_families import attention_layers, family_of
@@ -272,7 +273,7 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
                      attention_layers=layers)
     problems = registry.get_class("attention", config.attention).validate_model(layers, config)
     if config.tensor_parallel_size > 1 and not problems:
-        problems = tensor_parallel_problems(config, mc, spec)
+        problems = tensor_parallel_problems(config, mc, spec) or latent_kv_problems(layers, config, tensor_parallel=True)
     if problems:
         capable = backends_that_can_run(layers, config)
         if capable:
