@@ -65,6 +65,14 @@ def num_groups(name: str, in_features: int, group_size: int) -> int:
     return in_features // group_size
 
 
+def group_size_problems(method: str, group: Any) -> list[str]:
+    """``quantization_config.group_size`` must be -1 (one group per row) or a positive integer; the problem
+    names ``method`` (the format) otherwise."""
+    if isinstance(group, int) and (group > 0 or group == -1):
+        return []
+    return [f"{method}: quantization_config.group_size={group!r}; expected -1 or a positive integer"]
+
+
 class CheckpointQuantMethod(QuantMethod):
     """Base of the pre-quantized checkpoint loaders. Subclasses set ``checkpoint_format`` and ``marker`` (the
     tensor suffix that marks a quantized layer) and implement :meth:`config_problems` and :meth:`unpack`."""

@@ -22,7 +22,7 @@ import torch
 from framework import hookimpl
 from framework.hookspecs import Register
 from framework.model_executor.quantized_checkpoint import CheckpointTensors
-from plugins.quant._checkpoint import CheckpointQuantMethod, expect, num_groups
+from plugins.quant._checkpoint import CheckpointQuantMethod, expect, group_size_problems, num_groups
 from plugins.quant._checkpoint_linears import IntWeights
 from plugins.quant._packing import awq_unpack
 
@@ -45,9 +45,7 @@ class AWQ(CheckpointQuantMethod):
             problems.append(f"awq: quantization_config.version={version!r}; only the GEMM packing loads")
         if not qc.get("zero_point", True):
             problems.append("awq: quantization_config.zero_point=false is not loaded; only zero-point AWQ")
-        group = qc.get("group_size", qc.get("q_group_size", 128))
-        if not isinstance(group, int) or (group <= 0 and group != -1):
-            problems.append(f"awq: quantization_config.group_size={group!r}; expected -1 or a positive integer")
+        problems += group_size_problems("awq", qc.get("group_size", qc.get("q_group_size", 128)))
         return problems
 
     def unpack(self, tensors: CheckpointTensors, qc: dict[str, Any], name: str, linear: torch.nn.Linear,

@@ -26,7 +26,7 @@ import torch
 from framework import hookimpl
 from framework.hookspecs import Register
 from framework.model_executor.quantized_checkpoint import CheckpointTensors
-from plugins.quant._checkpoint import CheckpointQuantMethod, expect, num_groups
+from plugins.quant._checkpoint import CheckpointQuantMethod, expect, group_size_problems, num_groups
 from plugins.quant._checkpoint_linears import IntWeights
 from plugins.quant._packing import unpack_int32
 
@@ -45,9 +45,7 @@ class GPTQ(CheckpointQuantMethod):
         problems = []
         if qc.get("bits") not in (4, 8):
             problems.append(f"gptq: quantization_config.bits={qc.get('bits')!r}; only 4 and 8 bits load")
-        group = qc.get("group_size", -1)
-        if not isinstance(group, int) or (group <= 0 and group != -1):
-            problems.append(f"gptq: quantization_config.group_size={group!r}; expected -1 or a positive integer")
+        problems += group_size_problems("gptq", qc.get("group_size", -1))
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt not in FORMATS:
             problems.append(f"gptq: quantization_config.checkpoint_format={fmt!r} (e.g. marlin) is not loaded; "
