@@ -64,7 +64,7 @@ class MemoryConnector(KVConnector):
             self.backend.copy_blocks(self.store[key], [0], self.caches, [block])
 
     def wait_for_layer_load(self, layer_idx):
-        pass
+        pass  # loads finish inside start_load_kv: nothing to wait for
 
     def save_kv_layer(self, layer_idx, kv_layer, **kwargs):
         for block, key in self.connector_metadata().saves:
@@ -73,7 +73,7 @@ class MemoryConnector(KVConnector):
             self.backend.copy_blocks([kv_layer], [block], [layers[layer_idx]], [0])
 
     def wait_for_save(self):
-        pass
+        pass  # saves finish inside save_kv_layer: nothing to wait for
 
 
 @pytest.fixture

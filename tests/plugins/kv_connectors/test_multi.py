@@ -49,16 +49,16 @@ class _Fixed(KVConnector):
         self.events.append(connector_output.kv_cache_events)
 
     def start_load_kv(self, **kwargs):
-        pass
+        pass  # a scheduler-side double: its worker side moves no K/V
 
     def wait_for_layer_load(self, layer_idx):
-        pass
+        pass  # no load to wait for
 
     def save_kv_layer(self, layer_idx, kv_layer, **kwargs):
-        pass
+        pass  # it records scheduler-side events only: nothing to save
 
     def wait_for_save(self):
-        pass
+        pass  # no save to wait for
 
 
 class _FixedPlugin:
