@@ -15,7 +15,10 @@ LORA_FIELDS = {"enable": "enable_lora", "max_loras": "max_loras", "max_lora_rank
 KV_TRANSFER_FIELDS = {"role": "kv_role", "load_failure_policy": "kv_load_failure_policy"}
 COMPILE_MODES = ("auto", "true", "false")
 #: fields set from the ``parallel:`` section of the Hydra config (not ``engine.*``)
-PARALLEL_FIELDS = ("tensor_parallel_size", "data_parallel_size", "num_threads_per_rank", "communicator")
+PARALLEL_FIELDS = ("tensor_parallel_size", "data_parallel_size", "num_threads_per_rank", "communicator",
+                   "pipeline_parallel_size", "enable_expert_parallel")
+#: fields set from the ``disagg:`` section (config key -> EngineConfig field): prefill/decode disaggregation
+DISAGG_FIELDS = {"prefill_replicas": "disagg_prefill_replicas"}
 COMMUNICATORS = ("auto", "shm", "torch_distributed")
 
 
@@ -48,6 +51,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks the model is sharded over (torch.distributed: gloo on CPU, NCCL on CUDA)
     data_parallel_size: int = 1  # engine replicas behind one front (each with its own scheduler, KV cache, executor)
     router: str = "least_loaded"  # which replica serves a request (data_parallel_size > 1): a router plugin name
+    # stages the layers are split over (GPipe-style); priced by executor=sim (docs/simulator.md), the real executors run 1
+    pipeline_parallel_size: int = 1
+    # MoE experts partitioned over the tensor-parallel ranks (all-to-all dispatch) instead of sharded; executor=sim prices it
+    enable_expert_parallel: bool = False
+    # P/D disaggregation: of the data_parallel_size replicas, this many prefill (0: colocated); docs/simulator.md
+    disagg_prefill_replicas: int = 0
     router_params: dict[str, Any] = field(default_factory=dict)
     # multi-LoRA serving (docs/lora.md; vLLM's --enable-lora --max-loras --max-lora-rank --max-cpu-loras --lora-modules)
     enable_lora: bool = False  # requests may carry a LoRARequest; target linears get LoRA slots
@@ -142,6 +151,15 @@ class EngineConfig:
             (str(self.compile) in COMPILE_MODES, f"compile must be auto, true or false, got {self.compile!r}"),
             (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
             (self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}"),
+            (self.pipeline_parallel_size >= 1,
+             f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"),
+            (self.executor == "sim" or (self.pipeline_parallel_size == 1 and not self.enable_expert_parallel
+                                        and self.disagg_prefill_replicas == 0),
+             "parallel.pipeline_parallel_size > 1, parallel.enable_expert_parallel and disagg.prefill_replicas are "
+             "priced by executor=sim only (docs/simulator.md); the real executors run tensor and data parallelism"),
+            (self.disagg_prefill_replicas == 0 or 0 < self.disagg_prefill_replicas < self.data_parallel_size,
+             f"disagg.prefill_replicas must be 0 (colocated) or in [1, data_parallel_size - 1] (the rest decode), "
+             f"got {self.disagg_prefill_replicas} with data_parallel_size={self.data_parallel_size}"),
             (self.watchdog_timeout_s > 0, f"watchdog_timeout_s must be > 0 seconds, got {self.watchdog_timeout_s}"),
             (self.num_threads_per_rank >= 0,
              f"num_threads_per_rank must be >= 0 (0: cores / tensor_parallel_size), got {self.num_threads_per_rank}"),

@@ -17,7 +17,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from framework import registry
-from framework.config import KV_TRANSFER_FIELDS, LORA_FIELDS, PARALLEL_FIELDS, PLUGIN_FIELDS, EngineConfig
+from framework.config import (
+    DISAGG_FIELDS,
+    KV_TRANSFER_FIELDS,
+    LORA_FIELDS,
+    PARALLEL_FIELDS,
+    PLUGIN_FIELDS,
+    EngineConfig,
+)
 from framework.core.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +32,7 @@ CONF_DIR = REPO_ROOT / "conf"
 # engine.* keys map 1:1 onto EngineConfig fields; these come from other parts of the config
 _NON_ENGINE_FIELDS = {"model", "dtype", "device", "tokenizer", "seed"} | set(PLUGIN_FIELDS) | {
     f"{kind}_params" for kind in PLUGIN_FIELDS} | set(PARALLEL_FIELDS) | set(LORA_FIELDS.values()) | set(
-    KV_TRANSFER_FIELDS.values())
+    KV_TRANSFER_FIELDS.values()) | set(DISAGG_FIELDS.values())
 
 
 def _repo_path(relative: str = "") -> str:
@@ -79,15 +86,18 @@ def engine_config_from_cfg(cfg: DictConfig) -> EngineConfig:
     parallel = _plain(cfg.get("parallel")) or {}
     lora = _plain(cfg.get("lora")) or {}
     kv_transfer = _plain(cfg.get("kv_transfer")) or {}
+    disagg = _plain(cfg.get("disagg")) or {}
     for section, keys, allowed in (("engine", engine, valid), ("parallel", parallel, set(PARALLEL_FIELDS)),
-                                   ("lora", lora, set(LORA_FIELDS)), ("kv_transfer", kv_transfer, set(KV_TRANSFER_FIELDS))):
+                                   ("lora", lora, set(LORA_FIELDS)), ("kv_transfer", kv_transfer, set(KV_TRANSFER_FIELDS)),
+                                   ("disagg", disagg, set(DISAGG_FIELDS))):
         unknown = sorted(set(keys) - allowed)
         if unknown:
             raise ValueError(f"unknown {section} keys {unknown}; valid: {', '.join(sorted(allowed))}")
     kwargs: dict[str, Any] = dict(engine, **parallel, model=cfg.model.path, dtype=cfg.model.dtype,
                                   tokenizer=cfg.model.get("tokenizer"), device=cfg.get("device", "cpu"),
                                   seed=cfg.get("seed", 0), **{LORA_FIELDS[k]: v for k, v in lora.items()},
-                                  **{KV_TRANSFER_FIELDS[k]: v for k, v in kv_transfer.items()})
+                                  **{KV_TRANSFER_FIELDS[k]: v for k, v in kv_transfer.items()},
+                                  **{DISAGG_FIELDS[k]: v for k, v in disagg.items()})
     for kind in PLUGIN_FIELDS:
         node = cfg.get(registry.KINDS[kind][2])
         if node is None:  # a config composed without this group (older saved runs): the default
