@@ -26,18 +26,22 @@ _NOT_YET = "not supported with lora.enable=true yet (issue 59: multi-LoRA servin
 def lora_problems(config: EngineConfig) -> list[str]:
     """Why ``config`` cannot serve LoRA adapters (empty: it can, or LoRA is off); each problem names its fix.
 
-    Checked: ``executor=uniproc``, ``mp`` or ``sim`` (each data-parallel replica its own), no drafter, no quant method,
+    Checked: ``executor=uniproc``, ``mp`` or ``sim`` (each data-parallel replica its own), no quant method,
     ``prepack_linears`` not ``on``, no insisted-on CUDA graphs, a KV allocator whose prefix cache is salted with the
     adapter (``paged``; ``contiguous`` shares nothing) or prefix caching off, and each ``lora.modules`` folder's
     ``adapter_config.json`` (rank within ``max_lora_rank``).
+
+    Any drafter is accepted: drafts are only proposals, and the target verifies them in a forward that applies
+    each request's adapter (vLLM's rule for LoRA with speculative decoding), so greedy outputs equal the adapter's
+    own. ``ngram`` reads tokens only; ``draft_model`` proposes with its base draft model (no adapter); ``eagle`` and
+    ``medusa`` read the target's hidden states, which carry the adapter, through heads trained on the base model,
+    so they accept less under an adapter that moves them far.
     """
     if not config.enable_lora:
         return []
     rules = [
         (config.executor in ("uniproc", "mp", "sim"), f"executor={config.executor} is {_NOT_YET}; use "
          "executor=uniproc, executor=mp for tensor parallelism, or executor=sim"),
-        (config.drafter == "none", f"speculative decoding (spec_decode={config.drafter}) is {_NOT_YET}; "
-         "use spec_decode=none"),
         (config.quant == "none", f"a quantized base (quant={config.quant}) is {_NOT_YET}; use quant=none"),
         (config.prepack_linears != "on", f"engine.prepack_linears=on is {_NOT_YET}: it fuses q/k/v and gate/up, "
          "which LoRA adapts one by one; use engine.prepack_linears=auto or off"),

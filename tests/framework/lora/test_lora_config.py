@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import STORIES
+from helpers import STORIES, STORIES_DRAFT, STORIES_EAGLE
 from hydra import compose, initialize_config_dir
 
 from framework.config import EngineConfig
@@ -49,7 +49,6 @@ def test_knob_ranges():
 
 @pytest.mark.parametrize("overrides, fix", [
     ({"executor": "ray"}, "use executor=uniproc"),
-    ({"drafter": "ngram"}, "use spec_decode=none"),
     ({"quant": "int8_wo"}, "use quant=none"),
     ({"prepack_linears": "on"}, "use engine.prepack_linears=auto or off"),
     ({"kv_allocator": "radix"}, "use kv_cache=paged"),
@@ -59,6 +58,14 @@ def test_combinations_outside_the_slice_are_refused_before_weights_load(override
     with pytest.raises(ValueError, match="issue 59") as info:
         validate_plugins(config)
     assert fix in str(info.value)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle"])
+def test_speculative_decoding_is_accepted_with_lora(drafter):
+    """Drafts are only proposals: the target verifies them under each request's adapter (test_lora_spec_decode)."""
+    params = {"draft_model": {"model": STORIES_DRAFT}, "eagle": {"model": STORIES_EAGLE}}.get(drafter, {})
+    validate_plugins(EngineConfig(model=STORIES, dtype="float32", enable_lora=True, drafter=drafter,
+                                  drafter_params=params))  # raises on a refusal
 
 
 def test_a_bad_lora_module_folder_is_refused_at_build_time(tmp_path):
