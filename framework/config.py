@@ -12,11 +12,12 @@ LORA_FIELDS = {"enable": "enable_lora", "max_loras": "max_loras", "max_lora_rank
                "max_cpu_loras": "max_cpu_loras", "modules": "lora_modules",
                "allow_runtime_updates": "allow_runtime_lora_updates"}
 #: fields set from the ``kv_transfer:`` section (config key -> EngineConfig field; vLLM's KVTransferConfig names)
-KV_TRANSFER_FIELDS = {"role": "kv_role", "load_failure_policy": "kv_load_failure_policy"}
+KV_TRANSFER_FIELDS = {"role": "kv_role", "load_failure_policy": "kv_load_failure_policy",
+                      "params": "kv_transfer_link_params"}
 COMPILE_MODES = ("auto", "true", "false")
 #: fields set from the ``parallel:`` section of the Hydra config (not ``engine.*``)
 PARALLEL_FIELDS = ("tensor_parallel_size", "data_parallel_size", "num_threads_per_rank", "communicator",
-                   "pipeline_parallel_size", "enable_expert_parallel")
+                   "pipeline_parallel_size", "enable_expert_parallel", "pp_layer_partition")
 #: fields set from the ``disagg:`` section (config key -> EngineConfig field): prefill/decode disaggregation
 DISAGG_FIELDS = {"prefill_replicas": "disagg_prefill_replicas"}
 COMMUNICATORS = ("auto", "shm", "torch_distributed")
@@ -53,6 +54,8 @@ class EngineConfig:
     router: str = "least_loaded"  # which replica serves a request (data_parallel_size > 1): a router plugin name
     # stages the layers are split over (GPipe-style); priced by executor=sim (docs/simulator.md), the real executors run 1
     pipeline_parallel_size: int = 1
+    # layers per pipeline stage, e.g. "3,2" (vLLM's VLLM_PP_LAYER_PARTITION); "" = vLLM's get_pp_indices split
+    pp_layer_partition: str = ""
     # MoE experts partitioned over the tensor-parallel ranks (all-to-all dispatch) instead of sharded; executor=sim prices it
     enable_expert_parallel: bool = False
     # P/D disaggregation: of the data_parallel_size replicas, this many prefill (0: colocated); docs/simulator.md
@@ -74,6 +77,8 @@ class EngineConfig:
     kv_connector_params: dict[str, Any] = field(default_factory=dict)
     kv_role: str = "kv_both"  # kv_producer (stores KV) | kv_consumer (loads KV) | kv_both
     kv_load_failure_policy: str = "recompute"  # a block that fails to load: recompute its tokens | fail the request
+    # the P/D transfer link as executor=sim prices it (kv_transfer.params: bandwidth_gbps, latency_s; docs/simulator.md)
+    kv_transfer_link_params: dict[str, Any] = field(default_factory=dict)
     num_threads_per_rank: int = 0  # torch threads per rank; 0 = cores / tensor_parallel_size (at most $OMP_NUM_THREADS) in worker processes (uniproc: unchanged)
     # TP collectives: shm (shared memory, CPU ranks on one host) | torch_distributed (gloo / NCCL) | auto (shm where it can)
     communicator: str = "auto"
@@ -115,7 +120,7 @@ class EngineConfig:
         if self.executor == "auto":  # as vLLM's ParallelConfig: one rank in-process, several in processes; CPU
             # data-parallel replicas in one process (offline LLM) put their ranks in worker processes pinned to
             # disjoint cores, so that the replicas compute at once (framework/engine/data_parallel.py)
-            one_process = self.tensor_parallel_size == 1 and (self.data_parallel_size == 1
+            one_process = self.tensor_parallel_size * self.pipeline_parallel_size == 1 and (self.data_parallel_size == 1
                                                               or not self.device.startswith("cpu"))
             self.executor = "uniproc" if one_process else "mp"
         self.validate()
@@ -153,10 +158,12 @@ class EngineConfig:
             (self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}"),
             (self.pipeline_parallel_size >= 1,
              f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"),
-            (self.executor == "sim" or (self.pipeline_parallel_size == 1 and not self.enable_expert_parallel
-                                        and self.disagg_prefill_replicas == 0),
-             "parallel.pipeline_parallel_size > 1, parallel.enable_expert_parallel and disagg.prefill_replicas are "
-             "priced by executor=sim only (docs/simulator.md); the real executors run tensor and data parallelism"),
+            (self.executor == "sim" or (not self.enable_expert_parallel and self.disagg_prefill_replicas == 0),
+             "parallel.enable_expert_parallel and disagg.prefill_replicas are priced by executor=sim only "
+             "(docs/simulator.md); the real executors run tensor, pipeline and data parallelism"),
+            (self.pipeline_parallel_size == 1 or self.executor in ("sim", "mp", "ray"),
+             f"parallel.pipeline_parallel_size={self.pipeline_parallel_size} runs its stages in worker processes: "
+             f"use executor=mp (or ray, or auto), not executor={self.executor}"),
             (self.disagg_prefill_replicas == 0 or 0 < self.disagg_prefill_replicas < self.data_parallel_size,
              f"disagg.prefill_replicas must be 0 (colocated) or in [1, data_parallel_size - 1] (the rest decode), "
              f"got {self.disagg_prefill_replicas} with data_parallel_size={self.data_parallel_size}"),
