@@ -8,6 +8,7 @@ plus subcommands.
     servelab eval [overrides]                      == python run.py mode=eval [overrides] (lm-eval scores)
     servelab profile [overrides] [--out FILE]      step times of the model on this device -> a profile for executor=sim
     servelab rerun RUN_DIR [key=value ...]         == python run.py --config-path RUN_DIR/.hydra --config-name config
+    servelab proxy --prefill URL --decode URL      P/D: prefill on one server, decode on another (vLLM's toy proxy)
 
 ``--config-path`` (not ``--config-dir``): Hydra searches ``--config-dir`` *after* the app's own
 ``conf/``, whose ``config.yaml`` would then win; ``--config-path`` replaces the primary dir. The
@@ -20,7 +21,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("results", "plugins", "models", "serve", "eval", "rerun", "profile")
+SUBCOMMANDS = ("results", "plugins", "models", "serve", "eval", "rerun", "profile", "proxy")
 
 
 def _run_hydra(argv: list[str]) -> None:
@@ -70,6 +71,15 @@ def main(argv: list[str] | None = None) -> int | None:
         from framework.entrypoints.profile import main as profile_main
 
         return profile_main(argv[1:])
+    if command == "proxy":
+        try:
+            from framework.entrypoints.proxy import main as proxy_main
+        except ImportError as exc:
+            print(f"servelab proxy needs the serve extra ({exc}): pip install -e '.[serve]' 'torch==2.13.0'",
+                  file=sys.stderr)
+            return 2
+
+        return proxy_main(argv[1:])
     if command in ("serve", "eval"):  # mode last: Hydra's argparse takes no override before ``-m``
         return _run_hydra([*argv[1:], f"mode={command}"])
     if command == "rerun":

@@ -8,7 +8,9 @@ model or a LoRA adapter (``served_models.py``). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``: malformed JSON / wrong-typed or unknown field
 -> 400, unknown model -> 404 (vLLM's body: type ``NotFoundError``, code 404), missing/wrong bearer token on ``/v1/*`` (when an API key is set) ->
 401, a plugin or the detokenizer failed on the request (``RequestOutput.internal_error``) -> 500,
-engine shut down or dead -> 503. A streaming client that disconnects aborts its requests.
+engine shut down or dead -> 503. A streaming client that disconnects aborts its requests. Both completion
+routes take vLLM's ``kv_transfer_params`` (``SamplingParams.kv_transfer_params``) and a non-streamed response carries
+the KV connector's answer in its top-level ``kv_transfer_params`` (P/D serving: docs/kv_transfer.md).
 """
 
 from __future__ import annotations
@@ -186,6 +188,13 @@ async def _stream(state: ServerState, jobs: list[EngineJob], rid: str, obj: str,
     yield _sse("[DONE]")
 
 
+def _with_kv_transfer(body: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
+    """``body`` plus vLLM's top-level ``kv_transfer_params``: what the KV connector returned for the first prompt
+    (a P/D prefill's handle that its decode request sends back), ``None`` when it returned nothing."""
+    body["kv_transfer_params"] = outs[0].kv_transfer_params if outs else None
+    return body
+
+
 def _check_auth(request: Request) -> None:
     state: ServerState = request.app.state.servelab
     if state.api_key is None:
@@ -257,8 +266,9 @@ def _add_completions(router: APIRouter, state: ServerState) -> None:
                                         model=model))
         outs = await _final(state, jobs, raw)
         body = [c for j, o in zip(jobs, outs) for c in choices.final(j, o)]
-        return R.envelope(rid, "text_completion", model, sorted(body, key=lambda c: c["index"]),
-                          R.usage(num_prompt, sum(choices.num_completion_tokens(o) for o in outs)))
+        return _with_kv_transfer(R.envelope(rid, "text_completion", model, sorted(body, key=lambda c: c["index"]),
+                                            R.usage(num_prompt, sum(choices.num_completion_tokens(o) for o in outs))),
+                                 outs)
 
 
 def _add_chat_completions(router: APIRouter, state: ServerState) -> None:
@@ -297,8 +307,8 @@ def _add_chat_completions(router: APIRouter, state: ServerState) -> None:
                                         model=model))
         outs = await _final(state, jobs, raw)
         choices = [R.chat_choice(c.index, c, logprobs(c, jobs[0].prompt_token_ids[-1])) for c in outs[0].outputs]
-        return R.envelope(rid, "chat.completion", model, choices,
-                          R.usage(len(ids), sum(len(c.token_ids) for c in outs[0].outputs)))
+        return _with_kv_transfer(R.envelope(rid, "chat.completion", model, choices,
+                                            R.usage(len(ids), sum(len(c.token_ids) for c in outs[0].outputs))), outs)
 
 
 def build_app(state: ServerState) -> FastAPI:

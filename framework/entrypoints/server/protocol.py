@@ -2,8 +2,8 @@
 
 Field names and defaults follow the OpenAI API and vLLM's extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``priority``, ``min_tokens``, ``stop_token_ids``,
-``structured_outputs``). Models are strict (``"5"`` is not an int) and forbid unknown fields, so
-a wrong-typed or unsupported field is an HTTP 400 naming it instead of being silently ignored.
+``structured_outputs``, ``kv_transfer_params``). Models are strict (``"5"`` is not an int) and forbid unknown
+fields, so a wrong-typed or unsupported field is an HTTP 400 naming it instead of being silently ignored.
 Responses are plain dicts built in :mod:`framework.entrypoints.server.app` (their shapes are documented there).
 """
 
@@ -46,6 +46,9 @@ class _SamplingFields(BaseModel):
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: dict[str, Any] | None = None  # vLLM extension: {"json"|"regex"|"choice"|"grammar": ...}
     user: str | None = None  # accepted and ignored (OpenAI end-user id)
+    # vLLM extension (P/D disaggregation): what the KV connector reads for this request, e.g. the toy proxy's
+    # {"do_remote_decode": true} on a prefill, or a prefill response's kv_transfer_params on its decode
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):

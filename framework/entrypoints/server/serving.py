@@ -205,7 +205,7 @@ def build_jobs(state: ServerState, req: CompletionRequest | ChatCompletionReques
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                 max_tokens=cap, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
-                output_kind=kind, structured_outputs=structured)
+                output_kind=kind, structured_outputs=structured, kv_transfer_params=req.kv_transfer_params)
             if params.seed is not None:  # the engine seeds sequence i with seed + i: check the last one too
                 dataclasses.replace(params, seed=params.seed + params.n - 1)
         except ValueError as exc:
