@@ -17,6 +17,7 @@ rather than measured.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from framework.config import EngineConfig
@@ -52,10 +53,12 @@ def kv_element_bytes(config: EngineConfig) -> tuple[int, int]:
 def kv_cache_bytes_per_block(config: EngineConfig, hf_config: Any, layers_per_block: int) -> int:
     """Bytes of one KV block on one rank: ``2 * layers_per_block * block_size * kv_heads_per_rank *
     (head_size * element_bytes + scale_bytes)`` (what ``AttentionBackend.kv_cache_bytes_per_block`` gives
-    for the ``torch`` and ``torch_paged`` layouts, quantized or not); MLA's latent cache has no V (1, not 2)."""
+    for the ``torch`` and ``torch_paged`` layouts, quantized or not); MLA's latent cache has no V (1, not 2). With
+    ``pipeline_parallel_size = k`` a rank holds the busiest stage's ``ceil(layers_per_block / k)`` layers."""
     layers = rank_attention_layers(hf_config, config.tensor_parallel_size, config.mla_latent_cache)
     element, extra = kv_element_bytes(config)
     head_size = max(layer.cache_head_size for layer in layers)
+    layers_per_block = math.ceil(layers_per_block / config.pipeline_parallel_size)  # a stage caches its layers only
     return (1 if layers[0].latent_kv else 2) * layers_per_block * config.block_size * layers[0].num_kv_heads * (head_size * element + extra)
 
 
@@ -82,12 +85,13 @@ def parameter_counts(hf_config: Any) -> dict[str, int]:
 
 def weight_bytes_per_rank(config: EngineConfig, hf_config: Any) -> int:
     """A rank's weights: attention and MLP at the quant method's bytes per weight, embedding and LM head in
-    the model dtype (quant methods leave them alone), all split over the tensor-parallel ranks."""
+    the model dtype (quant methods leave them alone), all split over the tensor-parallel ranks and the pipeline
+    stages (an even split: the embedding and LM head counted as if spread over the stages)."""
     counts = parameter_counts(hf_config)
     dtype_bytes = DTYPE_BYTES[config.dtype]
     linear = QUANT_WEIGHT_BYTES.get(config.quant) or dtype_bytes
     total = (counts["attention"] + counts["mlp"]) * linear + (counts["embedding"] + counts["lm_head"]) * dtype_bytes
-    return int(total / config.tensor_parallel_size)
+    return int(total / config.tensor_parallel_size / config.pipeline_parallel_size)
 
 
 def activation_bytes(config: EngineConfig, hf_config: Any) -> int:

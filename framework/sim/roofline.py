@@ -10,6 +10,8 @@ Yuan et al. 2024, and Vidur's analytic fallbacks do the same):
   causal prefill pairs, the keys' K and V read once per step;
 * tensor parallelism: two all-reduces per layer of ``tokens * hidden`` activations (a ring moves
   ``2 (tp - 1) / tp`` of them over the device's link) plus a fixed latency each;
+* pipeline parallelism: GPipe's schedule over the busiest stage, plus stage hand-offs; expert parallelism: the
+  all-to-all bytes of every MoE layer and the busiest rank's expert load (``framework.sim.parallel_cost``);
 * swap preemption: the copied blocks over the host link;
 * a fixed host cost per step and per request, and a launch cost per layer (assumed, not measured).
 
@@ -26,6 +28,7 @@ from typing import Any
 from framework.config import EngineConfig
 from framework.sim.features import StepFeatures
 from framework.sim.memory import DTYPE_BYTES, QUANT_WEIGHT_BYTES, kv_element_bytes, parameter_counts
+from framework.sim.parallel_cost import ParallelPlan, all_to_all_bytes, stage_layers
 from framework.sim.predictor import StepTime, StepTimePredictor
 from framework.sim.profile import StepProfile, model_shape_hash
 
@@ -106,16 +109,52 @@ class RooflineStepModel(StepTimePredictor):
         self.experts_fraction_per_token = counts["mlp_active_per_token"] / counts["mlp"] if self.is_moe else 1.0
         self.mlp_bytes = counts["mlp"] / self.tp * weight_bytes
         self.head_params = hf_config.vocab_size * self.hidden / self.tp
+        # pipeline and expert parallelism (framework.sim.parallel_cost)
+        self.num_experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0
+        self.top_k = getattr(hf_config, "num_experts_per_tok", 1) if self.num_experts else 1
+        self.plan = ParallelPlan.from_config(config, self.num_experts)
+        self.attention_params, self.mlp_params = counts["attention"], counts["mlp"]
+        self.expert_params = (counts["mlp_active_per_token"] / self.top_k) if self.num_experts else 0.0  # one expert, all layers / L
+        self.expert_params /= self.num_layers
+        self.weight_bytes_per_param = weight_bytes
+        self.pipeline_busy_s = 0.0  # stage-seconds of work over the run's pipelined steps
+        self.pipeline_bubble_s = 0.0  # stage-seconds idle (GPipe's fill and drain)
 
     def predict(self, f: StepFeatures) -> StepTime:
-        """The roofline time of a step; ``execute_s`` excludes the host costs."""
+        """The roofline time of a step; ``execute_s`` excludes the host costs. With pipeline stages it is GPipe's
+        schedule over microbatches (``framework.sim.parallel_cost``); the step's bubble and busy seconds are added
+        to :attr:`pipeline_bubble_s` and :attr:`pipeline_busy_s`."""
+        swap = f.num_swap_blocks * self.block_size * self.kv_bytes_per_token / HOST_LINK_BANDWIDTH
+        plan = self.plan
+        if plan.pipeline_stages == 1:
+            linear, head, attention, collectives = self._parts(f)
+            execute = linear + head + attention + collectives + self.num_layers * LAYER_LAUNCH_S + swap
+            return StepTime(execute + STEP_HOST_S + REQUEST_HOST_S * f.num_reqs, execute)
+        k = plan.pipeline_stages
+        m = max(1, min(plan.microbatches, f.num_reqs))
+        scaled = StepFeatures(**{name: value / m for name, value in f.as_dict().items()})  # one microbatch
+        linear, head, attention, collectives = self._parts(scaled)
+        layers = linear + attention + collectives + self.num_layers * LAYER_LAUNCH_S
+        stage_s = layers * stage_layers(self.num_layers, k) / self.num_layers + head  # the last stage: + LM head
+        handoff_bytes = f.num_tokens / m * self.hidden * self.act_bytes
+        handoff_s = (k - 1) * (handoff_bytes / (self.device.link_bandwidth * LINK_EFFICIENCY) + COLLECTIVE_LATENCY_S)
+        self.pipeline_busy_s += m * stage_s
+        self.pipeline_bubble_s += (k - 1) * stage_s
+        execute = stage_s * (m + k - 1) + handoff_s + swap
+        return StepTime(execute + STEP_HOST_S + REQUEST_HOST_S * f.num_reqs, execute)
+
+    def _parts(self, f: StepFeatures) -> tuple[float, float, float, float]:
+        """``(linear, head, attention, collectives)`` seconds of all layers for a step (or one microbatch) ``f``."""
         tokens = f.num_tokens
-        weight_bytes = self.linear_weight_bytes
-        if self.is_moe:  # experts no token of this step routes to are not read
-            hit = min(1.0, tokens * self.experts_fraction_per_token)
-            weight_bytes -= self.mlp_bytes * (1.0 - hit)
-        linear = _roof(2 * tokens * self.active_per_token, weight_bytes + 2 * tokens * self.hidden * self.act_bytes,
-                       self.gemm_peak, self.bandwidth)
+        if self.plan.expert_parallel:
+            linear = self._expert_parallel_linear(tokens)
+        else:
+            weight_bytes = self.linear_weight_bytes
+            if self.is_moe:  # experts no token of this step routes to are not read
+                hit = min(1.0, tokens * self.experts_fraction_per_token)
+                weight_bytes -= self.mlp_bytes * (1.0 - hit)
+            linear = _roof(2 * tokens * self.active_per_token,
+                           weight_bytes + 2 * tokens * self.hidden * self.act_bytes, self.gemm_peak, self.bandwidth)
         head = _roof(2 * f.num_sampled * self.head_params, self.head_params * self.act_bytes if f.num_sampled else 0,
                      self.gemm_peak, self.bandwidth)
         pair_flops = 4 * self.head_dim * self.heads_per_rank * self.num_layers
@@ -125,12 +164,30 @@ class RooflineStepModel(StepTimePredictor):
                              self.attention_peak, self.bandwidth))
         collectives = 0.0
         if self.tp > 1:
-            payload = 2 * (self.tp - 1) / self.tp * tokens * self.hidden * self.act_bytes
             link = self.device.link_bandwidth * LINK_EFFICIENCY
-            collectives = 2 * self.num_layers * (payload / link + COLLECTIVE_LATENCY_S)
-        swap = f.num_swap_blocks * self.block_size * self.kv_bytes_per_token / HOST_LINK_BANDWIDTH
-        execute = linear + head + attention + collectives + self.num_layers * LAYER_LAUNCH_S + swap
-        return StepTime(execute + STEP_HOST_S + REQUEST_HOST_S * f.num_reqs, execute)
+            payload = 2 * (self.tp - 1) / self.tp * tokens * self.hidden * self.act_bytes
+            if self.plan.expert_parallel:  # attention's all-reduce, then the MoE's dispatch and combine
+                a2a = all_to_all_bytes(tokens, self.top_k, self.hidden, self.act_bytes, self.tp)
+                collectives = self.num_layers * (payload / link + COLLECTIVE_LATENCY_S
+                                                 + a2a / link + 2 * COLLECTIVE_LATENCY_S)
+            else:
+                collectives = 2 * self.num_layers * (payload / link + COLLECTIVE_LATENCY_S)
+        return linear, head, attention, collectives
+
+    def _expert_parallel_linear(self, tokens: float) -> float:
+        """Attention projections tensor-parallel, plus the busiest expert-parallel rank's experts: its share of
+        the ``tokens * top_k`` expert assignments times the imbalance, its ``E / ep`` experts' weights read
+        where some token hits them."""
+        attention = _roof(2 * tokens * self.attention_params / self.tp,
+                          self.attention_params / self.tp * self.weight_bytes_per_param
+                          + 2 * tokens * self.hidden * self.act_bytes, self.gemm_peak, self.bandwidth)
+        assignments = tokens * self.top_k / self.tp * self.plan.expert_imbalance  # busiest rank
+        experts_here = self.num_experts / self.tp
+        hit = min(1.0, assignments / experts_here)
+        moe = _roof(2 * assignments * self.expert_params * self.num_layers,
+                    self.mlp_params / self.tp * self.weight_bytes_per_param * hit
+                    + 2 * assignments * self.hidden * self.act_bytes * self.num_layers, self.gemm_peak, self.bandwidth)
+        return attention + moe
 
 
 def analytic_profile(device: str, hf_config: Any, config: EngineConfig) -> StepProfile:

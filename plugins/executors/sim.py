@@ -21,12 +21,16 @@ model's time and tokens are modelled (LLM-Emu's idea, Vidur's cost models). Para
   activations; a measured profile: the engine's ``kv_cache_memory_bytes`` rule) or ``engine``;
 * ``gpu_memory_utilization``: vLLM's knob for analytic devices; ``seed``: synthetic tokens' seed
   (``null``: the engine's ``seed``);
+* ``pp_microbatches``: with ``parallel.pipeline_parallel_size=k``, microbatches per step (0: ``k``);
+  ``expert_skew`` (busiest expert-parallel rank's load over the mean, >= 1) or ``expert_loads`` (tokens per expert)
+  with ``parallel.enable_expert_parallel=true`` (``framework/sim/parallel_cost.py``, analytic profiles only);
 * ``lora_device``: with ``lora.enable=true``, the ``framework.sim.roofline`` device whose peak and bandwidth price
   LoRA's adapter loads and shrink/expand FLOPs (``framework/sim/lora_cost.py``), added to every step; ``auto``:
   the analytic profile's device (a measured profile needs it named).
 
 ``parallel.tensor_parallel_size`` is the simulated TP degree (per-rank heads in the memory model, collectives in
-the roofline). One executor is one replica with its own virtual clock; a router over several replicas (a later
+the roofline); ``parallel.pipeline_parallel_size`` and ``parallel.enable_expert_parallel`` add pipeline bubbles and
+hand-offs, all-to-all bytes and expert imbalance (analytic profiles). One executor is one replica with its own virtual clock; a router over several replicas (a later
 issue) is a discrete-event loop over their engines: step the busy replica whose clock reads earliest, hand an
 arrival at time t to a replica after ``engine.clock.sleep_until(t)`` if it idles (docs/decisions/simulator.md).
 """
@@ -52,7 +56,7 @@ logger = logging.getLogger(__name__)
 CLOCKS = ("virtual", "realtime")
 MEMORY_MODES = ("auto", "engine")
 PARAMS = ("clock", "profile", "eos_probability", "acceptance", "draft_step_s", "grammar_mask_s", "memory",
-          "gpu_memory_utilization", "seed", "lora_device")
+          "gpu_memory_utilization", "seed", "lora_device", "pp_microbatches", "expert_skew", "expert_loads")
 
 
 class SimExecutor(Executor):
@@ -118,6 +122,12 @@ class SimExecutor(Executor):
             problems.append("executor=sim with lora.enable=true prices adapter loads and LoRA FLOPs on a roofline "
                             "device: set executor.params.lora_device=<h100|h200|a100|l4> or "
                             "executor.params.profile=analytic:<device>")
+        analytic = str(params.get("profile", "auto")).startswith("analytic:")
+        if (config.pipeline_parallel_size > 1 or config.enable_expert_parallel) and not analytic:
+            problems.append("executor=sim prices parallel.pipeline_parallel_size > 1 and parallel.enable_expert_parallel "
+                            "in its analytic profiles only: set executor.params.profile=analytic:<device>")
+        if int(params.get("pp_microbatches", 0)) < 0:
+            problems.append("executor.params.pp_microbatches must be >= 0 (0: one per pipeline stage)")
         problem = check_profile_spec(params.get("profile", "auto"))
         return problems + ([problem] if problem else [])
 
