@@ -30,7 +30,31 @@ import pytest
 DURATIONS = Path(__file__).with_name("durations.json")
 UNKNOWN_FILE_S = 10.0  # a file not in tests/durations.json yet: about the suite's median file
 _file_seconds: dict[str, float] = defaultdict(float)
+LOCK_BASE_ENV = "SERVELAB_XDIST_LOCK"  # path prefix of the ".lock"/".turnstile" files, set by the controller
+_LOCK_DIR = pytest.StashKey[Path]()
 _held: dict[str, IO[str]] = {}  # "mode" -> "exclusive"/"shared" marker file, "lock" and "turnstile" handles
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The xdist controller names the run's two lock files before it starts the workers (they inherit the
+    environment), so that it can remove them when the run ends (``pytest_unconfigure``)."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="servelab-xdist-"))
+    config.stash[_LOCK_DIR] = folder
+    os.environ[LOCK_BASE_ENV] = str(folder / "isolation")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the lock files' folder the controller made (a run leaves nothing in the temp folder)."""
+    folder = config.stash.get(_LOCK_DIR, None)
+    if folder is not None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(LOCK_BASE_ENV, None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,7 +81,8 @@ def _acquire(exclusive: bool) -> None:
     import fcntl
     import tempfile
 
-    base = Path(tempfile.gettempdir()) / f"servelab-xdist-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}"
+    base = Path(os.environ.get(LOCK_BASE_ENV) or
+                Path(tempfile.gettempdir()) / f"servelab-xdist-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}")
     turnstile, lock = open(f"{base}.turnstile", "a+"), open(f"{base}.lock", "a+")
     fcntl.flock(turnstile, fcntl.LOCK_EX)
     try:
