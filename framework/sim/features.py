@@ -15,6 +15,7 @@ with the batch's tokens, attention with its context, decode and prefill apart):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,8 @@ class StepFeatures:
                    **{name: int(values.get(name, 0)) for name in optional})
 
 
-def step_features(scheduler_output: SchedulerOutput, block_size: int) -> StepFeatures:
+def step_features(scheduler_output: SchedulerOutput, block_size: int,
+                  loaded: Mapping[str, int] | None = None) -> StepFeatures:
     """The features of a scheduled step, read before the step's results are applied (each request's
     ``num_computed_tokens`` is still its context before the step).
 
@@ -66,14 +68,27 @@ def step_features(scheduler_output: SchedulerOutput, block_size: int) -> StepFea
     does not is not sampled); a request verifying ``k`` drafts samples ``k + 1`` rows. Distinct decode
     context counts the distinct KV blocks (``block_size`` tokens) of the decode rows' first block tables:
     requests sharing a cached prefix read its blocks from the same memory.
+
+    ``loaded`` maps a request id to the leading tokens whose K/V arrived from elsewhere (a P/D decode replica's
+    prompt, transferred from its prefill replica: vLLM's ``do_remote_prefill``): the scheduler still schedules
+    them (the blocks are allocated), but only the tokens past them are computed, with the loaded ones as context.
     """
     n = scheduler_output.num_scheduled_tokens
     spec = scheduler_output.scheduled_spec_decode_tokens
     num_decode = num_sampled = decode_context = max_decode_context = prefill_context = prefill_pairs = 0
     decode_blocks: set[int] = set()
+    num_tokens = scheduler_output.total_num_scheduled_tokens
+    computed = list(scheduler_output.scheduled_requests)
     for request in scheduler_output.scheduled_requests:
         q = n[request.request_id]
         context = request.num_computed_tokens
+        if loaded and request.request_id in loaded:
+            skip = min(q, max(0, loaded[request.request_id] - context))  # tokens whose K/V arrived
+            num_tokens -= skip
+            context, q = context + skip, q - skip
+            if q == 0:
+                computed.remove(request)
+                continue
         if q == 1:
             num_decode += 1
             decode_context += context + 1
@@ -84,10 +99,10 @@ def step_features(scheduler_output: SchedulerOutput, block_size: int) -> StepFea
             prefill_pairs += q * context + q * (q + 1) // 2
         if context + q >= request.num_tokens:
             num_sampled += 1 + len(spec.get(request.request_id, ()))
-    num_reqs = len(scheduler_output.scheduled_requests)
+    num_reqs = len(computed)
     constrained = scheduler_output.grammar_bitmask
     return StepFeatures(
-        num_tokens=scheduler_output.total_num_scheduled_tokens, num_reqs=num_reqs, num_decode_reqs=num_decode,
+        num_tokens=num_tokens, num_reqs=num_reqs, num_decode_reqs=num_decode,
         num_prefill_reqs=num_reqs - num_decode, num_sampled=num_sampled, decode_context=decode_context,
         max_decode_context=max_decode_context,
         decode_unique_context=min(decode_context, len(decode_blocks) * block_size), prefill_context=prefill_context, prefill_pairs=prefill_pairs,

@@ -151,7 +151,7 @@ class SimExecutor(Executor):
         if scheduler_output.total_num_scheduled_tokens == 0 and not (scheduler_output.swap_out
                                                                       or scheduler_output.swap_in):
             return ModelRunnerOutput(sampled_token_ids={})  # only finished ids: nothing runs
-        features = step_features(scheduler_output, self.config.block_size)
+        features = step_features(scheduler_output, self.config.block_size, _remote_prefills(scheduler_output))
         predicted = self.predictor.predict(features)
         extra_s = self.draft_step_s * self.num_drafts if scheduler_output.scheduled_spec_decode_tokens else 0.0
         if self.lora_cost is not None:
@@ -226,6 +226,15 @@ class SimExecutor(Executor):
 
     def shutdown(self) -> None:
         """Nothing runs."""
+
+
+def _remote_prefills(so: SchedulerOutput) -> dict[str, int] | None:
+    """P/D decode requests (``kv_transfer_params["do_remote_prefill"]``, set by the simulated P/D front,
+    ``plugins/executors/_sim_disagg.py``): request id -> prompt tokens whose K/V came from the prefill replica
+    (all but the last, which the decode replica computes to sample its first token, as vLLM's decode side does)."""
+    remote = {r.request_id: r.num_prompt_tokens - 1 for r in so.scheduled_requests
+              if (r.sampling_params.kv_transfer_params or {}).get("do_remote_prefill")}
+    return remote or None
 
 
 def _lora_cost(config: EngineConfig, hf_config: Any, lora_device: str) -> Any:
