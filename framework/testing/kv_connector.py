@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from framework.core.outputs import KVConnectorOutput, SchedulerOutput
-from framework.core.request import Request
+from framework.core.request import Request, RequestStatus
 from framework.core.sampling_params import SamplingParams
 from framework.interfaces import AttentionBackend, KVConnector, KVConnectorRole
 
@@ -39,9 +39,9 @@ def _caches(backend: AttentionBackend, num_layers: int, num_blocks: int, seed: i
 
 
 def _step(sched: KVConnector, worker: KVConnector, so: SchedulerOutput, caches: list[torch.Tensor],
-          recving: set[str] | None = None) -> set[int]:
+          recving: set[str] | None = None, sending: set[str] | None = None) -> set[int]:
     """One step: the scheduler side's metadata, the worker side's loads and saves; the blocks that failed to load.
-    ``recving``: collects the loads reported done (None: none may be, a synchronous step)."""
+    ``recving`` / ``sending``: collect the loads / sends reported done (None: none may be)."""
     worker.bind_connector_metadata(sched.build_connector_meta(so))
     worker.start_load_kv()
     for layer_idx in range(len(caches)):
@@ -49,13 +49,15 @@ def _step(sched: KVConnector, worker: KVConnector, so: SchedulerOutput, caches: 
     for layer_idx, kv_layer in enumerate(caches):
         worker.save_kv_layer(layer_idx, kv_layer)
     worker.wait_for_save()
-    sending, done = worker.get_finished(set())
-    assert not sending, "no request finished: nothing may finish sending"
+    sent, done = worker.get_finished(set())
+    assert sending is not None or not sent, "no request finished: nothing may finish sending"
+    if sending is not None:
+        sending |= sent or set()
     assert recving is not None or not done, "a synchronous step finished a transfer"
     if recving is not None:
         recving |= done or set()
     errors = worker.get_block_ids_with_load_errors()
-    sched.update_connector_output(KVConnectorOutput(invalid_block_ids=errors, finished_recving=done,
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids=errors, finished_recving=done, finished_sending=sent,
                                                     kv_cache_events=worker.get_kv_connector_kv_cache_events()))
     worker.clear_connector_metadata()
     return errors
@@ -69,7 +71,8 @@ def _block(cache: torch.Tensor, block: int, backend: AttentionBackend) -> torch.
 
 
 def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_layers: int = 2, seed: int = 0,
-                       own_store: bool = False, async_steps: int = 200, **params: Any) -> None:
+                       own_store: bool = False, async_steps: int = 200, transfer_params: bool = False,
+                       **params: Any) -> None:
     """Run ``cls`` (built with ``params``, e.g. ``path=`` a fresh folder) through a producer engine and a consumer
     engine sharing its store, or (``own_store``) through one ``kv_both`` engine that is its own store.
 
@@ -78,6 +81,10 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
         num_layers: decoder layers of the fake caches.
         own_store: the store lives in the connector instance (not shared between engines): check one engine.
         async_steps: steps (5 ms apart) an asynchronous load may take before it is reported done.
+        transfer_params: a P/D connector (``zmq``): the producer's ``request_finished`` keeps the blocks
+            (``delay_free``) and names them in ``kv_transfer_params``, which the consumer's request carries
+            (vLLM's NixlConnector flow); the producer's worker side must report the send done once the consumer
+            loaded them.
 
     Raises:
         AssertionError: naming the broken part of the contract.
@@ -100,8 +107,20 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
                          total_num_scheduled_tokens=len(prompt), block_ids={request.request_id: (src_table,)})
     producer_sched.update_state_after_alloc(request, src_table, 0)
     assert not _step(producer_sched, producer, so, src), "the producer reported load errors without loading"
+    sending: set[str] = set()
+    consumer_params = SamplingParams(max_tokens=1)
+    if transfer_params:  # the prefill finished: its blocks are kept and named for the consumer
+        request.status = RequestStatus.FINISHED_LENGTH
+        delay_free, kv_params = producer_sched.request_finished(request, src_table)
+        assert delay_free and kv_params, "a P/D producer must keep the blocks and name them in kv_transfer_params"
+        consumer_params = SamplingParams(max_tokens=1, kv_transfer_params=kv_params)
 
-    consumer_req = Request("consumer-0", list(prompt), SamplingParams(max_tokens=1))
+    def producer_idle_step() -> None:
+        if transfer_params:
+            _step(producer_sched, producer, _idle(), src, sending=sending)
+
+    producer_idle_step()  # hands the kept blocks to the producer's worker side
+    consumer_req = Request("consumer-0", list(prompt), consumer_params)
     offered = consumer_sched.get_num_new_matched_tokens(consumer_req, bs)
     assert offered == consumer_sched.get_num_new_matched_tokens(consumer_req, bs), "the lookup is not side-effect free"
     num_tokens, load_async = offered
@@ -117,8 +136,8 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
     if load_async:  # parked: steps that schedule nothing until the worker side reports the load done
         recving: set[str] = set()
         for _ in range(async_steps):
-            idle = SchedulerOutput(scheduled_requests=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0, block_ids={})
-            assert not _step(consumer_sched, consumer, idle, dst, recving), "stored blocks failed to load"
+            producer_idle_step()
+            assert not _step(consumer_sched, consumer, _idle(), dst, recving), "stored blocks failed to load"
             if consumer_req.request_id in recving:
                 break
             time.sleep(0.005)
@@ -134,3 +153,15 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
                 f"block {i} of layer {layer} is not bitwise the producer's after the load")
     assert consumer_sched.request_finished(consumer_req, dst_table)[0] is False, (
         "a synchronous connector must free blocks at once (request_finished -> delay_free False)")
+    for _ in range(async_steps if transfer_params else 0):
+        producer_idle_step()
+        if request.request_id in sending:
+            break
+        time.sleep(0.005)
+    assert sending == ({request.request_id} if transfer_params else set()), (
+        f"the producer's send was not reported done once the consumer loaded its blocks: {sending}")
+
+
+def _idle() -> SchedulerOutput:
+    """A step that schedules nothing."""
+    return SchedulerOutput(scheduled_requests=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0, block_ids={})

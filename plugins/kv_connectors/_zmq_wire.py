@@ -1,0 +1,306 @@
+"""The wire of ``kv_connector=zmq``: a producer's block server (a zmq ROUTER socket on its own thread, next to the
+KV tensors) and a consumer's block puller (a DEALER socket per pull, on its own thread).
+
+The decode side pulls, as vLLM's ``NixlConnector`` does (the prefill side only keeps the blocks and answers): the
+puller sends ``[b"pull", json {"request_id", "block_ids"}]``; the server answers ``[b"wait"]`` (the request's blocks
+are not registered yet: the consumer retries until its timeout), ``[b"error", message]``, or ``[b"data", json
+header, chunk frames...]`` (one frame per contiguous piece of each requested block of each layer, in layer-major
+order, sent zero-copy from the cache's memory; the puller receives each into its destination block with
+``recv_into``). The puller then sends ``[b"done", request_id]``: the server's blocks may be freed. pyzmq is the
+transport until a real one (nixl, mooncake) replaces it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 20  # how often the threads look at their stop flag and timeouts, ms
+
+
+def block_dim_of(shape_1: tuple[int, ...], shape_2: tuple[int, ...]) -> int:
+    """The block dimension of a cache layout, from ``backend.get_kv_cache_shape(1)`` and ``(2)``.
+
+    Raises:
+        ValueError: the two shapes differ in other than one dimension.
+    """
+    dims = [i for i, (a, b) in enumerate(zip(shape_1, shape_2)) if a != b]
+    if len(shape_1) != len(shape_2) or len(dims) != 1:
+        raise ValueError(f"kv_connector=zmq cannot find the block dimension of cache shapes {shape_1} / {shape_2}")
+    return dims[0]
+
+
+def block_chunks(cache: torch.Tensor, block: int, block_dim: int) -> list[torch.Tensor]:
+    """The contiguous pieces of block ``block`` of one layer's ``cache`` (views, no copy), in a fixed order: one per
+    index of the dimensions before ``block_dim`` (e.g. K then V for ``(2, num_blocks, block_size, heads, head_size)``).
+
+    Raises:
+        ValueError: ``cache`` is not contiguous (its blocks are not runs of memory).
+    """
+    if not cache.is_contiguous():
+        raise ValueError("kv_connector=zmq needs contiguous KV cache tensors")
+    leading = itertools.product(*map(range, cache.shape[:block_dim]))
+    return [cache[idx + (block,)] for idx in leading]
+
+
+def _as_bytes(chunk: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (any dtype, bfloat16 included)."""
+    return memoryview(chunk.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass
+class _Held:
+    """A finished request's blocks that the server keeps for a pull."""
+
+    block_ids: list[int]  # the producer's block ids, in token order
+    deadline: float  # time.monotonic() after which the blocks are freed unpulled
+    trackers: list[zmq.MessageTracker] = field(default_factory=list)  # zero-copy sends zmq may still read
+
+
+class BlockServer:
+    """The producer's side: serves pulls of held blocks on a ROUTER socket from a daemon thread.
+
+    Args:
+        caches: the rank's per-layer KV tensors (read only, by the server thread, for held blocks only).
+        block_dim: the block dimension of their layout (:func:`block_dim_of`).
+        host: the interface to bind (``kv_connector.params.host``).
+        port: the TCP port; 0 picks a free one (:attr:`port` says which).
+        abort_timeout_s: a held request not pulled within this many seconds is freed (vLLM's
+            ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``), s.
+
+    Raises:
+        zmq.ZMQError: the address cannot be bound (e.g. the port is taken).
+    """
+
+    def __init__(self, caches: list[torch.Tensor], block_dim: int, host: str, port: int,
+                 abort_timeout_s: float) -> None:
+        self._caches, self._block_dim, self._abort_timeout_s = caches, block_dim, abort_timeout_s
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            if port == 0:
+                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+        except zmq.ZMQError:
+            self._sock.close()
+            self._ctx.term()
+            raise
+        self._lock = threading.Lock()
+        self._held: dict[str, _Held] = {}
+        self._finished: set[str] = set()  # pulled (or timed out) since the last take_finished
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-zmq-server", daemon=True)
+        self._thread.start()
+
+    def hold(self, request_id: str, block_ids: list[int]) -> None:
+        """Keep ``block_ids`` of a finished request for a pull (called by the worker side, main thread)."""
+        with self._lock:
+            self._held[request_id] = _Held(list(block_ids), time.monotonic() + self._abort_timeout_s)
+
+    def take_finished(self) -> set[str]:
+        """Requests whose blocks were pulled, released or timed out since the last call: free them."""
+        with self._lock:
+            done, self._finished = self._finished, set()
+        return done
+
+    def close(self) -> None:
+        """Stop the thread and close the socket and context; idempotent."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+            self._sock.close(linger=0)
+            self._ctx.term()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(_POLL_MS):
+                frames = self._sock.recv_multipart()
+                try:
+                    self._answer(frames)
+                except Exception:  # noqa: BLE001 - one bad message must not stop the server
+                    logger.exception("kv_connector=zmq: a pull failed on the producer")
+            self._expire()
+
+    def _answer(self, frames: list[bytes]) -> None:
+        ident, kind, body = frames[0], frames[1], frames[2] if len(frames) > 2 else b""
+        if kind == b"done":
+            self._release(body.decode(), pulled=True)
+            return
+        msg = json.loads(body)
+        rid, want = msg["request_id"], msg["block_ids"]
+        with self._lock:
+            held = self._held.get(rid)
+        if held is None:
+            self._sock.send_multipart([ident, b"wait"])
+            return
+        if not set(want) <= set(held.block_ids):
+            self._sock.send_multipart([ident, b"error", f"blocks {sorted(set(want) - set(held.block_ids))} of "
+                                       f"request {rid!r} are not held".encode()])
+            return
+        chunks = [c for cache in self._caches for b in want for c in block_chunks(cache, b, self._block_dim)]
+        chunks = [c if c.device.type == "cpu" else c.cpu() for c in chunks]
+        header = json.dumps({"chunk_nbytes": [c.nbytes for c in chunks]}).encode()
+        tracker = self._sock.send_multipart([ident, b"data", header] + [_as_bytes(c) for c in chunks],
+                                            copy=False, track=True)
+        with self._lock:
+            held.trackers.append(tracker)
+
+    def _release(self, rid: str, pulled: bool) -> None:
+        with self._lock:
+            held = self._held.get(rid)
+            if held is None or any(not t.done for t in held.trackers):
+                return  # zmq still reads the blocks: freed at a later check
+            del self._held[rid]
+            self._finished.add(rid)
+        if not pulled:
+            logger.warning("kv_connector=zmq: request %s was not pulled within abort_timeout_s=%s; its blocks are "
+                           "freed", rid, self._abort_timeout_s)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [rid for rid, held in self._held.items() if held.deadline <= now]
+        for rid in late:
+            self._release(rid, pulled=False)
+
+
+@dataclass
+class Pull:
+    """One request's pull (plain values: it travels in the step metadata)."""
+
+    request_id: str  # the consumer's request id
+    remote_request_id: str  # the producer's request id
+    remote_host: str
+    remote_port: int
+    remote_block_ids: list[int]  # the producer's blocks to read
+    local_block_ids: list[int]  # where they go here, one per remote block; empty: only release the producer's
+
+
+@dataclass
+class PullResult:
+    """A finished pull, for the worker side's ``get_finished``."""
+
+    request_id: str
+    bad_block_ids: set[int]  # local blocks that did not arrive (all of them on a failure)
+    num_bytes: int  # bytes received
+    seconds: float  # wall time of the pull, s
+    loaded: bool  # False for a release (the pull named no local blocks)
+
+
+class BlockPuller:
+    """The consumer's side: runs pulls one after another on a daemon thread and collects their results.
+
+    Args:
+        caches: the rank's per-layer KV tensors (written only in the blocks a pull names).
+        block_dim: the block dimension of their layout.
+        timeout_s: a pull not answered in full within this many seconds fails (its blocks are bad), s.
+    """
+
+    def __init__(self, caches: list[torch.Tensor], block_dim: int, timeout_s: float) -> None:
+        self._caches, self._block_dim, self._timeout_s = caches, block_dim, timeout_s
+        self._ctx = zmq.Context()
+        self._jobs: queue.Queue[Pull | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._results: list[PullResult] = []
+        self._thread = threading.Thread(target=self._run, name="kv-zmq-puller", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def submit(self, pull: Pull) -> None:
+        """Queue ``pull`` (main thread)."""
+        self._jobs.put(pull)
+
+    def take_results(self) -> list[PullResult]:
+        """Pulls finished since the last call."""
+        with self._lock:
+            done, self._results = self._results, []
+        return done
+
+    def close(self) -> None:
+        """Finish the queued pulls, stop the thread, close the context; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+            self._thread.join()
+            self._ctx.term()
+
+    def _run(self) -> None:
+        while (pull := self._jobs.get()) is not None:
+            start = time.monotonic()
+            try:
+                num_bytes, bad = self._pull(pull), set()
+            except Exception as exc:  # noqa: BLE001 - any failure is a load error of the pull's blocks
+                logger.warning("kv_connector=zmq: pulling request %s from %s:%s failed: %s", pull.remote_request_id,
+                               pull.remote_host, pull.remote_port, exc)
+                num_bytes, bad = 0, set(pull.local_block_ids)
+            result = PullResult(pull.request_id, bad, num_bytes, time.monotonic() - start, bool(pull.local_block_ids))
+            with self._lock:
+                self._results.append(result)
+
+    def _pull(self, pull: Pull) -> int:
+        """Receive ``pull``'s blocks into the cache; returns the bytes received.
+
+        Raises:
+            TimeoutError: no full answer within ``timeout_s``.
+            RuntimeError: the producer refused, or its blocks do not fit this cache.
+        """
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)  # the "done" must leave before the socket closes
+        sock.connect(f"tcp://{pull.remote_host}:{pull.remote_port}")
+        try:
+            return self._receive(sock, pull) if pull.local_block_ids else 0
+        finally:  # pulled, failed or not needed: the producer may free the request's blocks
+            sock.send_multipart([b"done", pull.remote_request_id.encode()])
+            sock.close()
+
+    def _receive(self, sock: zmq.Socket, pull: Pull) -> int:
+        deadline = time.monotonic() + self._timeout_s
+        ask = json.dumps({"request_id": pull.remote_request_id, "block_ids": pull.remote_block_ids}).encode()
+        while True:
+            sock.send_multipart([b"pull", ask])
+            kind = self._recv_within(sock, deadline)
+            if kind != b"wait":
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the producer did not hold request {pull.remote_request_id!r} within "
+                                   f"pull_timeout_s={self._timeout_s}")
+            time.sleep(0.01)  # the producer has not registered the request yet
+        if kind == b"error":
+            raise RuntimeError(f"the producer refused: {sock.recv().decode()}")
+        want = json.loads(sock.recv())["chunk_nbytes"]
+        dests = [c for cache in self._caches for b in pull.local_block_ids
+                 for c in block_chunks(cache, b, self._block_dim)]
+        if want != [d.nbytes for d in dests]:
+            raise RuntimeError(f"the producer's blocks do not fit this cache ({len(want)} pieces of {want[:1]} bytes, "
+                               f"this cache {len(dests)} of {[d.nbytes for d in dests[:1]]}): one model, dtype, "
+                               "block size and attention backend on both sides")
+        for dest in dests:
+            if not sock.getsockopt(zmq.RCVMORE):
+                raise RuntimeError("the producer's answer ended early")
+            staging = dest if dest.device.type == "cpu" else torch.empty_like(dest, device="cpu")
+            if sock.recv_into(_as_bytes(staging)) != dest.nbytes:
+                raise RuntimeError("a piece of a block has the wrong size")
+            if staging is not dest:
+                dest.copy_(staging)
+        return sum(want)
+
+    def _recv_within(self, sock: zmq.Socket, deadline: float) -> bytes:
+        while not sock.poll(_POLL_MS, zmq.POLLIN):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer within pull_timeout_s={self._timeout_s}")
+        return sock.recv()
