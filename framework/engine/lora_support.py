@@ -4,7 +4,8 @@ driver's admission check of each request's adapter (docs/lora.md).
 This slice of multi-LoRA serving (issue 59) runs offline, on one rank in the driver's process (``executor=uniproc``)
 or on tensor-parallel ranks (``executor=mp``: A and B sharded as vLLM shards them), eagerly or compiled
 (``engine.compile=true``: the LoRA term is an opaque op in the layer graphs), simulated (``executor=sim``: adapter
-loads and LoRA FLOPs in the step model), over data-parallel replicas, with unfused linears; every other
+loads and LoRA FLOPs in the step model), over data-parallel replicas, with unfused linears, with any drafter, and
+over a weight-only quantized base (``LORA_QUANT_METHODS``); every other
 combination is refused here with the setting that fixes it, before any weights load (``framework/engine/builder.py``,
 ``validate_plugins``).
 """
@@ -21,12 +22,16 @@ from framework.model_executor.model_loader import load_model_config
 
 logger = logging.getLogger(__name__)
 _NOT_YET = "not supported with lora.enable=true yet (issue 59: multi-LoRA serving)"
+#: quant methods whose (weight-only) quantized linears LoRA wraps: the LoRA term joins their float output
+LORA_QUANT_METHODS = ("none", "int8_wo", "int4_wo", "gptq")
 
 
 def lora_problems(config: EngineConfig) -> list[str]:
     """Why ``config`` cannot serve LoRA adapters (empty: it can, or LoRA is off); each problem names its fix.
 
-    Checked: ``executor=uniproc``, ``mp`` or ``sim`` (each data-parallel replica its own), no quant method,
+    Checked: ``executor=uniproc``, ``mp`` or ``sim`` (each data-parallel replica its own), a quant method of
+    :data:`LORA_QUANT_METHODS` (weight-only: the LoRA term is added to the quantized linear's output in the compute
+    dtype, vLLM's rule) on one rank,
     ``prepack_linears`` not ``on``, no insisted-on CUDA graphs, a KV allocator whose prefix cache is salted with the
     adapter (``paged``; ``contiguous`` shares nothing) or prefix caching off, and each ``lora.modules`` folder's
     ``adapter_config.json`` (rank within ``max_lora_rank``).
@@ -42,7 +47,10 @@ def lora_problems(config: EngineConfig) -> list[str]:
     rules = [
         (config.executor in ("uniproc", "mp", "sim"), f"executor={config.executor} is {_NOT_YET}; use "
          "executor=uniproc, executor=mp for tensor parallelism, or executor=sim"),
-        (config.quant == "none", f"a quantized base (quant={config.quant}) is {_NOT_YET}; use quant=none"),
+        (config.quant in LORA_QUANT_METHODS, f"a quantized base (quant={config.quant}) is {_NOT_YET}: LoRA wraps "
+         f"weight-only quantized linears, one of {LORA_QUANT_METHODS[1:]}; use one of them or quant=none"),
+        (config.quant == "none" or config.tensor_parallel_size == 1, f"a quantized base (quant={config.quant}) "
+         f"under tensor parallelism is {_NOT_YET}; use parallel.tensor_parallel_size=1 or quant=none"),
         (config.prepack_linears != "on", f"engine.prepack_linears=on is {_NOT_YET}: it fuses q/k/v and gate/up, "
          "which LoRA adapts one by one; use engine.prepack_linears=auto or off"),
         (config.enforce_eager is not False, f"decode CUDA graphs (engine.enforce_eager=false) are {_NOT_YET}; "

@@ -48,19 +48,36 @@ class LoRALinear(nn.Module):
     """An ``nn.Linear`` plus ``max_loras`` LoRA slots: ``y = base(x) + backend.add_lora(...)`` for the tokens whose
     request carries an adapter (the current forward's :class:`LoRAStep`), ``base(x)`` otherwise.
 
+    A quantized base (``quant=int8_wo``/``int4_wo``, a GPTQ checkpoint's layer: any module with integer
+    ``in_features``/``out_features`` and float input and output) is wrapped the same way: its output is the base
+    term, the LoRA term is added in the compute dtype (vLLM's rule: the base layer may be quantized, A and B are not).
+
     Args:
         base: the model's linear (kept as is, weights untouched); under tensor parallelism this rank's shard.
         max_loras: slots.
         max_lora_rank: slot width (ranks below it are zero-padded).
         shard: the cut of the full weight ``base`` holds (``dim`` 0: output rows, so :meth:`set_slot` keeps B's
             rows ``[start, stop)``; 1: input columns, so A's columns); ``None``: the whole linear.
+        dtype: the slots' dtype when ``base`` has no float ``weight`` (a quantized layer): the model's compute
+            dtype; ignored for an ``nn.Linear`` (its weight's dtype).
+
+    Raises:
+        ValueError: ``base`` has no float ``weight`` and no ``dtype`` was given.
     """
 
-    def __init__(self, base: nn.Linear, max_loras: int, max_lora_rank: int, shard: Shard | None = None) -> None:
+    def __init__(self, base: nn.Module, max_loras: int, max_lora_rank: int, shard: Shard | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.base = base
         self.shard = shard
-        kw = {"dtype": base.weight.dtype, "device": base.weight.device}
+        weight = getattr(base, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+            kw = {"dtype": weight.dtype, "device": weight.device}
+        elif dtype is None:
+            raise ValueError(f"{type(base).__name__} has no float weight: pass the model's compute dtype")
+        else:
+            tensor = next(iter(base.buffers()), None)
+            kw = {"dtype": dtype, "device": tensor.device if tensor is not None else torch.device("cpu")}
         # (max_loras, max_lora_rank, in_features) / (max_loras, out_features, max_lora_rank), model dtype
         self.register_buffer("lora_a", torch.zeros(max_loras, max_lora_rank, base.in_features, **kw), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, max_lora_rank, **kw), persistent=False)
@@ -136,24 +153,36 @@ def _lora_fake(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     return torch.empty_like(y)
 
 
+def _is_quantized_linear(module: nn.Module) -> bool:
+    """A quant method's replacement of an ``nn.Linear`` (int8/int4 packed layers): integer ``in_features`` and
+    ``out_features``, no float ``weight``."""
+    weight = getattr(module, "weight", None)
+    return (isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int)
+            and not (isinstance(weight, torch.Tensor) and weight.is_floating_point()))
+
+
 def wrap_lora_linears(model: nn.Module, max_loras: int, max_lora_rank: int,
-                      shards: dict[str, Shard] | None = None) -> dict[str, LoRALinear]:
-    """Replace every ``nn.Linear`` named one of ``TARGET_MODULES`` in ``model`` by a :class:`LoRALinear` (in place);
-    a :class:`RowParallelLinear`'s inner shard is wrapped, so its LoRA term is all-reduced with the base output.
+                      shards: dict[str, Shard] | None = None, dtype: torch.dtype | None = None) -> dict[str, LoRALinear]:
+    """Replace every ``nn.Linear`` (or quantized linear) named one of ``TARGET_MODULES`` in ``model`` by a
+    :class:`LoRALinear` (in place); a :class:`RowParallelLinear`'s inner shard is wrapped, so its LoRA term is
+    all-reduced with the base output.
 
     Args:
         shards: under tensor parallelism, each module's weight shard (``lora_tp.lora_shards``); ``None``: one rank.
+        dtype: the compute dtype of slots over quantized linears (``None``: the model's ``dtype`` attribute).
 
     Returns:
         The wrapped linears by their module name in ``model`` (``model.layers.0.self_attn.q_proj``...).
     """
     wrapped: dict[str, LoRALinear] = {}
+    dtype = dtype or getattr(model, "dtype", None)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full_name = f"{name}.{child_name}" if name else child_name
             shard = (shards or {}).get(full_name)
-            if child_name in TARGET_MODULES and type(child) is nn.Linear:
-                layer = LoRALinear(child, max_loras, max_lora_rank, shard)
+            if child_name in TARGET_MODULES and (type(child) is nn.Linear or (
+                    shard is None and not isinstance(child, RowParallelLinear) and _is_quantized_linear(child))):
+                layer = LoRALinear(child, max_loras, max_lora_rank, shard, dtype)
                 setattr(module, child_name, layer)
                 wrapped[full_name] = layer
             elif child_name in TARGET_MODULES and isinstance(child, RowParallelLinear) and type(child.linear) is nn.Linear:
@@ -176,7 +205,7 @@ class LoRAModelManager:
             checked against); ``None``: the wrapped linears' own shapes.
 
     Raises:
-        ValueError: the model has none of ``TARGET_MODULES`` as plain ``nn.Linear`` (fused or quantized linears).
+        ValueError: the model has none of ``TARGET_MODULES`` as ``nn.Linear`` or quantized linear (fused linears).
     """
 
     def __init__(self, model: nn.Module, backend: LoRABackend, max_loras: int, max_lora_rank: int,
@@ -184,8 +213,8 @@ class LoRAModelManager:
                  full_shapes: dict[str, tuple[int, int]] | None = None) -> None:
         self.layers = wrap_lora_linears(model, max_loras, max_lora_rank, shards)
         if not self.layers:
-            raise ValueError(f"LoRA found none of {TARGET_MODULES} as plain nn.Linear in the model; turn off "
-                             "prepack_linears and quantization with lora.enable=true")
+            raise ValueError(f"LoRA found none of {TARGET_MODULES} as nn.Linear or quantized linear in the model; "
+                             "turn off prepack_linears with lora.enable=true")
         self.shapes = {name: (full_shapes or {}).get(name, (m.in_features, m.out_features))
                        for name, m in self.layers.items()}
         first = next(iter(self.layers.values()))

@@ -103,11 +103,9 @@ class CheckpointQuantMethod(QuantMethod):
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
-        """The model is a checkpoint of this format that this method can load; no LoRA (not combined yet)."""
+        """The model is a checkpoint of this format that this method can load (which formats LoRA runs over:
+        ``framework/engine/lora_support.py``)."""
         problems = super().validate(config)
-        if config.enable_lora:
-            problems.append(f"quant={cls.name} (a pre-quantized checkpoint) with lora.enable=true is not supported: "
-                            "LoRA slots wrap float nn.Linear layers; load the unquantized model for LoRA")
         kernel = config.plugin_params("quant").get("kernel", "auto")
         if kernel not in KERNELS:
             problems.append(f"quant.params.kernel must be one of {KERNELS}, got {kernel!r}")

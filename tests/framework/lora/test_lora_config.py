@@ -49,7 +49,8 @@ def test_knob_ranges():
 
 @pytest.mark.parametrize("overrides, fix", [
     ({"executor": "ray"}, "use executor=uniproc"),
-    ({"quant": "int8_wo"}, "use quant=none"),
+    ({"quant": "w8a8"}, "int8_wo', 'int4_wo', 'gptq'); use one of them or quant=none"),
+    ({"quant": "int8_wo", "tensor_parallel_size": 2, "executor": "mp"}, "use parallel.tensor_parallel_size=1"),
     ({"prepack_linears": "on"}, "use engine.prepack_linears=auto or off"),
     ({"kv_allocator": "radix"}, "use kv_cache=paged"),
 ])
