@@ -158,9 +158,13 @@ class EngineConfig:
             (self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}"),
             (self.pipeline_parallel_size >= 1,
              f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"),
-            (self.executor == "sim" or (not self.enable_expert_parallel and self.disagg_prefill_replicas == 0),
-             "parallel.enable_expert_parallel and disagg.prefill_replicas are priced by executor=sim only "
-             "(docs/simulator.md); the real executors run tensor, pipeline and data parallelism"),
+            (self.executor == "sim" or not self.enable_expert_parallel,
+             "parallel.enable_expert_parallel is priced by executor=sim only (docs/simulator.md); the real executors "
+             "run tensor, pipeline and data parallelism"),
+            (self.executor == "sim" or self.disagg_prefill_replicas == 0 or self.kv_connector != "none",
+             "disagg.prefill_replicas needs a KV connector to move each prompt's KV from its prefill replica to its "
+             "decode replica: add kv_connector=zmq (or kv_connector=shared_storage kv_connector.params.path=DIR); "
+             "executor=sim prices the transfer without one (docs/kv_transfer.md)"),
             (self.pipeline_parallel_size == 1 or self.executor in ("sim", "mp", "ray"),
              f"parallel.pipeline_parallel_size={self.pipeline_parallel_size} runs its stages in worker processes: "
              f"use executor=mp (or ray, or auto), not executor={self.executor}"),

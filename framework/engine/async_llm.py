@@ -19,6 +19,7 @@ the router stops choosing it and they keep serving, else the front is dead: ever
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -59,6 +60,21 @@ class _Stream:
         return True
 
 
+#: what a P/D prefill asks of the KV connector (vLLM's field names, as its toy proxy and NixlConnector send them)
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                              "remote_engine_id": None, "remote_block_ids": None,
+                                              "remote_host": None, "remote_port": None}
+
+
+def prefill_params(params: SamplingParams) -> SamplingParams:
+    """The prefill phase of a P/D request (vLLM's toy proxy's prefill request): ``params`` with one output token
+    (``max_tokens=1``, ``min_tokens=0``), one sequence, no logprobs or prompt logprobs, the final output only, and
+    ``kv_transfer_params`` :data:`PREFILL_KV_TRANSFER_PARAMS` (over the request's own)."""
+    return dataclasses.replace(params, n=1, max_tokens=1, min_tokens=0, logprobs=None, prompt_logprobs=None,
+                               output_kind=RequestOutputKind.FINAL_ONLY,
+                               kv_transfer_params={**(params.kv_transfer_params or {}), **PREFILL_KV_TRANSFER_PARAMS})
+
+
 def _replay_hooks(event: EngineCoreOutputs) -> None:
     """A core process's lifecycle hooks, called again in this process (its plugins: a run's tracker)."""
     if event.event == "hello" and event.facts is not None:
@@ -92,13 +108,19 @@ class AsyncLLM:
         metrics: an object with ``observe_stats(ReplicaStats)`` and ``observe_finished(RequestOutput)`` (the
             server's Prometheus metrics), fed on client threads.
         tokenizer: the model's tokenizer, for text prompts a router must see as tokens (several clients).
+        roles: each client's role (``prefill``, ``decode`` or ``both``, in replica order; default all ``both``).
+            With prefill replicas (``disagg.prefill_replicas``) every request runs in two phases: a prefill on a
+            ``prefill`` replica (:func:`prefill_params`: one output token, the KV connector asked to keep the prompt's
+            KV for a remote decode), then the request itself on a ``decode`` replica with the prefill's
+            ``kv_transfer_params``; the router picks each (``Router.route_role``).
 
     Use :meth:`shutdown` (or ``async with``) to abort everything in flight and stop the cores.
     """
 
     def __init__(self, engine: EngineClient | None = None, on_dead: Callable[[BaseException], None] | None = None,
                  startup: Callable[[], Any] | None = None, *, clients: Sequence[CoreClient] | None = None,
-                 router: Any = None, metrics: Any = None, tokenizer: Any = None) -> None:
+                 router: Any = None, metrics: Any = None, tokenizer: Any = None,
+                 roles: Sequence[str] | None = None) -> None:
         if (engine is None) == (clients is None):
             raise ValueError("AsyncLLM takes an engine (served in-process) or clients, not both")
         self.engine = engine
@@ -106,7 +128,7 @@ class AsyncLLM:
         self.on_dead, self.router, self.metrics, self.tokenizer = on_dead, router, metrics, tokenizer
         n = len(self.clients)
         # placement, liveness and the router, as the offline front keeps them (raises without a router for n > 1)
-        self.replicas = ReplicaSet(n, router)
+        self.replicas = ReplicaSet(n, router, roles=roles)
         self._lock = threading.RLock()  # streams, placement, replica state: generate vs client threads
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -146,15 +168,41 @@ class AsyncLLM:
         text/tokens per output). The last output has ``finished=True``. Leaving the loop early
         (``break``, task cancellation, client disconnect) aborts the request: its blocks are
         freed at the next step boundary. ``lora_request``: the LoRA adapter it runs under (``None``: the base
-        model); it travels to the engine core with the request (``AddRequest.lora_request``).
+        model); it travels to the engine core with the request (``AddRequest.lora_request``). With prefill
+        replicas (``roles``) the request is first prefilled on one (id ``prefill-<request_id>``, its final output
+        not yielded unless it failed), then runs on a decode replica with the prefill's ``kv_transfer_params``.
 
         Raises:
             ValueError: the engine rejected the request (bad prompt/params, duplicate id).
+            NoReplicaError: (P/D) no alive replica of the phase's role.
             EngineDeadError: the engine died (before or while this request ran).
             RuntimeError: the engine loop is shut down.
         """
         params = sampling_params or SamplingParams(output_kind=RequestOutputKind.DELTA)
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        role = None
+        if self.replicas.disaggregated:  # P/D: the prefill phase first (its id: prefill-<request_id>)
+            with self._lock:
+                if request_id in self._streams:
+                    raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
+            prefilled = None
+            async with contextlib.aclosing(self._run(f"prefill-{request_id}", prompt, prefill_params(params),
+                                                     priority, lora_request, "prefill")) as outputs:
+                async for output in outputs:
+                    prefilled = output
+            if prefilled.error is not None:  # the prefill failed: so does the request, with its error
+                yield dataclasses.replace(prefilled, request_id=request_id)
+                return
+            params = dataclasses.replace(params, kv_transfer_params=prefilled.kv_transfer_params
+                                         or params.kv_transfer_params)
+            role = "decode"
+        async with contextlib.aclosing(self._run(request_id, prompt, params, priority, lora_request, role)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def _run(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
+                   lora_request: LoRARequest | None, role: str | None) -> AsyncIterator[RequestOutput]:
+        """One engine request on a replica of ``role`` (``None``: any): :meth:`generate`'s outputs."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:  # a client that dies after this sees the stream and fails it
             if self.errored is not None:
@@ -163,7 +211,7 @@ class AsyncLLM:
                 raise RuntimeError("the engine loop is not running (shut down)")
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
-            index = self._route(request_id, prompt)
+            index = self._route(request_id, prompt, role)
             self._streams[request_id] = stream
             self.replicas.place(request_id, index)
             self._routed_since[index] += 1
@@ -233,15 +281,17 @@ class AsyncLLM:
         await asyncio.to_thread(self.shutdown)
 
     # ---- routing ---------------------------------------------------------------------
-    def _route(self, request_id: str, prompt: str | list[int]) -> int:
-        """The client index for a new request (under the lock): the router's choice among live replicas."""
+    def _route(self, request_id: str, prompt: str | list[int], role: str | None = None) -> int:
+        """The client index for a new request (under the lock): the router's choice among live replicas (of
+        ``role``, when given)."""
         if len(self.clients) == 1:
             return 0
         if isinstance(prompt, str):
             token_ids = list(self.tokenizer(prompt).input_ids) if self.tokenizer is not None else []
         else:
             token_ids = list(prompt)
-        return self.replicas.choose(request_id, token_ids, [self._replica_state(i) for i in range(len(self.clients))])
+        return self.replicas.choose(request_id, token_ids, [self._replica_state(i) for i in range(len(self.clients))],
+                                    role)
 
     def _replica_state(self, index: int) -> ReplicaState:
         """Client ``index``'s load as routers see it: its last publication plus what was routed since."""

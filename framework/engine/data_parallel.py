@@ -297,9 +297,13 @@ def build_data_parallel_engine(config: EngineConfig, metrics: MetricsCollector |
     ``data_parallel_size=1``) and the router ``config.router`` (seeded with ``config.seed``).
 
     Raises:
+        ValueError: ``disagg.prefill_replicas > 0`` (P/D replicas are served by engine-core processes only).
         as ``build_llm_engine``; replicas already built are shut down when a later one fails.
     """
-
+    if config.disagg_prefill_replicas and config.executor != "sim":
+        raise ValueError("disagg.prefill_replicas splits a server's engine-core processes into prefill and decode "
+                         "replicas (servelab serve, server.engine_process=true); offline (LLM, run.py) and "
+                         "in-process replicas serve whole requests: drop disagg.prefill_replicas or serve it")
     metrics = metrics or MetricsCollector()
     router = registry.create("router", config.router, seed=config.seed, **config.plugin_params("router"))
     one = dataclasses.replace(config, data_parallel_size=1)

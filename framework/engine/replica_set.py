@@ -12,6 +12,7 @@ Thread safety: none; each front calls it under its own lock or from its single l
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -29,14 +30,20 @@ class ReplicaSet:
         router: the router plugin (``framework.interfaces.Router``); ``None`` only with one replica (nothing to
             choose).
         router_name: how errors name the router (``config.router``).
+        roles: each replica's role (``prefill``, ``decode``, ``both``; :attr:`ReplicaState.role`), default all
+            ``both``; P/D disaggregation (``disagg.prefill_replicas``) gives its pools.
 
     Raises:
-        ValueError: several replicas and no router.
+        ValueError: several replicas and no router; ``roles`` of another length or with an unknown role.
     """
 
-    def __init__(self, num_replicas: int, router: Router | None, router_name: str = "") -> None:
+    def __init__(self, num_replicas: int, router: Router | None, router_name: str = "",
+                 roles: Sequence[str] | None = None) -> None:
         if num_replicas > 1 and router is None:
             raise ValueError("several data-parallel replicas need a router (router=NAME)")
+        self.roles = list(roles) if roles is not None else ["both"] * num_replicas
+        if len(self.roles) != num_replicas or not set(self.roles) <= {"prefill", "decode", "both"}:
+            raise ValueError(f"roles must be one of prefill, decode, both per replica ({num_replicas}), got {roles!r}")
         self.router = router
         self.router_name = router_name or getattr(router, "name", "") or "router"
         self.alive = [True] * num_replicas
@@ -50,9 +57,16 @@ class ReplicaSet:
         """Indexes of the replicas still serving."""
         return [i for i, ok in enumerate(self.alive) if ok]
 
-    def choose(self, request_id: str, token_ids: Sequence[int], states: Sequence[ReplicaState]) -> int:
+    @property
+    def disaggregated(self) -> bool:
+        """True when some replicas only prefill (P/D disaggregation): each request runs in two phases."""
+        return "prefill" in self.roles
+
+    def choose(self, request_id: str, token_ids: Sequence[int], states: Sequence[ReplicaState],
+               role: str | None = None) -> int:
         """The replica for a new request: the router's choice given every replica's ``states`` (dead ones
-        ``alive=False``); with one replica, replica 0 without asking.
+        ``alive=False``); with one replica, replica 0 without asking. ``role``: the phase's role (``prefill`` or
+        ``decode``), chosen by :meth:`Router.route_role` among the replicas of that role; ``None``: any replica.
 
         Raises:
             ValueError: ``request_id`` is in flight already.
@@ -65,9 +79,15 @@ class ReplicaSet:
             raise EngineDeadError("every data-parallel replica is dead; build a new engine")
         if len(self.alive) == 1:
             return 0
-        choice = self.router.route(request_id, list(token_ids), list(states))
-        if not (isinstance(choice, int) and 0 <= choice < len(self.alive) and self.alive[choice]):
-            raise RuntimeError(f"router {self.router_name!r} chose replica {choice!r}, which is not an alive one")
+        if role is None:
+            choice = self.router.route(request_id, list(token_ids), list(states))
+        else:
+            states = [dataclasses.replace(s, role=self.roles[s.replica_id]) for s in states]
+            choice = self.router.route_role(role, request_id, list(token_ids), states)
+        if not (isinstance(choice, int) and 0 <= choice < len(self.alive) and self.alive[choice]
+                and (role is None or self.roles[choice] in (role, "both"))):
+            raise RuntimeError(f"router {self.router_name!r} chose replica {choice!r}, which is not an alive "
+                               f"{role or 'serving'} one")
         return choice
 
     def place(self, request_id: str, replica: int) -> None:

@@ -50,8 +50,10 @@ def served_config(config: EngineConfig, engine_process: bool = True, requested_e
     the default) one replica (``data_parallel_size=1``) whose executor resolves again for one replica when the user
     asked for ``auto`` (``requested_executor``: ``uniproc`` for one rank); else ``config`` itself (the in-process
     front builds it whole). ``run.py`` validates this config, so what one replica supports (multi-LoRA,
-    ``framework/engine/lora_support.py``) serves behind a data-parallel front of engine-core processes."""
+    ``framework/engine/lora_support.py``) serves behind a data-parallel front of engine-core processes. A replica
+    knows nothing of P/D disaggregation (``disagg_prefill_replicas=0``): the front gives each its role
+    (``framework/entrypoints/server/launch.py``)."""
     if not engine_process:
         return config
-    return dataclasses.replace(config, data_parallel_size=1,
+    return dataclasses.replace(config, data_parallel_size=1, disagg_prefill_replicas=0,
                                executor="auto" if requested_executor == "auto" else config.executor)

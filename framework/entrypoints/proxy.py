@@ -6,7 +6,8 @@ real command. Each ``POST /v1/completions`` or ``POST /v1/chat/completions`` goe
 1. to a **prefill** server (``servelab serve kv_transfer.role=kv_producer ...``), non-streamed, with
    ``max_tokens = 1`` (and ``max_completion_tokens = 1`` when the body has it), no ``stream_options``, and
    ``kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-   "remote_block_ids": null, "remote_host": null, "remote_port": null}``: the prefill computes (and its KV
+   "remote_block_ids": null, "remote_host": null, "remote_port": null}`` (``PREFILL_KV_TRANSFER_PARAMS``, what
+   ``servelab serve disagg.prefill_replicas=P`` asks of its prefill replicas too): the prefill computes (and its KV
    connector stores or holds) the prompt's KV;
 2. to a **decode** server (``... kv_transfer.role=kv_consumer``) with the client's body unchanged except for
    ``kv_transfer_params``, set to the prefill response's top-level ``kv_transfer_params`` when it has one (the
@@ -33,12 +34,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-logger = logging.getLogger("servelab.proxy")
+# the prefill request's kv_transfer_params: the one-command P/D front asks the same of its prefill replicas
+from framework.engine.async_llm import PREFILL_KV_TRANSFER_PARAMS
 
-#: the prefill request's ``kv_transfer_params`` (vLLM's toy proxy sends exactly these fields)
-PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                              "remote_engine_id": None, "remote_block_ids": None,
-                                              "remote_host": None, "remote_port": None}
+logger = logging.getLogger("servelab.proxy")
 
 #: request headers forwarded to both servers (the bearer token and the client's request id)
 _FORWARDED_HEADERS = ("authorization", "x-request-id")

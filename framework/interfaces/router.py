@@ -6,6 +6,12 @@ routed to it since that publication (vLLM's DP load balancer counts them the sam
 arrivals between two publications does not herd onto one replica). For each new request it calls
 :meth:`Router.route` with the request's prompt token ids and every replica's state, dead ones included
 (``alive=False``): a router must never choose a dead replica.
+
+P/D disaggregation (``disagg.prefill_replicas=P``): each replica has a role (:attr:`ReplicaState.role`:
+``prefill``, ``decode``, or ``both`` when colocated) and the front asks :meth:`Router.route_role` for a replica of
+the role a request's phase needs; it shows the router the other replicas as not alive, so every router learns the
+roles through the one rule it already keeps (never choose a dead replica), and its history (a rotation, routed
+prefixes) follows what it chose in each pool.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from framework.interfaces.base import Plugin
@@ -33,6 +39,7 @@ class ReplicaState:
     kv_cache_usage: float = 0.0  # fraction of the replica's KV blocks in use at its last publication, [0, 1]
     alive: bool = True  # False once the replica died (its engine core exited or its step failed)
     published_s: float = 0.0  # when the replica last published, seconds on the front's clock
+    role: str = "both"  # prefill | decode (disagg.prefill_replicas > 0) | both: serves whole requests
 
     @property
     def load(self) -> int:
@@ -85,6 +92,24 @@ class Router(Plugin, ABC):
         Returns:
             The id of an alive replica.
         """
+
+    def route_role(self, role: str, request_id: str, prompt_token_ids: Sequence[int],
+                   replicas: Sequence[ReplicaState]) -> int:
+        """The ``replica_id`` of a replica of ``role`` (or ``both``) for this request: :meth:`route` over
+        ``replicas`` with every replica of another role shown as not alive.
+
+        Called by a P/D front (``disagg.prefill_replicas > 0``) once per phase of a request: ``prefill`` (its
+        prompt, one output token), then ``decode``. A router needs nothing of its own for it (the rule lives here,
+        once); one that routes by role otherwise may override it.
+
+        Raises:
+            NoReplicaError: no alive replica has that role (all of that pool died).
+        """
+        if not any(r.alive and r.role in (role, "both") for r in replicas):
+            raise NoReplicaError(f"no alive {role} replica among {len(replicas)} (every one of the {role} pool "
+                                 "died); restart the server")
+        return self.route(request_id, prompt_token_ids,
+                          [r if r.role in (role, "both") else replace(r, alive=False) for r in replicas])
 
     def on_request_finished(self, request_id: str, replica_id: int) -> None:
         """The request routed to ``replica_id`` finished (stopped, aborted or failed). Called by the front

@@ -12,6 +12,7 @@ non-zero for its supervisor to restart it, as ``vllm serve`` does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -118,12 +119,27 @@ def core_config(cfg: DictConfig, engine_config: EngineConfig) -> EngineConfig:
                          str((cfg.get("executor") or {}).get("name", "auto")))
 
 
+def replica_roles(engine_config: EngineConfig) -> list[str]:
+    """Each engine core's role, in replica order: ``disagg.prefill_replicas=P`` makes the first ``P`` ``prefill``
+    and the rest ``decode`` (P/D disaggregation); else every one ``both``."""
+    n, p = engine_config.data_parallel_size, engine_config.disagg_prefill_replicas
+    return ["prefill"] * p + ["decode"] * (n - p) if p else ["both"] * n
+
+
+def replica_config(one: EngineConfig, role: str) -> EngineConfig:
+    """The config of one engine core of ``role``: a prefill replica stores its prompts' KV through the KV connector
+    (``kv_transfer.role=kv_producer``), a decode replica loads it (``kv_consumer``); ``both`` keeps ``one``."""
+    if role == "both":
+        return one
+    return dataclasses.replace(one, kv_role="kv_producer" if role == "prefill" else "kv_consumer")
+
+
 def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metrics: Any) -> tuple[AsyncLLM, Any, Any]:
     """The ``AsyncLLM`` front of a server, its engine facts and tokenizer.
 
     ``server.engine_process=true`` (default): ``parallel.data_parallel_size`` engine-core processes (each pinned to
     its share of the CPUs, ``parallel_state.replica_cpus``; each possibly tensor-parallel), a router when there are several, the tokenizer loaded
-    here. ``false``: the engine (an in-process data-parallel front when ``data_parallel_size > 1``) on a thread of
+    here; with ``disagg.prefill_replicas=P`` the first ``P`` prefill and the rest decode (:func:`replica_roles`). ``false``: the engine (an in-process data-parallel front when ``data_parallel_size > 1``) on a thread of
     this process.
 
     Raises:
@@ -142,10 +158,13 @@ def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metr
     router = (registry.create("router", engine_config.router, seed=engine_config.seed,
                               **engine_config.plugin_params("router")) if n > 1 else None)
     one = core_config(cfg, engine_config)  # each core process is one replica
+    roles = replica_roles(engine_config)
     metrics_kwargs = {"slo_ttft_ms": cfg.slo.ttft_ms, "slo_tpot_ms": cfg.slo.tpot_ms,
                       "max_records": SERVER_METRICS_RECORDS}
-    clients = [MPCoreClient(one, replica_id=i, data_parallel_size=n, metrics_kwargs=metrics_kwargs) for i in range(n)]
-    llm = AsyncLLM.from_clients(clients, router=router, metrics=metrics, tokenizer=tokenizer, on_dead=on_dead)
+    clients = [MPCoreClient(replica_config(one, roles[i]), replica_id=i, data_parallel_size=n,
+                            metrics_kwargs=metrics_kwargs) for i in range(n)]
+    llm = AsyncLLM.from_clients(clients, router=router, metrics=metrics, tokenizer=tokenizer, on_dead=on_dead,
+                                roles=roles)
     try:
         facts = [client.wait_for_hello() for client in clients][0]
         if not facts.realtime_clock:  # clients wait in wall time; a simulated clock that jumps cannot serve them
@@ -156,8 +175,8 @@ def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metr
         raise
     if n > 1:
 
-        logger.info("data parallel: %d engine-core processes (CPUs %s), router=%s", n,
-                    [list(replica_cpus(i, n)) for i in range(n)], engine_config.router)
+        logger.info("data parallel: %d engine-core processes (CPUs %s, roles %s), router=%s", n,
+                    [list(replica_cpus(i, n)) for i in range(n)], roles, engine_config.router)
     return llm, facts, tokenizer
 
 
