@@ -48,8 +48,8 @@ SMOLLM2_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 PYTEST_TIMEOUT_S = 300
 BENCH_TIMEOUT_S = 150
 #: the GPU test files pytest runs with ``-m gpu``
-GPU_TESTS = ["tests/plugins/attention/test_triton.py", "tests/plugins/attention/test_gpu_backends.py",
-             "tests/test_gpu_e2e.py"]
+GPU_TESTS = ["tests/plugins/attention/test_triton.py", "tests/plugins/attention/test_triton_tree.py",
+             "tests/plugins/attention/test_gpu_backends.py", "tests/test_gpu_e2e.py"]
 BENCH_ARGS = ["--dtype", "bfloat16", "--batch-sizes", "1,16,64,256", "--input-len", "128",
               "--output-len", "32", "--repeats", "10", "--cuda-graphs", "on,off"]
 

@@ -25,6 +25,8 @@ def test_dry_run_lists_steps_and_collects_gpu_tests():
     assert "would run (pytest" in done.stdout and "would run (bench" in done.stdout
     assert "tests/test_gpu_e2e.py::test_cuda_graph_replay_equals_eager[triton-smollm2]" in done.stdout
     assert "tests/plugins/attention/test_triton.py::test_gpu_conformance_float32[16]" in done.stdout
+    assert "tests/plugins/attention/test_triton_tree.py::test_gpu_greedy_tree_output_equals_transformers[eagle-dynamic]" \
+        in done.stdout  # tree attention in the compiled kernel
     count = int(done.stdout.rsplit("collected ", 1)[1].split()[0])
     assert count >= 20
 

@@ -36,13 +36,13 @@ TILE_SIZE = 32
 @triton.jit
 def unified_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
-    scale, softcap, num_seqs,
+    tree_rows_ptr, tree_mask_ptr, scale, softcap, num_seqs, stride_tree, tree_width,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_k_blk, stride_k_pos, stride_k_head, stride_v_blk, stride_v_pos, stride_v_head, stride_bt,
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_FLOAT32: tl.constexpr,
+    DOT_FLOAT32: tl.constexpr, USE_TREE: tl.constexpr,
 ):
     """One program: ``BLOCK_Q`` query tokens of one request x the query heads of one KV head (see the module).
 
@@ -91,6 +91,10 @@ def unified_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], tl.float32)
+    if USE_TREE:  # first row of this request's tree mask, -1: causal (no tree this step)
+        tree_row = tl.load(tree_rows_ptr + seq)
+        tree_q_ok = row_ok & (tl.full([BLOCK_M], tree_row, tl.int32) >= 0)
+        tree_rows = (tl.maximum(tree_row, 0) + q_pos).to(tl.int64)
 
     kv_end = tl.minimum(context_len + (local + 1) * BLOCK_Q, seq_len)  # keys up to the block's last row
     first_tile = 0
@@ -116,6 +120,11 @@ def unified_attention_kernel(
         visible = (k_pos[None, :] <= abs_pos[:, None]) & k_ok[None, :]
         if SLIDING_WINDOW > 0:
             visible = visible & (abs_pos[:, None] - k_pos[None, :] < SLIDING_WINDOW)
+        if USE_TREE:  # among the request's own query keys, a tree node sees its ancestors and itself only
+            rel = k_pos - context_len
+            in_tree = tree_q_ok[:, None] & ((rel >= 0) & (rel < tree_width) & k_ok)[None, :]
+            allowed = tl.load(tree_mask_ptr + tree_rows[:, None] * stride_tree + rel[None, :], mask=in_tree, other=1)
+            visible = visible & (allowed != 0)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row that has seen no key yet
@@ -150,8 +159,10 @@ def launch_shape(num_heads: int, num_kv_heads: int, head_size: int) -> dict[str,
 def unified_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                       sliding_window: int | None = None, softcap: float | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal paged attention of a flattened batch (decodes and prefill chunks), into ``out``.
+                      sinks: torch.Tensor | None = None, tree_rows: torch.Tensor | None = None,
+                      tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal paged attention of a flattened batch (decodes and prefill chunks), into ``out``; with
+    ``tree_rows``/``tree_mask``, draft-tree attention for the requests verifying a token tree.
 
     Launches one grid of ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads)`` programs; no host
     synchronisation, no per-step host values beyond shapes (CUDA-graph capturable).
@@ -168,13 +179,23 @@ def unified_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Ten
         sliding_window: W: a query at position p sees keys at positions > p - W; ``None``: all.
         softcap: c: scores become ``c * tanh(score / c)`` after scaling, before the mask; ``None``: off.
         sinks: ``(num_heads,)`` per-head logits that join the softmax denominator only, or ``None``.
+        tree_rows: ``(num_reqs,)`` int32: the first row of request ``r``'s block in ``tree_mask``, or -1 for a
+            request without a tree this step (causal); ``None``: no tree in the batch.
+        tree_mask: ``(num_tree_rows, tree_width)`` int8, last dim contiguous: row ``tree_rows[r] + j`` says which
+            keys of request ``r``'s own query chunk (column ``m``: the key at position ``context_len + m``) query
+            token ``j`` sees, 1 = visible: its ancestors and itself (vLLM's tree-attention bias rule,
+            ``SpecTreeMask.visible``); context keys stay visible, columns past ``tree_width`` fall back to causal.
+            Built by :func:`pack_tree_mask`.
 
     Returns:
         ``out``.
 
     Raises:
         RuntimeError: CPU tensors while Triton's interpreter is off (:func:`interpreter_active`).
+        ValueError: only one of ``tree_rows`` and ``tree_mask`` given.
     """
+    if (tree_rows is None) != (tree_mask is None):
+        raise ValueError("tree attention needs tree_rows and tree_mask together (pack_tree_mask builds both)")
     num_tokens, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     shape = launch_shape(num_heads, num_kv_heads, head_size)
@@ -185,11 +206,40 @@ def unified_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Ten
                            "TRITON_INTERPRET=1 in the environment before triton is imported (or use a CUDA device)")
     unified_attention_kernel[grid](
         out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, query if sinks is None else sinks,
-        scale, 1.0 if softcap is None else softcap, num_seqs,
+        seq_lens if tree_rows is None else tree_rows, query if tree_mask is None else tree_mask,
+        scale, 1.0 if softcap is None else softcap, num_seqs, 0 if tree_mask is None else tree_mask.stride(0),
+        0 if tree_mask is None else tree_mask.shape[1],
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_table.stride(0),
         BLOCK_SIZE=block_size, TILE=TILE_SIZE, SLIDING_WINDOW=sliding_window or 0, USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        DOT_FLOAT32=query.device.type == "cpu" and query.dtype == torch.bfloat16, **shape)
+        DOT_FLOAT32=query.device.type == "cpu" and query.dtype == torch.bfloat16, USE_TREE=tree_rows is not None,
+        **shape)
     return out
+
+
+def pack_tree_mask(num_reqs: int, requests: list[int], visible: list[torch.Tensor],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's form of a verify step's draft trees (``SpecTreeMask``): every tree request's
+    ``(query_len, query_len)`` visibility block stacked into one int8 matrix.
+
+    Args:
+        num_reqs: requests in the step.
+        requests: batch indices of the tree requests (``SpecTreeMask.requests``).
+        visible: per tree request, ``(query_len, query_len)`` bool (``SpecTreeMask.visible``), any device.
+        device: where the kernel runs.
+
+    Returns:
+        ``tree_rows`` ``(num_reqs,)`` int32 (-1: no tree) and ``tree_mask`` ``(sum query_len, max query_len)``
+        int8 (1 = visible; padding columns 0, never read: they lie past the request's keys), both on ``device``.
+    """
+    rows = torch.full((num_reqs,), -1, dtype=torch.int32)
+    width = max(v.shape[1] for v in visible)
+    mask = torch.zeros((sum(v.shape[0] for v in visible), width), dtype=torch.int8)
+    start = 0
+    for r, v in zip(requests, visible, strict=True):
+        rows[r] = start
+        mask[start:start + v.shape[0], :v.shape[1]] = v.to(torch.int8)
+        start += v.shape[0]
+    return rows.to(device), mask.to(device)

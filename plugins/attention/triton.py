@@ -2,8 +2,10 @@
 
 The kernel family of vLLM's ``TRITON_ATTN`` backend (``plugins/attention/_triton_kernel.py``): every
 token of the flattened batch attends over its request's keys read in place through the block table,
-decodes and prefill chunks in the same launch, GQA without repeating K/V, sliding window, softcap
-and sinks. It needs ``triton`` alone (shipped with CUDA builds of torch), so it runs on any CUDA GPU
+decodes and prefill chunks in the same launch, GQA without repeating K/V, sliding window, softcap,
+sinks, and draft-tree attention for token-tree speculative decoding (each node sees the context, the
+accepted tokens and its own ancestors: vLLM's tree-attention bias rule, here a per-request int8
+visibility block read inside the kernel instead of vLLM's one ``qq_bias`` shared by the batch). It needs ``triton`` alone (shipped with CUDA builds of torch), so it runs on any CUDA GPU
 with nothing extra installed; on CPU tensors the same kernel runs in Triton's interpreter, which is
 how the CPU test suite checks it (``TRITON_INTERPRET=1``; far too slow to serve).
 
@@ -40,6 +42,8 @@ class TritonAttentionMetadata:
     block_table: torch.Tensor  # (num_reqs, max_blocks) int32
     seq_lens: torch.Tensor  # (num_reqs,) int32 tokens in KV after this step
     query_start_loc: torch.Tensor  # (num_reqs + 1,) int32
+    tree_rows: torch.Tensor | None = None  # (num_reqs,) int32 first tree_mask row per request, -1: causal; None: no tree
+    tree_mask: torch.Tensor | None = None  # (num_tree_rows, max_tree_q) int8 draft-tree visibility (pack_tree_mask)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -65,19 +69,29 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sliding_window = True  # tiles before the window skipped, the rest masked by position
     supports_softcap = True
     supports_sinks = True  # the running max starts at the sink, the running sum at 1
+    supports_tree_attention = True  # per-request ancestor rows masked inside the kernel (pack_tree_mask)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         try:
-            from plugins.attention._triton_kernel import unified_attention
+            from plugins.attention._triton_kernel import pack_tree_mask, unified_attention
         except ImportError as e:
             raise ImportError(f"attention=triton needs the triton package: {_INSTALL}") from e
         self._attend = unified_attention
+        self._pack_tree = pack_tree_mask
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        """The runner's device tensors (decodes and prefill chunks together: one kernel launch per layer)."""
+        """The runner's device tensors (decodes and prefill chunks together: one kernel launch per layer); a verify
+        step's draft trees (``common.spec_tree``) packed once for every layer (one host-to-device copy; such
+        steps run eagerly, never in a CUDA graph)."""
+        tree_rows = tree_mask = None
+        if common.spec_tree is not None:
+            tree = common.spec_tree
+            tree_rows, tree_mask = self._pack_tree(common.num_reqs, tree.requests, tree.visible,
+                                                   common.seq_lens.device)
         return TritonAttentionMetadata(slot_mapping=common.slot_mapping, block_table=common.block_table,
-                                       seq_lens=common.seq_lens, query_start_loc=common.query_start_loc)
+                                       seq_lens=common.seq_lens, query_start_loc=common.query_start_loc,
+                                       tree_rows=tree_rows, tree_mask=tree_mask)
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TritonAttentionMetadata, scale: float | None = None,
@@ -91,7 +105,8 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         return self._attend(out, query, kv_cache[0], kv_cache[1], metadata.block_table, metadata.seq_lens,
                             metadata.query_start_loc, self.scale if scale is None else scale,
-                            sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+                            sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+                            tree_rows=metadata.tree_rows, tree_mask=metadata.tree_mask)
 
 
 @hookimpl

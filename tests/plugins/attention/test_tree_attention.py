@@ -87,7 +87,7 @@ def test_ancestor_mask_rule():
                              [1, 1, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]]
 
 
-@pytest.mark.parametrize("attention", ["triton", "hybrid"])
+@pytest.mark.parametrize("attention", ["xformers", "hybrid"])
 def test_backend_without_tree_attention_refused(attention):
     from framework.config import EngineConfig
     from framework.engine.spec_tree_support import tree_problems
