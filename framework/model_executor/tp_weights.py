@@ -100,10 +100,13 @@ def read_slice(handle: Any, name: str, shard: Shard | PackedShard | None) -> tor
     return values
 
 
-def load_weights(model: nn.Module, path: str | Path, sources: WeightSources, device: torch.device) -> None:
+def load_weights(model: nn.Module, path: str | Path, sources: WeightSources, device: torch.device,
+                 pre_quantized: bool = False) -> None:
     """Materialise every ``meta`` parameter of ``model`` on ``device`` from the checkpoint in ``path``.
 
-    Parameters keep their (meta) dtype and shape; tied parameters are filled once and stay shared.
+    Parameters keep their (meta) dtype and shape; tied parameters are filled once and stay shared. With
+    ``pre_quantized`` (``config.json`` has a ``quantization_config``) a weight the file lacks is left zero: it
+    is a packed layer's, which the quant method replaces (and refuses a layer whose file holds neither).
 
     Raises:
         FileNotFoundError: a parameter's tensor is not in the checkpoint.
@@ -127,6 +130,8 @@ def load_weights(model: nn.Module, path: str | Path, sources: WeightSources, dev
             key = checkpoint_name(key, index, model_type, prefix=isinstance(shard, ExpertSlices))
             if isinstance(shard, ExpertSlices):
                 values = read_experts(open_file, key, shard, index)
+            elif key not in index and pre_quantized:
+                values = torch.zeros(param.shape, dtype=param.dtype)
             elif key not in index:
                 raise FileNotFoundError(f"{path}: no tensor {key!r} in the checkpoint for parameter {name!r}")
             else:
@@ -175,8 +180,14 @@ def load_sharded_model(model: str, dtype: torch.dtype, device: torch.device, tp_
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if problems := tp_problems(config, tp_size):
         raise ValueError("; ".join(problems))
+    pre_quantized = getattr(config, "quantization_config", None) is not None
+    if pre_quantized:  # built without transformers' quantizer, as load_model does; the quant method reads the file
+        del config.quantization_config
     net = meta_model(config, dtype=dtype, attn_implementation=attn_implementation)
-    load_weights(net, path, shard_model(net, tp_rank, tp_size, group_name), device)
+    sources = shard_model(net, tp_rank, tp_size, group_name)
+    load_weights(net, path, sources, device, pre_quantized)
+    if pre_quantized:  # where each sharded linear's slice comes from: the checkpoint quant method shards its layers
+        net.tp_weight_sources, net.tp_world_size = sources, tp_size
     net.eval().requires_grad_(False)
     with contextlib.suppress(OSError):  # a folder without generation_config.json keeps from_config's
         net.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)

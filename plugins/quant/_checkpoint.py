@@ -23,6 +23,7 @@ import torch
 from framework.interfaces import QuantMethod
 from framework.model_executor.quantized_checkpoint import CheckpointTensors, read_quantization_config
 from plugins.quant._checkpoint_linears import IntWeights, fast_linear, reference_linear
+from plugins.quant._checkpoint_tp import checkpoint_layer, row_split_problems, shard_weights
 from plugins.quant._common import weight_bytes
 from plugins.quant._input_quant import Fp8Weights, InputQuantLinear
 
@@ -71,6 +72,13 @@ def group_size_problems(method: str, group: Any) -> list[str]:
     if isinstance(group, int) and (group > 0 or group == -1):
         return []
     return [f"{method}: quantization_config.group_size={group!r}; expected -1 or a positive integer"]
+
+
+def _meta_model(config: Any) -> torch.nn.Module:
+    """The unsharded model on ``meta`` (its linears' full shapes, for unpacking a sharded rank's layers)."""
+    from framework.model_executor.tensor_parallel import meta_model
+
+    return meta_model(config)
 
 
 class CheckpointQuantMethod(QuantMethod):
@@ -126,19 +134,40 @@ class CheckpointQuantMethod(QuantMethod):
         return problems + cls.config_problems(qc)
 
     @classmethod
+    def tp_group_sizes(cls, qc: dict[str, Any]) -> list[int]:
+        """The group sizes a row-parallel shard must not split (-1: one group per row; empty: none to keep,
+        e.g. GPTQ act-order, whose scales stay whole on every rank). Default: ``quantization_config.group_size``."""
+        return [int(qc.get("group_size", -1))]
+
+    @classmethod
     def validate_tp(cls, config: EngineConfig, tp_size: int) -> list[str]:
-        """Packed checkpoint weights are not sharded over tensor-parallel ranks yet."""
+        """Packed weights shard along their groups (``plugins/quant/_checkpoint_tp.py``): every row-parallel
+        layer's per-rank ``in_features`` must be a multiple of the file's group size."""
         if tp_size == 1:
             return []
-        return [f"quant={cls.name}: a pre-quantized checkpoint's packed weights are not sharded over "
-                f"tensor_parallel_size={tp_size} ranks; use tensor_parallel_size=1 (or data_parallel_size)"]
+        from framework.model_executor.model_loader import load_model_config
+        from framework.model_executor.quantized_checkpoint import quantization_config
+        from framework.model_executor.tensor_parallel import linear_shapes, tp_problems
+
+        try:
+            mc = load_model_config(config.model)
+        except (OSError, ValueError):  # a missing model is reported by the model checks
+            return []
+        qc = quantization_config(mc)
+        if qc is None or cls.config_problems(qc) or tp_problems(mc, tp_size):
+            return []  # validate() and the executor report those
+        return row_split_problems(cls.name, cls.tp_group_sizes(qc), linear_shapes(mc, 1),
+                                  linear_shapes(mc, tp_size), tp_size)
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Replace the linears the checkpoint quantized (in place); returns ``model``.
+        """Replace the linears the checkpoint quantized (in place); returns ``model``. Under tensor parallelism
+        (``model.tp_weight_sources`` and ``tp_world_size``, set by the sharded loader) each linear gets its rank's slice of the layer
+        (:func:`plugins.quant._checkpoint_tp.shard_weights`).
 
         Raises:
             ValueError: a bad ``quantization_config`` or tensor (names it), a quantized tensor for no linear of
-                the model, or a linear with neither a float nor a quantized weight in the file.
+                the model, a linear with neither a float nor a quantized weight in the file, or a row-parallel
+                shard that splits a group.
         """
         folder = model.name_or_path
         qc = read_quantization_config(folder)
@@ -148,21 +177,26 @@ class CheckpointQuantMethod(QuantMethod):
         tensors = CheckpointTensors(folder)
         device = next(model.parameters()).device
         dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+        sources = getattr(model, "tp_weight_sources", None)
+        full = model if sources is None else _meta_model(model.config)
         before, paths, done = weight_bytes(model), Counter(), set()
         for name, module in list(model.named_modules()):
             if not isinstance(module, torch.nn.Linear):
                 continue
-            w = self.unpack(tensors, qc, name, module)
+            layer, shard = checkpoint_layer(name, sources, full)
+            w = self.unpack(tensors, qc, layer, full.get_submodule(layer) if sources is not None else module)
             if w is None:
-                tied = name == "lm_head" and getattr(model.config, "tie_word_embeddings", False)
-                if f"{name}.weight" not in tensors and not tied:
-                    raise ValueError(f"checkpoint tensor {name}.weight is missing (and {name} is not quantized)")
+                tied = layer == "lm_head" and getattr(model.config, "tie_word_embeddings", False)
+                if f"{layer}.weight" not in tensors and not tied:
+                    raise ValueError(f"checkpoint tensor {layer}.weight is missing (and {layer} is not quantized)")
                 continue
+            if shard is not None:
+                w = shard_weights(w, shard, layer, int(getattr(model, "tp_world_size", 1)))
             new, path = self._linear(w, dtype, device)
             paths[(name.rpartition(".")[2], path)] += 1
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new.to(device))
-            done.add(name)
+            done.add(layer)
         self._refuse_orphans(tensors, done)
         if not done:
             raise ValueError(f"{folder}: no linear of the model has quantized tensors ({self.marker}) in the checkpoint")

@@ -48,6 +48,11 @@ class AWQ(CheckpointQuantMethod):
         problems += group_size_problems("awq", qc.get("group_size", qc.get("q_group_size", 128)))
         return problems
 
+    @classmethod
+    def tp_group_sizes(cls, qc: dict[str, Any]) -> list[int]:
+        """``group_size`` (AutoAWQ's ``q_group_size``; default 128)."""
+        return [int(qc.get("group_size", qc.get("q_group_size", 128)))]
+
     def unpack(self, tensors: CheckpointTensors, qc: dict[str, Any], name: str, linear: torch.nn.Linear,
                ) -> IntWeights | None:
         """Layer ``name``'s ``qweight``/``qzeros``/``scales``/``bias`` as :class:`IntWeights`.

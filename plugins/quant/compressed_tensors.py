@@ -69,6 +69,12 @@ class CompressedTensors(CheckpointQuantMethod):
                          for p in scheme_problems(scheme, qc.get("format"))]
         return problems
 
+    @classmethod
+    def tp_group_sizes(cls, qc: dict[str, Any]) -> list[int]:
+        """``weights.group_size`` of every ``group``-strategy config group."""
+        return [int(g["weights"]["group_size"]) for g in (qc.get("config_groups") or {}).values()
+                if (g.get("weights") or {}).get("strategy") == "group"]
+
     def scheme_of(self, qc: dict[str, Any], name: str, module: torch.nn.Module) -> dict[str, Any]:
         """The first config group (with its resolved ``format``) targeting layer ``name``.
 

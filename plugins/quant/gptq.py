@@ -52,6 +52,11 @@ class GPTQ(CheckpointQuantMethod):
                             f"expected one of {FORMATS}")
         return problems
 
+    @classmethod
+    def tp_group_sizes(cls, qc: dict[str, Any]) -> list[int]:
+        """``group_size``; none with ``desc_act`` (act-order keeps scales whole on every rank, as vLLM's GPTQ)."""
+        return [] if qc.get("desc_act") else [int(qc.get("group_size", -1))]
+
     def unpack(self, tensors: CheckpointTensors, qc: dict[str, Any], name: str, linear: torch.nn.Linear,
                ) -> IntWeights | None:
         """Layer ``name``'s ``qweight``/``qzeros``/``scales``/``g_idx``/``bias`` as :class:`IntWeights`.
