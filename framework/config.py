@@ -17,7 +17,8 @@ KV_TRANSFER_FIELDS = {"role": "kv_role", "load_failure_policy": "kv_load_failure
 COMPILE_MODES = ("auto", "true", "false")
 #: fields set from the ``parallel:`` section of the Hydra config (not ``engine.*``)
 PARALLEL_FIELDS = ("tensor_parallel_size", "data_parallel_size", "num_threads_per_rank", "communicator",
-                   "pipeline_parallel_size", "enable_expert_parallel", "pp_layer_partition")
+                   "pipeline_parallel_size", "enable_expert_parallel", "pp_layer_partition", "all2all_backend",
+                   "enable_eplb", "num_redundant_experts", "eplb_step_interval")
 #: fields set from the ``disagg:`` section (config key -> EngineConfig field): prefill/decode disaggregation
 DISAGG_FIELDS = {"prefill_replicas": "disagg_prefill_replicas"}
 COMMUNICATORS = ("auto", "shm", "torch_distributed")
@@ -56,8 +57,13 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # layers per pipeline stage, e.g. "3,2" (vLLM's VLLM_PP_LAYER_PARTITION); "" = vLLM's get_pp_indices split
     pp_layer_partition: str = ""
-    # MoE experts partitioned over the tensor-parallel ranks (all-to-all dispatch) instead of sharded; executor=sim prices it
+    # MoE experts partitioned over the tensor-parallel ranks (all-to-all dispatch) instead of sharded; executor=sim
+    # prices it, mp / ray run it (framework/model_executor/expert_parallel.py, docs/parallelism.md)
     enable_expert_parallel: bool = False
+    all2all_backend: str = "allgather_reducescatter"  # EP combine (vLLM's names): allgather_reducescatter | naive
+    enable_eplb: bool = False  # EP: rebalance experts over the ranks from measured loads (DeepSeek's EPLB)
+    num_redundant_experts: int = 0  # EP: extra expert slots holding replicas of hot experts (needs enable_eplb)
+    eplb_step_interval: int = 3000  # EP: model forwards (engine steps) between EPLB rebalances
     # P/D disaggregation: of the data_parallel_size replicas, this many prefill (0: colocated); docs/simulator.md
     disagg_prefill_replicas: int = 0
     router_params: dict[str, Any] = field(default_factory=dict)
@@ -158,9 +164,9 @@ class EngineConfig:
             (self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}"),
             (self.pipeline_parallel_size >= 1,
              f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"),
-            (self.executor == "sim" or not self.enable_expert_parallel,
-             "parallel.enable_expert_parallel is priced by executor=sim only (docs/simulator.md); the real executors "
-             "run tensor, pipeline and data parallelism"),
+            (self.executor != "uniproc" or not self.enable_expert_parallel,
+             "parallel.enable_expert_parallel splits experts over tensor-parallel ranks in worker processes: use "
+             "executor=mp (or ray, or auto), or executor=sim to price it"),
             (self.executor == "sim" or self.disagg_prefill_replicas == 0 or self.kv_connector != "none",
              "disagg.prefill_replicas needs a KV connector to move each prompt's KV from its prefill replica to its "
              "decode replica: add kv_connector=zmq (or kv_connector=shared_storage kv_connector.params.path=DIR); "

@@ -1,9 +1,10 @@
 """What token-tree speculative decoding refuses before weights load (``framework/core/spec_tree.py``).
 
 A drafter that proposes trees (``Drafter.drafts_trees``: ``spec_decode=medusa``) needs an attention backend that
-honours tree attention (``AttentionBackend.supports_tree_attention``: ``torch``, ``torch_paged``) and one rank: the
-driver rank moves each accepted path's K/V into place right after verifying it, which the other tensor-parallel ranks
-would not see. Called by ``validate_plugins`` (``framework/engine/builder.py``).
+honours tree attention (``AttentionBackend.supports_tree_attention``: ``torch``, ``torch_paged``, ``triton``) and one
+pipeline stage: after a verify step every tensor-parallel rank moves the accepted path's K/V into place, the driver's
+paths reaching the others in one broadcast over the TP group (``framework/worker/spec_tree_ranks.py``), which the
+stages of a pipeline do not share. Called by ``validate_plugins`` (``framework/engine/builder.py``).
 
 It also applies ``spec_decode.params.acceptance`` (``exact``, or Medusa's lossy ``typical``:
 ``framework/sample/typical_acceptance.py``) to every rank's rejection sampler and labels the run with it.
@@ -31,10 +32,12 @@ def tree_problems(config: EngineConfig) -> list[str]:
     backend = registry.get_class("attention", config.attention)
     if backend is not None and not getattr(backend, "supports_tree_attention", False):
         problems.append(f"spec_decode={config.drafter} verifies token trees, which attention={config.attention} cannot "
-                        "attend (no tree attention); use attention=torch_paged (the CPU default) or attention=torch")
-    if config.tensor_parallel_size > 1:
-        problems.append(f"spec_decode={config.drafter} (token trees) runs on one rank only; set "
-                        "parallel.tensor_parallel_size=1")
+                        "attend (no tree attention); use attention=torch_paged (the CPU default), attention=torch or "
+                        "attention=triton (CUDA)")
+    if config.pipeline_parallel_size > 1:
+        problems.append(f"spec_decode={config.drafter} (token trees) moves each accepted path's K/V within the "
+                        "tensor-parallel group only; set parallel.pipeline_parallel_size=1 (tensor_parallel_size may "
+                        "stay), or drop spec_decode.params.tree for chains")
     return problems
 
 

@@ -71,7 +71,7 @@ def read_experts(open_file: Any, key: str, slices: ExpertSlices, index: dict[str
         FileNotFoundError: an expert's tensor is not in the checkpoint.
     """
     experts = []
-    for e in range(slices.num_experts):
+    for e in slices.ids():
         parts = []
         for leaf in slices.leaves:
             name = f"{key}.{e}.{leaf}.weight"

@@ -36,6 +36,7 @@ from framework.sample.rejection_sampler import RejectionSampler
 from framework.sample.sampler import Sampler
 from framework.worker.input_batch import BatchInputs, InputBatch, prepare_inputs
 from framework.worker.kv_connector_runner import KVConnectorRunner
+from framework.worker.spec_tree_ranks import share_tree_moves, tree_layout
 
 logger = logging.getLogger(__name__)
 
@@ -324,6 +325,8 @@ class ModelRunner:
             with forward_context(self._forward_context(metadata, self._lora_step(batch))):
                 logits, hidden = self._forward(batch.input_ids, batch.positions, batch.logits_index, metadata)
         if not self.is_driver_rank:
+            if self.tensor_parallel and tree_layout(batch, scheduler_output):  # the driver's accepted tree paths
+                self._compact_tree(batch, share_tree_moves(batch, scheduler_output, None), None)
             return ModelRunnerOutput(sampled_token_ids={}, prepare_s=t1 - t0, forward_s=time.perf_counter() - t1)
         prompt_logprobs = {}
         if batch.prompt_rows is not None:  # same forward as the prefill: the rows after the sampled ones
@@ -404,6 +407,8 @@ class ModelRunner:
             if result[3]:  # token index of the tree's node 0: the last k tokens of the request's query are its nodes
                 end = int(batch.query_start_loc_cpu[batch.requests.index(request) + 1])
                 moves.append((end - len(so.scheduled_spec_decode_tokens[request.request_id]), result[3]))
+        if self.tensor_parallel and tree_layout(batch, so):  # every rank moves its shard of the K/V
+            moves = share_tree_moves(batch, so, moves)
         if moves:
             self._compact_tree(batch, moves, hidden)
 

@@ -39,6 +39,7 @@ from framework.distributed.parallel_state import (
 from framework.interfaces import AttentionBackend, AttentionLayerSpec
 from framework.model_executor import parallel_layers
 from framework.model_executor.cpu_malloc import tune_malloc
+from framework.model_executor.expert_parallel import ExpertParallelConfig, load_ep_model
 from framework.model_executor.forward_context import register_attention_implementation
 from framework.model_executor.lora_layers import LoRAModelManager
 from framework.model_executor.lora_tp import lora_shards
@@ -88,7 +89,10 @@ def load_weights(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> Lo
     device = torch.device(config.device)
     if config.tune_malloc and device.type == "cpu":
         tune_malloc()
-    if tp_size > 1:
+    if tp_size > 1 and config.enable_expert_parallel:  # whole experts per rank, attention tensor-parallel
+        loaded = load_ep_model(config.model, config.dtype, config.device, tp_rank, tp_size,
+                               register_attention_implementation(), ExpertParallelConfig.of(config))
+    elif tp_size > 1:
         loaded = load_tp_model(config.model, config.dtype, config.device, tp_rank, tp_size,
                                register_attention_implementation())
     else:

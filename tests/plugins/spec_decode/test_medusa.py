@@ -227,13 +227,17 @@ def test_misconfigurations_refused(drafter, params, match):
         validate_plugins(EngineConfig(model=STORIES, drafter=drafter, drafter_params=params))
 
 
-def test_tensor_parallel_refused():
+def test_pipeline_parallel_refused_tensor_parallel_allowed():
+    """Trees run under tensor parallelism (``tests/plugins/spec_decode/test_tree_tensor_parallel.py``), not across
+    pipeline stages."""
     from framework.config import EngineConfig
     from framework.engine.spec_tree_support import tree_problems
 
-    config = EngineConfig(model=STORIES, drafter="medusa", tensor_parallel_size=2,
-                          drafter_params={"model": STORIES_MEDUSA, "tree": [[0], [1]]})
-    assert any("tensor_parallel_size=1" in p for p in tree_problems(config))
+    params = {"model": STORIES_MEDUSA, "tree": [[0], [1]]}
+    config = EngineConfig(model=STORIES, drafter="medusa", pipeline_parallel_size=2, drafter_params=params)
+    assert any("pipeline_parallel_size=1" in p for p in tree_problems(config))
+    assert tree_problems(EngineConfig(model=STORIES, drafter="medusa", tensor_parallel_size=2,
+                                      drafter_params=params)) == []
 
 
 def test_train_medusa_writes_usable_heads(tmp_path, capsys):
