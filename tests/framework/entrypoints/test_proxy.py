@@ -1,5 +1,5 @@
-"""``servelab proxy``: two OpenAI servers (``kv_connector=shared_storage``, one ``kv_producer``, one ``kv_consumer``
-with ``load_failure_policy=fail``) behind the P/D proxy, all in-process over httpx's ASGI transport. Greedy float32
+"""``servelab proxy``: two OpenAI servers (``kv_connector=shared_storage`` or ``zmq``, one ``kv_producer``, one
+``kv_consumer`` with ``load_failure_policy=fail``) behind the P/D proxy, all in-process over httpx's ASGI transport. Greedy float32
 completions and chat completions, streamed and not, equal one plain engine's token for token (a prompt shorter than
 one block included); the decode server loaded the prefill's blocks; a request whose KV fails to load gets an error
 naming the policy while the others are served; the bodies the proxy sends are vLLM's toy proxy's."""
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -32,8 +34,9 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
             "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-def _server(path: Path, role: str) -> tuple[ServerState, object]:
-    engine = LLM(**ENGINE, kv_connector="shared_storage", kv_connector_params={"path": str(path)}, kv_role=role,
+def _server(connector: str, path: Path, role: str) -> tuple[ServerState, object]:
+    params = {"path": str(path)} if connector == "shared_storage" else {"abort_timeout_s": 60.0, "pull_timeout_s": 5.0}
+    engine = LLM(**ENGINE, kv_connector=connector, kv_connector_params=params, kv_role=role,
                  kv_load_failure_policy="fail").engine
     state = ServerState(llm=AsyncLLM(engine), model_name="tiny", max_model_len=engine.max_model_len,
                         vocab_size=engine.vocab_size, tokenizer=engine.tokenizer, supports_structured_outputs=False,
@@ -41,12 +44,13 @@ def _server(path: Path, role: str) -> tuple[ServerState, object]:
     return state, engine
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    """``(plain LLM, prefill state, decode state, decode engine, store folder)``."""
+@pytest.fixture(scope="module", params=["shared_storage", "zmq"])
+def pd(request, tmp_path_factory):
+    """``(plain LLM, prefill state, decode state, decode engine, store folder)`` over one KV connector: the
+    shared folder of ``shared_storage``, or ``zmq``'s pulls (the decode waits in WAITING_FOR_REMOTE_KVS)."""
     path = tmp_path_factory.mktemp("kv_store")
-    prefill, prefill_engine = _server(path, "kv_producer")
-    decode, decode_engine = _server(path, "kv_consumer")
+    prefill, prefill_engine = _server(request.param, path, "kv_producer")
+    decode, decode_engine = _server(request.param, path, "kv_consumer")
     yield LLM(**ENGINE), prefill, decode, decode_engine, path
     for state, engine in ((prefill, prefill_engine), (decode, decode_engine)):
         state.llm.shutdown()
@@ -62,6 +66,16 @@ def _proxy_call(prefill: ServerState, decode: ServerState, path: str, body: dict
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy), base_url="http://proxy",
                                          timeout=60) as client:
                 return await client.post(path, json=body)
+
+    return asyncio.run(go())
+
+
+def _call(state: ServerState, path: str, body: dict) -> httpx.Response:
+    """``body`` straight to one server (no proxy)."""
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://s",
+                                     timeout=60) as client:
+            return await client.post(path, json=body)
 
     return asyncio.run(go())
 
@@ -120,10 +134,12 @@ def test_chat_streamed_through_the_proxy_equals_one_plain_engine(pd):
 
 
 def test_a_failed_kv_load_fails_only_that_request(pd):
-    plain, prefill, decode, _, path = pd
+    plain, prefill, decode, decode_engine, path = pd
+    if decode_engine.config.kv_connector != "shared_storage":
+        pytest.skip("a corrupted stored block is shared_storage's failure (zmq's: tests/plugins/kv_connectors)")
     prompt = "The dog and the bird sang a song under the big green tree"
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    warm = _proxy_call(prefill, prefill, "/v1/completions", prefill_body(body))  # prefill only: files stored
+    warm = _call(prefill, "/v1/completions", prefill_body(body))  # prefill only: files stored
     assert warm.status_code == 200 and warm.json()["kv_transfer_params"] is None  # shared_storage needs no handle
     key = prefix_block_hashes(plain.engine.tokenizer(prompt).input_ids, BLOCK)[1]
     (path / f"{key}.safetensors").write_bytes(b"not a safetensors file")
@@ -133,3 +149,46 @@ def test_a_failed_kv_load_fails_only_that_request(pd):
     ok = _proxy_call(prefill, decode, "/v1/completions", {**body, "prompt": "Tom and Lily ate a cake"})
     [want] = plain.generate(["Tom and Lily ate a cake"], SamplingParams(temperature=0, max_tokens=4))
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == want.outputs[0].text
+
+
+def test_an_abort_while_waiting_for_remote_kvs_frees_the_decode(pd):
+    plain, prefill, decode, decode_engine, _ = pd
+    if decode_engine.config.kv_connector != "zmq":
+        pytest.skip("shared_storage loads synchronously: no request waits for remote KV")
+    prompt = "Lily saw a big cat and the cat ran up the tall tree"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    handle = _call(prefill, "/v1/completions", prefill_body(body)).json()["kv_transfer_params"]
+    assert handle["do_remote_prefill"] and handle["remote_block_ids"]
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts the pull's connection and never answers it
+    parked = decode_engine.scheduler.kv_transfer.parked
+
+    async def abort_while_parked() -> bool:
+        stuck = {**handle, "remote_port": silent.getsockname()[1]}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(decode)), base_url="http://d",
+                                     timeout=60) as client:
+            task = asyncio.ensure_future(client.post("/v1/completions", json={**body, "kv_transfer_params": stuck}))
+            deadline = time.monotonic() + 30
+            while not parked and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            seen = bool(parked)
+            task.cancel()  # the client goes away: the server aborts the parked request
+            await asyncio.gather(task, return_exceptions=True)
+            return seen
+
+    try:
+        assert asyncio.run(abort_while_parked()), "the decode request never waited in WAITING_FOR_REMOTE_KVS"
+        deadline = time.monotonic() + 2  # well before the pull's own 5 s timeout: the abort ended it
+        while decode_engine.scheduler.requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not decode_engine.scheduler.requests and not parked
+        deadline = time.monotonic() + 30  # its blocks wait for the pull in flight to end (delay_free), then free
+        while decode_engine.scheduler.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not decode_engine.scheduler.has_unfinished_requests()
+        assert_all_blocks_free(decode_engine)
+    finally:
+        silent.close()
+    # the real handle is still served (the producer's held blocks are pulled and freed), token-exact
+    resp = _call(decode, "/v1/completions", {**body, "kv_transfer_params": handle})
+    [want] = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=6))
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want.outputs[0].text
