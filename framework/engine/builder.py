@@ -54,6 +54,7 @@ from framework.interfaces import AttentionLayerSpec, Drafter, Executor
 from framework.interfaces.attention import latent_kv_problems
 from framework.metrics.collector import MetricsCollector
 from framework.model_executor.embeddings import load_embeddings
+from framework.model_executor.expert_parallel import ExpertParallelConfig, ep_problems
 from framework.model_executor.model_families import attention_layers, family_of
 from framework.model_executor.model_loader import checkpoint_dtype, load_model_config, load_tokenizer
 from framework.model_executor.quantized_checkpoint import (
@@ -271,6 +272,9 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
                      num_heads=layers[0].num_heads, num_kv_heads=layers[0].num_kv_heads,
                      head_size=max(layer.cache_head_size for layer in layers), vocab_size=mc.vocab_size,
                      attention_layers=layers)
+    if config.enable_expert_parallel and config.executor != "sim":  # sim prices EP itself (framework/sim)
+        if ep_refusals := ep_problems(mc, config.tensor_parallel_size, ExpertParallelConfig.of(config)):
+            raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(ep_refusals))
     problems = registry.get_class("attention", config.attention).validate_model(layers, config)
     if config.tensor_parallel_size > 1 and not problems:
         problems = tensor_parallel_problems(config, mc, spec) or latent_kv_problems(layers, config, tensor_parallel=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,9 @@ WEIGHT_AFTER_CAST_NORMS = frozenset({"olmoe"})
 
 #: param name in the sharded model -> (tensor name in the checkpoint, this rank's slice or None: whole)
 WeightSources = dict[str, tuple[str, Shard | PackedShard | ExpertSlices | None]]
+#: what replaces ``moe_tp_experts`` under expert parallelism: (experts module, its name, dims, model_type)
+#: -> (module, LocalSources) (``framework/model_executor/expert_parallel.py``'s ``ExpertSharder``)
+ExpertsStyle = Callable[[nn.Module, str, RankDims, str], tuple[nn.Module, dict]]
 
 
 @dataclass
@@ -237,11 +241,14 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def _style_module(model: nn.Module, name: str, style: str, dims: RankDims) -> tuple[nn.Module, dict] | None:
+def _style_module(model: nn.Module, name: str, style: str, dims: RankDims,
+                  experts_style: ExpertsStyle | None = None) -> tuple[nn.Module, dict] | None:
     """The module and sources ``style`` gives the planned module ``name`` (``None``: it stays whole)."""
     module = model.get_submodule(name)
     if style in REPLICATED_STYLES:
         return None
+    if style == "moe_tp_experts" and experts_style is not None:
+        return experts_style(module, name, dims, model.config.model_type)
     if style == "moe_tp_experts":
         return tp_styles.moe_tp_experts(module, dims, model.config.model_type)
     if style == "sharded_norm":
@@ -290,7 +297,8 @@ def _localize_attention(model: nn.Module, layout: TPLayout) -> None:
             module.config = local_configs[id(module.config)]
 
 
-def shard_model(model: nn.Module, tp_rank: int, tp_size: int, group_name: str) -> WeightSources:
+def shard_model(model: nn.Module, tp_rank: int, tp_size: int, group_name: str,
+                experts_style: ExpertsStyle | None = None) -> WeightSources:
     """Swap ``model``'s planned layers (on ``meta``) for this rank's tensor-parallel layers, in place.
 
     Args:
@@ -298,6 +306,8 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int, group_name: str) -
             must be empty for ``tp_size``.
         tp_rank, tp_size: this rank and the group size.
         group_name: the TP process group's ``group_name`` (the collectives' handle).
+        experts_style: shards ``moe_tp_experts`` modules instead (expert parallelism: whole experts per
+            rank, ``expert_parallel.ExpertSharder``); ``None``: split every expert's intermediate features.
 
     Returns:
         Where each sharded parameter's values come from (params not listed load whole, same name).
@@ -307,7 +317,7 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int, group_name: str) -
     sources: WeightSources = {}
     _shard_embeddings(model, dims, sources)
     for name, style in plan.items():
-        swapped = _style_module(model, name, style, dims)
+        swapped = _style_module(model, name, style, dims, experts_style)
         if swapped is None:
             continue
         new, local = swapped

@@ -51,6 +51,11 @@ class ExpertSlices:
     num_experts: int  # E
     leaves: tuple[str, ...]  # ("w1", "w3") for Mixtral's gate/up, ("w2",) for its down
     shard: Shard  # of each per-expert weight: rows of gate/up (dim 0), columns of down (dim 1)
+    expert_ids: tuple[int, ...] = ()  # checkpoint experts to read, in order (empty: 0 .. num_experts - 1; EP's slots)
+
+    def ids(self) -> tuple[int, ...]:
+        """The checkpoint experts read, in stacking order."""
+        return self.expert_ids or tuple(range(self.num_experts))
 
 
 #: param name in the sharded model, relative to the planned module -> (tensor name relative to the
