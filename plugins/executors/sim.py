@@ -72,7 +72,9 @@ class SimExecutor(Executor):
     def __init__(self, config: EngineConfig, clock: str = "virtual", profile: str = "auto",
                  eos_probability: float | None = None, acceptance: Any = None, draft_step_s: float = 0.0,
                  grammar_mask_s: str | float = "auto", memory: str = "auto", gpu_memory_utilization: float = 0.9,
-                 seed: int | None = None, lora_device: str = "auto") -> None:
+                 seed: int | None = None, lora_device: str = "auto", pp_microbatches: int = 0,
+                 expert_skew: float = 1.0, expert_loads: list[float] | None = None) -> None:
+        # pp_microbatches, expert_skew, expert_loads: read by the analytic roofline from config.executor_params
         super().__init__(config, clock=clock, profile=profile)
         import torch
 
