@@ -368,3 +368,30 @@ def test_sim_scale_runs_the_ablation_and_plots(tmp_path):
     assert len(rows) == 4 and all(r["summary"]["num_requests"] == 120 for r in rows)
     assert all(r["summary"]["sim_profile"] == "analytic:h100" for r in rows)
     assert (tmp_path / "sim_scale_ablation.png").is_file() and (tmp_path / "sim_scale_kv_usage.png").is_file()
+
+
+def test_bench_spec_decode_trees_puts_medusa_on_stories_without_heads(capsys):
+    """``--trees`` on a target without Medusa/EAGLE heads: both drafters' rows run on stories260K, and it says so."""
+    import argparse
+
+    from experiments.offline import bench_spec_decode as bench
+
+    args = argparse.Namespace(model="smollm2", medusa_model=None, eagle_model=None, static_tree=bench.MEDUSA_TREE,
+                              eagle_static_tree=bench.EAGLE_TREE, tree_depth=3, topk=4, num_draft_tokens=16)
+    systems = bench.tree_systems(args, "/nowhere/SmolLM2-135M-Instruct")
+    assert [(d, s) for _, d, s, _ in systems] == [("medusa", "chain"), ("medusa", "static_tree"), ("eagle", "chain"),
+                                                  ("eagle", "static_tree"), ("eagle", "dynamic_tree")]
+    assert {target for target, _, _, _ in systems} == {STORIES}
+    assert "medusa runs on stories260K only" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_spec_decode_trees_smoke(tmp_path, capsys):
+    """The whole ``--trees`` comparison at tiny settings on stories260K: every system's row, and the CPU line."""
+    from experiments.offline import bench_spec_decode as bench
+
+    rows = bench.main(["--trees", "--model", STORIES, "--dtype", "float32", "--batch-sizes", "1", "--num-prompts", "1",
+                       "--output-len", "4", "--workloads", "chat", "--json-out", str(tmp_path / "trees.json")])
+    assert [r["system"] for r in rows] == ["nospec", "chain", "static_tree", "chain", "static_tree", "dynamic_tree"]
+    assert all(r["mean_accepted_len"] >= 1.0 for r in rows[1:]) and "ISA:" in capsys.readouterr().out
+    assert json.loads((tmp_path / "trees.json").read_text())["machine"]["cpu"]

@@ -22,11 +22,24 @@ Drafters: ``ngram``, ``draft_model`` (needs ``--draft-model PATH``) and ``eagle`
 ``experiments/quality/train_eagle.py``). transformers has no EAGLE generation, so ``eagle`` rows are
 compared with ``hf_nospec`` only.
 
+``--trees`` runs the token-tree comparison instead, in one run: per tree drafter (``medusa``, ``eagle``), no
+speculation vs its chain (``num_speculative_tokens``) vs a static tree (``--static-tree``: Medusa choice paths; for
+``eagle`` its chain plus sibling leaves, ``--eagle-static-tree``) vs a dynamic tree (EAGLE-2, ``tree=dynamic``;
+``eagle`` only), at each ``--batch-sizes`` (default there 1,4,16). Printed per row: drafts accepted per verify step
+(mean accepted length), tokens per verify step (accepted + the target's own), output tok/s, and the CPU model and
+ISA. Medusa heads exist for stories260K only (``models/stories260K-medusa``): with another ``--model`` and no
+``--medusa-model`` the medusa rows run on stories260K and the output says so (train SmolLM2 heads with
+``python -m experiments.quality.train_medusa --out outputs/medusa-smollm2 --eval``). EAGLE on SmolLM2 needs
+``--eagle-model`` (``experiments/quality/train_eagle.py``); without it the eagle rows run on stories260K too.
+
 Example (the lead's quiet-machine run)::
 
     .venv/bin/python -m experiments.offline.bench_spec_decode --model smollm2 --dtype bfloat16 --threads 2 \
         --workloads chat,grounded --batch-sizes 1,16 --ks 1,2,4 --num-prompts 16 --output-len 128 \
         --json-out experiments/results/spec_decode.json
+    .venv/bin/python -m experiments.offline.bench_spec_decode --trees --model smollm2 --dtype bfloat16 --threads 2 \
+        --workloads chat --num-prompts 16 --output-len 64 --eagle-model outputs/eagle-smollm2 \
+        --json-out experiments/results/spec_trees.json
 """
 
 from __future__ import annotations
@@ -45,9 +58,15 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from experiments.common import REPO_ROOT, bench_dtype  # noqa: E402
+from experiments.common import REPO_ROOT, bench_dtype, machine_info  # noqa: E402
 
 GROUNDED_INSTRUCTION = "\n\nRepeat the passage above word for word, then continue it:\n"
+STORIES = "stories260K"
+#: heads shipped for stories260K (``models/README.md``)
+SHIPPED_HEADS = {"medusa": str(REPO_ROOT / "models" / "stories260K-medusa"),
+                 "eagle": str(REPO_ROOT / "models" / "stories260K-eagle")}
+MEDUSA_TREE = "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0],[0,0,1],[0,0,0,0]]"
+EAGLE_TREE = "[[0],[1],[2],[0,0],[0,1],[0,0,0],[0,0,1]]"  # the chain plus sibling leaves (draft passes: 3)
 
 
 def resolve_model(name: str) -> str:
@@ -78,15 +97,17 @@ def build_prompts(workload: str, tokenizer: Any, num_prompts: int, prompts_file:
 
 def run_ours(model: str, dtype: str, prompts: list[list[int]], batch: int, output_len: int,
              drafter: str = "none", k: int = 0, draft_model: str | None = None,
-             eagle_model: str | None = None) -> dict[str, Any]:
-    """Output tok/s and speculation stats of our engine over ``prompts``, ``batch`` at a time."""
+             eagle_model: str | None = None, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Output tok/s and speculation stats of our engine over ``prompts``, ``batch`` at a time (``params``: the
+    drafter's whole ``spec_decode.params``, else built from ``k`` and the drafter's model)."""
     from framework import LLM, SamplingParams
 
-    params: dict[str, Any] = {"num_speculative_tokens": k} if drafter != "none" else {}
-    if drafter == "draft_model":
-        params["model"] = draft_model
-    if drafter == "eagle":
-        params["model"] = eagle_model
+    if params is None:
+        params = {"num_speculative_tokens": k} if drafter != "none" else {}
+        if drafter == "draft_model":
+            params["model"] = draft_model
+        if drafter == "eagle":
+            params["model"] = eagle_model
     llm = LLM(model=model, dtype=dtype, drafter=drafter, drafter_params=params, enable_prefix_caching=False)
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=4))  # warmup
@@ -99,7 +120,8 @@ def run_ours(model: str, dtype: str, prompts: list[list[int]], batch: int, outpu
     s = llm.engine.metrics.summary()
     return {"output_tok_s": n_out / wall, "wall_s": wall, "acceptance": s.get("spec_acceptance_rate"),
             "mean_accepted_len": s.get("spec_mean_accepted_length"), "tokens_per_forward": s["tokens_per_forward"],
-            "draft_s": s.get("spec_draft_s"), "verify_s": s.get("spec_verify_s")}
+            "draft_s": s.get("spec_draft_s"), "verify_s": s.get("spec_verify_s"),
+            "num_draft_tokens": s.get("spec_num_draft_tokens")}
 
 
 def run_hf(model: str, dtype: str, prompts: list[list[int]], output_len: int, k: int = 0,
@@ -125,12 +147,75 @@ def run_hf(model: str, dtype: str, prompts: list[list[int]], output_len: int, k:
     return {"output_tok_s": n_out / wall, "wall_s": wall}
 
 
+def tree_systems(args: argparse.Namespace, model: str) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """The ``--trees`` comparison's speculating systems: ``(target model folder, drafter, system, params)``, the
+    chain, the static tree and (``eagle``) the dynamic tree of each tree drafter, each on the target its heads fit
+    (a note printed where that is stories260K instead of ``--model``)."""
+    stories = resolve_model(STORIES)
+    on_stories = Path(model).resolve() == Path(stories).resolve()
+    heads = {"medusa": args.medusa_model, "eagle": args.eagle_model}
+    systems = []
+    for drafter in ("medusa", "eagle"):
+        target, head = model, heads[drafter]
+        if head is None:
+            head, target = SHIPPED_HEADS[drafter], stories
+            if not on_stories:
+                print(f"note: no {drafter} heads for {args.model} (--{drafter}-model): {drafter} runs on stories260K "
+                      f"only, with {head}")
+        static = json.loads(args.static_tree if drafter == "medusa" else args.eagle_static_tree)
+        chain = {"model": head, "num_speculative_tokens": args.tree_depth}
+        systems += [(target, drafter, "chain", chain), (target, drafter, "static_tree", {"model": head, "tree": static})]
+        if drafter == "eagle":
+            systems.append((target, drafter, "dynamic_tree", {**chain, "tree": "dynamic", "topk": args.topk,
+                                                              "num_draft_tokens": args.num_draft_tokens}))
+    return systems
+
+
+def run_trees(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """No speculation vs chain vs static tree vs dynamic tree, per tree drafter and batch size (``--trees``)."""
+    from transformers import AutoTokenizer
+
+    machine = machine_info()
+    print(f"CPU: {machine['cpu']} | ISA: {machine['isa']} | torch threads: {machine['torch_threads']}")
+    workload = args.workloads.split(",")[0]
+    systems = tree_systems(args, resolve_model(args.model))
+    rows: list[dict[str, Any]] = []
+    for target in dict.fromkeys(t for t, _, _, _ in systems):
+        prompts = build_prompts(workload, AutoTokenizer.from_pretrained(target), args.num_prompts, args.prompts_file)
+        dtype = bench_dtype(target, args.dtype)
+        for batch in [int(b) for b in args.batch_sizes.split(",")]:
+            base = {"model": Path(target).name, "workload": workload, "batch": batch}
+            rows.append({**base, "drafter": "none", "system": "nospec",
+                         **run_ours(target, dtype, prompts, batch, args.output_len)})
+            for _, drafter, system, params in (x for x in systems if x[0] == target):
+                rows.append({**base, "drafter": drafter, "system": system,
+                             **run_ours(target, dtype, prompts, batch, args.output_len, drafter, params=params)})
+    for r in rows:
+        r["accepted_per_step"] = None if r["mean_accepted_len"] is None else r["mean_accepted_len"] - 1
+    _print_trees(rows, machine)
+    return rows
+
+
+def _print_trees(rows: list[dict[str, Any]], machine: dict[str, Any]) -> None:
+    """The ``--trees`` table: accepted drafts and tokens per verify step, output tok/s, speed-up over no speculation."""
+    table = Table(title=f"token trees (greedy) on {machine['cpu']} [{machine['isa']}]")
+    for col in ("model", "batch", "drafter", "system", "accepted/step", "tok/verify step", "tok/s", "vs nospec"):
+        table.add_column(col)
+    fmt = (lambda v: "-" if v is None else f"{v:.2f}")  # noqa: E731
+    for r in rows:
+        nospec = next(x for x in rows if x["model"] == r["model"] and x["batch"] == r["batch"]
+                      and x["system"] == "nospec")["output_tok_s"]
+        table.add_row(r["model"], str(r["batch"]), r["drafter"], r["system"], fmt(r["accepted_per_step"]),
+                      fmt(r["mean_accepted_len"]), f"{r['output_tok_s']:.1f}", f"{r['output_tok_s'] / nospec:.2f}x")
+    Console(width=200).print(table)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto", help="auto: the dtype servelab's dtype=auto picks on this CPU (float32 for bf16 on AVX2 only)")
     p.add_argument("--workloads", default="chat,grounded")
-    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--batch-sizes", default=None, help="comma list (default 1,16; with --trees 1,4,16)")
     p.add_argument("--ks", default="1,2,4")
     p.add_argument("--drafters", default="ngram", help="comma list of ngram,draft_model,eagle")
     p.add_argument("--draft-model", default=None, help="draft_model's model (e.g. stories260K-draft)")
@@ -141,9 +226,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--trees", action="store_true", help="the token-tree comparison (see the module docstring)")
+    p.add_argument("--medusa-model", default=None, help="--trees: medusa heads for --model (else stories260K's)")
+    p.add_argument("--static-tree", default=MEDUSA_TREE, help="--trees: medusa's static tree (JSON choice paths)")
+    p.add_argument("--eagle-static-tree", default=EAGLE_TREE, help="--trees: eagle's static tree (JSON)")
+    p.add_argument("--tree-depth", type=int, default=3, help="--trees: chain length and dynamic-tree depth")
+    p.add_argument("--topk", type=int, default=4, help="--trees: EAGLE-2 expansion width")
+    p.add_argument("--num-draft-tokens", type=int, default=16, help="--trees: EAGLE-2 nodes kept per tree")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.batch_sizes = args.batch_sizes or ("1,4,16" if args.trees else "1,16")
+    if args.trees:
+        rows = run_trees(args)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"args": vars(args), "machine": machine_info(), "rows": rows},
+                                                      indent=2))
+        return rows
     args.dtype = bench_dtype(args.model, args.dtype)
     from transformers import AutoTokenizer
 
