@@ -1,10 +1,10 @@
 """P/D serving in one command (``parallel.data_parallel_size=N disagg.prefill_replicas=P kv_connector=...``): every
 router learns the role through ``Router.route_role`` (model-free: each registered router keeps prefill and decode
 phases in their pools, and a dead pool is a clear error); the config refusals; and the served form itself: the
-server's front (``launch.start_front``) over one prefill and one decode engine-core process sharing a
-``shared_storage`` folder, whose greedy float32 completions, streamed and not, equal one plain engine's token for
+server's front (``launch.start_front``) over one prefill and one decode engine-core process (``shared_storage``'s
+shared folder, or ``zmq``'s pulls), whose greedy float32 completions, streamed and not, equal one plain engine's token for
 token (a prompt shorter than one block included), the decode replica having loaded the prefill's blocks; a request
-whose KV fails to load under ``load_failure_policy=fail`` gets an error naming the policy (the others are served);
+whose stored KV is corrupt under ``load_failure_policy=fail`` gets an error naming the policy (the others are served);
 no engine-core process left after shutdown."""
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def test_offline_replicas_refuse_disagg():
 
 
 @pytest.mark.slow
-def test_one_prefill_and_one_decode_core_equal_one_plain_engine(tmp_path):
+@pytest.mark.parametrize("connector", ["shared_storage", "zmq"])
+def test_one_prefill_and_one_decode_core_equal_one_plain_engine(tmp_path, connector):
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
     psutil = pytest.importorskip("psutil")
@@ -89,11 +90,12 @@ def test_one_prefill_and_one_decode_core_equal_one_plain_engine(tmp_path):
     plain = LLM(**engine)
     config = EngineConfig(**engine, attention_params={"compile": False}, data_parallel_size=2,
                           disagg_prefill_replicas=1, router="round_robin", executor="uniproc",
-                          kv_connector="shared_storage", kv_connector_params={"path": str(tmp_path / "kv")},
-                          kv_load_failure_policy="fail")
+                          kv_connector=connector, kv_load_failure_policy="fail",
+                          kv_connector_params={"path": str(tmp_path / "kv")} if connector == "shared_storage"
+                          else {"abort_timeout_s": 60.0})
     assert replica_roles(config) == ["prefill", "decode"]
-    # a garbage file where BROKEN's second block goes: the prefill keeps it (a stored block is not rewritten), the
-    # decode fails to load it
+    # shared_storage: a garbage file where BROKEN's second block goes: the prefill keeps it (a stored block is not
+    # rewritten), the decode fails to load it (zmq serves BROKEN like any prompt)
     (tmp_path / "kv").mkdir()
     key = prefix_block_hashes(plain.engine.tokenizer(BROKEN).input_ids, 4)[1]
     (tmp_path / "kv" / f"{key}.safetensors").write_bytes(b"not a safetensors file")
@@ -119,12 +121,15 @@ def test_one_prefill_and_one_decode_core_equal_one_plain_engine(tmp_path):
                 return plain_ones, streamed, broken
 
         responses, streamed, broken = asyncio.run(go())
-        want = plain.generate([*prompts, prompts[0] + " ball"], SamplingParams(temperature=0, max_tokens=8))
+        want = plain.generate([*prompts, prompts[0] + " ball", BROKEN], SamplingParams(temperature=0, max_tokens=8))
         assert [r.json()["choices"][0]["text"] for r in responses] == [w.outputs[0].text for w in want[:2]]
         chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
                   if line.startswith("data: {")]
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want[2].outputs[0].text
-        assert broken.status_code >= 400 and "load_failure_policy=fail" in broken.json()["error"]["message"]
+        if connector == "shared_storage":
+            assert broken.status_code >= 400 and "load_failure_policy=fail" in broken.json()["error"]["message"]
+        else:
+            assert broken.json()["choices"][0]["text"] == want[3].outputs[0].text
         assert llm.num_routed == [4, 4]  # each request: its prefill on replica 0, then its decode on replica 1
         decode_stats = llm._stats[1]
         assert decode_stats.external_prefix_hits_tokens > 0  # the decode replica loaded the prefill's blocks
