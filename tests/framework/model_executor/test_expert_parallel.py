@@ -146,3 +146,36 @@ def test_engine_refuses_ep_before_any_worker(make_llm, monkeypatch: pytest.Monke
     with pytest.raises(ValueError, match="is dense: set parallel.enable_expert_parallel=false"):
         make_llm(model=str(tiny_model_dir("llama")), tensor_parallel_size=2, dtype="float32",
                  enable_expert_parallel=True)
+
+
+def test_killed_expert_rank_fails_in_flight_requests_and_leaves_nothing() -> None:
+    """Rank 1 (holding experts 2 and 3 of every layer) killed mid-run: every in-flight request ends aborted with
+    ``EngineDeadError`` within seconds, and no worker process or /dev/shm segment outlives it."""
+    import os
+    import signal
+    import time
+
+    from families import engine_for
+
+    from framework import LLM, SamplingParams
+    from framework.interfaces import EngineDeadError
+    from framework.testing.leftovers import shm_snapshot, wait_for_nothing_left
+
+    shm_before = shm_snapshot()
+    llm = LLM(model=str(tiny_model_dir("mixtral")), **{**engine_for("mixtral"), "tensor_parallel_size": 2,
+                                                       "executor": "mp", "enable_expert_parallel": True})
+    pids = llm.engine.executor.worker_pids
+    for i, prompt in enumerate(prompts(3)):
+        llm.engine.add_request(str(i), prompt,
+                               SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        llm.engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError) as info:
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    assert time.monotonic() - t0 < 10
+    assert sorted(o.request_id for o in info.value.outputs) == ["0", "1", "2"]
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in info.value.outputs)
+    assert wait_for_nothing_left(shm_before, pids) == ([], []), "a rank or a segment outlived the failure"
