@@ -395,3 +395,19 @@ def test_bench_spec_decode_trees_smoke(tmp_path, capsys):
     assert [r["system"] for r in rows] == ["nospec", "chain", "static_tree", "chain", "static_tree", "dynamic_tree"]
     assert all(r["mean_accepted_len"] >= 1.0 for r in rows[1:]) and "ISA:" in capsys.readouterr().out
     assert json.loads((tmp_path / "trees.json").read_text())["machine"]["cpu"]
+
+
+def test_bench_quant_checkpoint_writes_the_checkpoint_and_reports_the_bars(tmp_path, capsys):
+    """The GPTQ checkpoint is written once into --workdir, each system reports its timings, the issue's two bars
+    are printed against bf16, and vLLM is skipped with its reason when its interpreter is missing."""
+    from experiments.offline import bench_quant_checkpoint
+
+    out = tmp_path / "quant.json"
+    report = bench_quant_checkpoint.main([
+        "--model", STORIES, "--group-size", "32", "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+        "--batch1-tokens", "4", "--systems", "bf16,gptq_fast,vllm", "--workdir", str(tmp_path),
+        "--vllm-python", str(tmp_path / "no-python"), "--json-out", str(out)])
+    printed = capsys.readouterr().out
+    assert set(report["results"]) == {"bf16", "gptq_fast"} and "vllm: skipped, no interpreter" in printed
+    assert "batch 1: gptq_fast is" in printed and "batch N: bf16 is" in printed
+    assert (tmp_path / "stories260K-gptq-w4-g32" / "config.json").is_file() and json.loads(out.read_text())["machine"]
