@@ -19,25 +19,30 @@ SPECS = {"attn": (4, 16, ["q_proj", "v_proj"], False),
          "all": (2, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False)}
 
 
-def base_model():
-    """stories260K in float32 through transformers."""
+def base_model(path: str = STORIES):
+    """The model at ``path`` (default stories260K) in float32 through transformers."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory) -> dict[str, LoRARequest]:
-    """The three PEFT adapters (random A and B: ``init_lora_weights=False``), saved as PEFT saves them."""
-    root = tmp_path_factory.mktemp("adapters")
+def make_adapters(root, path: str = STORIES) -> dict[str, LoRARequest]:
+    """The three :data:`SPECS` PEFT adapters for the model at ``path`` (random A and B: ``init_lora_weights=False``),
+    saved under ``root`` as PEFT saves them; ids 1, 2, 3."""
     out = {}
     for i, (name, (rank, alpha, targets, rslora)) in enumerate(SPECS.items(), start=1):
         torch.manual_seed(i)
-        model = peft.get_peft_model(base_model(), peft.LoraConfig(
+        model = peft.get_peft_model(base_model(path), peft.LoraConfig(
             r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False))
         model.save_pretrained(root / name)
         out[name] = LoRARequest(name, i, str(root / name))
     return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, LoRARequest]:
+    """The three stories260K PEFT adapters (:func:`make_adapters`)."""
+    return make_adapters(tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="module")
