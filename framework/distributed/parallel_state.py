@@ -12,6 +12,10 @@ engines side by side, each with a world of its own. So:
   :func:`init_distributed_environment`, then :func:`initialize_model_parallel`; it tears it down
   with :func:`destroy_model_parallel`, then :func:`destroy_distributed_environment` (vLLM's order
   and names). A one-rank engine (``executor=uniproc``) has no TP group.
+* with ``parallel.pipeline_parallel_size=P`` the world is ``tensor_parallel_size x P`` ranks (vLLM's
+  layout: rank ``r`` is TP rank ``r % tp`` of stage ``r // tp``); each stage's ranks form its **TP
+  group** and the ranks holding one TP rank in every stage form a **PP group**, the path of the
+  stage-to-stage hidden states (``GroupCoordinator.send_next`` / ``recv_prev``; :func:`get_pp_group`).
 * the **DP group** is a description, not a process group: replicas never exchange tensors (vLLM's
   DP group syncs MoE dummy batches; no servelab model needs that). A replica's process records
   its place with :func:`initialize_data_parallel`: ``dp_rank``, ``dp_size`` and the CPU cores it
@@ -52,7 +56,7 @@ class GroupCoordinator:
     ``communicator`` when set (shared memory), else through ``torch.distributed`` on ``device_group``.
     """
 
-    unique_name: str  # what the group is for: "tp"
+    unique_name: str  # what the group is for: "tp" or "pp"
     rank: int  # this process's rank in the torch.distributed world
     ranks: list[int]  # world ranks of the group's members, in group order
     rank_in_group: int  # this rank's index in ``ranks``; 0 is the driver rank (it alone samples)
@@ -88,6 +92,17 @@ class GroupCoordinator:
         ``None`` on the others."""
         return communication_op.gather_last_dim_to_driver(x, self.group_name, self.rank_in_group, self.world_size)
 
+    def send_next(self, x: torch.Tensor) -> None:
+        """Eager, pipeline groups: send ``x`` to the next member (the next stage); blocks until it is taken
+        (gloo) or queued (NCCL). Pair with the next member's :meth:`recv_prev` of the same shape and dtype."""
+        dist.send(x.contiguous(), group=self.device_group, group_dst=self.rank_in_group + 1)
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Eager, pipeline groups: the tensor of ``shape``/``dtype`` the previous member sent (:meth:`send_next`)."""
+        out = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(out, group=self.device_group, group_src=self.rank_in_group - 1)
+        return out
+
     def destroy(self) -> None:
         """Unregister and unmap the communicator; the process group itself is the world's
         (:func:`destroy_distributed_environment`)."""
@@ -117,6 +132,7 @@ class DataParallelGroup:
 
 
 _TP: GroupCoordinator | None = None
+_PP: GroupCoordinator | None = None  # pipeline_parallel_size > 1: this rank's stage-to-stage group
 _DP: DataParallelGroup | None = None
 
 
@@ -144,11 +160,16 @@ def init_distributed_environment(world_size: int, rank: int, distributed_init_me
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int, device: str = "cpu", communicator: str = "auto",
-                              timeout_s: float = DISTRIBUTED_TIMEOUT_S) -> GroupCoordinator:
-    """Make the world the TP group (a collective: every rank calls it) and return it.
+                              timeout_s: float = DISTRIBUTED_TIMEOUT_S,
+                              pipeline_model_parallel_size: int = 1) -> GroupCoordinator:
+    """Make the world the TP group (a collective: every rank calls it) and return it; with
+    ``pipeline_model_parallel_size > 1`` the world is TP x PP and each rank gets its stage's TP group and
+    its PP group instead (:func:`_initialize_pipeline_groups`).
 
     Args:
-        tensor_model_parallel_size: the world's size (an engine's world is its TP group).
+        tensor_model_parallel_size: the world's size (an engine's world is its TP group), or one stage's
+            ranks under pipeline parallelism.
+        pipeline_model_parallel_size: pipeline stages (``parallel.pipeline_parallel_size``).
         device: the ranks' device type (``cpu`` or ``cuda``).
         communicator: ``parallel.communicator``: ``auto`` (shared memory when every rank is a CPU rank
             of this host, else torch.distributed), ``shm`` (shared memory; every rank on this host)
@@ -168,6 +189,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int, device: str = "cp
         raise RuntimeError("initialize_model_parallel needs torch.distributed initialised "
                            "(init_distributed_environment; the executor's worker does it)")
     world_size, rank = dist.get_world_size(), dist.get_rank()
+    if pipeline_model_parallel_size > 1:
+        return _initialize_pipeline_groups(tensor_model_parallel_size, pipeline_model_parallel_size, device,
+                                           communicator, timeout_s)
     if world_size != tensor_model_parallel_size:
         raise RuntimeError(f"torch.distributed's world has {world_size} ranks, asked for a TP group of "
                            f"{tensor_model_parallel_size}: an engine's world is its TP group (each data-parallel "
@@ -187,6 +211,58 @@ def initialize_model_parallel(tensor_model_parallel_size: int, device: str = "cp
         communication_op.set_communicator(group.group_name, group.communicator)
     _TP = group
     return group
+
+
+def _initialize_pipeline_groups(tp_size: int, pp_size: int, device: str, communicator: str,
+                                timeout_s: float) -> GroupCoordinator:
+    """The TP x PP layout (vLLM's): world rank ``r`` is TP rank ``r % tp_size`` of stage ``r // tp_size``;
+    its TP group is its stage's ranks, its PP group the ranks of every stage with its TP rank (stage order),
+    through which it sends its hidden states to the next stage. Every rank creates every group (a
+    collective, same order everywhere). The TP group's communicator is chosen as for a plain TP world.
+
+    Raises:
+        RuntimeError: the world is not ``tp_size * pp_size``, or the groups exist already.
+    """
+    global _TP, _PP
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    if world_size != tp_size * pp_size:
+        raise RuntimeError(f"torch.distributed's world has {world_size} ranks, asked for tensor_parallel_size="
+                           f"{tp_size} x pipeline_parallel_size={pp_size}")
+    if _TP is not None or _PP is not None:
+        raise RuntimeError("the model-parallel groups are already initialised; destroy_model_parallel() first")
+    hosts: list[str | None] = [None] * world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    here = socket.gethostname()
+    tp_ranks = [[s * tp_size + t for t in range(tp_size)] for s in range(pp_size)]
+    pp_ranks = [[s * tp_size + t for s in range(pp_size)] for t in range(tp_size)]
+    tp_groups = [dist.new_group(r) for r in tp_ranks]
+    pp_groups = [dist.new_group(r) for r in pp_ranks]
+    stage, tp_rank = divmod(rank, tp_size)
+    tp = GroupCoordinator("tp", rank, tp_ranks[stage], tp_rank, tp_groups[stage],
+                          num_local_ranks=sum(hosts[r] == here for r in tp_ranks[stage]))
+    pp = GroupCoordinator("pp", rank, pp_ranks[tp_rank], stage, pp_groups[tp_rank],
+                          num_local_ranks=sum(hosts[r] == here for r in pp_ranks[tp_rank]))
+    one_host = tp.num_local_ranks == tp_size
+    if communicator == "shm" and not one_host:
+        raise RuntimeError(f"parallel.communicator=shm needs every rank of a stage on one host; {tp.num_local_ranks} "
+                           f"of {tp_size} are on this one: use parallel.communicator=torch_distributed")
+    if tp_size > 1 and communicator != "torch_distributed" and device == "cpu" and one_host:
+        tp.communicator = ShmCommunicator(tp_rank, tp_size, tp.device_group, timeout_s=timeout_s)
+        communication_op.set_communicator(tp.group_name, tp.communicator)
+    _TP, _PP = tp, pp
+    return tp
+
+
+def get_pp_group() -> GroupCoordinator:
+    """This rank's pipeline-parallel group (``rank_in_group``: its stage).
+
+    Raises:
+        RuntimeError: none in this process (``pipeline_parallel_size=1``).
+    """
+    if _PP is None:
+        raise RuntimeError("no pipeline-parallel group in this process: initialize_model_parallel(..., "
+                           "pipeline_model_parallel_size=N) makes it when parallel.pipeline_parallel_size > 1")
+    return _PP
 
 
 def ensure_model_parallel_initialized(tensor_model_parallel_size: int, device: str = "cpu",
@@ -297,10 +373,10 @@ def get_dp_group() -> DataParallelGroup:
 def destroy_model_parallel() -> None:
     """Forget the TP group (its communicator unregistered and unmapped) and the DP description;
     idempotent. The torch.distributed world stays (:func:`destroy_distributed_environment`)."""
-    global _TP, _DP
+    global _TP, _PP, _DP
     if _TP is not None:
         _TP.destroy()
-    _TP, _DP = None, None
+    _TP, _PP, _DP = None, None, None
 
 
 def destroy_distributed_environment() -> None:

@@ -77,7 +77,7 @@ class ShmCommunicator:
             self._shm = SharedMemory(create=True, size=size, name=owned_name("tp"))
             self._shm.buf[:header] = bytes(header)
             name = [self._shm.name]
-        dist.broadcast_object_list(name, src=0, group=group)
+        dist.broadcast_object_list(name, group_src=0, group=group)  # group_src: a stage's TP subgroup too
         if rank != 0:
             self._shm = attach_shared_memory(name[0])
         dist.barrier(group=group)

@@ -29,6 +29,7 @@ from framework.interfaces import AttentionBackend, CommonAttentionMetadata
 from framework.model_executor.forward_context import ForwardContext, GraphAttention, forward_context, prepared_mask
 from framework.model_executor.lora_layers import LoRAModelManager, LoRAStep
 from framework.model_executor.model_families import output_logits
+from framework.model_executor.pipeline_parallel import stage_forward
 from framework.model_executor.prepack import unfuse_gated_mlps
 from framework.sample.fault_isolation import guard_requests
 from framework.sample.prompt_logprobs import gather_prompt_logprobs
@@ -67,6 +68,12 @@ class ModelRunner:
             ``compile``, the ranks decide compiled vs eager together after the warm-up.
         cuda_graphs: capture decode CUDA graphs (``framework/compilation/cuda_graphs.py``) with these options,
             unless ``compile``; the KV tensors get one more block, the padding rows' (``None``: eager).
+        pp_group: pipeline parallelism: this rank's PP group (``parallel_state.get_pp_group``); the model is
+            its stage's (``framework/model_executor/pipeline_parallel.py``): a stage after the first receives the
+            previous stage's hidden states ``(1, num_tokens, hidden_size)`` (model dtype), a stage before the
+            last sends its own, and only the last computes logits. Eager only. ``None``: one stage.
+        kv_slots: the KV tensors (layout slots) to allocate, ascending (a pipeline stage's layers'); the
+            other layers' ``kv_caches`` entries are an empty placeholder they never read. ``None``: all.
 
     Attributes:
         keep_hidden_states: set by ``build_engine`` when the drafter reads the target's last hidden
@@ -78,7 +85,8 @@ class ModelRunner:
                  kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler, num_swap_blocks: int = 0,
                  compile: bool = False, compile_freezing: bool = False, compile_backend: str = "inductor",
                  kv_cache_layout: KVCacheLayout | None = None, is_driver_rank: bool = True,
-                 tensor_parallel: bool = False, cuda_graphs: CUDAGraphOptions | None = None) -> None:
+                 tensor_parallel: bool = False, cuda_graphs: CUDAGraphOptions | None = None,
+                 pp_group: Any = None, kv_slots: list[int] | None = None) -> None:
         self.model = model
         self.is_driver_rank = is_driver_rank
         self.backend = backend
@@ -87,8 +95,10 @@ class ModelRunner:
         self.sampler = sampler
         self.num_blocks = num_blocks  # the pool's (the null block, if any, is block num_blocks)
         self.kv_cache_layout = layout = kv_cache_layout or KVCacheLayout.single(num_layers)
-        # one block of every KV tensor, K and V: layers_per_block layers (all layers with one group)
-        self.block_bytes = backend.kv_cache_bytes_per_block(layout.layers_per_block)
+        self.pp_group = pp_group
+        kv_slots = list(range(layout.layers_per_block)) if kv_slots is None else kv_slots
+        # one block of every KV tensor this rank holds, K and V: layers_per_block layers (all with one group)
+        self.block_bytes = backend.kv_cache_bytes_per_block(len(kv_slots))
         self.input_batch = InputBatch(null_block=num_blocks)  # this worker's request states (execute_model's messages)
         self.rejection_sampler = RejectionSampler(sampler)
         self.keep_hidden_states = False
@@ -97,15 +107,17 @@ class ModelRunner:
         self.kv_connector: KVConnectorRunner | None = None  # kv_connector's worker side; set by the Worker
         pad_block = num_blocks + layout.has_null_block  # after the null block (zeros, never written): CUDA-graph padding
         shape = backend.get_kv_cache_shape(pad_block + (cuda_graphs is not None))
-        self.kv_tensors = [torch.zeros(shape, dtype=kv_cache_dtype, device=device)
-                           for _ in range(layout.layers_per_block)]
-        self.kv_caches = [self.kv_tensors[slot] for slot in layout.tensor_of_layer()]  # per layer (shared by groups)
+        self.kv_tensors = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in kv_slots]
+        held = dict(zip(kv_slots, self.kv_tensors))
+        missing = torch.empty(0, dtype=kv_cache_dtype, device=device)  # another pipeline stage's layer
+        # per layer (shared by groups)
+        self.kv_caches = [held.get(slot, missing) for slot in layout.tensor_of_layer()]
         self.layer_group = layout.group_of_layer()  # per layer: its KV cache group
         # CPU swap space for preemption_mode=swap (pinned so GPU copies can be asynchronous)
         swap_shape = backend.get_kv_cache_shape(num_swap_blocks)
         pin = device.type == "cuda"
         self.swap_caches = [torch.zeros(swap_shape, dtype=kv_cache_dtype, pin_memory=pin)
-                            for _ in range(layout.layers_per_block if num_swap_blocks else 0)]
+                            for _ in range(len(kv_slots) if num_swap_blocks else 0)]
         self.compile_freezing = compile_freezing
         self.compile_backend = compile_backend
         self.tensor_parallel = tensor_parallel
@@ -144,6 +156,10 @@ class ModelRunner:
         Returns:
             The compile outcome (also :attr:`compile_stats`).
         """
+        if self.pp_group is not None:
+            logger.warning("pipeline stage %d runs eagerly: compiling a stage's own layers is not implemented yet",
+                           self.pp_group.rank_in_group)
+            return self.compile_stats
         if self.compiled is None:
             unfuse_gated_mlps(self.model)
             self.compiled = CompiledDecoder(self.model, self.kv_caches, self.layer_group,
@@ -263,6 +279,8 @@ class ModelRunner:
         """``(num_sample_rows, vocab)`` logits at ``logits_index`` and, when ``keep_hidden_states``,
         the last hidden states ``(num_tokens, hidden)`` of the same forward (else ``None``); call
         inside ``forward_context`` (``metadata``: the backend's for this step, one per KV cache group)."""
+        if self.pp_group is not None:
+            return self._stage_forward(input_ids, positions, logits_index), None
         graph = self._graph_attention(metadata)
         if self.keep_hidden_states:  # decoder, then the LM head on the sampled rows only
             hidden = self.compiled.hidden_states(input_ids, positions, graph) if self.compiled is not None else None
@@ -275,6 +293,22 @@ class ModelRunner:
             return self.compiled(input_ids, positions, logits_index, graph), None
         return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                           attention_mask=prepared_mask(input_ids.device), logits_to_keep=logits_index).logits[0], None
+
+    def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       logits_index: torch.Tensor) -> torch.Tensor | None:
+        """One pipeline stage's part of the forward (call inside ``forward_context``): receive the previous
+        stage's hidden states ``(1, num_tokens, hidden_size)`` unless first, run this stage's layers, send the
+        result on unless last. Returns the ``(num_sample_rows, vocab)`` logits on the last stage, else ``None``."""
+        pp, model = self.pp_group, self.model
+        hidden = None
+        if not pp.is_first_rank:
+            shape = (1, input_ids.shape[1], model.config.hidden_size)
+            hidden = pp.recv_prev(shape, model.dtype, input_ids.device)
+        out = stage_forward(model, input_ids, positions, hidden, prepared_mask(input_ids.device))
+        if pp.rank_in_group < pp.world_size - 1:
+            pp.send_next(out)
+            return None
+        return output_logits(model, out[0][logits_index])
 
     @property
     def kv_cache_bytes(self) -> int:

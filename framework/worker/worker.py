@@ -33,6 +33,8 @@ from framework.distributed.parallel_state import (
     GroupCoordinator,
     destroy_distributed_environment,
     destroy_model_parallel,
+    get_pp_group,
+    get_tp_group,
     init_distributed_environment,
     initialize_model_parallel,
 )
@@ -46,9 +48,10 @@ from framework.model_executor.lora_tp import lora_shards
 from framework.model_executor.mla import use_latent_attention
 from framework.model_executor.model_families import attention_layers
 from framework.model_executor.model_loader import LoadedModel, load_model
+from framework.model_executor.pipeline_parallel import split_stage, stage_kv_slots
 from framework.model_executor.prepack import prepack_linears, should_prepack
 from framework.model_executor.tensor_parallel import rank_layout
-from framework.model_executor.tp_weights import load_tp_model
+from framework.model_executor.tp_weights import load_sharded_model, load_tp_model
 from framework.sample.sampler import Sampler
 from framework.worker.kv_connector_runner import make_kv_connector_runner
 from framework.worker.model_runner import ModelRunner
@@ -80,16 +83,22 @@ class LoadedWeights(LoadedModel):
     """A :class:`LoadedModel` after the quant method and prepacking ran."""
 
     kv_cache_dtype: torch.dtype | None = None  # what the quant method asks of the KV cache (None: model dtype)
+    stage_layers: tuple[int, int] | None = None  # pipeline_parallel_size > 1: [start, end) of this stage's layers
 
 
-def load_weights(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> LoadedWeights:
+def load_weights(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0) -> LoadedWeights:
     """Load this rank's model (its shard when ``tp_size > 1``: :func:`load_tp_model`, which needs
-    ``torch.distributed`` initialised) and tokenizer with attention routed to servelab, apply the
-    quant method (to the shard), prepack CPU linears (the shard's)."""
+    ``torch.distributed`` initialised) and tokenizer with attention routed to servelab, keep only stage
+    ``pp_rank``'s modules when ``pipeline_parallel_size > 1`` (:func:`split_stage`: the others' weights are
+    released before the quant method and prepacking see the model), apply the quant method (to the shard),
+    prepack CPU linears (the shard's)."""
     device = torch.device(config.device)
     if config.tune_malloc and device.type == "cpu":
         tune_malloc()
-    if tp_size > 1 and config.enable_expert_parallel:  # whole experts per rank, attention tensor-parallel
+    if tp_size > 1 and config.pipeline_parallel_size > 1:  # the world is TP x PP: shard over the stage's TP group
+        loaded = load_sharded_model(config.model, getattr(torch, config.dtype), device, tp_rank, tp_size,
+                                    register_attention_implementation(), get_tp_group().group_name)
+    elif tp_size > 1 and config.enable_expert_parallel:  # whole experts per rank, attention tensor-parallel
         loaded = load_ep_model(config.model, config.dtype, config.device, tp_rank, tp_size,
                                register_attention_implementation(), ExpertParallelConfig.of(config))
     elif tp_size > 1:
@@ -99,6 +108,9 @@ def load_weights(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> Lo
         loaded = load_model(config.model, dtype=config.dtype, device=config.device,
                             attn_implementation=register_attention_implementation())
     model, dtype = loaded.model, getattr(torch, config.dtype)
+    stage = None
+    if config.pipeline_parallel_size > 1:
+        stage = split_stage(model, pp_rank, config.pipeline_parallel_size, config.pp_layer_partition)
     quant = registry.create("quant", config.quant, **config.plugin_params("quant"))
     if quant is not None:
         model = quant.apply(model)
@@ -107,7 +119,8 @@ def load_weights(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> Lo
         logger.info("prepack_linears: %d GEMMs prepacked for oneDNN", num_gemms)
     return LoadedWeights(model=model, tokenizer=loaded.tokenizer, config=loaded.config,
                          eos_token_ids=loaded.eos_token_ids, max_model_len=loaded.max_model_len, path=loaded.path,
-                         kv_cache_dtype=quant.kv_cache_dtype(dtype) if quant is not None else None)
+                         kv_cache_dtype=quant.kv_cache_dtype(dtype) if quant is not None else None,
+                         stage_layers=stage)
 
 
 def make_lora_manager(config: EngineConfig, model: torch.nn.Module, tp_rank: int = 0,
@@ -142,9 +155,10 @@ class Worker:
 
     Args:
         config: the engine config (a plain copy in worker processes).
-        rank: tensor-parallel rank, ``0 <= rank < world_size``; rank 0 is the driver rank (it alone
-            samples and returns outputs).
-        world_size: ``parallel.tensor_parallel_size``.
+        rank: the rank in the engine's world, ``0 <= rank < world_size``: tensor-parallel rank
+            ``rank % tensor_parallel_size`` of pipeline stage ``rank // tensor_parallel_size``; the first rank
+            of the last stage is the driver rank (it alone samples and returns outputs; rank 0 without PP).
+        world_size: ``parallel.tensor_parallel_size * parallel.pipeline_parallel_size``.
         distributed_init_method: ``tcp://host:port`` of rank 0's rendezvous (``world_size > 1``).
         own_process: the rank has a process of its own (``mp``, ``ray``): it then sets its torch
             threads to cores / ranks by default; an in-process rank (``uniproc``) leaves the
@@ -165,16 +179,23 @@ class Worker:
         self.kv_cache_layout: KVCacheLayout | None = None
         self.keep_hidden_states = False
         self.tp_group: GroupCoordinator | None = None  # world_size > 1: this rank's TP group (init_device)
+        self.pp_group: GroupCoordinator | None = None  # pipeline_parallel_size > 1: its stage-to-stage group
+        self.tp_size = config.tensor_parallel_size
+        self.pp_size = config.pipeline_parallel_size
+        self.pp_rank, self.tp_rank = divmod(rank, self.tp_size)  # its stage, its rank within the stage
+        self.stage_layers: tuple[int, int] | None = None  # pipeline_parallel_size > 1: [start, end) it runs
 
     @property
     def is_driver_rank(self) -> bool:
-        """True on rank 0, the rank that samples and replies."""
-        return self.rank == 0
+        """True on the rank that samples and replies: TP rank 0 of the last pipeline stage (rank 0 without PP)."""
+        return self.rank == (self.pp_size - 1) * self.tp_size
 
     @property
     def num_local_ranks(self) -> int:
-        """Ranks of this rank's group on this host (they share its RAM); 1 for a one-rank engine."""
-        return self.tp_group.num_local_ranks if self.tp_group is not None else 1
+        """Ranks of the engine on this host (they share its RAM); 1 for a one-rank engine."""
+        if self.tp_group is None:
+            return 1
+        return self.tp_group.num_local_ranks * (self.pp_group.num_local_ranks if self.pp_group is not None else 1)
 
     @property
     def communicator(self) -> Any:
@@ -195,30 +216,41 @@ class Worker:
             timeout_s = distributed_timeout_s(self.config)
             init_distributed_environment(self.world_size, self.rank, self.distributed_init_method,
                                          backend="nccl" if device.type == "cuda" else "gloo", timeout_s=timeout_s)
-            self.tp_group = initialize_model_parallel(self.world_size, device.type, self.config.communicator,
-                                                      timeout_s=timeout_s)
+            self.tp_group = initialize_model_parallel(self.tp_size, device.type, self.config.communicator,
+                                                      timeout_s=timeout_s, pipeline_model_parallel_size=self.pp_size)
+            self.pp_group = get_pp_group() if self.pp_size > 1 else None
 
     def load_model(self) -> None:
         """Load this rank's weights (quantized, prepacked), build its attention backend for its
         heads and plan its KV cache layout (the driver's: ``plan_kv_cache_layout``)."""
 
-        self.loaded = load_weights(self.config, self.rank, self.world_size)
+        self.loaded = load_weights(self.config, self.tp_rank, self.tp_size, self.pp_rank)
         mc = self.loaded.config
+        self.stage_layers = self.loaded.stage_layers
         layers = attention_layers(mc, self.config.mla_latent_cache)
         use_latent_attention(self.loaded.model, layers)  # MLA: the bridge absorbs around latent calls
-        if self.world_size > 1:  # this rank's share of the heads (KV heads replicated when tp > their count)
-            shard = rank_layout(mc, self.rank, self.world_size)
+        if self.tp_size > 1:  # this rank's share of the heads (KV heads replicated when tp > their count)
+            shard = rank_layout(mc, self.tp_rank, self.tp_size)
             layers = [dataclasses.replace(layer, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads)
                       for layer in layers]
         self.backend = make_attention_backend(self.config, self.loaded.model, layers, self.loaded.kv_cache_dtype)
-        self.lora = (make_lora_manager(self.config, self.loaded.model, self.rank, self.world_size)
+        self.lora = (make_lora_manager(self.config, self.loaded.model, self.tp_rank, self.tp_size)
                      if self.config.enable_lora else None)
         self.kv_cache_layout = plan_kv_cache_layout(self.config.kv_allocator, layers)
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one KV block on this rank, K and V of the ``layers_per_block`` layers that share a
-        block id (all layers without sliding-window groups)."""
-        return self.backend.kv_cache_bytes_per_block(self.kv_cache_layout.layers_per_block)
+        block id (all layers without sliding-window groups); under pipeline parallelism only the KV tensors
+        of this stage's layers (:func:`stage_kv_slots`), so a stage of fewer layers fits more blocks."""
+        return self.backend.kv_cache_bytes_per_block(len(self.kv_slots))
+
+    @property
+    def kv_slots(self) -> list[int]:
+        """The KV tensors (slots of the layout) this rank allocates: all, or its stage's layers' ones."""
+        layout = self.kv_cache_layout
+        if self.stage_layers is None:
+            return list(range(layout.layers_per_block))
+        return stage_kv_slots(layout, *self.stage_layers)
 
     def determine_available_memory(self) -> int:
         """Bytes this rank may give its KV cache: ``kv_cache_memory_bytes``, capped at 90% of the
@@ -237,7 +269,8 @@ class Worker:
         return int(min(budget, 0.9 * free))
 
     def initialize_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
-        """Allocate this rank's KV (and swap) tensors and its model runner (``compile``: warm-up here)."""
+        """Allocate this rank's KV (and swap) tensors and its model runner (``compile``: warm-up here); a
+        pipeline stage allocates its own layers' tensors only and runs eagerly (no decode CUDA graphs)."""
         spec = self.loaded.config
         self.runner = ModelRunner(self.loaded.model, self.backend, num_blocks, spec.num_hidden_layers,
                                   self.backend.cache_dtype, torch.device(self.config.device),
@@ -246,10 +279,12 @@ class Worker:
                                   compile_freezing=self.config.compile_freezing,
                                   compile_backend=self.config.compile_backend,
                                   kv_cache_layout=self.kv_cache_layout, is_driver_rank=self.is_driver_rank,
-                                  tensor_parallel=self.world_size > 1, cuda_graphs=cuda_graph_options(
+                                  tensor_parallel=self.tp_size > 1, cuda_graphs=None if self.pp_size > 1 else
+                                  cuda_graph_options(
                                       self.config.enforce_eager, self.backend, self.config.max_num_seqs,
                                       self.config.max_model_len or self.loaded.max_model_len, self.world_size,
-                                      len(self.kv_cache_layout.groups)))
+                                      len(self.kv_cache_layout.groups)),
+                                  pp_group=self.pp_group, kv_slots=self.kv_slots)
         self.runner.keep_hidden_states = self.keep_hidden_states
         self.runner.lora = self.lora
         self.runner.kv_connector = make_kv_connector_runner(self.config, self.runner.kv_caches, self.backend,

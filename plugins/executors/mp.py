@@ -38,6 +38,7 @@ from framework.distributed.shm_segment import sweep_stale_segments
 from framework.executor.deadlines import Deadlines, StepDeadline
 from framework.hookspecs import Register
 from framework.interfaces import EngineDeadError, Executor, WorkerError
+from framework.model_executor.pipeline_parallel import pipeline_refusals
 from framework.worker.worker_proc import RING, SHUTDOWN, receive, worker_main
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # resources of every live executor (for the SIGTERM handler)
@@ -116,7 +117,12 @@ def _install_sigterm_handler() -> None:
 
 
 class MultiprocExecutor(Executor):
-    """``parallel.tensor_parallel_size`` ranks, each in a spawned process.
+    """``parallel.tensor_parallel_size x parallel.pipeline_parallel_size`` ranks, each in a spawned process.
+
+    Under pipeline parallelism rank ``r`` is TP rank ``r % tp`` of stage ``r // tp``; every rank reads
+    each step from the ring, the stages hand their hidden states on (``ModelRunner._stage_forward``) and
+    the first rank of the last stage (:attr:`driver_rank`) samples and replies. One batch is in flight at
+    a time: the stages run one after the other (no micro-batch overlap yet).
 
     Args:
         chunk_bytes: bytes per chunk of the broadcast ring (messages may span chunks).
@@ -137,6 +143,8 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, chunk_bytes: int = 1 << 20, num_chunks: int = 8, **params: Any) -> None:
         self.deadlines, params = Deadlines.from_params(params)
         super().__init__(config, **params)
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.driver_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size  # samples, replies
         self.step_deadline = StepDeadline(self.deadlines)
         ctx = mp.get_context("spawn")
         self._res = _Resources()
@@ -168,16 +176,18 @@ class MultiprocExecutor(Executor):
         in this process (a test's throwaway plugin) cannot run there. On CUDA rank ``r`` runs on
         ``cuda:r`` (NCCL needs one GPU per rank): ``device=cuda:N`` with more than one rank, or more
         ranks than visible GPUs, is refused."""
-        problems = super().validate(config)
-        tp = config.tensor_parallel_size
+        problems = super().validate(config) + pipeline_refusals(config)
+        tp = config.tensor_parallel_size * config.pipeline_parallel_size
+        ranks = (f"tensor_parallel_size={tp}" if config.pipeline_parallel_size == 1 else
+                 f"tensor_parallel_size x pipeline_parallel_size={tp}")
         if config.device.startswith("cuda") and tp > 1:
             import torch
 
             if config.device != "cuda":
-                problems.append(f"device={config.device!r} pins every rank to one GPU; with tensor_parallel_size={tp} "
+                problems.append(f"device={config.device!r} pins every rank to one GPU; with {ranks} "
                                 "use device=cuda (rank r runs on cuda:r; choose GPUs with CUDA_VISIBLE_DEVICES)")
             elif torch.cuda.is_available() and torch.cuda.device_count() < tp:
-                problems.append(f"tensor_parallel_size={tp} needs {tp} GPUs (one per rank), "
+                problems.append(f"{ranks} needs {tp} GPUs (one per rank), "
                                 f"{torch.cuda.device_count()} visible; lower it or use executor=ray across nodes")
         for kind in ("attention", "quant"):
             name = getattr(config, kind)
@@ -256,7 +266,8 @@ class MultiprocExecutor(Executor):
         num_tokens = scheduler_output.total_num_scheduled_tokens
         timeout_s = self.step_deadline.deadline_s(num_tokens)
         t0 = time.monotonic()
-        out = self.collective_rpc("execute_model", args=(message,), timeout_s=timeout_s, unique_reply_rank=0)[0]
+        out = self.collective_rpc("execute_model", args=(message,), timeout_s=timeout_s,
+                                  unique_reply_rank=self.driver_rank)[0]
         self.step_deadline.observe(num_tokens, time.monotonic() - t0)
         return out
 

@@ -33,6 +33,7 @@ from framework.config import EngineConfig
 from framework.executor.deadlines import Deadlines, StepDeadline
 from framework.hookspecs import Register
 from framework.interfaces import EngineDeadError, Executor, WorkerError
+from framework.model_executor.pipeline_parallel import pipeline_refusals
 from framework.worker.worker_proc import run_method
 from plugins.executors._ray_reaper import start_reaper, stop_reaper
 
@@ -90,7 +91,9 @@ def _actor_class(ray: Any, num_cpus: float, num_gpus: float) -> Any:
 
 
 class RayExecutor(Executor):
-    """``parallel.tensor_parallel_size`` Ray actors, one per rank, in one placement group.
+    """``parallel.tensor_parallel_size x parallel.pipeline_parallel_size`` Ray actors, one per rank, in one
+    placement group. Under pipeline parallelism rank ``r`` is TP rank ``r % tp`` of stage ``r // tp`` and the
+    first rank of the last stage (:attr:`driver_rank`) samples and replies, as with ``mp``; one batch in flight.
 
     Args:
         address: Ray cluster to join (``auto``, ``host:port``, ``ray://...``); ``None``: ``$RAY_ADDRESS``
@@ -109,6 +112,8 @@ class RayExecutor(Executor):
                  num_cpus_per_worker: float = 1.0, **params: Any) -> None:
         self.deadlines, params = Deadlines.from_params(params)
         super().__init__(config, **params)
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.driver_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size  # samples, replies
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -142,8 +147,8 @@ class RayExecutor(Executor):
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
-        """Ray must be installed."""
-        problems = super().validate(config)
+        """Ray must be installed; pipeline parallelism's refusals (``pipeline_refusals``)."""
+        problems = super().validate(config) + pipeline_refusals(config)
         if importlib.util.find_spec("ray") is None:
             problems.append(f"executor=ray needs Ray, which is not installed: {INSTALL_HINT}")
         return problems
@@ -240,7 +245,7 @@ class RayExecutor(Executor):
         num_tokens = scheduler_output.total_num_scheduled_tokens
         t0 = time.monotonic()
         out = self.collective_rpc("execute_model", args=(message,), timeout_s=self.step_deadline.deadline_s(num_tokens),
-                                  unique_reply_rank=0)[0]
+                                  unique_reply_rank=self.driver_rank)[0]
         self.step_deadline.observe(num_tokens, time.monotonic() - t0)
         return out
 
