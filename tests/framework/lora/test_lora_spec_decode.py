@@ -8,6 +8,8 @@ equals PEFT token for token. Each run must have proposed and accepted drafts, or
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from helpers import STORIES, STORIES_DRAFT, STORIES_EAGLE
 from lora_peft import NUM_TOKENS
@@ -19,13 +21,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is d
 # repeated phrases give the n-gram drafter something to look up
 PROMPTS = ["Lily went to the park. Lily went to the park. Lily went to the",
            "Once upon a time, there was a cat. Once upon a time, there was a"]
-EXTRA = {"ngram": {}, "draft_model": {"model": STORIES_DRAFT}, "eagle": {"model": STORIES_EAGLE}}
+STORIES_MEDUSA = str(Path(STORIES).parent / "stories260K-medusa")
+EXTRA = {"ngram": {}, "draft_model": {"model": STORIES_DRAFT}, "eagle": {"model": STORIES_EAGLE},
+         "medusa_tree": {"model": STORIES_MEDUSA, "tree": [[0], [1], [0, 0], [1, 0]]}}
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle", "medusa_tree"])
 def test_a_mixed_batch_with_a_drafter_equals_peft(drafter, adapters, oracle):
+    """``medusa_tree``: Medusa heads proposing a draft tree, verified in one tree-attention forward."""
+    params = EXTRA[drafter] if "tree" in EXTRA[drafter] else {"num_speculative_tokens": 2, **EXTRA[drafter]}
     llm = LLM(STORIES, dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=3,
-              num_blocks=128, drafter=drafter, drafter_params={"num_speculative_tokens": 2, **EXTRA[drafter]})
+              num_blocks=128, drafter=drafter.removesuffix("_tree"), drafter_params=params)
     names = ["attn", None, "mlp", "all", "attn", "mlp"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0),
