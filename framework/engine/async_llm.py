@@ -131,6 +131,7 @@ class AsyncLLM:
         self.replicas = ReplicaSet(n, router, roles=roles)
         self._lock = threading.RLock()  # streams, placement, replica state: generate vs client threads
         self._streams: dict[str, _Stream] = {}
+        self._prefills: set[str] = set()  # ids of P/D prefill phases in flight (not the client's requests: no metrics)
         self._ids = itertools.count()
         self._ready = [False] * n
         self._stats: dict[int, ReplicaStats] = {}  # replica id -> its last publication
@@ -185,11 +186,17 @@ class AsyncLLM:
             with self._lock:
                 if request_id in self._streams:
                     raise ValueError(f"request_id {request_id!r} is already in use; use a unique id")
-            prefilled = None
-            async with contextlib.aclosing(self._run(f"prefill-{request_id}", prompt, prefill_params(params),
-                                                     priority, lora_request, "prefill")) as outputs:
-                async for output in outputs:
-                    prefilled = output
+            prefilled, prefill_id = None, f"prefill-{request_id}"
+            with self._lock:
+                self._prefills.add(prefill_id)
+            try:
+                async with contextlib.aclosing(self._run(prefill_id, prompt, prefill_params(params), priority,
+                                                         lora_request, "prefill")) as outputs:
+                    async for output in outputs:
+                        prefilled = output
+            finally:
+                with self._lock:
+                    self._prefills.discard(prefill_id)
             if prefilled.error is not None:  # the prefill failed: so does the request, with its error
                 yield dataclasses.replace(prefilled, request_id=request_id)
                 return
@@ -364,7 +371,7 @@ class AsyncLLM:
         stream = self._streams.get(output.request_id)
         if output.finished:
             self._pop(output.request_id)
-            if self.metrics is not None:
+            if self.metrics is not None and output.request_id not in self._prefills:  # a P/D request counts once
                 self.metrics.observe_finished(output)
         if stream is not None:
             batches.setdefault(stream.loop, []).append((stream, output))

@@ -72,6 +72,53 @@ def test_offline_replicas_refuse_disagg():
         build_data_parallel_engine(config)
 
 
+def test_an_in_process_pd_front_equals_one_plain_engine_and_counts_each_request_once(tmp_path):
+    from helpers import STORIES, assert_all_blocks_free
+
+    from framework import LLM, SamplingParams
+    from framework.engine.async_llm import AsyncLLM
+    from framework.engine.core_client import InprocCoreClient
+
+    engine = dict(model=STORIES, dtype="float32", compile=False, block_size=4, num_blocks=128, max_model_len=128)
+    kv = dict(kv_connector="shared_storage", kv_connector_params={"path": str(tmp_path)})
+    engines = [LLM(**engine, **kv, kv_role=role).engine for role in ("kv_producer", "kv_consumer")]
+    clients = [InprocCoreClient(e) for e in engines]
+    clients[1].replica_id = 1
+
+    class Finished:  # the server metrics' two calls; only finished requests are counted here
+        def __init__(self):
+            self.ids = []
+
+        def observe_stats(self, stats):
+            pass
+
+        def observe_finished(self, output):
+            self.ids.append(output.request_id)
+
+    metrics = Finished()
+    llm = AsyncLLM.from_clients(clients, router=registry.create("router", "least_loaded"), metrics=metrics,
+                                roles=["prefill", "decode"])
+    prompts = ["Once upon a time there was a little girl named Lily who loved to play", "Hi"]
+
+    async def go():
+        outs = []
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0, max_tokens=8)
+            outs.append([o async for o in llm.generate(prompt, params, request_id=f"r{i}")][-1])
+        return outs
+
+    try:
+        outs = asyncio.run(go())
+    finally:
+        llm.shutdown()
+    want = LLM(**engine).generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    assert [o.outputs[0].token_ids for o in outs] == [w.outputs[0].token_ids for w in want]
+    assert llm.num_routed == [2, 2] and sorted(metrics.ids) == ["r0", "r1"]  # the prefill phases are not counted
+    assert engines[1].scheduler.kv_transfer.external_prefix_cache_hits > 0
+    for e in engines:
+        assert_all_blocks_free(e)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("connector", ["shared_storage", "zmq"])
 def test_one_prefill_and_one_decode_core_equal_one_plain_engine(tmp_path, connector):
