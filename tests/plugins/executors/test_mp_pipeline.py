@@ -111,7 +111,8 @@ def test_ray_pp2_greedy_parity():
 def test_smollm2_pp2_greedy_parity():
     from framework.model_executor.model_loader import resolve_model_path
 
-    llm = LLM(model="smollm2", executor="mp", pipeline_parallel_size=2, attention="torch", max_model_len=256)
+    llm = LLM(model="smollm2", executor="mp", pipeline_parallel_size=2, attention="torch", max_model_len=256,
+              dtype="float32")  # parity: float32 (auto is bfloat16)
     try:
         tok = llm.get_tokenizer()
         ids = [tok(p).input_ids for p in STORY_PROMPTS[:3]]
