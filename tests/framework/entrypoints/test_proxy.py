@@ -192,3 +192,34 @@ def test_an_abort_while_waiting_for_remote_kvs_frees_the_decode(pd):
     resp = _call(decode, "/v1/completions", {**body, "kv_transfer_params": handle})
     [want] = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=6))
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want.outputs[0].text
+
+
+@pytest.mark.slow
+def test_smollm2_chat_through_the_proxy_over_zmq_equals_one_plain_engine():
+    from framework.model_executor.model_loader import resolve_model_path
+
+    engine = dict(model=resolve_model_path("smollm2"), dtype="float32", compile=False, max_model_len=512)
+    states = []
+    for role in ("kv_producer", "kv_consumer"):
+        e = LLM(**engine, kv_connector="zmq", kv_connector_params={"abort_timeout_s": 60.0}, kv_role=role).engine
+        states.append((ServerState(llm=AsyncLLM(e), model_name="smollm2", max_model_len=e.max_model_len,
+                                   vocab_size=e.vocab_size, tokenizer=e.tokenizer, supports_structured_outputs=False),
+                       e))
+    (prefill, _), (decode, decode_engine) = states
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]
+    try:
+        resp = _proxy_call(prefill, decode, "/v1/chat/completions",
+                           {"model": "smollm2", "messages": messages, "max_tokens": 16, "temperature": 0})
+    finally:
+        for state, _ in states:
+            state.llm.shutdown()
+    assert resp.status_code == 200, resp.text
+    assert decode_engine.scheduler.kv_transfer.external_prefix_cache_hits > 0
+    for _, e in states:
+        assert_all_blocks_free(e)
+    plain = LLM(**engine)
+    tok = plain.get_tokenizer()
+    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False).input_ids
+    [want] = plain.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=16))
+    assert resp.json()["choices"][0]["message"]["content"] == want.outputs[0].text
