@@ -1,8 +1,10 @@
 """``servelab proxy``: two OpenAI servers (``kv_connector=shared_storage`` or ``zmq``, one ``kv_producer``, one
-``kv_consumer`` with ``load_failure_policy=fail``) behind the P/D proxy, all in-process over httpx's ASGI transport. Greedy float32
-completions and chat completions, streamed and not, equal one plain engine's token for token (a prompt shorter than
-one block included); the decode server loaded the prefill's blocks; a request whose KV fails to load gets an error
-naming the policy while the others are served; the bodies the proxy sends are vLLM's toy proxy's."""
+``kv_consumer`` with ``load_failure_policy=fail``) behind the P/D proxy, all in-process over httpx's ASGI transport.
+Greedy float32 completions and chat completions, streamed and not, equal one plain engine's token for token (a
+prompt shorter than one block included; SmolLM2's chat over zmq, slow); the decode server loaded the prefill's
+blocks; a request whose KV fails to load gets an error naming the policy while the others are served; an abort while
+the decode waits in WAITING_FOR_REMOTE_KVS (zmq) ends it at once and frees its blocks; the bodies the proxy sends are
+vLLM's toy proxy's."""
 
 from __future__ import annotations
 
