@@ -66,6 +66,8 @@ class KVTransfer:
         parked: request id -> its asynchronous load, for requests in ``WAITING_FOR_REMOTE_KVS``.
         loaded: ids of requests whose asynchronous load completed, back in the waiting queue holding their blocks.
         held: request id -> finished request whose blocks the connector still reads (freed when it reports so).
+        transfers: ``(bytes, seconds)`` of each transfer the worker side reported finished and
+            :meth:`take_transfers` has not taken yet.
 
     Raises:
         ValueError: an unknown ``load_failure_policy``.
@@ -83,6 +85,7 @@ class KVTransfer:
         self.loaded: set[str] = set()
         self.held: dict[str, Request] = {}
         self.kv: KVAllocator | None = None
+        self.transfers: list[tuple[int, float]] = []
 
     def attach(self, kv_allocator: KVAllocator) -> None:
         """Act on the scheduler's KV allocator for transfers (hide, publish and free the blocks of asynchronous
@@ -134,6 +137,7 @@ class KVTransfer:
         if output is None:
             return {}, []
         self.connector.update_connector_output(output)
+        self.transfers += output.kv_connector_stats or ()
         failures = {}
         if output.invalid_block_ids:
             for request in scheduler_output.scheduled_requests:
@@ -152,6 +156,11 @@ class KVTransfer:
                 self.kv.free(self.held.pop(rid))
         loaded = [self._load_done(self.parked.pop(rid)) for rid in output.finished_recving or () if rid in self.parked]
         return failures, loaded
+
+    def take_transfers(self) -> list[tuple[int, float]]:
+        """The finished transfers' ``(bytes, seconds)`` since the last call (for the step's metrics)."""
+        transfers, self.transfers = self.transfers, []
+        return transfers
 
     def _failure(self, table: list[int], num_cached_tokens: int, invalid: set[int]) -> LoadFailure | None:
         """The load failure among the first ``num_cached_tokens`` tokens' blocks of ``table``, or None."""

@@ -97,6 +97,8 @@ class KVConnectorOutput:
     # what the worker side's store gained or lost this step (connector-defined plain values, e.g. offload's
     # ("stored", key) / ("removed", key)), for its scheduler side (vLLM's kv_cache_events); None: nothing
     kv_cache_events: list[Any] | None = None
+    # transfers the worker side finished this step, one (bytes, seconds) each (vLLM's kv_connector_stats); None: none
+    kv_connector_stats: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -202,6 +204,11 @@ class SchedulerStats:
     # which it supplied; 0 without a connector
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # KV connector transfers (pulls, loads) finished since the previous stats: how many, their bytes and their summed
+    # wall time, seconds; 0 without a connector
+    num_kv_transfers: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_s: float = 0.0
     num_sampled_reqs: int = 0  # requests that got >= 1 token this step
     num_spec_reqs: int = 0  # requests that verified drafts this step (speculative decoding)
     num_draft_tokens: int = 0  # draft tokens verified this step

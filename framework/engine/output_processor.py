@@ -107,6 +107,7 @@ def scheduler_stats(step: int, scheduler: Scheduler, sched_out: Any, runner_out:
     num_decode = sum(1 for v in n.values() if v == 1)
     kv_stats = scheduler.kv.stats()
     transfer = scheduler.kv_transfer
+    transfers = transfer.take_transfers() if transfer is not None else []
     return SchedulerStats(
         step=step, num_running_reqs=len(scheduler.running), num_waiting_reqs=scheduler.num_waiting,
         num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
@@ -119,6 +120,8 @@ def scheduler_stats(step: int, scheduler: Scheduler, sched_out: Any, runner_out:
         prefix_cache_hit_rate=kv_stats.hit_rate,
         external_prefix_cache_queries=transfer.external_prefix_cache_queries if transfer is not None else 0,
         external_prefix_cache_hits=transfer.external_prefix_cache_hits if transfer is not None else 0,
+        num_kv_transfers=len(transfers), kv_transfer_bytes=sum(b for b, _ in transfers),
+        kv_transfer_s=sum(s for _, s in transfers),
         num_preemptions=len(sched_out.preempted_req_ids), schedule_s=t1 - t0,
         prepare_s=runner_out.prepare_s, forward_s=runner_out.forward_s, sample_s=runner_out.sample_s,
         update_s=t3 - t2, step_s=t3 - t0,

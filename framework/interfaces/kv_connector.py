@@ -249,6 +249,16 @@ class KVConnector(Plugin, ABC):
         """
         return None
 
+    def get_kv_connector_stats(self) -> list[tuple[int, float]] | None:
+        """The transfers this worker side finished since the last call, one ``(bytes, seconds)`` each (vLLM's
+        ``get_kv_connector_stats``, plain values), or None.
+
+        Called by the model runner once per step; they reach the scheduler side's
+        :class:`~framework.core.kv_transfer.KVTransfer` as ``KVConnectorOutput.kv_connector_stats`` and the metrics as
+        ``SchedulerStats.num_kv_transfers`` / ``kv_transfer_bytes`` / ``kv_transfer_s``. Default: None.
+        """
+        return None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed in this step (a synchronous connector reports them in the step it
         detected them). Called by the model runner after :meth:`wait_for_save`. The scheduler then recomputes

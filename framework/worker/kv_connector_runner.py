@@ -52,7 +52,8 @@ class KVConnectorRunner:
         sending, recving = self.connector.get_finished(set(finished_req_ids))
         output = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                    invalid_block_ids=self.connector.get_block_ids_with_load_errors(),
-                                   kv_cache_events=self.connector.get_kv_connector_kv_cache_events())
+                                   kv_cache_events=self.connector.get_kv_connector_kv_cache_events(),
+                                   kv_connector_stats=self.connector.get_kv_connector_stats())
         if self._bound:
             self.connector.clear_connector_metadata()
             self._bound = False

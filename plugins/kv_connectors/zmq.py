@@ -20,6 +20,7 @@ remote blocks (a local hit, a prompt shorter than one block) still tells the pro
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.001  # how long an idle step's get_finished waits for a transfer to finish, s
 ENDPOINT_EVENT = "zmq_endpoint"  # ("zmq_endpoint", engine_id, host, port): the worker side's server address
 
 
@@ -50,6 +52,7 @@ class ZmqMetadata(KVConnectorMetadata):
 
     pulls: list[Pull] = field(default_factory=list)  # consumer: pulls to start
     holds: dict[str, list[int]] = field(default_factory=dict)  # producer: request id -> its blocks to serve
+    idle: bool = False  # the step schedules nothing (it only polls transfers): get_finished may wait a little
 
 
 class ZmqConnector(KVConnector):
@@ -90,7 +93,7 @@ class ZmqConnector(KVConnector):
         self._puller: BlockPuller | None = None
         self._events: list[Any] = []
         self._load_errors: set[int] = set()
-        self.transfers: list[tuple[int, float]] = []  # (bytes, seconds) of each finished pull (worker side)
+        self._stats: list[tuple[int, float]] = []  # (bytes, seconds) of the pulls finished since the last report
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
@@ -141,7 +144,8 @@ class ZmqConnector(KVConnector):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ZmqMetadata:
         """This step's pulls and holds; finished requests are forgotten."""
-        meta = ZmqMetadata(pulls=self._pulls, holds=self._holds)
+        meta = ZmqMetadata(pulls=self._pulls, holds=self._holds,
+                           idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._pulling.update(p.request_id for p in self._pulls if p.local_block_ids)
         self._pulls, self._holds = [], {}
         self._asked -= set(scheduler_output.finished_req_ids)
@@ -226,17 +230,32 @@ class ZmqConnector(KVConnector):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(pulled or timed-out held requests, finished pulls)``; a finished pull's bad blocks go to
-        :meth:`get_block_ids_with_load_errors` in the same step."""
-        sending = self._server.take_finished() if self._server is not None else set()
-        results: list[PullResult] = self._puller.take_results() if self._puller is not None else []
+        :meth:`get_block_ids_with_load_errors` in the same step. On a step that schedules nothing and finds nothing
+        finished, waits up to ``IDLE_WAIT_S`` first: an engine whose only work is transfers in flight steps
+        without a forward, and would otherwise spin a core against the transfer threads."""
+        sending, results = self._take_finished()
+        meta = self._connector_metadata
+        if not sending and not results and isinstance(meta, ZmqMetadata) and meta.idle and not meta.pulls:
+            time.sleep(IDLE_WAIT_S)
+            sending, results = self._take_finished()
         recving = set()
         for result in results:
             if not result.loaded:
                 continue  # a release: nothing arrived, nothing was parked
             self._load_errors |= result.bad_block_ids
-            self.transfers.append((result.num_bytes, result.seconds))
+            if not result.bad_block_ids:  # a failed pull moved nothing worth timing
+                self._stats.append((result.num_bytes, result.seconds))
             recving.add(result.request_id)
         return sending or None, recving or None
+
+    def _take_finished(self) -> tuple[set[str], list[PullResult]]:
+        sending = self._server.take_finished() if self._server is not None else set()
+        return sending, self._puller.take_results() if self._puller is not None else []
+
+    def get_kv_connector_stats(self) -> list[tuple[int, float]] | None:
+        """``(bytes, seconds)`` of each pull that succeeded since the last call, or None."""
+        stats, self._stats = self._stats, []
+        return stats or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local blocks of the pulls reported this step that did not arrive (then forgotten)."""

@@ -175,3 +175,22 @@ def test_acceptance_by_position_is_conditional_on_the_earlier_drafts():
     summary = collector.summary()
     assert summary["spec_acceptance_by_position"] == [2 / 3, 1 / 2]  # position 1 reached by a and c only
     assert summary["spec_acceptance_rate"] == 0.5
+
+
+def test_kv_transfers_hand_checked():
+    """Two transfers in one step (counted at their mean), one in another, none in a third."""
+    import dataclasses
+
+    c = MetricsCollector()
+    c.observe_step(dataclasses.replace(stats(0, 0.1, 0.0, 0), num_kv_transfers=2, kv_transfer_bytes=3000,
+                                       kv_transfer_s=0.004))
+    c.observe_step(dataclasses.replace(stats(1, 0.1, 0.0, 0), num_kv_transfers=1, kv_transfer_bytes=1000,
+                                       kv_transfer_s=0.002))
+    c.observe_step(stats(2, 0.1, 0.0, 0))
+    s = c.summary()
+    assert (s["num_kv_transfers"], s["kv_transfer_bytes"]) == (3, 4000)
+    assert s["kv_transfer_s"] == pytest.approx(0.006) and s["kv_transfer_gb_per_s"] == pytest.approx(4000 / 0.006 / 1e9)
+    assert s["mean_kv_transfer_ms"] == pytest.approx(2.0) and s["median_kv_transfer_ms"] == pytest.approx(2.0)
+    assert s["mean_kv_transfer_bytes"] == pytest.approx(4000 / 3)
+    empty = MetricsCollector().summary()
+    assert empty["num_kv_transfers"] == 0 and empty["kv_transfer_gb_per_s"] is None and empty["p99_kv_transfer_ms"] is None

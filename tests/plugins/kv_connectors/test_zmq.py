@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -139,11 +140,15 @@ def test_producer_then_consumer_process_is_exact(plain):
     assert _tokens(outputs) == _tokens(plain.generate(PROMPTS, GREEDY))
     loaded = sum(((len(p) - 1) // BLOCK) * BLOCK for p in consumer.engine.tokenizer(PROMPTS[:2]).input_ids)
     assert consumer.engine.scheduler.kv_transfer.external_prefix_cache_hits == loaded > 0
-    transfers = consumer.engine.runner.kv_connector.connector.transfers
-    assert len(transfers) == 2 and all(n > 0 for n, _ in transfers)
+    metrics = consumer.engine.metrics.summary()
+    bytes_per_block = consumer.engine.metrics.kv_cache_info["kv_cache_bytes_per_block"]
+    assert metrics["num_kv_transfers"] == 2 and metrics["kv_transfer_bytes"] == loaded // BLOCK * bytes_per_block
+    assert metrics["kv_transfer_s"] > 0 and metrics["kv_transfer_gb_per_s"] > 0 and metrics["p99_kv_transfer_ms"] > 0
     assert producer.finish() == {"held_blocks": 0, "zmq_threads": []}
     _close_and_check(consumer)
-    assert set(os.listdir("/dev/shm")) <= shm_before
+    # zmq over TCP makes no shared-memory segment (sem.mp-*: multiprocessing semaphores of other processes on a
+    # shared machine)
+    assert {f for f in set(os.listdir("/dev/shm")) - shm_before if not f.startswith("sem.mp-")} == set()
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -172,3 +177,39 @@ def test_killed_producer_is_recomputed(plain):
     outputs = consumer.generate(PROMPTS, _with_params(producer.params))
     assert _tokens(outputs) == _tokens(plain.generate(PROMPTS, GREEDY))
     _close_and_check(consumer)
+
+
+# A producer that dies mid-pull: it receives the pull request, then its process exits without answering.
+_DYING_PRODUCER = """
+import os, sys, zmq
+sock = zmq.Context().socket(zmq.ROUTER)
+print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+sock.recv_multipart()
+os._exit(1)
+"""
+
+
+def test_producer_killed_mid_pull_reports_every_block_bad():
+    from plugins.kv_connectors._zmq_wire import Pull
+    from plugins.kv_connectors.zmq import ZmqMetadata
+
+    proc = subprocess.Popen([sys.executable, "-c", _DYING_PRODUCER], stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    backend = TorchPagedAttentionBackend(num_heads=8, num_kv_heads=4, head_size=8, scale=8 ** -0.5, block_size=BLOCK,
+                                         dtype=torch.float32, device=torch.device("cpu"))
+    caches = [torch.zeros(backend.get_kv_cache_shape(8)) for _ in range(2)]
+    worker = ZmqConnector(KVConnectorRole.WORKER, BLOCK, kv_role="kv_consumer", pull_timeout_s=1.0)
+    worker.register_kv_caches(caches, backend)
+    worker.bind_connector_metadata(ZmqMetadata(pulls=[Pull("c0", "p0", "127.0.0.1", port, [0, 1, 2], [5, 6, 7])]))
+    worker.start_load_kv()
+    recving: set[str] = set()
+    for _ in range(400):
+        recving |= worker.get_finished(set())[1] or set()
+        if recving:
+            break
+        time.sleep(0.01)
+    assert recving == {"c0"} and worker.get_block_ids_with_load_errors() == {5, 6, 7}
+    assert worker.get_kv_connector_stats() is None  # a failed pull is no transfer in the metrics
+    assert proc.wait(timeout=10) == 1
+    worker.close()
+    assert not [t.name for t in threading.enumerate() if "zmq" in t.name]
