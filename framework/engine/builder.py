@@ -54,7 +54,7 @@ from framework.interfaces import AttentionLayerSpec, Drafter, Executor
 from framework.interfaces.attention import latent_kv_problems
 from framework.metrics.collector import MetricsCollector
 from framework.model_executor.embeddings import load_embeddings
-from framework.model_executor.expert_parallel import ExpertParallelConfig, ep_problems
+from framework.model_executor.expert_parallel import ExpertParallelConfig, RankZeroExpertLoad, ep_problems
 from framework.model_executor.model_families import attention_layers, family_of
 from framework.model_executor.model_loader import checkpoint_dtype, load_model_config, load_tokenizer
 from framework.model_executor.quantized_checkpoint import (
@@ -443,6 +443,8 @@ def assemble(config: EngineConfig, scheduler: Scheduler, executor: Executor, tok
         "kv_cache_group_windows": " ".join("full" if g.sliding_window is None else str(g.sliding_window)
                                            for g in layout.groups)}
     engine.metrics.compile_stats = RankZeroCompileStats(executor)
+    if config.enable_expert_parallel and config.executor != "sim":
+        engine.metrics.expert_load = RankZeroExpertLoad(executor)
     logger.info("engine ready: executor=%s x %d ranks, %d KV blocks per rank (%.1f MiB, kv_cache_dtype=%s, "
                 "%d bytes/block), max_model_len=%d", config.executor, config.tensor_parallel_size, num_blocks,
                 (num_blocks + layout.has_null_block) * bytes_per_block / 2**20, config.kv_cache_dtype,

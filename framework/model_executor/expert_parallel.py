@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -130,6 +131,8 @@ class ExpertParallelExperts(nn.Module):
         self.num_local = maps.num_physical_experts // ep_size
         self.num_logical = int(maps.logical_replica_count.shape[1])
         self.register_buffer("expert_load", torch.zeros(self.num_logical, dtype=torch.int64), persistent=False)
+        # the same counts since the model loaded (metrics.json's expert_load); expert_load restarts at each rebalance
+        self.register_buffer("expert_load_total", torch.zeros(self.num_logical, dtype=torch.int64), persistent=False)
         self.set_maps(maps)
 
     def set_maps(self, maps: ExpertMaps) -> None:
@@ -165,7 +168,9 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """See the class docstring."""
-        self.expert_load += torch.bincount(top_k_index.flatten(), minlength=self.num_logical).to(self.expert_load)
+        counts = torch.bincount(top_k_index.flatten(), minlength=self.num_logical).to(self.expert_load)
+        self.expert_load += counts
+        self.expert_load_total += counts
         local, weights = self.dispatch(top_k_index, top_k_weights)
         return self.combine(self.experts(hidden, local, weights))
 
@@ -278,6 +283,26 @@ def ep_layers(model: nn.Module) -> list[ExpertParallelExperts]:
 def expert_load(model: nn.Module) -> torch.Tensor:
     """``(num_moe_layers, num_experts)`` int64: tokens routed to each logical expert since the last rebalance."""
     return torch.stack([layer.expert_load.cpu() for layer in ep_layers(model)])
+
+
+def worker_expert_load(worker: Any) -> list[list[int]]:
+    """Run on a rank by ``collective_rpc``: its model's per layer, per expert token counts since loading."""
+    return [layer.expert_load_total.tolist() for layer in ep_layers(worker.runner.model)]
+
+
+class RankZeroExpertLoad:
+    """``MetricsCollector.expert_load``: the driver rank's counts, read live when ``metrics.json`` is written
+    (every rank counts the same tokens). ``executor``: anything with ``collective_rpc``."""
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"expert_load": [[tokens per expert] per MoE layer]}``; ``None`` once the ranks are gone."""
+        try:
+            return {"expert_load": self.executor.collective_rpc(worker_expert_load, unique_reply_rank=0)[0]}
+        except Exception:  # a dead or shut-down executor: the summary is still written, without the loads
+            return {"expert_load": None}
 
 
 @torch.inference_mode()

@@ -127,12 +127,18 @@ def test_valid_settings_pass() -> None:
 def test_engine_ep2_with_eplb_matches_transformers(make_llm, family: str, backend: str) -> None:
     """``LLM(..., enable_expert_parallel=True)`` served by ``executor=mp`` (chunked prefill, prefix caching and
     preemption forced by the family engine settings), EPLB rebalancing every 3 forwards with two redundant
-    experts: greedy tokens equal transformers' and top-5 log-probabilities agree within 1e-4."""
+    experts: greedy tokens equal transformers' and top-5 log-probabilities agree within 1e-4; ``metrics.json``'s
+    ``expert_load`` has every layer's per-expert counts."""
     from families import assert_matches_transformers, run_family
 
-    _, outs = run_family(make_llm, family, tensor_parallel_size=2, executor="mp", enable_expert_parallel=True,
-                         all2all_backend=backend, enable_eplb=True, num_redundant_experts=2, eplb_step_interval=3)
+    llm, outs = run_family(make_llm, family, tensor_parallel_size=2, executor="mp", enable_expert_parallel=True,
+                           all2all_backend=backend, enable_eplb=True, num_redundant_experts=2, eplb_step_interval=3)
     assert_matches_transformers(family, outs, f"enable_expert_parallel=True, {backend}, EPLB every 3 forwards")
+    load = llm.engine.metrics.summary()["expert_load"]  # metrics.json's: per layer, per expert tokens
+    config = tiny_config(family)
+    assert len(load) == config.num_hidden_layers and all(len(row) == 4 for row in load)
+    sums = {sum(row) for row in load}  # every layer sees every computed token, top-2 each
+    assert len(sums) == 1 and sums.pop() % 2 == 0 and min(min(row) for row in load) >= 0
 
 
 def test_engine_refuses_ep_before_any_worker(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
