@@ -125,6 +125,10 @@ class MetricsCollector:
         self.prefix_cache_hit_rate = 0.0  # last step's cumulative value
         # KV connector: last step's cumulative external prefix-cache queries and hits, tokens
         self.external_prefix_cache = dict.fromkeys(("external_prefix_cache_queries", "external_prefix_cache_hits"), 0)
+        # KV connector transfers (pulls, loads): (bytes, seconds) per transfer; those finishing in one step count at
+        # their mean (the stats carry the step's sums); totals exact
+        self.kv_transfers: deque[tuple[float, float]] = deque(maxlen=max_records)
+        self.kv_transfer_totals = {"num_kv_transfers": 0, "kv_transfer_bytes": 0, "kv_transfer_s": 0.0}
         self.num_preemptions = 0
         self.model_info: dict[str, Any] = {}  # set by build_engine: dtype, dtype_reason
         self.kv_cache_info: dict[str, Any] = {}  # set by build_engine: kv_cache_{dtype,num_blocks,bytes_per_block,...}
@@ -150,6 +154,25 @@ class MetricsCollector:
         self._first_s = start_s if self._first_s is None else min(self._first_s, start_s)
         self._last_s = now
 
+    def _observe_kv_transfers(self, stats: SchedulerStats) -> None:
+        """Add the KV connector transfers the step's stats report (sums over ``num_kv_transfers`` transfers)."""
+        n = stats.num_kv_transfers
+        if not n:
+            return
+        self.kv_transfers.extend([(stats.kv_transfer_bytes / n, stats.kv_transfer_s / n)] * n)
+        for key in self.kv_transfer_totals:
+            self.kv_transfer_totals[key] += getattr(stats, key)
+
+    def _kv_transfer_summary(self) -> dict[str, Any]:
+        """``metrics.json``'s KV transfer keys (see :meth:`summary`)."""
+        t = self.kv_transfer_totals
+        out: dict[str, Any] = dict(t)
+        out["kv_transfer_gb_per_s"] = t["kv_transfer_bytes"] / t["kv_transfer_s"] / 1e9 if t["kv_transfer_s"] else None
+        out.update({f"{stat}_kv_transfer_ms": value for stat, value in _describe([s for _, s in self.kv_transfers]).items()})
+        sizes = [b for b, _ in self.kv_transfers]
+        out["mean_kv_transfer_bytes"] = sum(sizes) / len(sizes) if sizes else None
+        return out
+
     def observe_step(self, stats: SchedulerStats) -> None:
         """Add one step's stats (time split, KV usage, preemptions)."""
         self._touch(self.clock.now() - stats.step_s)
@@ -171,6 +194,7 @@ class MetricsCollector:
         for key in self.external_prefix_cache:
             self.external_prefix_cache[key] = getattr(stats, key)
         self.num_preemptions += stats.num_preemptions
+        self._observe_kv_transfers(stats)
         for key in _SWAP_COUNTERS:
             self.swap_totals[key] += getattr(stats, key)
         self.num_generated_tokens += stats.num_generated_tokens
@@ -231,7 +255,10 @@ class MetricsCollector:
             ``peak_kv_cache_usage``, ``mean_kv_cache_usage``, ``mean_kv_cache_fragmentation``,
             ``peak_num_running_reqs`` / ``mean_num_running_reqs`` (concurrency),
             ``prefix_cache_hit_rate``, ``external_prefix_cache_queries`` / ``external_prefix_cache_hits`` (a KV
-            connector's, tokens; 0 without one), ``num_preemptions``, ``num_steps``,
+            connector's, tokens; 0 without one), a KV connector's transfers (``num_kv_transfers``,
+            ``kv_transfer_bytes`` total bytes, ``kv_transfer_s`` summed seconds, ``kv_transfer_gb_per_s`` =
+            bytes / seconds / 1e9, ``{mean,median,std,p90,p99}_kv_transfer_ms`` and ``mean_kv_transfer_bytes`` per
+            transfer; counterparts of ``servelab:kv_transfer_seconds`` / ``servelab:kv_transfer_bytes``), ``num_preemptions``, ``num_steps``,
             ``dtype`` (the model's, resolved) and ``dtype_reason`` (why: ``framework.platform.choose_dtype``),
             ``kv_cache_dtype``, ``kv_cache_num_blocks``, ``kv_cache_bytes_per_block`` (bytes, the
             ``kv_cache_layers_per_block`` layers of a block), ``kv_cache_num_groups``, ``kv_cache_group_windows``,
@@ -288,6 +315,7 @@ class MetricsCollector:
                    **self.swap_totals, num_steps=self.num_steps, step_s=total_step_s,
                    **self.kv_cache_info)
         out.update(self.external_prefix_cache)
+        out.update(self._kv_transfer_summary())
         out.update(self.model_info)
         out.update(self.compile_info)
         out.update(self.run_labels)
