@@ -174,4 +174,4 @@ def test_parallel_section_and_executor_group_compose():
         ray_cfg = engine_config_from_cfg(compose(config_name="config", overrides=["executor=ray"]))
         assert ray_cfg.executor == "ray" and ray_cfg.executor_params["placement_strategy"] == "PACK"
         with pytest.raises(ValueError, match="unknown parallel keys"):
-            engine_config_from_cfg(compose(config_name="config", overrides=["+parallel.pipeline_parallel_size=2"]))
+            engine_config_from_cfg(compose(config_name="config", overrides=["+parallel.context_parallel_size=2"]))
