@@ -97,6 +97,10 @@ def test_group_splitting_tp_size_refused_before_weights_load(tmp_path) -> None:
     assert any("layers.*.self_attn.o_proj (row-parallel) holds in_features=32 per rank, which splits its "
                "groups of group_size=64" in p for p in problems), problems
     assert GPTQ.validate_tp(EngineConfig(model=str(folder)), 1) == []
+    from framework import LLM
+
+    with pytest.raises(ValueError, match=r"quant=gptq with tensor_parallel_size=2: .*o_proj .*group_size=64"):
+        LLM(model=str(folder), tensor_parallel_size=2, executor="mp")  # refused before any worker starts
 
 
 @pytest.fixture(scope="module")
