@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from framework import registry
 from framework.config import EngineConfig
 from framework.engine.builder import build_llm_engine, resolve_and_log_dtype, validate_plugins
 from framework.engine.data_parallel import build_data_parallel_engine
@@ -40,6 +41,10 @@ def build_engine(config: EngineConfig, metrics: MetricsCollector | None = None,
         return build_llm_engine(config, metrics, defer_compile)
     config, choice = resolve_and_log_dtype(config)
     validate_plugins(config)  # every name (the router's too) before the first replica loads
+    if config.disagg_prefill_replicas:  # an executor that runs both P/D pools in this process builds the front
+        build_front = getattr(registry.get_class("executor", config.executor), "build_disaggregated_front", None)
+        if build_front is not None:  # executor=sim (plugins/executors/_sim_disagg.py)
+            return build_front(config, metrics)
     engine = build_data_parallel_engine(config, metrics, defer_compile)
     engine.metrics.front.model_info = {"dtype": choice.dtype, "dtype_reason": choice.reason}
     return engine

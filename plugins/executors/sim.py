@@ -133,6 +133,18 @@ class SimExecutor(Executor):
         problem = check_profile_spec(params.get("profile", "auto"))
         return problems + ([problem] if problem else [])
 
+    @classmethod
+    def build_disaggregated_front(cls, config: EngineConfig, metrics: Any = None) -> Any:
+        """``build_engine``'s front for ``disagg.prefill_replicas > 0``: the simulated prefill and decode pools
+        (``plugins/executors/_sim_disagg.py``: ``build_disaggregated_sim_engine``).
+
+        Raises:
+            ValueError: bad ``kv_transfer.params`` (naming the key).
+        """
+        from plugins.executors._sim_disagg import build_disaggregated_sim_engine
+
+        return build_disaggregated_sim_engine(config, metrics)
+
     # ---- the executor verbs --------------------------------------------------------------------
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout_s: float | None = None, unique_reply_rank: int | None = None) -> list[Any]:

@@ -85,3 +85,15 @@ def test_bad_link_params_are_refused_by_name(tmp_path):
                                                kv_transfer_link_params={"bandwith_gbps": 1}))
     with pytest.raises(ValueError, match="disagg.prefill_replicas must be 0"):
         _config(tmp_path, data_parallel_size=2, disagg_prefill_replicas=2)
+
+
+def test_build_engine_builds_the_pd_front_under_sim(tmp_path):
+    """``framework.build_engine`` (``run.py``, ``LLM``) with ``executor=sim`` and ``disagg.prefill_replicas``."""
+    from plugins.executors._sim_disagg import DisaggregatedSimEngine
+
+    engine = build_engine(_config(tmp_path, data_parallel_size=3, disagg_prefill_replicas=1))
+    assert isinstance(engine, DisaggregatedSimEngine)
+    assert (len(engine.prefill.replicas), len(engine.decode.replicas)) == (1, 2)
+    records, _ = run_workload(engine, _items(3), GREEDY, progress=False)
+    assert engine.num_transfers == 3 and all(r["finish_reason"] == "length" for r in records)
+    engine.shutdown()
