@@ -1,11 +1,20 @@
-"""``lora_backend=bgmv`` (the default): gather each token's A and B, then one batched matrix-vector product.
+"""``lora_backend=bgmv`` (the default): every token's LoRA term in one batched product, whatever the step's mix.
 
-Punica's BGMV kernel (Chen et al., "Punica: Multi-Tenant LoRA Serving", MLSys 2024, section 4) as plain torch:
-``A[slot[t]]`` and ``B[slot[t]]`` are gathered per token and multiplied in one ``bmm`` each (shrink, expand),
-so the cost does not depend on how many adapters the step mixes; base-model tokens get scale 0.
+Punica's BGMV contract (Chen et al., "Punica: Multi-Tenant LoRA Serving", MLSys 2024, section 4): one shrink and
+one expand for all tokens, each token reading its own adapter. On a GPU that is a fused gather kernel; in plain
+torch, gathering ``A[slot[t]]`` and ``B[slot[t]]`` per token materializes ``num_tokens * r * (in + out)`` weights,
+which on a CPU costs far more than the matmuls. So two forms, chosen per step in :meth:`BGMVBackend.prepare`:
+
+* ``stacked`` (the step's ``U`` adapters times the rank at most ``params.stacked_max_width``, default 256): the
+  step's slots stacked into one ``(U * r, in)`` A and one ``(out, U * r)`` B, read once: shrink ``x A^T`` for all
+  slots, zero every column block but the token's own (times its scale), expand. ``2 U r (in + out)`` FLOPs per token
+  in two GEMMs (the S-LoRA/vLLM observation that a few adapters cost about one wider LoRA);
+* ``gather`` (wider steps): the per-token gather above, in one ``bmm`` each; its cost does not grow with ``U``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -15,13 +24,41 @@ from framework.interfaces.lora_backend import LoRABackend, LoRABatch
 
 
 class BGMVBackend(LoRABackend):
-    """Per-token gather + batched matmul. Memory: ``num_tokens * max_lora_rank * (in + out)`` gathered weights."""
+    """One batched shrink and expand per linear for all tokens (module docstring: ``stacked`` or ``gather``).
+
+    Params: ``stacked_max_width`` (int, default 256): the widest ``U * max_lora_rank`` run ``stacked``; 0: always
+    ``gather``. Memory: ``stacked`` ``num_tokens * U * r`` shrunk values; ``gather`` ``num_tokens * r * (in + out)``
+    gathered weights.
+    """
 
     name = "bgmv"
 
+    def __init__(self, stacked_max_width: int = 256, **params: Any) -> None:
+        """Raises ``ValueError`` for a ``stacked_max_width`` that is not an int >= 0."""
+        super().__init__(stacked_max_width=stacked_max_width, **params)
+        if not isinstance(stacked_max_width, int) or stacked_max_width < 0:
+            raise ValueError(f"lora_backend.params.stacked_max_width must be an int >= 0 (0: always gather), got "
+                             f"{stacked_max_width!r}")
+        self.stacked_max_width = stacked_max_width
+
+    def prepare(self, token_slots: torch.Tensor) -> LoRABatch:
+        """Each token's slot, and ``extra``: the step's distinct slots ``used`` ``(U,) int64`` with each token's
+        one-hot place among them ``(num_tokens, U) float32`` (zero for the base model's tokens)."""
+        used = torch.unique(token_slots[token_slots >= 0])
+        onehot = (token_slots[:, None] == used[None, :]).to(torch.float32)  # (T, U)
+        return LoRABatch(token_slots=token_slots, any_lora=bool(used.numel()), extra=(used, onehot))
+
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  scales: torch.Tensor, batch: LoRABatch) -> None:
-        """``y[t] += scales[s] * B[s] (A[s] x[t])`` for every token at once (``s = -1``: scale 0)."""
+        """``y[t] += scales[s] * B[s] (A[s] x[t])`` for every token at once (``s = -1``: nothing added)."""
+        used, onehot = batch.extra
+        rank = lora_a.shape[1]
+        if used.numel() * rank <= self.stacked_max_width:
+            a = lora_a[used].reshape(-1, lora_a.shape[2])  # (U * r, in)
+            b = lora_b[used].permute(1, 0, 2).reshape(lora_b.shape[1], -1)  # (out, U * r)
+            weight = (onehot * scales[used]).to(x.dtype).repeat_interleave(rank, dim=1)  # (T, U * r)
+            y.add_(((x @ a.T) * weight) @ b.T)
+            return
         slots = batch.token_slots
         index = slots.clamp(min=0)
         shrunk = torch.bmm(lora_a[index], x.unsqueeze(-1))  # (T, r, 1)

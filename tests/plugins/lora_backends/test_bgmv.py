@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from framework import registry
 from framework.testing import check_lora_backend
@@ -13,6 +14,31 @@ def test_registered_as_bgmv():
     assert registry.get_class("lora_backend", "bgmv") is BGMVBackend
 
 
+@pytest.mark.parametrize("params", [{}, {"stacked_max_width": 0}], ids=["stacked", "gather"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_bgmv_passes_the_lora_backend_contract(seed):
-    check_lora_backend(BGMVBackend, seed=seed)
+def test_bgmv_passes_the_lora_backend_contract(seed, params):
+    check_lora_backend(BGMVBackend, params, seed=seed)
+
+
+def test_the_form_follows_the_step_width():
+    """``stacked`` up to ``stacked_max_width`` columns (U adapters x rank), ``gather`` past it: equal terms."""
+    gen = torch.Generator().manual_seed(0)
+    x, a, b = torch.randn(6, 16, generator=gen), torch.randn(4, 8, 16, generator=gen), torch.randn(4, 12, 8, generator=gen)
+    scales = torch.tensor([0.5, 1.0, 2.0, 4.0])
+    slots = torch.tensor([0, 0, 3, -1, 1, 3])
+    terms = {}
+    for width in (24, 23):  # 3 adapters x rank 8 = 24 columns: stacked at 24, gather at 23
+        backend = BGMVBackend(stacked_max_width=width)
+        y = torch.zeros(6, 12)
+        backend.add_lora(y, x, a, b, scales, backend.prepare(slots))
+        terms[width] = y
+    expected = torch.stack([scales[s] * (b[s] @ (a[s] @ x[t])) if s >= 0 else torch.zeros(12)
+                            for t, s in enumerate(slots.tolist())])
+    torch.testing.assert_close(terms[24], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(terms[23], expected, rtol=1e-5, atol=1e-5)
+    assert terms[3 * 8].ne(0).any() and terms[24][3].eq(0).all()  # the base token's row untouched
+
+
+def test_a_bad_width_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match="lora_backend.params.stacked_max_width must be an int >= 0"):
+        BGMVBackend(stacked_max_width=-1)
