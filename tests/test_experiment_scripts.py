@@ -317,6 +317,18 @@ def test_soak_serving_smoke(tmp_path, capsys):
     assert "check no_kv_leak" in capsys.readouterr().out
 
 
+def test_bench_pipeline_reports_throughput_and_token_parity(tmp_path):
+    """``bench_pipeline`` on stories260K, one rank and two pipeline stages: both rows, tokens equal."""
+    from experiments.offline import bench_pipeline
+
+    report = bench_pipeline.main(["--systems", "pp1", "pp2", "--batches", "2", "--prompt-len", "6",
+                                  "--output-len", "3", "--json-out", str(tmp_path / "out.json")])
+    assert set(report["systems"]) == {"pp1", "pp2"}
+    for rows in report["systems"].values():
+        assert rows[2]["output_tok_s"] > 0 and rows[2]["mean_step_ms"] > 0 and rows[2]["tokens_equal_first_system"]
+    assert (tmp_path / "out.json").is_file()
+
+
 def test_bench_parallel_reports_throughput_itl_and_the_overhead_split(tmp_path):
     """``bench_parallel`` on the tiny random model, two ``mp`` ranks: every column is there."""
     from experiments.offline import bench_parallel
