@@ -184,6 +184,12 @@ class MultiConnector(KVConnector):
                   for event in connector.get_kv_connector_kv_cache_events() or ()]
         return events or None
 
+    def get_kv_connector_stats(self) -> list[tuple[int, float]] | None:
+        """Every connector's finished transfers, ``(bytes, seconds)`` each, concatenated (None when none reports
+        any): a ``zmq`` under ``multi`` counts its pulls in the transfer metrics as it does alone."""
+        stats = [one for connector in self.connectors for one in connector.get_kv_connector_stats() or ()]
+        return stats or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The union of the connectors' load errors."""
         return set().union(*(c.get_block_ids_with_load_errors() for c in self.connectors))

@@ -144,3 +144,13 @@ def test_a_send_several_connectors_delay_is_finished_once_all_report_it():
     assert worker.get_finished({"r"}) == (None, None)  # the second connector still sends it
     worker.connectors[1].sent = {"r"}
     assert worker.get_finished(set()) == ({"r"}, None)
+
+
+def test_every_connectors_transfer_stats_reach_the_metrics():
+    with registry.registered(_FixedPlugin()):
+        multi = MultiConnector(KVConnectorRole.WORKER, BLOCK, connectors=[
+            {"name": "fixed"}, {"name": "fixed"}, {"name": "fixed"}])
+    assert multi.get_kv_connector_stats() is None  # nobody moved anything
+    multi.connectors[0].get_kv_connector_stats = lambda: [(4096, 0.5)]
+    multi.connectors[2].get_kv_connector_stats = lambda: [(1024, 0.25), (2048, 0.125)]
+    assert multi.get_kv_connector_stats() == [(4096, 0.5), (1024, 0.25), (2048, 0.125)]
