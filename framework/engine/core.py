@@ -16,6 +16,7 @@ by a watchdog thread, which logs the loop thread's stack and emits ``dead`` the 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -25,6 +26,7 @@ from typing import Any
 from framework.core.faults import EngineDeadError
 from framework.core.outputs import RequestOutput
 from framework.engine.core_messages import (
+    RECENT_KV_TRANSFERS,
     AbortRequests,
     AddRequest,
     CoreCommand,
@@ -61,7 +63,18 @@ def _one_replica(engine: ReplicaEngine, replica_id: int, alive: bool, num_routed
                         external_prefix_queries_tokens=engine.metrics.external_prefix_cache["external_prefix_cache_queries"],
                         external_prefix_hits_tokens=engine.metrics.external_prefix_cache["external_prefix_cache_hits"],
                         running_lora_adapters=running_loras, waiting_lora_adapters=waiting_loras,
-                        **_spec_counters(engine.metrics))
+                        **_spec_counters(engine.metrics), **_kv_transfers(engine.metrics))
+
+
+def _kv_transfers(metrics: Any) -> dict[str, Any]:
+    """A collector's KV connector transfers as :class:`ReplicaStats` fields: the total and the last
+    ``RECENT_KV_TRANSFERS`` ``(bytes, seconds)`` records, oldest first (empty without transfers)."""
+    total = metrics.kv_transfer_totals["num_kv_transfers"]
+    if not total:
+        return {}
+    records = metrics.kv_transfers
+    recent = list(itertools.islice(reversed(records), RECENT_KV_TRANSFERS))[::-1]
+    return {"num_kv_transfers": total, "recent_kv_transfers": [(float(b), float(t)) for b, t in recent]}
 
 
 def _spec_counters(metrics: Any) -> dict[str, Any]:

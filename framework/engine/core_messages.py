@@ -51,6 +51,9 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 CoreCommand = AddRequest | AbortRequests | Shutdown
 
 
+RECENT_KV_TRANSFERS = 64  # (bytes, seconds) records a ReplicaStats carries at most
+
+
 class ReplicaStats(msgspec.Struct):
     """One replica's load and cumulative counters, published with every step's outputs (the routers' and
     ``/metrics``' view of it); counters are totals since the replica started."""
@@ -73,6 +76,10 @@ class ReplicaStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0  # draft tokens (tree nodes) verified, total
     spec_num_accepted_tokens: int = 0  # draft tokens accepted, total
     spec_accepted_per_pos: list[int] = []  # per draft position (tree depth - 1): drafts accepted there, total
+    num_kv_transfers: int = 0  # KV connector transfers finished (zmq pulls...), total
+    # the last RECENT_KV_TRANSFERS of them, oldest first: (bytes, seconds) each (the /metrics histograms observe
+    # the ones a publication adds; more between two publications than this are counted, not observed)
+    recent_kv_transfers: list[tuple[float, float]] = []
 
 
 class EngineFacts(msgspec.Struct):

@@ -25,6 +25,7 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
+_KV_TRANSFER_BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 34, 2))  # 64 KiB .. 4 GiB, x4 apart
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0)
 
@@ -46,6 +47,9 @@ class ServerMetrics:
       ``spec_decode_num_accepted_tokens_total`` and ``spec_decode_num_accepted_tokens_per_pos_total{position}``
       (accepted drafts at each draft position; for token trees ``position`` is the tree depth - 1, as vLLM
       counts chain positions from 0);
+    * a KV connector's transfers (``zmq`` pulls): histograms ``kv_transfer_bytes`` (bytes per transfer) and
+      ``kv_transfer_seconds`` (seconds per transfer), from the records each replica publication adds (at most
+      ``RECENT_KV_TRANSFERS`` per publication; ``metrics.json``'s ``kv_transfer_*`` are their offline counterparts);
     * histograms (seconds) ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
       ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
       ``request_time_per_output_token_seconds``;
@@ -97,6 +101,9 @@ class ServerMetrics:
         self.queue = histogram("request_queue_time_seconds", "Time waiting before first scheduled, s.", _E2E_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds", "Time per output token after the first, s.",
                               _ITL_BUCKETS)
+        self.kv_transfer_bytes = histogram("kv_transfer_bytes", "KV connector transfer size, bytes.",
+                                           _KV_TRANSFER_BYTES_BUCKETS)
+        self.kv_transfer_seconds = histogram("kv_transfer_seconds", "KV connector transfer time, s.", _TTFT_BUCKETS)
         self.spec_drafts = counter("spec_decode_num_drafts", "Verify steps of requests with drafts.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens (tree nodes) verified.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -145,6 +152,10 @@ class ServerMetrics:
             delta = total - (before[pos] if pos < len(before) else 0)
             if delta > 0:
                 series.inc(delta)
+        new_transfers = stats.num_kv_transfers - (last.num_kv_transfers if last is not None else 0)
+        for size, seconds in stats.recent_kv_transfers[max(0, len(stats.recent_kv_transfers) - new_transfers):]:
+            self.kv_transfer_bytes.observe(size)
+            self.kv_transfer_seconds.observe(seconds)
         self._last[stats.replica_id] = stats
         live = [s for s in self._last.values() if s.alive]
         self.running.set(sum(s.num_running_reqs for s in live))
