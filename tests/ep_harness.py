@@ -43,3 +43,8 @@ def run_ep_cases(tp_rank: int, tp_size: int, cases: list[dict[str, Any]]) -> dic
         del lm
         torch.set_num_threads(1)
     return results
+
+
+def eplb_rebalances(worker: Any) -> int:
+    """Run on a rank by ``collective_rpc``: how many times its ``EplbSchedule`` rebalanced the experts."""
+    return worker.runner.model.eplb_schedule.num_rebalances

@@ -250,8 +250,9 @@ def load_ep_model(model: str, dtype: str, device: str, tp_rank: int, tp_size: in
     sources = shard_model(net, group.rank_in_group, tp_size, group.group_name, experts_style=sharder)
     load_weights(net, path, sources, torch.device(device))
     net.eval().requires_grad_(False)
-    if ep.enable_eplb:
-        net.register_forward_pre_hook(EplbSchedule(ep.eplb_step_interval))
+    if ep.enable_eplb:  # on the first MoE layer: every forward path runs it (the runner may call the decoder alone)
+        net.eplb_schedule = EplbSchedule(ep.eplb_step_interval, net)
+        ep_layers(net)[0].register_forward_pre_hook(net.eplb_schedule)
     with contextlib.suppress(OSError):  # a folder without generation_config.json keeps from_config's
         net.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -261,17 +262,20 @@ def load_ep_model(model: str, dtype: str, device: str, tp_rank: int, tp_size: in
 
 
 class EplbSchedule:
-    """A forward pre-hook on the model: :func:`rebalance` before every ``step_interval``-th forward. Every rank
-    runs the same forwards (one per engine step, in lockstep), so all rebalance at the same step."""
+    """A forward pre-hook on the first MoE layer of ``model``: :func:`rebalance` before every
+    ``step_interval``-th forward. Every rank runs the same forwards (one per engine step, in lockstep), so all
+    rebalance at the same step. Kept out of compiled graphs (a compiled decoder falls back to eager)."""
 
-    def __init__(self, step_interval: int) -> None:
-        self.step_interval, self.num_forwards, self.num_rebalances = step_interval, 0, 0
+    def __init__(self, step_interval: int, model: nn.Module) -> None:
+        self.step_interval, self.model = step_interval, model
+        self.num_forwards, self.num_rebalances = 0, 0
 
-    def __call__(self, model: nn.Module, args: tuple) -> None:
+    @torch.compiler.disable
+    def __call__(self, layer: nn.Module, args: tuple) -> None:
         """Count the forward; rebalance when ``step_interval`` have run since the last one."""
         self.num_forwards += 1
         if self.num_forwards % (self.step_interval + 1) == 0:
-            rebalance(model)
+            rebalance(self.model)
             self.num_rebalances += 1
 
 

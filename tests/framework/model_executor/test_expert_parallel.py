@@ -134,6 +134,9 @@ def test_engine_ep2_with_eplb_matches_transformers(make_llm, family: str, backen
     llm, outs = run_family(make_llm, family, tensor_parallel_size=2, executor="mp", enable_expert_parallel=True,
                            all2all_backend=backend, enable_eplb=True, num_redundant_experts=2, eplb_step_interval=3)
     assert_matches_transformers(family, outs, f"enable_expert_parallel=True, {backend}, EPLB every 3 forwards")
+    from ep_harness import eplb_rebalances
+
+    assert min(llm.engine.executor.collective_rpc(eplb_rebalances)) >= 3  # the EPLB steps did run, on both ranks
     load = llm.engine.metrics.summary()["expert_load"]  # metrics.json's: per layer, per expert tokens
     config = tiny_config(family)
     assert len(load) == config.num_hidden_layers and all(len(row) == 4 for row in load)
