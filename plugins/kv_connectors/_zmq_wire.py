@@ -4,9 +4,9 @@ KV tensors) and a consumer's block puller (a DEALER socket per pull, on its own 
 The decode side pulls, as vLLM's ``NixlConnector`` does (the prefill side only keeps the blocks and answers): the
 puller sends ``[b"pull", json {"request_id", "block_ids"}]``; the server answers ``[b"wait"]`` (the request's blocks
 are not registered yet: the consumer retries until its timeout), ``[b"error", message]``, or ``[b"data", json
-header, chunk frames...]`` (one frame per contiguous piece of each requested block of each layer, in layer-major
-order, sent zero-copy from the cache's memory; the puller receives each into its destination block with
-``recv_into``). The puller then sends ``[b"done", request_id]``: the server's blocks may be freed. pyzmq is the
+header, layer frames...]`` (one frame per layer: the requested blocks gathered into one contiguous tensor, sent
+zero-copy from it; the puller receives each into a staging tensor with ``recv_into`` and scatters it into its
+destination blocks with ``index_copy_``). The puller then sends ``[b"done", request_id]``: the server's blocks may be freed. pyzmq is the
 transport until a real one (nixl, mooncake) replaces it.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -51,6 +52,25 @@ def block_chunks(cache: torch.Tensor, block: int, block_dim: int) -> list[torch.
         raise ValueError("kv_connector=zmq needs contiguous KV cache tensors")
     leading = itertools.product(*map(range, cache.shape[:block_dim]))
     return [cache[idx + (block,)] for idx in leading]
+
+
+def _gathered_shape(cache: torch.Tensor, num_blocks: int, block_dim: int) -> tuple[int, ...]:
+    """The shape of ``num_blocks`` blocks of one layer's ``cache`` gathered along ``block_dim``."""
+    return tuple(cache.shape[:block_dim]) + (num_blocks,) + tuple(cache.shape[block_dim + 1:])
+
+
+def gather_blocks(caches: list[torch.Tensor], block_ids: list[int], block_dim: int) -> list[torch.Tensor]:
+    """Blocks ``block_ids`` of every layer, one contiguous CPU tensor per layer (``index_select`` along
+    ``block_dim``: shape :func:`_gathered_shape`, the cache's dtype): what a pull's answer sends, one frame per layer
+    (a frame per block and layer cost a Python round per 32 KiB piece: 0.35 GB/s where this moves ~1 GB/s).
+
+    Raises:
+        ValueError: a cache is not contiguous.
+    """
+    if not all(cache.is_contiguous() for cache in caches):
+        raise ValueError("kv_connector=zmq needs contiguous KV cache tensors")
+    index = torch.tensor(block_ids, dtype=torch.long)
+    return [cache.index_select(block_dim, index.to(cache.device)).cpu() for cache in caches]
 
 
 def _as_bytes(chunk: torch.Tensor) -> memoryview:
@@ -152,8 +172,7 @@ class BlockServer:
             self._sock.send_multipart([ident, b"error", f"blocks {sorted(set(want) - set(held.block_ids))} of "
                                        f"request {rid!r} are not held".encode()])
             return
-        chunks = [c for cache in self._caches for b in want for c in block_chunks(cache, b, self._block_dim)]
-        chunks = [c if c.device.type == "cpu" else c.cpu() for c in chunks]
+        chunks = gather_blocks(self._caches, want, self._block_dim)
         header = json.dumps({"chunk_nbytes": [c.nbytes for c in chunks]}).encode()
         tracker = self._sock.send_multipart([ident, b"data", header] + [_as_bytes(c) for c in chunks],
                                             copy=False, track=True)
@@ -217,6 +236,7 @@ class BlockPuller:
         self._jobs: queue.Queue[Pull | None] = queue.Queue()
         self._lock = threading.Lock()
         self._results: list[PullResult] = []
+        self._buffer: torch.Tensor | None = None  # staging bytes for one layer's pulled blocks (puller thread only)
         self._thread = threading.Thread(target=self._run, name="kv-zmq-puller", daemon=True)
         self._thread.start()
         self._closed = False
@@ -283,21 +303,29 @@ class BlockPuller:
         if kind == b"error":
             raise RuntimeError(f"the producer refused: {sock.recv().decode()}")
         want = json.loads(sock.recv())["chunk_nbytes"]
-        dests = [c for cache in self._caches for b in pull.local_block_ids
-                 for c in block_chunks(cache, b, self._block_dim)]
-        if want != [d.nbytes for d in dests]:
-            raise RuntimeError(f"the producer's blocks do not fit this cache ({len(want)} pieces of {want[:1]} bytes, "
-                               f"this cache {len(dests)} of {[d.nbytes for d in dests[:1]]}): one model, dtype, "
-                               "block size and attention backend on both sides")
-        for dest in dests:
+        index = torch.tensor(pull.local_block_ids, dtype=torch.long)
+        shapes = [_gathered_shape(cache, len(index), self._block_dim) for cache in self._caches]
+        have = [math.prod(shape) * cache.element_size() for shape, cache in zip(shapes, self._caches)]
+        if want != have:
+            raise RuntimeError(f"the producer's blocks do not fit this cache ({len(want)} layers of {want[:1]} bytes, "
+                               f"this cache {len(have)} of {have[:1]}): one model, dtype, block size and attention "
+                               "backend on both sides")
+        for cache, shape in zip(self._caches, shapes):
             if not sock.getsockopt(zmq.RCVMORE):
                 raise RuntimeError("the producer's answer ended early")
-            staging = dest if dest.device.type == "cpu" else torch.empty_like(dest, device="cpu")
-            if sock.recv_into(_as_bytes(staging)) != dest.nbytes:
-                raise RuntimeError("a piece of a block has the wrong size")
-            if staging is not dest:
-                dest.copy_(staging)
+            staging = self._staging(shape, cache.dtype)  # this layer's pulled blocks, then scattered into place
+            if sock.recv_into(_as_bytes(staging)) != staging.nbytes:
+                raise RuntimeError("a layer's blocks have the wrong size")
+            cache.index_copy_(self._block_dim, index.to(cache.device), staging.to(cache.device))
         return sum(want)
+
+    def _staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A CPU tensor of ``shape`` and ``dtype`` over one byte buffer the puller keeps and grows (a fresh
+        allocation per layer paid its page faults on every pull)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype).view(shape)
 
     def _recv_within(self, sock: zmq.Socket, deadline: float) -> bytes:
         while not sock.poll(_POLL_MS, zmq.POLLIN):
