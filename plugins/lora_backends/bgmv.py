@@ -14,6 +14,7 @@ which on a CPU costs far more than the matmuls. So two forms, chosen per step in
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -40,23 +41,30 @@ class BGMVBackend(LoRABackend):
             raise ValueError(f"lora_backend.params.stacked_max_width must be an int >= 0 (0: always gather), got "
                              f"{stacked_max_width!r}")
         self.stacked_max_width = stacked_max_width
+        # per linear, by id(lora_a): (a weak reference to it, versions and slot set, stacked A, stacked B)
+        self._stacks: dict[int, tuple[weakref.ref, Any, torch.Tensor, torch.Tensor]] = {}
 
     def prepare(self, token_slots: torch.Tensor) -> LoRABatch:
         """Each token's slot, and ``extra``: the step's distinct slots ``used`` ``(U,) int64`` with each token's
         one-hot place among them ``(num_tokens, U) float32`` (zero for the base model's tokens)."""
         used = torch.unique(token_slots[token_slots >= 0])
         onehot = (token_slots[:, None] == used[None, :]).to(torch.float32)  # (T, U)
-        return LoRABatch(token_slots=token_slots, any_lora=bool(used.numel()), extra=(used, onehot))
+        # the step's per-token weights, built by the first linear and reused by the others (same scales, rank, dtype)
+        weights: dict[tuple[Any, ...], torch.Tensor] = {}
+        return LoRABatch(token_slots=token_slots, any_lora=bool(used.numel()),
+                         extra=(used, onehot, tuple(used.tolist()), weights))
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  scales: torch.Tensor, batch: LoRABatch) -> None:
         """``y[t] += scales[s] * B[s] (A[s] x[t])`` for every token at once (``s = -1``: nothing added)."""
-        used, onehot = batch.extra
+        used, onehot, used_key, weights = batch.extra
         rank = lora_a.shape[1]
         if used.numel() * rank <= self.stacked_max_width:
-            a = lora_a[used].reshape(-1, lora_a.shape[2])  # (U * r, in)
-            b = lora_b[used].permute(1, 0, 2).reshape(lora_b.shape[1], -1)  # (out, U * r)
-            weight = (onehot * scales[used]).to(x.dtype).repeat_interleave(rank, dim=1)  # (T, U * r)
+            a, b = self._stacked(lora_a, lora_b, used, used_key)
+            key = (id(scales), rank, x.dtype)
+            weight = weights.get(key)
+            if weight is None:  # (T, U * r): the token's own column block, times its adapter's scale
+                weight = weights[key] = (onehot * scales[used]).to(x.dtype).repeat_interleave(rank, dim=1)
             y.add_(((x @ a.T) * weight) @ b.T)
             return
         slots = batch.token_slots
@@ -65,6 +73,31 @@ class BGMVBackend(LoRABackend):
         expanded = torch.bmm(lora_b[index], shrunk).squeeze(-1)  # (T, out)
         scale = torch.where(slots >= 0, scales[index], torch.zeros((), dtype=scales.dtype, device=scales.device))
         y.add_((expanded * scale.unsqueeze(-1).to(expanded.dtype)).to(y.dtype))
+
+    def _stacked(self, lora_a: torch.Tensor, lora_b: torch.Tensor, used: torch.Tensor,
+                 used_key: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's slots of one linear stacked: A ``(U * r, in)`` and B ``(out, U * r)``.
+
+        Kept per linear while its slots and the step's slot set stay the same (keyed on the buffers' version
+        counters, which a slot load's in-place copy bumps): stacking copied every adapter's A and B in every linear
+        of every step. Buffers made under ``torch.inference_mode`` have no version counter: stacked afresh."""
+        try:
+            key = (lora_a._version, lora_b._version, used_key)
+        except RuntimeError:  # inference tensors do not track versions
+            key = None
+        hit = self._stacks.get(id(lora_a)) if key is not None else None
+        if hit is not None and hit[0]() is lora_a and hit[1] == key:
+            return hit[2], hit[3]
+        if used_key == tuple(range(lora_a.shape[0])):  # every slot, in order: A is a view
+            a = lora_a.reshape(-1, lora_a.shape[2])
+        else:
+            a = lora_a[used].reshape(-1, lora_a.shape[2])
+        b = lora_b[used].permute(1, 0, 2).reshape(lora_b.shape[1], -1)
+        if key is not None:  # the entry leaves with its buffer (tensors hash by identity but compare by value)
+            ident = id(lora_a)
+            ref = weakref.ref(lora_a, lambda _: self._stacks.pop(ident, None))
+            self._stacks[ident] = (ref, key, a, b)
+        return a, b
 
 
 @hookimpl

@@ -42,3 +42,35 @@ def test_the_form_follows_the_step_width():
 def test_a_bad_width_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="lora_backend.params.stacked_max_width must be an int >= 0"):
         BGMVBackend(stacked_max_width=-1)
+
+
+def _expected(x, a, b, scales, slots):
+    return torch.stack([scales[s] * (b[s] @ (a[s] @ x[t])) if s >= 0 else torch.zeros(b.shape[1])
+                        for t, s in enumerate(slots.tolist())])
+
+
+def test_stacked_slots_are_reused_until_a_slot_loads_or_the_slot_set_changes():
+    """The stacked A and B of a linear are kept across steps; a slot load (an in-place copy into the buffers) or
+    another slot set in the step stacks them again, so no step reads a stale adapter."""
+    gen = torch.Generator().manual_seed(1)
+    x, a, b = torch.randn(5, 16, generator=gen), torch.randn(3, 4, 16, generator=gen), torch.randn(3, 10, 4, generator=gen)
+    scales = torch.tensor([1.0, 0.5, 2.0])
+    backend = BGMVBackend()
+    for slots in (torch.tensor([0, 1, 2, 2, -1]), torch.tensor([0, 1, 2, 2, -1]), torch.tensor([2, 2, 0, -1, -1])):
+        y = torch.zeros(5, 10)
+        backend.add_lora(y, x, a, b, scales, backend.prepare(slots))
+        torch.testing.assert_close(y, _expected(x, a, b, scales, slots), rtol=1e-5, atol=1e-5)
+    a[2].copy_(torch.randn(4, 16, generator=gen))  # slot 2 gets another adapter between steps
+    b[2].copy_(torch.randn(10, 4, generator=gen))
+    slots = torch.tensor([2, 0, 1, 2, -1])
+    y = torch.zeros(5, 10)
+    backend.add_lora(y, x, a, b, scales, backend.prepare(slots))
+    torch.testing.assert_close(y, _expected(x, a, b, scales, slots), rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # buffers without a version counter are stacked every time, still right
+        a_inf, b_inf = a.clone(), b.clone()
+        y = torch.zeros(5, 10)
+        backend.add_lora(y, x, a_inf, b_inf, scales, backend.prepare(slots))
+        a_inf[2].mul_(2.0)
+        y2 = torch.zeros(5, 10)
+        backend.add_lora(y2, x, a_inf, b_inf, scales, backend.prepare(slots))
+        torch.testing.assert_close(y2, _expected(x, a_inf, b_inf, scales, slots), rtol=1e-5, atol=1e-5)
