@@ -24,7 +24,6 @@ The ``expert_load`` buffer of each layer counts the tokens routed to every logic
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -36,11 +35,11 @@ from torch import nn
 from framework.distributed.communication_op import all_reduce
 from framework.distributed.parallel_state import ensure_model_parallel_initialized
 from framework.model_executor.eplb import ExpertMaps, default_maps, rebalance_experts
-from framework.model_executor.model_loader import LoadedModel, eos_token_ids, resolve_model_path
+from framework.model_executor.model_loader import LoadedModel, resolve_model_path
 from framework.model_executor.parallel_layers import Shard
 from framework.model_executor.tensor_parallel import meta_model, shard_model, tp_problems
 from framework.model_executor.tp_styles import EXPERT_LEAVES, ExpertSlices, LocalSources, RankDims
-from framework.model_executor.tp_weights import load_weights
+from framework.model_executor.tp_weights import load_weights, loaded_sharded_model
 
 ALL2ALL_BACKENDS = ("allgather_reducescatter", "naive")  # vLLM's parallel.all2all_backend names served here
 #: model types whose fused experts and per-expert checkpoint names are known (the EP acceptance families)
@@ -233,7 +232,7 @@ def load_ep_model(model: str, dtype: str, device: str, tp_rank: int, tp_size: in
             (expert parallelism reads float experts); RuntimeError: ``torch.distributed`` not initialised.
     """
     import torch.distributed as dist
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig
 
     if not dist.is_initialized():
         raise RuntimeError("load_ep_model needs torch.distributed initialised (the executor's worker does it)")
@@ -253,12 +252,7 @@ def load_ep_model(model: str, dtype: str, device: str, tp_rank: int, tp_size: in
     if ep.enable_eplb:  # on the first MoE layer: every forward path runs it (the runner may call the decoder alone)
         net.eplb_schedule = EplbSchedule(ep.eplb_step_interval, net)
         ep_layers(net)[0].register_forward_pre_hook(net.eplb_schedule)
-    with contextlib.suppress(OSError):  # a folder without generation_config.json keeps from_config's
-        net.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedModel(model=net, tokenizer=tokenizer, config=net.config,
-                       eos_token_ids=eos_token_ids(net.generation_config, net.config, tokenizer),
-                       max_model_len=int(net.config.max_position_embeddings), path=path)
+    return loaded_sharded_model(net, path)
 
 
 class EplbSchedule:

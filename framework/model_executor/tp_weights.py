@@ -174,7 +174,7 @@ def load_sharded_model(model: str, dtype: torch.dtype, device: torch.device, tp_
     Raises:
         ValueError: ``tp_problems`` is not empty; FileNotFoundError: see :func:`load_weights`.
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig
 
     path = resolve_model_path(model)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -189,6 +189,18 @@ def load_sharded_model(model: str, dtype: torch.dtype, device: torch.device, tp_
     if pre_quantized:  # where each sharded linear's slice comes from: the checkpoint quant method shards its layers
         net.tp_weight_sources, net.tp_world_size = sources, tp_size
     net.eval().requires_grad_(False)
+    return loaded_sharded_model(net, path)
+
+
+def loaded_sharded_model(net: nn.Module, path: str) -> LoadedModel:
+    """``net`` (a rank's sharded model, weights loaded) as a :class:`LoadedModel`: the folder's
+    ``generation_config.json`` when it has one, its tokenizer, EOS ids and ``max_position_embeddings`` (tokens).
+
+    Raises:
+        OSError: the folder has no tokenizer.
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
     with contextlib.suppress(OSError):  # a folder without generation_config.json keeps from_config's
         net.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
