@@ -57,11 +57,7 @@ from framework.model_executor.embeddings import load_embeddings
 from framework.model_executor.expert_parallel import ExpertParallelConfig, RankZeroExpertLoad, ep_problems
 from framework.model_executor.model_families import attention_layers, family_of
 from framework.model_executor.model_loader import checkpoint_dtype, load_model_config, load_tokenizer
-from framework.model_executor.quantized_checkpoint import (
-    checkpoint_methods,
-    quantization_config,
-    resolve_checkpoint_quant,
-)
+from framework.model_executor.quantized_checkpoint import refuse_prequantized, resolve_checkpoint_quant
 from framework.model_executor.tensor_parallel import rank_layout, tp_problems
 from framework.platform import DtypeChoice, choose_dtype
 
@@ -222,26 +218,6 @@ def validate_plugins(config: EngineConfig) -> list[type | None]:
     if problems:
         raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(problems))
     return classes
-
-
-def refuse_prequantized(model_config: Any, quant: str = "none") -> None:
-    """Refuse a pre-quantized (GPTQ/AWQ/compressed-tensors...) checkpoint that quant method ``quant`` does not
-    load, before its weights load (:func:`resolve_and_log_dtype` already chose the method that does).
-
-    Raises:
-        ValueError: the config carries a ``quantization_config`` whose ``quant_method`` is not ``quant``'s
-            ``checkpoint_format`` (names both and the fix).
-    """
-    qc = quantization_config(model_config)
-    if qc is None:
-        return
-    method = str(qc.get("quant_method", "")).lower()
-    cls = registry.get_class("quant", quant)
-    if cls is None or cls.checkpoint_format != method:
-        loaders = checkpoint_methods()
-        fix = f"use quant={loaders[method]}" if method in loaders else f"loadable formats: {sorted(loaders)}"
-        raise ValueError(f"pre-quantized checkpoint ({method}) with quant={quant}, which does not load it: {fix}; "
-                         "or load the unquantized model and use quant=int8_wo|int4_wo|w8a8|fp8")
 
 
 def inspect_model(config: EngineConfig) -> ModelSpec:

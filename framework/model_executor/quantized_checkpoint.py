@@ -39,6 +39,26 @@ def checkpoint_methods() -> dict[str, str]:
             if cls is not None and getattr(cls, "checkpoint_format", None)}
 
 
+def refuse_prequantized(model_config: Any, quant: str = "none") -> None:
+    """Refuse a pre-quantized (GPTQ/AWQ/compressed-tensors...) checkpoint that quant method ``quant`` does not
+    load, before its weights load (:func:`resolve_and_log_dtype` already chose the method that does).
+
+    Raises:
+        ValueError: the config carries a ``quantization_config`` whose ``quant_method`` is not ``quant``'s
+            ``checkpoint_format`` (names both and the fix).
+    """
+    qc = quantization_config(model_config)
+    if qc is None:
+        return
+    method = str(qc.get("quant_method", "")).lower()
+    cls = registry.get_class("quant", quant)
+    if cls is None or cls.checkpoint_format != method:
+        loaders = checkpoint_methods()
+        fix = f"use quant={loaders[method]}" if method in loaders else f"loadable formats: {sorted(loaders)}"
+        raise ValueError(f"pre-quantized checkpoint ({method}) with quant={quant}, which does not load it: {fix}; "
+                         "or load the unquantized model and use quant=int8_wo|int4_wo|w8a8|fp8")
+
+
 def resolve_checkpoint_quant(config: EngineConfig, model_config: Any) -> str:
     """The quant method the engine runs for ``config.model``: the one that loads its checkpoint
     format when ``config.json`` has a ``quantization_config``, else ``config.quant``.

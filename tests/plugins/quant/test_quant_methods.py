@@ -158,7 +158,7 @@ def test_prequantized_checkpoint_refused() -> None:
     """A pre-quantized checkpoint is refused before loading by every method that does not load its format."""
     from transformers import AutoConfig
 
-    from framework.engine.builder import refuse_prequantized
+    from framework.model_executor.quantized_checkpoint import refuse_prequantized
 
     config = AutoConfig.from_pretrained(STORIES)
     refuse_prequantized(config, "int8_wo")  # plain checkpoint: fine
