@@ -37,7 +37,7 @@ from framework.sample.rejection_sampler import RejectionSampler
 from framework.sample.sampler import Sampler
 from framework.worker.input_batch import BatchInputs, InputBatch, prepare_inputs
 from framework.worker.kv_connector_runner import KVConnectorRunner
-from framework.worker.spec_tree_ranks import share_tree_moves, tree_layout
+from framework.worker.spec_tree_ranks import compact_tree, share_tree_moves, tree_layout
 
 logger = logging.getLogger(__name__)
 
@@ -360,7 +360,8 @@ class ModelRunner:
                 logits, hidden = self._forward(batch.input_ids, batch.positions, batch.logits_index, metadata)
         if not self.is_driver_rank:
             if self.tensor_parallel and tree_layout(batch, scheduler_output):  # the driver's accepted tree paths
-                self._compact_tree(batch, share_tree_moves(batch, scheduler_output, None), None)
+                compact_tree(batch, share_tree_moves(batch, scheduler_output, None), None, self.kv_caches,
+                             self.layer_group, self.backend)
             return ModelRunnerOutput(sampled_token_ids={}, prepare_s=t1 - t0, forward_s=time.perf_counter() - t1)
         prompt_logprobs = {}
         if batch.prompt_rows is not None:  # same forward as the prefill: the rows after the sampled ones
@@ -411,7 +412,7 @@ class ModelRunner:
     def _verify(self, logits: torch.Tensor, batch: BatchInputs, row_start: np.ndarray, so: SchedulerOutput,
                 out: tuple[dict, dict, dict, dict], hidden: torch.Tensor | None = None) -> None:
         """Rejection-sample the speculating requests' k+1 rows each; fills ``out`` in place. A draft tree's accepted
-        path is then moved into place (:meth:`_compact_tree`), in the KV cache and in ``hidden`` (when kept)."""
+        path is then moved into place (:func:`~framework.worker.spec_tree_ranks.compact_tree`), in the KV cache and in ``hidden`` (when kept)."""
         sampled, logprobs, accepted, errors = out
         spec = [i for i, n in enumerate(batch.num_spec) if n > 0]
         rows = np.concatenate([np.arange(row_start[i], row_start[i + 1]) for i in spec])
@@ -444,35 +445,7 @@ class ModelRunner:
         if self.tensor_parallel and tree_layout(batch, so):  # every rank moves its shard of the K/V
             moves = share_tree_moves(batch, so, moves)
         if moves:
-            self._compact_tree(batch, moves, hidden)
-
-    def _compact_tree(self, batch: BatchInputs, moves: list[tuple[int, list[int]]], hidden: torch.Tensor | None) -> None:
-        """Move each accepted tree path's K/V (every layer, every KV cache group) and hidden-state rows to the
-        positions right after its root, so the request's cache reads as if the path had been a chain; the rejected
-        nodes' slots are overwritten by later steps (the scheduler counts only the accepted path as computed).
-
-        Args:
-            batch: the step's inputs.
-            moves: per tree request, the flattened token index of its node 0 and its accepted node indices (root
-                side first).
-            hidden: ``(num_tokens, hidden)`` kept hidden states, moved the same way, or None.
-        """
-        src, dst = [], []
-        for first, nodes in moves:
-            pairs = [(first + n, first + d) for d, n in enumerate(nodes) if n != d]
-            src += [s for s, _ in pairs]
-            dst += [d for _, d in pairs]
-        if not src:
-            return
-        device = batch.positions.device
-        src_t, dst_t = torch.tensor(src, device=device), torch.tensor(dst, device=device)
-        slots = [common.slot_mapping for common in batch.group_commons]
-        for layer, cache in enumerate(self.kv_caches):
-            group_slots = slots[self.layer_group[layer]]
-            key, value = self.backend.read_kv(cache, group_slots[src_t])
-            self.backend.write_kv(cache, key, value, group_slots[dst_t])
-        if hidden is not None:
-            hidden[dst_t] = hidden[src_t]
+            compact_tree(batch, moves, hidden, self.kv_caches, self.layer_group, self.backend)
 
     def _swap(self, so: SchedulerOutput) -> None:
         """The step's swap copies through the backend: every swap-out, then every swap-in, before
