@@ -257,3 +257,41 @@ def prepare_inputs(so: SchedulerOutput, block_size: int, device: torch.device) -
         query_start_loc_cpu=query_start_loc,
         context_lens_cpu=context_lens,
     )
+
+
+def dummy_batch(num_tokens: int, num_reqs: int, block_size: int, num_blocks_total: int,
+                device: torch.device) -> tuple[torch.Tensor, CommonAttentionMetadata]:
+    """A dummy step's positions ``(num_tokens,)`` int64 and attention metadata, for warm-up and timing forwards
+    (``ModelRunner._dummy_forward``) over a cache of ``num_blocks_total`` blocks of ``block_size`` tokens.
+
+    ``num_reqs == 1``: a prefill of ``num_tokens`` tokens (at most the cache's slots) at positions ``0..``, its
+    K/V in blocks ``0, 1, ...``. ``num_reqs == num_tokens``: that many decodes, each at position
+    ``2 * block_size`` of a 3-block table of its own (blocks ``3i..3i+2``; all share blocks 0-2 in a cache too
+    small). ``common.num_tokens`` is the token count actually used.
+    """
+    i32 = {"dtype": torch.int32, "device": device}
+    if num_reqs == 1:
+        num_tokens = min(num_tokens, num_blocks_total * block_size)
+        num_blocks, ctx, q_lens = -(-num_tokens // block_size), [0], [num_tokens]
+        positions = torch.arange(num_tokens, device=device)
+        slots = positions
+        table = torch.arange(num_blocks, **i32)[None]
+    else:
+        num_blocks = min(3, num_blocks_total)
+        ctx, q_lens = [(num_blocks - 1) * block_size] * num_reqs, [1] * num_reqs
+        positions = torch.tensor(ctx, device=device)
+        # each request its own blocks where the cache has them (as in a real step, attention reads distinct
+        # K/V), else all share blocks 0..num_blocks-1; the new token at the start of the table's last block
+        rows = num_reqs if num_blocks * num_reqs <= num_blocks_total else 1
+        table = torch.arange(rows * num_blocks, **i32).view(rows, num_blocks).repeat(num_reqs // rows, 1)
+        slots = table[:, -1].long() * block_size
+    seq_lens = [c + q for c, q in zip(ctx, q_lens)]
+    num_decodes = sum(q == 1 for q in q_lens)
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, *np.cumsum(q_lens).tolist()], **i32),
+        seq_lens=torch.tensor(seq_lens, **i32), context_lens=torch.tensor(ctx, **i32),
+        block_table=table, slot_mapping=slots,
+        query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, num_reqs=num_reqs, num_tokens=num_tokens,
+        num_decodes=num_decodes, num_decode_tokens=num_decodes, max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), block_size=block_size)
+    return positions, common

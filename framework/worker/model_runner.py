@@ -25,7 +25,7 @@ from framework.core.kv_cache_groups import KVCacheLayout
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput, TargetHiddenStates
 from framework.core.step_message import StepMessage
 from framework.core.structured_output import apply_grammar_bitmask
-from framework.interfaces import AttentionBackend, CommonAttentionMetadata
+from framework.interfaces import AttentionBackend
 from framework.model_executor.forward_context import ForwardContext, GraphAttention, forward_context, prepared_mask
 from framework.model_executor.lora_layers import LoRAModelManager, LoRAStep
 from framework.model_executor.model_families import output_logits
@@ -35,7 +35,7 @@ from framework.sample.fault_isolation import guard_requests
 from framework.sample.prompt_logprobs import gather_prompt_logprobs
 from framework.sample.rejection_sampler import RejectionSampler
 from framework.sample.sampler import Sampler
-from framework.worker.input_batch import BatchInputs, InputBatch, prepare_inputs
+from framework.worker.input_batch import BatchInputs, InputBatch, dummy_batch, prepare_inputs
 from framework.worker.kv_connector_runner import KVConnectorRunner
 from framework.worker.spec_tree_ranks import compact_tree, share_tree_moves, tree_layout
 
@@ -212,31 +212,8 @@ class ModelRunner:
         backend's partition count and the batch size) still get separate symbols.
         """
         dev = self.device
-        i32 = {"dtype": torch.int32, "device": dev}
-        if num_reqs == 1:
-            num_tokens = min(num_tokens, self.num_blocks * self.block_size)
-            num_blocks, ctx, q_lens = -(-num_tokens // self.block_size), [0], [num_tokens]
-            positions = torch.arange(num_tokens, device=dev)
-            slots = positions
-            table = torch.arange(num_blocks, **i32)[None]
-        else:
-            num_blocks = min(3, self.num_blocks)
-            ctx, q_lens = [(num_blocks - 1) * self.block_size] * num_reqs, [1] * num_reqs
-            positions = torch.tensor(ctx, device=dev)
-            # each request its own blocks where the cache has them (as in a real step, attention reads distinct
-            # K/V), else all share blocks 0..num_blocks-1; the new token at the start of the table's last block
-            rows = num_reqs if num_blocks * num_reqs <= self.num_blocks else 1
-            table = torch.arange(rows * num_blocks, **i32).view(rows, num_blocks).repeat(num_reqs // rows, 1)
-            slots = table[:, -1].long() * self.block_size
-        seq_lens = [c + q for c, q in zip(ctx, q_lens)]
-        num_decodes = sum(q == 1 for q in q_lens)
-        common = CommonAttentionMetadata(
-            query_start_loc=torch.tensor([0, *np.cumsum(q_lens).tolist()], **i32),
-            seq_lens=torch.tensor(seq_lens, **i32), context_lens=torch.tensor(ctx, **i32),
-            block_table=table, slot_mapping=slots,
-            query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, num_reqs=num_reqs, num_tokens=num_tokens,
-            num_decodes=num_decodes, num_decode_tokens=num_decodes, max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens), block_size=self.block_size)
+        positions, common = dummy_batch(num_tokens, num_reqs, self.block_size, self.num_blocks, dev)
+        num_tokens = common.num_tokens
         ids = torch.zeros((1, num_tokens), dtype=torch.long, device=dev)
         # one metadata object per group with tensors of its own, as in a real step (the compiled graphs'
         # guards see the same structure and no aliasing between groups)
