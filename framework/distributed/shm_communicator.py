@@ -22,6 +22,7 @@ driver process still run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from multiprocessing.shared_memory import SharedMemory
@@ -185,7 +186,5 @@ class ShmCommunicator:
         """Unmap the segment in this process (its name is already gone)."""
         self._counters = None
         self._slots, self._typed = [], {}
-        try:
+        with contextlib.suppress(BufferError):  # a view still alive in this process: the mapping goes with it
             self._shm.close()
-        except BufferError:  # a view still alive in this process: the mapping goes with the process
-            pass
