@@ -22,6 +22,7 @@ them into the cache on its own thread in ``get_finished`` before reporting the l
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -221,15 +222,8 @@ class OffloadConnector(KVConnector):
                 (block_id, key, self.store.read_async(*where) if isinstance(where, tuple) else where))
         promote = []
         for block_id, key, rid in meta.loads:
-            try:
-                found = self.store.get(key)
-            except (OSError, ValueError) as exc:
-                found, error = None, exc
-            else:
-                error = "not in either tier"
+            found = self._fetch(block_id, key, self.store.get, key)
             if found is None:
-                logger.warning("kv_connector=offload: block %s (%s) failed to load: %s", block_id, key, error)
-                self._load_errors.add(block_id)
                 self._failed_req_ids.add(rid)
                 continue
             block, from_disk = found
@@ -238,6 +232,21 @@ class OffloadConnector(KVConnector):
                 promote.append((key, block))
         for key, block in promote:  # after every load of the step: a promotion's evictions cannot hurt them
             self.store.put(key, block)
+
+    def _fetch(self, block_id: int, key: Any, fetch: Callable[..., Any], *args: Any) -> Any:
+        """``fetch(*args)`` (a tier's block, or None when neither tier has it), or None after logging the failure
+        and recording ``block_id`` as a load error of this step (a missing block, or an ``OSError``/``ValueError``
+        of an unreadable one)."""
+        try:
+            found = fetch(*args)
+        except (OSError, ValueError) as exc:
+            found, error = None, exc
+        else:
+            error = "not in either tier"
+        if found is None:
+            logger.warning("kv_connector=offload: block %s (%s) failed to load: %s", block_id, key, error)
+            self._load_errors.add(block_id)
+        return found
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         """Nothing to wait for: :meth:`start_load_kv` loaded every layer of the synchronous loads."""
@@ -250,15 +259,8 @@ class OffloadConnector(KVConnector):
                 if all(not isinstance(r, Future) or r.done() for _, _, r in reads)]
         for rid in done:
             for block_id, key, read in self._reading.pop(rid):
-                try:
-                    block = read.result() if isinstance(read, Future) else read
-                except (OSError, ValueError) as exc:
-                    block, error = None, exc
-                else:
-                    error = "not in either tier"
+                block = self._fetch(block_id, key, _read_result, read)
                 if block is None:
-                    logger.warning("kv_connector=offload: block %s (%s) failed to load: %s", block_id, key, error)
-                    self._load_errors.add(block_id)
                     continue
                 self._backend.copy_blocks(block, [0], self._kv_caches, [block_id])
                 if isinstance(read, Future) or key in self.store.disk:
@@ -290,6 +292,12 @@ class OffloadConnector(KVConnector):
         """Blocks that failed to load in this step (then forgotten)."""
         errors, self._load_errors, self._failed_req_ids = self._load_errors, set(), set()
         return errors
+
+
+def _read_result(read: Any) -> Any:
+    """An asynchronous read's block (``Future.result()``: raises what the read raised), or ``read`` itself when
+    it was served from memory."""
+    return read.result() if isinstance(read, Future) else read
 
 
 def _param_problems(cpu_bytes: Any, disk_path: Any, disk_bytes: Any) -> list[str]:
