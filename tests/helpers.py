@@ -190,12 +190,12 @@ def resources_gone(pids: list[int], shm_names: list[str] = (), within_s: float =
 
 
 def run_ranks(target, world: int, *args) -> dict[int, dict]:
-    """Run ``target(rank, world, port, queue, *args)`` in ``world`` spawned processes (a free rendezvous ``port``)
+    """Run ``target(rank, world, port, queue, *args)`` in ``world`` child processes (a free rendezvous ``port``)
     and collect what each put on ``queue`` as ``(rank, result dict)``; a rank that reported ``{"traceback": ...}``
     fails the test with it."""
-    import multiprocessing as mp
+    from framework.distributed.process_start import process_context
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()  # forked from a server that imported torch once (spawn where there is none)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, queue, *args)) for r in range(world)]

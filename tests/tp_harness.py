@@ -44,9 +44,11 @@ def spawn_ranks(fn: Callable[..., Any], tp_size: int, *args: Any) -> list[Any]:
     """
     import torch.multiprocessing as mp
 
+    from framework.distributed.process_start import process_context
+
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_entry, args=(tp_size, _free_port(), out_dir, fn, args), nprocs=tp_size,
-                           start_method="spawn")
+                           start_method=process_context().get_start_method())  # forked from a server that imported torch once
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(tp_size)]
 
 

@@ -25,10 +25,11 @@ import os
 import secrets
 import sys
 import threading
-from multiprocessing import reduction, resource_tracker
-from multiprocessing.context import get_spawning_popen
+from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
+
+from framework.distributed.process_start import InheritedFd
 
 logger = logging.getLogger(__name__)
 
@@ -136,29 +137,6 @@ def attach_shared_memory(name: str) -> SharedMemory:
             resource_tracker.register = register
 
 
-class _InheritedFd:
-    """A file descriptor that pickles only into a process ``multiprocessing`` is starting (the descriptor is
-    duplicated into the child, as a ``Connection``'s is)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple:
-        if get_spawning_popen() is None:
-            raise TypeError("an AnonymousSegment passes only to a process being started by multiprocessing "
-                            "(a Process argument)")
-        return _InheritedFd._rebuild, (reduction.DupFd(self.fd),)
-
-    @staticmethod
-    def _rebuild(dup: object) -> _InheritedFd:
-        return _InheritedFd(dup.detach())
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
 class Mapping:
     """One process's mapping of a segment: :attr:`buf` until :meth:`close`."""
 
@@ -190,13 +168,13 @@ class AnonymousSegment:
     def __init__(self, size_bytes: int) -> None:
         self.size_bytes = size_bytes
         self.name: str | None = None  # the fallback's /dev/shm name while it exists
-        self._fd: _InheritedFd | None = None
+        self._fd: InheritedFd | None = None
         self._shm: SharedMemory | None = None  # the fallback's owner handle
         self.owned = True  # False in the copies passed to other processes
         if hasattr(os, "memfd_create"):
             fd = os.memfd_create("servelab", os.MFD_CLOEXEC)
             os.ftruncate(fd, size_bytes)
-            self._fd = _InheritedFd(fd)
+            self._fd = InheritedFd(fd)
         else:
             self._shm = SharedMemory(name=owned_name("seg"), create=True, size=size_bytes)
             self.name = self._shm.name

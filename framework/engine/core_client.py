@@ -10,7 +10,6 @@ called on a thread of theirs (the core's loop thread in-process; a reader thread
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import secrets
 import shutil
@@ -23,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from framework.distributed.child_process import spawned_by_main_thread
+from framework.distributed.process_start import child_launch, child_process, process_context
 from framework.engine.core import EngineCore, engine_facts
 from framework.engine.core_messages import (
     CommandEncoder,
@@ -160,11 +159,13 @@ class MPCoreClient(CoreClient):
         input_address, output_address = f"{prefix}-input", f"{prefix}-output"
         self._commands.bind(input_address)
         self._events.bind(output_address)
-        self.process = mp.get_context("spawn").Process(
-            target=run_engine_core, name=f"servelab-engine-core-{self.replica_id}",
+        ctx = process_context()
+        launch = child_launch(ctx)
+        self.process = child_process(
+            ctx, run_engine_core, name=f"servelab-engine-core-{self.replica_id}",
             args=(self.config, self.replica_id, input_address, output_address, self.data_parallel_size,
-                  logging.getLogger().getEffectiveLevel(), self.metrics_kwargs, os.getpid(),
-                  spawned_by_main_thread()))
+                  logging.getLogger().getEffectiveLevel(), self.metrics_kwargs, launch.parent_pid,
+                  launch.started_by_main_thread))
         self.process.start()  # not a daemon: its executor may start worker processes of its own
         self._reader = threading.Thread(target=self._read, args=(on_event,), name=f"core-reader-{self.replica_id}",
                                         daemon=True)

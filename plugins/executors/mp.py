@@ -32,7 +32,7 @@ from typing import Any
 
 from framework import hookimpl, registry
 from framework.config import EngineConfig
-from framework.distributed.child_process import spawned_by_main_thread
+from framework.distributed.process_start import child_launch, child_process, process_context
 from framework.distributed.shm_broadcast import ShmBroadcast
 from framework.distributed.shm_segment import sweep_stale_segments
 from framework.executor.deadlines import Deadlines, StepDeadline
@@ -146,7 +146,7 @@ class MultiprocExecutor(Executor):
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self.driver_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size  # samples, replies
         self.step_deadline = StepDeadline(self.deadlines)
-        ctx = mp.get_context("spawn")
+        ctx = process_context()  # forkserver on Linux: ranks fork from a server that imported torch once
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
         _LIVE.add(self._res)
@@ -156,12 +156,13 @@ class MultiprocExecutor(Executor):
         self._shm_name = self._res.ring.segment.name
         self._stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped before beating
         init_method = f"tcp://127.0.0.1:{free_port()}" if self.world_size > 1 else None
-        main_thread = spawned_by_main_thread()
+        launch = child_launch(ctx)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, name=f"servelab-worker-{rank}", daemon=True,
-                               args=(config.to_dict(), rank, self.world_size, init_method,
-                                     self._res.ring.reader_handle(rank), child, os.getpid(), main_thread))
+            proc = child_process(ctx, worker_main, name=f"servelab-worker-{rank}", daemon=True,
+                                 args=(config.to_dict(), rank, self.world_size, init_method,
+                                       self._res.ring.reader_handle(rank), child, launch.parent_pid,
+                                       launch.started_by_main_thread))
             with _standard_start_method():
                 proc.start()
             child.close()

@@ -1,0 +1,149 @@
+"""How servelab starts its child processes (worker ranks, engine cores): the ``multiprocessing`` context, and
+what a child must be handed so that it behaves the same whichever context started it.
+
+``forkserver`` (the default on Linux; ``SERVELAB_WORKER_MULTIPROC_METHOD=forkserver|spawn``, as vLLM's
+``VLLM_WORKER_MULTIPROC_METHOD``): the first child start of a process launches one fork server, which imports
+torch, transformers and servelab's worker and engine-core modules once (:data:`PRELOAD`); every child is then
+forked from it, skipping the ~3-6 s per child of importing them again (a ``tensor_parallel_size=2`` engine on
+stories260K started in 16 s with ``spawn`` on a 2-core Xeon). The fork server never runs a torch operator, so
+its children start with no OpenMP pool or other thread to lose in the fork. ``spawn`` (other platforms, or when
+asked) starts a fresh interpreter per child.
+
+A child forked from the server would differ from a spawned one in three inherited things; :func:`child_process`
+hands them over explicitly, so both contexts behave alike:
+
+* **the environment**: the server's is a snapshot from when it started; the child gets the launcher's of now;
+* **standard output and error**: the child writes where its launcher's file descriptors 1 and 2 point now
+  (a server redirected to a log file, a test's captured output), passed as descriptors;
+* **its parent**: the fork server, not the launcher. The server exits as soon as its launcher dies (it waits
+  on a pipe only the launcher holds), so a child that watches the server dies with the launcher:
+  :attr:`ChildLaunch.parent_pid` is the pid to watch and :attr:`ChildLaunch.started_by_main_thread` whether
+  the kernel's parent-death signal can be armed (:mod:`framework.distributed.child_process`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import reduction
+from multiprocessing.context import BaseContext, get_spawning_popen
+from typing import Any
+
+from framework.distributed.child_process import spawned_by_main_thread
+
+#: environment variable choosing how children start: ``forkserver`` (Linux default) or ``spawn``
+MULTIPROC_METHOD_ENV = "SERVELAB_WORKER_MULTIPROC_METHOD"
+METHODS = ("forkserver", "spawn")
+#: modules the fork server imports once for all its children (an import error only skips that module)
+PRELOAD = ["torch", "transformers", "framework.worker.worker_proc", "framework.worker.worker",
+           "framework.engine.core_proc"]
+
+
+def multiproc_method() -> str:
+    """``forkserver`` on Linux unless ``SERVELAB_WORKER_MULTIPROC_METHOD`` says ``spawn``; ``spawn`` elsewhere.
+
+    Raises:
+        ValueError: the variable names another method.
+    """
+    chosen = os.environ.get(MULTIPROC_METHOD_ENV, "").strip().lower()
+    if chosen and chosen not in METHODS:
+        raise ValueError(f"{MULTIPROC_METHOD_ENV}={chosen!r}: use one of {', '.join(METHODS)}")
+    if chosen:
+        return chosen
+    return "forkserver" if sys.platform.startswith("linux") else "spawn"
+
+
+def process_context() -> BaseContext:
+    """The ``multiprocessing`` context servelab starts children with (:func:`multiproc_method`); the fork
+    server's preload list is set before its first start."""
+    ctx = mp.get_context(multiproc_method())
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+@dataclass(frozen=True)
+class ChildLaunch:
+    """What a child must know about how it was started (pass both to its entry point).
+
+    Attributes:
+        parent_pid: the pid the child watches: the launcher's under ``spawn``, the fork server's under
+            ``forkserver`` (which exits with the launcher).
+        started_by_main_thread: whether the child's parent thread lives as long as the launcher process (the
+            launcher's main thread under ``spawn``; always under ``forkserver``, whose main thread forks).
+    """
+
+    parent_pid: int
+    started_by_main_thread: bool
+
+
+def child_launch(ctx: BaseContext) -> ChildLaunch:
+    """In the launcher, before it starts a child with ``ctx``: the child's :class:`ChildLaunch` (under
+    ``forkserver`` this starts the server if it is not running)."""
+    if ctx.get_start_method() != "forkserver":
+        return ChildLaunch(os.getpid(), spawned_by_main_thread())
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return ChildLaunch(forkserver._forkserver._forkserver_pid, True)  # noqa: SLF001 - the stdlib keeps it private
+
+
+class InheritedFd:
+    """A file descriptor that pickles only into a process ``multiprocessing`` is starting: it is duplicated into
+    the child (by number under ``spawn``, over the fork server's socket under ``forkserver``), as a
+    ``Connection``'s is."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        if get_spawning_popen() is None:
+            raise TypeError("an inherited descriptor passes only to a process being started by multiprocessing "
+                            "(a Process argument)")
+        return InheritedFd._rebuild, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _rebuild(dup: Any) -> InheritedFd:
+        return InheritedFd(dup.detach())
+
+    def close(self) -> None:
+        """Close this process's descriptor (idempotent)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _open_fd(fd: int) -> InheritedFd | None:
+    """``fd`` to pass on, or ``None`` when this process has it closed."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    return InheritedFd(fd)
+
+
+def _child_entry(target: Callable[..., Any], args: tuple, env: dict[str, str], stdout: InheritedFd | None,
+                 stderr: InheritedFd | None) -> Any:
+    """The child's first step: take the launcher's environment and standard streams, then run ``target``."""
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+    for inherited, fd in ((stdout, 1), (stderr, 2)):
+        if inherited is not None and inherited.fd != fd:
+            with contextlib.suppress(OSError):
+                os.dup2(inherited.fd, fd)
+            inherited.close()
+    return target(*args)
+
+
+def child_process(ctx: BaseContext, target: Callable[..., Any], args: tuple, name: str,
+                  daemon: bool | None = None) -> mp.process.BaseProcess:
+    """``ctx.Process(target=target, args=args, ...)`` (not started) whose child first takes this process's
+    environment and standard output/error as they are now (see the module docstring); ``target`` must be
+    importable (it travels by reference)."""
+    return ctx.Process(target=_child_entry, name=name, daemon=daemon,
+                       args=(target, args, dict(os.environ), _open_fd(1), _open_fd(2)))
