@@ -26,7 +26,9 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -81,13 +83,55 @@ class ChildLaunch:
     started_by_main_thread: bool
 
 
+def sweep_stale_server_dirs(tmp: str | None = None) -> list[str]:
+    """Remove what SIGKILLed launchers left in the temp folder: a ``pymp-*`` folder of this user holding only
+    fork-server sockets (``listener-*``) that no live process has bound any more (a launcher's ``multiprocessing``
+    removes its folder at exit, which a SIGKILL skips). A live server's folder, or one holding anything else,
+    is kept. Never raises; returns the removed folders."""
+    removed: list[str] = []
+    bound = _bound_unix_paths()
+    if bound is None:
+        return removed
+    root = tmp or tempfile.gettempdir()
+    try:
+        candidates = [e for e in os.scandir(root) if e.name.startswith("pymp-") and e.is_dir(follow_symlinks=False)
+                      and e.stat(follow_symlinks=False).st_uid == os.getuid()]
+    except OSError:
+        return removed
+    for folder in candidates:
+        try:
+            names = os.listdir(folder.path)
+            if not names or not all(n.startswith("listener-") for n in names):
+                continue
+            if any(os.path.join(folder.path, n) in bound for n in names):
+                continue
+            shutil.rmtree(folder.path, ignore_errors=True)
+            removed.append(folder.path)
+        except OSError:
+            continue
+    return removed
+
+
+def _bound_unix_paths() -> set[str] | None:
+    """Paths of the Unix sockets some live process has bound (Linux ``/proc/net/unix``; ``None`` elsewhere).
+    Read, never connected to: a probe connection would make a live fork server fail on its next request."""
+    try:
+        with open("/proc/net/unix") as table:
+            return {fields[7] for line in table.readlines()[1:] if len(fields := line.split()) >= 8}
+    except OSError:
+        return None
+
+
 def child_launch(ctx: BaseContext) -> ChildLaunch:
     """In the launcher, before it starts a child with ``ctx``: the child's :class:`ChildLaunch` (under
-    ``forkserver`` this starts the server if it is not running)."""
+    ``forkserver`` this starts the server if it is not running, first removing stale servers' folders:
+    :func:`sweep_stale_server_dirs`)."""
     if ctx.get_start_method() != "forkserver":
         return ChildLaunch(os.getpid(), spawned_by_main_thread())
     from multiprocessing import forkserver
 
+    if forkserver._forkserver._forkserver_pid is None:  # noqa: SLF001 - first start in this process
+        sweep_stale_server_dirs()
     forkserver.ensure_running()
     return ChildLaunch(forkserver._forkserver._forkserver_pid, True)  # noqa: SLF001 - the stdlib keeps it private
 

@@ -1,0 +1,73 @@
+"""How children start (``framework/distributed/process_start.py``): the fork server's children take the launcher's
+environment and standard streams as they are when the child starts, watch the server, and a SIGKILLed launcher's
+server folder is swept by the next launcher while a live one is kept."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+
+from framework.distributed import process_start
+from framework.distributed.process_start import (
+    child_launch,
+    child_process,
+    multiproc_method,
+    process_context,
+    sweep_stale_server_dirs,
+)
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is the Linux default")
+
+
+def report(name: str) -> None:
+    """Child: print its view of the world (environment variable ``name``, its parent's pid)."""
+    print(f"child saw {name}={os.environ.get(name)!r} ppid={os.getppid()}", flush=True)
+
+
+def test_method_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(process_start.MULTIPROC_METHOD_ENV, "spawn")
+    assert multiproc_method() == "spawn" and process_context().get_start_method() == "spawn"
+    monkeypatch.setenv(process_start.MULTIPROC_METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match="forkserver, spawn"):
+        multiproc_method()
+    monkeypatch.delenv(process_start.MULTIPROC_METHOD_ENV)
+    assert multiproc_method() == ("forkserver" if sys.platform.startswith("linux") else "spawn")
+
+
+@linux_only
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_child_takes_the_environment_and_streams_of_now(method: str, monkeypatch: pytest.MonkeyPatch,
+                                                        capfd: pytest.CaptureFixture[str]) -> None:
+    """A variable set after the fork server started reaches the child, and so does its output (the test's
+    captured descriptors); the child's parent is the pid :func:`child_launch` names."""
+    monkeypatch.setenv(process_start.MULTIPROC_METHOD_ENV, method)
+    ctx = process_context()
+    launch = child_launch(ctx)  # under forkserver: the server runs from here on, with the environment of now
+    monkeypatch.setenv("SERVELAB_TEST_LATE_VARIABLE", f"set-late-{method}")
+    proc = child_process(ctx, report, args=("SERVELAB_TEST_LATE_VARIABLE",), name="report")
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    out = capfd.readouterr().out
+    assert f"child saw SERVELAB_TEST_LATE_VARIABLE='set-late-{method}' ppid={launch.parent_pid}" in out
+    assert launch.started_by_main_thread
+
+
+@linux_only
+def test_sweep_removes_only_unbound_server_folders(tmp_path) -> None:
+    stale, live, other = (tmp_path / f"pymp-{n}" for n in ("stale", "live", "other"))
+    for folder in (stale, live, other):
+        folder.mkdir()
+    with socket.socket(socket.AF_UNIX) as gone:
+        gone.bind(str(stale / "listener-a"))  # bound, then closed: what a dead server leaves
+    (other / "listener-b").write_text("")
+    (other / "something-else").write_text("")
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(live / "listener-c"))
+        server.listen()
+        removed = sweep_stale_server_dirs(str(tmp_path))
+        assert removed == [str(stale)]
+        assert live.exists() and other.exists() and not stale.exists()
