@@ -5,7 +5,7 @@ KV head per rank).
 Tiny DeepSeek-V2 (no q LoRA) and V3 (q LoRA, grouped sigmoid router) models served at
 ``tensor_parallel_size=2`` (``executor=mp``, float32, chunked prefill and preemption forced by
 ``tests/families.py``'s engine) give transformers' greedy tokens, with prefix-cache hits and without prefix
-caching; a rank's KV block holds the whole latent, as one rank's does; a head count the size does not
+caching; a rank's KV block holds the whole latent, as a single-rank engine's does; a head count the size does not
 divide is refused before any worker starts, naming the sizes that work.
 """
 
