@@ -138,3 +138,10 @@ def test_tp2_expanded_cache_matches_transformers(make_llm) -> None:
     """``mla_latent_cache=false`` at TP=2: K/V expanded for the rank's 2 heads, half the single rank's block."""
     llm = _served_tp2(make_llm, "deepseek_v3", attention="torch", mla_latent_cache=False)
     assert llm.engine.metrics.kv_cache_info["kv_cache_bytes_per_block"] == 4 * latent_bytes_per_block("deepseek_v3")
+
+
+@pytest.mark.slow
+def test_tp2_compiled_latent_cache_matches_transformers(make_llm) -> None:
+    """``engine.compile=true`` at TP=2: each rank traces its heads' absorption into the layer graphs, attention
+    stays the opaque op (about four minutes of inductor on 2 cores)."""
+    _served_tp2(make_llm, "deepseek_v3", attention="torch", compile="true")
