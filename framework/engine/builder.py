@@ -51,14 +51,13 @@ from framework.engine.llm_engine import LLMEngine
 from framework.engine.lora_support import lora_problems, resolve_lora_defaults
 from framework.engine.spec_tree_support import acceptance_label, apply_acceptance, tree_problems
 from framework.interfaces import AttentionLayerSpec, Drafter, Executor
-from framework.interfaces.attention import latent_kv_problems
 from framework.metrics.collector import MetricsCollector
 from framework.model_executor.embeddings import load_embeddings
 from framework.model_executor.expert_parallel import ExpertParallelConfig, RankZeroExpertLoad, ep_problems
 from framework.model_executor.model_families import attention_layers, family_of
 from framework.model_executor.model_loader import checkpoint_dtype, load_model_config, load_tokenizer
 from framework.model_executor.quantized_checkpoint import refuse_prequantized, resolve_checkpoint_quant
-from framework.model_executor.tensor_parallel import rank_layout, tp_problems
+from framework.model_executor.tensor_parallel import rank_layout, shard_layer_specs, tp_problems
 from framework.platform import DtypeChoice, choose_dtype
 
 logger = logging.getLogger(__name__)
@@ -253,7 +252,7 @@ def inspect_model(config: EngineConfig) -> ModelSpec:
             raise ValueError("cannot build the engine:\n  - " + "\n  - ".join(ep_refusals))
     problems = registry.get_class("attention", config.attention).validate_model(layers, config)
     if config.tensor_parallel_size > 1 and not problems:
-        problems = tensor_parallel_problems(config, mc, spec) or latent_kv_problems(layers, config, tensor_parallel=True)
+        problems = tensor_parallel_problems(config, mc, spec)
     if problems:
         capable = backends_that_can_run(layers, config)
         if capable:
@@ -285,9 +284,8 @@ def tensor_parallel_problems(config: EngineConfig, model_config: Any, spec: Mode
     if problems:
         return problems
     layout = rank_layout(model_config, 0, tp)  # every rank holds as many heads as rank 0
-    rank_layers = [dataclasses.replace(layer, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
-                   for layer in spec.attention_layers]
-    problems = [f"tensor_parallel_size={tp} (each rank: {layout.num_heads} query / {layout.num_kv_heads} KV heads): "
+    rank_layers = shard_layer_specs(spec.attention_layers, layout)
+    problems = [f"tensor_parallel_size={tp} (each rank: {layout.num_heads} query / {rank_layers[0].num_kv_heads} KV heads): "
                 f"{p}" for p in registry.get_class("attention", config.attention).validate_model(rank_layers, config)]
     quant = registry.get_class("quant", config.quant)
     if quant is not None:

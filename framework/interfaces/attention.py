@@ -126,21 +126,18 @@ def required_features(layers: Sequence[AttentionLayerSpec]) -> dict[str, str]:
     return needs
 
 
-def latent_kv_problems(layers: Sequence[AttentionLayerSpec], config: EngineConfig | None,
-                       tensor_parallel: bool = False) -> list[str]:
+def latent_kv_problems(layers: Sequence[AttentionLayerSpec], config: EngineConfig | None) -> list[str]:
     """What the MLA latent cache (``engine.mla_latent_cache=true``) is not built to combine with, for a model
     whose ``layers`` cache the latent: a quantized KV cache, weight quantization (the absorbed ``kv_b_proj``
-    is read as a float matrix), LoRA and, with ``tensor_parallel`` (the builder asks after the family's own
-    tensor-parallel check, whose reason comes first), tensor parallelism. Empty when no layer is
-    latent or ``config`` is ``None``; each problem names the fix."""
+    is read as a float matrix) and LoRA (tensor parallelism is: each rank absorbs its heads' slice of
+    ``kv_b_proj`` and caches the whole latent). Empty when no layer is latent or ``config`` is ``None``; each
+    problem names the fix."""
     if config is None or not any(layer.latent_kv for layer in layers):
         return []
     fix = ", or engine.mla_latent_cache=false to expand K/V per head"
     checks = [(config.kv_cache_dtype == "auto", f"kv_cache_dtype={config.kv_cache_dtype} (set kv_cache_dtype=auto"),
               (config.quant in (None, "none"), f"quant={config.quant} (set quant=none"),
-              (not getattr(config, "enable_lora", False), "LoRA adapters (set lora.enable=false"),
-              (not tensor_parallel or config.tensor_parallel_size == 1,
-               "tensor parallelism (set parallel.tensor_parallel_size=1")]
+              (not getattr(config, "enable_lora", False), "LoRA adapters (set lora.enable=false")]
     return [f"the MLA latent KV cache is not built with {what}{fix})" for ok, what in checks if not ok]
 
 

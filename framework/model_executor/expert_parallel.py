@@ -42,13 +42,15 @@ from framework.model_executor.tp_styles import EXPERT_LEAVES, ExpertSlices, Loca
 from framework.model_executor.tp_weights import load_weights, loaded_sharded_model
 
 ALL2ALL_BACKENDS = ("allgather_reducescatter", "naive")  # vLLM's parallel.all2all_backend names served here
-#: model types whose fused experts and per-expert checkpoint names are known (the EP acceptance families)
-EP_MODEL_TYPES = tuple(EXPERT_LEAVES)
 #: families with experts that expert parallelism refuses, and why
 EP_REFUSED = {"gpt_oss": "its experts carry biases and a clamped SwiGLU, and the family is not verified under "
                          "tensor parallelism (attention sinks per head)",
-              "deepseek_v3": "its MLA attention is not verified under tensor parallelism",
+              **dict.fromkeys(("deepseek_v2", "deepseek_v3"),
+                              "its experts (grouped sigmoid router, shared experts) are verified with MLA under "
+                              "tensor parallelism only, not placed whole per rank"),
               "qwen2_moe": "no tiny Qwen2-MoE model in servelab's family table to verify against transformers"}
+#: model types whose fused experts and per-expert checkpoint names are known (the EP acceptance families)
+EP_MODEL_TYPES = tuple(kind for kind in EXPERT_LEAVES if kind not in EP_REFUSED)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,12 @@ The models stay transformers' classes: :func:`use_latent_attention` replaces eac
 hands the latents on unexpanded, and marks the module; the bridge
 (``framework/model_executor/forward_context.py``) then calls :func:`absorb_query` before the backend and
 :func:`project_output` after it.
+
+Tensor parallelism (vLLM's DeepseekV2MLAAttention): a rank holds ``num_heads / tp`` query heads, i.e. their
+rows of ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` and their columns of ``o_proj``
+(``framework/model_executor/tensor_parallel.py``), so ``W_UK``/``W_UV`` here are its heads' slices; the latent
+comes from the replicated ``kv_a_proj_with_mqa`` and is cached whole on every rank (one head of
+``kv_lora_rank + qk_rope_head_dim`` channels, not split: every head reads all of it).
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ def use_latent_attention(model: torch.nn.Module, layers: Sequence[AttentionLayer
     gets an instance-level ``expand_kv`` returning ``key = [c_kv, k_rope]`` ``(B, 1, S, kv_lora_rank +
     qk_rope_head_dim)`` and ``value = c_kv`` ``(B, 1, S, kv_lora_rank)``, and :data:`MARK` set to its
     ``(W_UK, W_UV)``: ``(num_heads, qk_nope_head_dim, kv_lora_rank)`` and ``(num_heads, v_head_dim,
-    kv_lora_rank)`` views of ``kv_b_proj.weight`` (model dtype; no copy).
+    kv_lora_rank)`` views of ``kv_b_proj.weight`` (model dtype; no copy). Under tensor parallelism ``num_heads``
+    is the rank's (the sharded module's, set by ``tensor_parallel.shard_model``).
 
     Returns:
         The number of modules changed (0 when no layer is latent).

@@ -99,9 +99,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 "pythia-160m", "gpt_neox", tp=TP_VERIFIED),
     ModelFamily("DeepSeek-V2 / V3 (MLA)", "DeepseekV3ForCausalLM", ("deepseek_v2", "deepseek_v3"), ("latent_kv",),
                 ("absorbed up-projections", "MoE"), "DeepSeek-V2-Lite, DeepSeek-V3",
-                "deepseek_v3",
-                tp="transformers' plan shards only the MLP and experts: MLA's low-rank q/kv projections have no plan, "
-                   "so every rank would compute every head"),
+                "deepseek_v3", tp=TP_VERIFIED),
 )
 
 

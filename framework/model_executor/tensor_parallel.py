@@ -15,7 +15,12 @@ split), ``rowwise`` (input features split, all-reduce), ``colwise_rep`` / ``colw
 experts split along their intermediate features, all-reduced), ``sharded_norm`` (a q/k norm over the
 full projection width), ``embedding_rowwise`` (vocab-parallel embedding, applied whether or not the
 plan names it, as vLLM does; Gemma's scaled embedding keeps its scale), ``replicated_with_grad_allreduce``
-/ ``replicate`` (kept whole: per-head norms). Any other style is refused by :func:`tp_problems`.
+/ ``replicate`` (kept whole: per-head norms, MLA's down-projections). Any other style is refused by
+:func:`tp_problems`.
+
+MLA (DeepSeek-V2/V3) splits its query heads and replicates its latent KV: every rank computes the whole
+latent from the replicated ``kv_a_proj_with_mqa`` and caches it (:func:`shard_layer_specs`), and absorbs its
+own heads' slice of ``kv_b_proj`` (``framework/model_executor/mla.py``).
 
 Which families run at all is each family's ``tp`` record (``framework/model_executor/model_families.py``):
 :data:`~framework.model_executor.model_families.TP_VERIFIED` (its tiny model's greedy output at TP=2
@@ -26,8 +31,9 @@ reason it is refused, which :func:`tp_problems` returns before any worker starts
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,12 +41,14 @@ import torch
 from torch import nn
 
 from framework.model_executor import tp_styles
-from framework.model_executor.model_families import TP_VERIFIED, family_of
+from framework.model_executor.model_families import TP_VERIFIED, family_of, is_mla
 from framework.model_executor.parallel_layers import PackedShard, ParallelLMHead, Shard, VocabParallelEmbedding
 from framework.model_executor.tp_styles import KV_PROJECTIONS, ExpertSlices, RankDims, kv_head_range
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from framework.interfaces import AttentionLayerSpec
 
 
 GATHERED_STYLES = ("colwise_rep", "colwise_gather_output")
@@ -57,6 +65,13 @@ PLAN_OVERRIDES: dict[str, dict[str, str]] = {
               "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
               "layers.*.self_attn.q_norm": "sharded_norm", "layers.*.self_attn.k_norm": "sharded_norm"}
        for kind in ("olmo2", "olmoe")},
+    # MLA (DeepSeek-V2/V3) split by heads as vLLM's DeepseekV2MLAAttention: the per-head up-projections
+    # (q_proj or q_b_proj, kv_b_proj) column-parallel, o_proj row-parallel; the down-projections q_a_proj and
+    # kv_a_proj_with_mqa (whose output is the latent every head reads) and their norms whole on every rank.
+    **{kind: {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.q_b_proj": "colwise",
+              "layers.*.self_attn.kv_b_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+              "layers.*.self_attn.q_a_proj": "replicate", "layers.*.self_attn.kv_a_proj_with_mqa": "replicate"}
+       for kind in ("deepseek_v2", "deepseek_v3")},
 }
 #: model types whose RMSNorm multiplies its weight after casting back to the input dtype (``OlmoeRMSNorm``)
 WEIGHT_AFTER_CAST_NORMS = frozenset({"olmoe"})
@@ -75,13 +90,16 @@ class TPLayout:
     tp_rank: int  # this rank in the TP group, 0 = driver
     tp_size: int  # ranks in the TP group
     num_heads: int  # query heads on this rank: num_attention_heads / tp_size
-    num_kv_heads: int  # KV heads on this rank: num_key_value_heads / tp_size, or 1 when replicated
+    num_kv_heads: int  # KV heads on this rank: num_key_value_heads / tp_size, or 1 when replicated (MLA: its
+    # query heads' expanded K/V; the latent cache's one head is shard_layer_specs')
 
 
 def _heads(hf_config: PretrainedConfig) -> tuple[int, int, int]:
     text = hf_config.get_text_config()
     num_heads = int(text.num_attention_heads)
     num_kv = int(getattr(text, "num_key_value_heads", None) or num_heads)
+    if is_mla(text):  # K/V expanded from the latent per query head (the latent cache's one head: shard_layer_specs)
+        num_kv = num_heads
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // num_heads)
     return num_heads, num_kv, head_dim
 
@@ -100,6 +118,20 @@ def rank_layout(hf_config: PretrainedConfig, tp_rank: int, tp_size: int) -> TPLa
         raise ValueError(f"tensor_parallel_size={tp_size} cannot split {num_heads} query / {num_kv} KV heads")
     start, stop = kv_head_range(num_kv, tp_rank, tp_size)
     return TPLayout(tp_rank=tp_rank, tp_size=tp_size, num_heads=num_heads // tp_size, num_kv_heads=stop - start)
+
+
+def shard_layer_specs(layers: Sequence[AttentionLayerSpec], layout: TPLayout) -> list[AttentionLayerSpec]:
+    """Each layer's attention as one rank of ``layout`` runs it: its query heads and KV heads, except that an
+    MLA latent layer (``latent_kv``) keeps its one latent "KV head" on every rank.
+
+    The latent ``[c_kv, k_rope]`` is what every query head reads, so it is replicated, not split (vLLM's
+    DeepseekV2MLAAttention and FlashMLA cache the whole latent on each TP rank); a rank's KV block therefore
+    holds ``kv_lora_rank + qk_rope_head_dim`` values per token and layer whatever ``tp_size`` is, while its
+    query heads (``num_heads / tp_size``) are what the absorbed attention iterates over. The attention
+    backend, the KV budget and ``executor=sim`` size the cache from these specs.
+    """
+    return [dataclasses.replace(layer, num_heads=layout.num_heads,
+                                num_kv_heads=1 if layer.latent_kv else layout.num_kv_heads) for layer in layers]
 
 
 def meta_model(hf_config: PretrainedConfig, dtype: torch.dtype | None = None,
@@ -189,7 +221,7 @@ def _size_problems(model: nn.Module, plan: dict[str, str], tp_size: int) -> list
     problems = []
     if num_heads % tp_size:
         problems.append(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp_size}")
-    if num_kv % tp_size and tp_size % num_kv:
+    if num_kv != num_heads and num_kv % tp_size and tp_size % num_kv:  # (as many KV heads as query heads: said above)
         problems.append(f"num_key_value_heads={num_kv} is neither divisible by tensor_parallel_size={tp_size} "
                         "nor a divisor of it (KV heads are split, or replicated when tp is a multiple)")
     if problems:  # the attention projections' widths follow from the heads: no need to list them too
@@ -280,7 +312,7 @@ def _shard_embeddings(model: nn.Module, dims: RankDims, sources: WeightSources) 
 
 def _localize_attention(model: nn.Module, layout: TPLayout) -> None:
     """Per-head counts the attention modules keep: ``num_key_value_groups`` (eager/sdpa repeat KV heads
-    by it), ``num_key_value_heads``, and a per-module config copy with this rank's heads where the
+    by it), ``num_key_value_heads``, an MLA module's ``num_heads``, and a per-module config copy with this rank's heads where the
     module reads ``config.num_attention_heads`` to split a fused ``qkv_proj`` (Phi-3; one copy shared by
     the layers, so that a compiled decoder still sees one layer kind)."""
     local_configs: dict[int, Any] = {}
@@ -290,6 +322,8 @@ def _localize_attention(model: nn.Module, layout: TPLayout) -> None:
         module.num_key_value_groups = layout.num_heads // layout.num_kv_heads
         if hasattr(module, "num_key_value_heads"):
             module.num_key_value_heads = layout.num_kv_heads
+        if hasattr(module, "kv_b_proj"):  # MLA: mla.use_latent_attention views kv_b_proj's rows per local head
+            module.num_heads = layout.num_heads
         if hasattr(module, "qkv_proj") and hasattr(module, "config"):
             if id(module.config) not in local_configs:
                 local = local_configs[id(module.config)] = copy.copy(module.config)

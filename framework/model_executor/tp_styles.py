@@ -38,8 +38,8 @@ KV_PROJECTIONS = ("k_proj", "v_proj")  # colwise leaves holding KV heads (replic
 #: model_type -> per-expert leaf names of (gate, up, down) in checkpoints, which store experts one by one
 #: (``experts.<e>.<leaf>.weight``: the Hub's files and what ``save_pretrained`` writes; transformers fuses
 #: them while loading, ``conversion_mapping.py``).
-EXPERT_LEAVES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
-                 "olmoe": ("gate_proj", "up_proj", "down_proj")}
+EXPERT_LEAVES = {"mixtral": ("w1", "w3", "w2"),
+                 **dict.fromkeys(("qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"), ("gate_proj", "up_proj", "down_proj"))}
 
 
 @dataclass(frozen=True)

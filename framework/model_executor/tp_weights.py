@@ -104,7 +104,8 @@ def load_weights(model: nn.Module, path: str | Path, sources: WeightSources, dev
                  pre_quantized: bool = False) -> None:
     """Materialise every ``meta`` parameter of ``model`` on ``device`` from the checkpoint in ``path``.
 
-    Parameters keep their (meta) dtype and shape; tied parameters are filled once and stay shared. With
+    Parameters keep their (meta) dtype and shape; tied parameters are filled once and stay shared; persistent
+    buffers the checkpoint holds are read whole, the others computed (:func:`_init_buffers`). With
     ``pre_quantized`` (``config.json`` has a ``quantization_config``) a weight the file lacks is left zero: it
     is a packed layer's, which the quant method replaces (and refuses a layer whose file holds neither).
 
@@ -139,11 +140,35 @@ def load_weights(model: nn.Module, path: str | Path, sources: WeightSources, dev
             if values.shape != param.shape:
                 raise ValueError(f"{path}: {key} gives {tuple(values.shape)} for {name} of shape {tuple(param.shape)}")
             filled[id(param)] = nn.Parameter(values.to(device=device, dtype=param.dtype), requires_grad=False)
+        buffers = _checkpoint_buffers(model, index, model_type, open_file, device)
     for module in model.modules():
         for attr, param in module._parameters.items():
             if param is not None and id(param) in filled:
                 module._parameters[attr] = filled[id(param)]
+        for attr, buf in module._buffers.items():
+            if buf is not None and id(buf) in buffers:
+                module._buffers[attr] = buffers[id(buf)]
     _init_buffers(model, device)
+
+
+def _checkpoint_buffers(model: nn.Module, index: dict[str, Path], model_type: str, open_file: Any,
+                        device: torch.device) -> dict[int, torch.Tensor]:
+    """Persistent ``meta`` buffers the checkpoint holds (DeepSeek-V3's router ``e_score_correction_bias``),
+    read whole in the buffer's dtype: id of the meta buffer -> its values on ``device``.
+
+    Raises:
+        ValueError: a buffer's tensor has another shape than the buffer.
+    """
+    values: dict[int, torch.Tensor] = {}
+    for name, buf in model.named_buffers():
+        key = checkpoint_name(name, index, model_type)
+        if not buf.is_meta or key not in index:
+            continue
+        tensor = read_slice(open_file(index[key]), key, None)
+        if tensor.shape != buf.shape:
+            raise ValueError(f"{key} gives {tuple(tensor.shape)} for buffer {name} of shape {tuple(buf.shape)}")
+        values[id(buf)] = tensor.to(device=device, dtype=buf.dtype)
+    return values
 
 
 def _init_buffers(model: nn.Module, device: torch.device) -> None:

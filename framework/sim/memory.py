@@ -3,8 +3,8 @@
 Same arithmetic as the real engine's: a block holds, for each of the ``layers_per_block`` layers that share
 a block id (all layers, or one KV cache group's worth with sliding windows:
 ``framework.core.kv_cache_groups``), K and V of ``block_size`` tokens x this rank's KV heads
-(``framework.model_executor.tensor_parallel.rank_layout``: ``K / tp``, replicated when ``tp > K``) x the cache's
-head size; a quantized cache (``engine.kv_cache_dtype=int8|fp8_e4m3``) stores one byte per element plus
+(``framework.model_executor.tensor_parallel.rank_layout``: ``K / tp``, replicated when ``tp > K``; MLA's one
+latent head on every rank: ``shard_layer_specs``) x the cache's head size; a quantized cache (``engine.kv_cache_dtype=int8|fp8_e4m3``) stores one byte per element plus
 a float32 scale per (token, KV head), as the ``torch`` backends do. So the allocator's pool, its
 preemptions and its prefix-cache evictions are those of the simulated device and model.
 
@@ -16,7 +16,6 @@ rather than measured.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -34,13 +33,12 @@ def rank_attention_layers(hf_config: Any, tensor_parallel_size: int,
     """Each layer's attention as one rank holds it (its heads under tensor parallelism; MLA's latent when
     ``mla_latent_cache``, the engine's ``engine.mla_latent_cache``)."""
     from framework.model_executor.model_families import attention_layers
-    from framework.model_executor.tensor_parallel import rank_layout
+    from framework.model_executor.tensor_parallel import rank_layout, shard_layer_specs
 
     layers = attention_layers(hf_config, mla_latent_cache)
     if tensor_parallel_size == 1:
         return layers
-    shard = rank_layout(hf_config, 0, tensor_parallel_size)
-    return [dataclasses.replace(layer, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads) for layer in layers]
+    return shard_layer_specs(layers, rank_layout(hf_config, 0, tensor_parallel_size))
 
 
 def kv_element_bytes(config: EngineConfig) -> tuple[int, int]:

@@ -12,7 +12,6 @@ attention backend (this rank's heads), KV and swap tensors, ``torch.compile`` gr
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -50,7 +49,7 @@ from framework.model_executor.model_families import attention_layers
 from framework.model_executor.model_loader import LoadedModel, load_model
 from framework.model_executor.pipeline_parallel import split_stage, stage_kv_slots
 from framework.model_executor.prepack import prepack_linears, should_prepack
-from framework.model_executor.tensor_parallel import rank_layout
+from framework.model_executor.tensor_parallel import rank_layout, shard_layer_specs
 from framework.model_executor.tp_weights import load_sharded_model, load_tp_model
 from framework.sample.sampler import Sampler
 from framework.worker.kv_connector_runner import make_kv_connector_runner
@@ -230,9 +229,7 @@ class Worker:
         layers = attention_layers(mc, self.config.mla_latent_cache)
         use_latent_attention(self.loaded.model, layers)  # MLA: the bridge absorbs around latent calls
         if self.tp_size > 1:  # this rank's share of the heads (KV heads replicated when tp > their count)
-            shard = rank_layout(mc, self.tp_rank, self.tp_size)
-            layers = [dataclasses.replace(layer, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads)
-                      for layer in layers]
+            layers = shard_layer_specs(layers, rank_layout(mc, self.tp_rank, self.tp_size))
         self.backend = make_attention_backend(self.config, self.loaded.model, layers, self.loaded.kv_cache_dtype)
         self.lora = (make_lora_manager(self.config, self.loaded.model, self.tp_rank, self.tp_size)
                      if self.config.enable_lora else None)
