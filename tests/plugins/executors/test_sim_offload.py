@@ -102,3 +102,26 @@ def test_simulated_tiers_keep_the_lru_and_byte_limits():
     assert tiers.get("c")[1] is True and tiers.get("a") is None
     tiers.put("c", tiers.get("c")[0])  # promotion: "c" back to CPU, "e" spills
     assert list(tiers.cpu) == ["f", "c"] and "e" in tiers.disk and "c" not in tiers.disk
+
+
+def test_loads_and_saves_are_priced_by_bytes_and_bandwidth():
+    """Model-free: a save and a CPU-tier load cost bytes over the CPU bandwidth in the step; a disk-tier block loads
+    asynchronously on the one simulated reader and its request is reported only once the read is done, then
+    promoted to the CPU tier; a block in neither tier is a load error."""
+    from plugins.executors._sim_offload import SimulatedOffload
+    from plugins.kv_connectors.offload import OffloadMetadata
+
+    nbytes = 1_000_000
+    sim = SimulatedOffload({"cpu_bytes": nbytes, "disk_path": "unused", "disk_bytes": 4 * nbytes}, nbytes,
+                           cpu_bandwidth_gbps=8.0, disk_bandwidth_gbps=0.8)  # 1 GB/s and 0.1 GB/s
+    assert sim.start_step(OffloadMetadata(saves=[(0, "a", "r0"), (1, "b", "r0")]), 0.0) == pytest.approx(2e-3)
+    assert list(sim.store.cpu) == ["b"] and list(sim.store.disk) == ["a"]
+    assert sim.start_step(OffloadMetadata(loads=[(2, "b", "r1")]), 1.0) == pytest.approx(1e-3)
+    assert sim.start_step(OffloadMetadata(async_loads=[(3, "a", "r2"), (4, "a", "r2")]), 2.0) == 0.0
+    assert sim.next_ready_s() == pytest.approx(2.02)  # two 1 MB reads at 0.1 GB/s, one after the other
+    assert sim.finish_step(2.01).finished_recving is None
+    out = sim.finish_step(2.02)
+    assert out.finished_recving == {"r2"} and not out.invalid_block_ids and "a" in sim.store.cpu
+    assert sim.load_bytes == {"cpu": nbytes, "disk": 2 * nbytes}
+    sim.start_step(OffloadMetadata(loads=[(5, "zzz", "r3")]), 3.0)
+    assert sim.finish_step(3.0).invalid_block_ids == {5}
