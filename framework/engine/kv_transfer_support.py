@@ -14,13 +14,17 @@ _NOT_YET = "not built yet for kv_connector (docs/kv_transfer.md)"
 def kv_transfer_problems(config: EngineConfig) -> list[str]:
     """Why ``config``'s KV connector cannot run (empty: it can, or ``kv_connector=none``), each naming the fix:
     one rank of a ``uniproc`` executor (the worker side runs in the driver's process; tensor parallelism,
-    worker processes and the simulator are not built), ``kv_cache=paged`` (it drops single blocks from its prefix
+    worker processes are not built; ``executor=sim`` simulates the worker side of ``offload`` at any simulated TP
+    degree, plugins/executors/_sim_offload.py), ``kv_cache=paged`` (it drops single blocks from its prefix
     cache after a failed load) and ``engine.kv_cache_dtype=auto`` (quantized caches are not checked)."""
     if config.kv_connector == "none":
         return []
+    sim_offload = config.executor == "sim" and config.kv_connector == "offload"
     checks = [
-        (config.tensor_parallel_size == 1, f"tensor_parallel_size > 1 is {_NOT_YET}; use parallel.tensor_parallel_size=1"),
-        (config.executor == "uniproc", f"executor={config.executor} is {_NOT_YET}; use executor=uniproc"),
+        (config.tensor_parallel_size == 1 or sim_offload,
+         f"tensor_parallel_size > 1 is {_NOT_YET}; use parallel.tensor_parallel_size=1"),
+        (config.executor == "uniproc" or sim_offload,
+         f"executor={config.executor} is {_NOT_YET}; use executor=uniproc (executor=sim simulates kv_connector=offload)"),
         (config.kv_allocator == "paged", f"kv_cache={config.kv_allocator} is {_NOT_YET}; use kv_cache=paged"),
         (config.kv_cache_dtype == "auto",
          f"engine.kv_cache_dtype={config.kv_cache_dtype} is {_NOT_YET}; use engine.kv_cache_dtype=auto"),

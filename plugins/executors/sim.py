@@ -26,7 +26,9 @@ model's time and tokens are modelled (LLM-Emu's idea, Vidur's cost models). Para
   with ``parallel.enable_expert_parallel=true`` (``framework/sim/parallel_cost.py``, analytic profiles only);
 * ``lora_device``: with ``lora.enable=true``, the ``framework.sim.roofline`` device whose peak and bandwidth price
   LoRA's adapter loads and shrink/expand FLOPs (``framework/sim/lora_cost.py``), added to every step; ``auto``:
-  the analytic profile's device (a measured profile needs it named).
+  the analytic profile's device (a measured profile needs it named);
+* ``offload_cpu_bandwidth_gbps``, ``offload_disk_bandwidth_gbps``: with ``kv_connector=offload``, each tier's
+  bandwidth in Gbit/s; the tiers' hits, misses and LRU are the real connector's (``plugins/executors/_sim_offload.py``).
 
 ``parallel.tensor_parallel_size`` is the simulated TP degree (per-rank heads in the memory model, collectives in
 the roofline); ``parallel.pipeline_parallel_size`` and ``parallel.enable_expert_parallel`` add pipeline bubbles and
@@ -56,7 +58,9 @@ logger = logging.getLogger(__name__)
 CLOCKS = ("virtual", "realtime")
 MEMORY_MODES = ("auto", "engine")
 PARAMS = ("clock", "profile", "eos_probability", "acceptance", "draft_step_s", "grammar_mask_s", "memory",
-          "gpu_memory_utilization", "seed", "lora_device", "pp_microbatches", "expert_skew", "expert_loads")
+          "gpu_memory_utilization", "seed", "lora_device", "pp_microbatches", "expert_skew", "expert_loads",
+          "offload_cpu_bandwidth_gbps", "offload_disk_bandwidth_gbps")
+KV_CONNECTORS = ("none", "offload")  # simulated worker sides (P/D has its own front: _sim_disagg.py)
 
 
 class SimExecutor(Executor):
@@ -73,7 +77,9 @@ class SimExecutor(Executor):
                  eos_probability: float | None = None, acceptance: Any = None, draft_step_s: float = 0.0,
                  grammar_mask_s: str | float = "auto", memory: str = "auto", gpu_memory_utilization: float = 0.9,
                  seed: int | None = None, lora_device: str = "auto", pp_microbatches: int = 0,
-                 expert_skew: float = 1.0, expert_loads: list[float] | None = None) -> None:
+                 expert_skew: float = 1.0, expert_loads: list[float] | None = None,
+                 offload_cpu_bandwidth_gbps: float | None = None, offload_disk_bandwidth_gbps: float | None = None
+                 ) -> None:
         # pp_microbatches, expert_skew, expert_loads: read by the analytic roofline from config.executor_params
         super().__init__(config, clock=clock, profile=profile)
         import torch
@@ -98,6 +104,10 @@ class SimExecutor(Executor):
         self.lora_cost = _lora_cost(config, self.hf_config, lora_device) if config.enable_lora else None
         self.rank = SimRank(config, self.hf_config, self.profile, self.predictor.source, memory,
                             float(gpu_memory_utilization))
+        from plugins.executors._sim_offload import simulated_offload
+
+        self.offload = simulated_offload(config, self.rank.kv_cache_bytes_per_block(), offload_cpu_bandwidth_gbps,
+                                         offload_disk_bandwidth_gbps)
         logger.info("executor=sim: clock=%s, step times from %s, no weights loaded", clock, self.predictor.source)
 
     @classmethod
@@ -128,6 +138,12 @@ class SimExecutor(Executor):
         if (config.pipeline_parallel_size > 1 or config.enable_expert_parallel) and not analytic:
             problems.append("executor=sim prices parallel.pipeline_parallel_size > 1 and parallel.enable_expert_parallel "
                             "in its analytic profiles only: set executor.params.profile=analytic:<device>")
+        if config.kv_connector not in KV_CONNECTORS:
+            problems.append(f"executor=sim simulates kv_connector={'|'.join(KV_CONNECTORS)}, not "
+                            f"{config.kv_connector!r} (P/D: disagg.prefill_replicas=P with kv_connector=none)")
+        for name in ("offload_cpu_bandwidth_gbps", "offload_disk_bandwidth_gbps"):
+            if params.get(name) is not None and not float(params[name]) > 0:
+                problems.append(f"executor.params.{name} must be > 0 Gbit/s (or null: the default)")
         if int(params.get("pp_microbatches", 0)) < 0:
             problems.append("executor.params.pp_microbatches must be >= 0 (0: one per pipeline stage)")
         problem = check_profile_spec(params.get("profile", "auto"))
@@ -162,12 +178,19 @@ class SimExecutor(Executor):
         """Predict the step's time, let it pass (virtual: advance the clock by the whole step; realtime:
         sleep the executor's share, the rest being the engine's own work), return synthetic tokens."""
         start = time.perf_counter()
+        offload_s = (self.offload.start_step(scheduler_output.kv_connector_metadata, self.clock.now())
+                     if self.offload is not None else 0.0)
         if scheduler_output.total_num_scheduled_tokens == 0 and not (scheduler_output.swap_out
                                                                       or scheduler_output.swap_in):
-            return ModelRunnerOutput(sampled_token_ids={})  # only finished ids: nothing runs
+            out = ModelRunnerOutput(sampled_token_ids={})  # only finished ids, or polling parked loads: no forward
+            if self.offload is not None:
+                self._wait_for_offload(offload_s)
+                out.kv_connector_output = self.offload.finish_step(self.clock.now())
+            return out
         features = step_features(scheduler_output, self.config.block_size, _remote_prefills(scheduler_output))
         predicted = self.predictor.predict(features)
         extra_s = self.draft_step_s * self.num_drafts if scheduler_output.scheduled_spec_decode_tokens else 0.0
+        extra_s += offload_s
         if self.lora_cost is not None:
             requests = scheduler_output.scheduled_requests
             extra_s += self.lora_cost.step_s([r.lora_request for r in requests],
@@ -180,7 +203,22 @@ class SimExecutor(Executor):
         else:
             time.sleep(max(0.0, start + predicted.execute_s + extra_s - time.perf_counter()))
         out.forward_s = predicted.execute_s + extra_s
+        if self.offload is not None:
+            out.kv_connector_output = self.offload.finish_step(self.clock.now())
         return out
+
+    def _wait_for_offload(self, offload_s: float) -> None:
+        """A step with nothing to run: let its synchronous moves pass, then time up to the earliest parked request's
+        loads completing (an arrival meanwhile is admitted at the end of the wait, its TTFT counting the wait: a
+        simplification: nothing else runs meanwhile)."""
+        ready_s = self.offload.next_ready_s()
+        until_s = self.clock.now() + offload_s
+        if ready_s is not None:
+            until_s = max(until_s, ready_s)
+        if isinstance(self.clock, VirtualClock):
+            self.clock.advance(max(0.0, until_s - self.clock.now()))
+        else:
+            time.sleep(max(0.0, until_s - self.clock.now()))
 
     def _sample(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Synthetic tokens of every request whose scheduled tokens reach its end: accepted drafts plus one."""
