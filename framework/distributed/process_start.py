@@ -41,8 +41,8 @@ from framework.distributed.child_process import spawned_by_main_thread
 MULTIPROC_METHOD_ENV = "SERVELAB_WORKER_MULTIPROC_METHOD"
 METHODS = ("forkserver", "spawn")
 #: modules the fork server imports once for all its children (an import error only skips that module)
-PRELOAD = ["torch", "transformers", "framework.worker.worker_proc", "framework.worker.worker",
-           "framework.engine.core_proc"]
+PRELOAD = ["torch", "transformers", "torch._inductor.compile_fx", "framework.worker.worker_proc",
+           "framework.worker.worker", "framework.engine.core_proc"]  # inductor: attention kernels compile at start-up
 
 
 def multiproc_method() -> str:
