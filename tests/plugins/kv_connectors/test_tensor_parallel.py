@@ -1,0 +1,81 @@
+"""KV connectors under ``executor=mp tensor_parallel_size=2``: one worker side per rank, each moving its own KV heads'
+shard (stories260K: 4 KV heads, 2 per rank), their reports merged by the executor. A ``shared_storage`` producer
+run then a consumer run, and ``offload`` turns that hit the CPU tier, are float32 greedy token-exact against one
+plain engine; the folder holds one file per rank per block, and a TP=1 consumer neither loads a TP=2 producer's
+shards nor mixes them (it recomputes, and says why once)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from kv_conversations import ENGINE, GREEDY, TIGHT, assert_no_leak, conversations
+
+from framework import LLM, registry
+from framework.engine.kv_transfer_support import kv_transfer_problems
+
+TP2 = dict(executor="mp", tensor_parallel_size=2)
+PROMPTS = ["Once upon a time there was a little girl named Lily who loved to play",
+           "Tom had a big red ball and a small dog", "Hi"]  # "Hi": shorter than one block
+
+
+def _tokens(outputs):
+    assert all(o.error is None for o in outputs)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _run(prompts, **kwargs):
+    """Outputs of a fresh engine and its external prefix hits (tokens), the engine shut down."""
+    llm = LLM(**ENGINE, **kwargs)
+    try:
+        tokens = _tokens(llm.generate(prompts, GREEDY))
+        assert_no_leak(llm)
+        transfer = llm.engine.scheduler.kv_transfer
+        return tokens, transfer.external_prefix_cache_hits if transfer is not None else 0
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _run(PROMPTS)[0]
+
+
+def test_shared_storage_tp2_producer_then_consumer_is_exact_and_keyed_by_rank(tmp_path, plain, caplog):
+    params = {"kv_connector": "shared_storage", "kv_connector_params": {"path": str(tmp_path)}}
+    assert _run(PROMPTS, **TP2, **params, kv_role="kv_producer") == (plain, 0)
+    rank0 = sorted(p.name.split(".")[0] for p in tmp_path.glob("*.tp0of2.safetensors"))
+    rank1 = sorted(p.name.split(".")[0] for p in tmp_path.glob("*.tp1of2.safetensors"))
+    assert rank0 and rank0 == rank1, "every block must be stored once per rank"
+    assert all(p.name.count(".") == 2 for p in tmp_path.iterdir()), "a TP=2 producer wrote an unsharded file"
+    tokens, hits = _run(PROMPTS, **TP2, **params, kv_role="kv_consumer")
+    assert tokens == plain and hits > 0
+    with caplog.at_level(logging.WARNING, logger="plugins.kv_connectors.shared_storage"):
+        assert _run(PROMPTS, **params, kv_role="kv_consumer") == (plain, 0)  # TP=1: recomputes everything
+    assert "tensor_parallel_size" in caplog.text and "tp0of2" in caplog.text
+
+
+def test_offload_tp2_turns_hit_the_cpu_tier_and_stay_exact():
+    plain_llm = LLM(**TIGHT)
+    expected = conversations(plain_llm)
+    llm = LLM(**TIGHT, **TP2, kv_connector="offload", kv_connector_params={"cpu_bytes": 1 << 20})
+    try:
+        assert conversations(llm) == expected
+        assert llm.engine.metrics.summary()["external_prefix_cache_hits"] > 0
+        assert_no_leak(llm)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_what_stays_refused_names_the_fix(tmp_path):
+    from framework.config import EngineConfig
+
+    def problems(**kwargs):
+        return kv_transfer_problems(EngineConfig(model="m", kv_connector="shared_storage",
+                                                 kv_connector_params={"path": str(tmp_path)}, **kwargs))
+
+    assert problems(**TP2) == []
+    assert any("executor=mp" in p for p in problems(tensor_parallel_size=2, executor="ray"))
+    assert any("pipeline_parallel_size=1" in p for p in problems(executor="mp", pipeline_parallel_size=2))
+    zmq = registry.get_class("kv_connector", "zmq").validate(EngineConfig(model="m", kv_connector="zmq", **TP2))
+    assert any("tensor_parallel_size=1" in p for p in zmq)
