@@ -11,8 +11,9 @@ import logging
 import pytest
 from kv_conversations import ENGINE, GREEDY, TIGHT, assert_no_leak, conversations
 
-from framework import LLM, registry
+from framework import LLM
 from framework.engine.kv_transfer_support import kv_transfer_problems
+from plugins.kv_connectors.zmq import ZmqConnector
 
 TP2 = dict(executor="mp", tensor_parallel_size=2)
 PROMPTS = ["Once upon a time there was a little girl named Lily who loved to play",
@@ -77,5 +78,5 @@ def test_what_stays_refused_names_the_fix(tmp_path):
     assert problems(**TP2) == []
     assert any("executor=mp" in p for p in problems(tensor_parallel_size=2, executor="ray"))
     assert any("pipeline_parallel_size=1" in p for p in problems(executor="mp", pipeline_parallel_size=2))
-    zmq = registry.get_class("kv_connector", "zmq").validate(EngineConfig(model="m", kv_connector="zmq", **TP2))
+    zmq = ZmqConnector.validate(EngineConfig(model="m", kv_connector="zmq", **TP2))
     assert any("tensor_parallel_size=1" in p for p in zmq)
