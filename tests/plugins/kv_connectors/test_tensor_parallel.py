@@ -9,10 +9,16 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from kv_conversations import ENGINE, GREEDY, TIGHT, assert_no_leak, conversations
 
 from framework import LLM
 from framework.engine.kv_transfer_support import kv_transfer_problems
+from framework.testing import check_kv_connector
+from plugins.attention.torch_paged import TorchPagedAttentionBackend
+from plugins.kv_connectors.multi import MultiConnector
+from plugins.kv_connectors.offload import OffloadConnector
+from plugins.kv_connectors.shared_storage import SharedStorageConnector
 from plugins.kv_connectors.zmq import ZmqConnector
 
 TP2 = dict(executor="mp", tensor_parallel_size=2)
@@ -66,6 +72,21 @@ def test_offload_tp2_turns_hit_the_cpu_tier_and_stay_exact():
         assert_no_leak(llm)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("connector", ["shared_storage", "offload_cpu", "offload_disk", "multi"])
+def test_passes_the_kit_with_one_worker_side_per_rank(tmp_path, connector):
+    backend = TorchPagedAttentionBackend(num_heads=4, num_kv_heads=2, head_size=8, scale=8 ** -0.5, block_size=4,
+                                         dtype=torch.float32, device=torch.device("cpu"))
+    disk = {"cpu_bytes": 0, "disk_path": str(tmp_path / "disk"), "disk_bytes": 1 << 20}
+    if connector == "shared_storage":
+        check_kv_connector(SharedStorageConnector, backend, tp_size=2, path=str(tmp_path))
+    elif connector == "multi":
+        check_kv_connector(MultiConnector, backend, tp_size=2, connectors=[
+            {"name": "shared_storage", "params": {"path": str(tmp_path)}}])
+    else:
+        params = {"cpu_bytes": 1 << 20} if connector == "offload_cpu" else disk
+        check_kv_connector(OffloadConnector, backend, own_store=True, tp_size=2, **params)
 
 
 def test_what_stays_refused_names_the_fix(tmp_path):
