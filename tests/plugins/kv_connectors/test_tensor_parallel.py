@@ -74,6 +74,27 @@ def test_offload_tp2_turns_hit_the_cpu_tier_and_stay_exact():
         llm.engine.shutdown()
 
 
+def test_offload_tp2_disk_loads_park_until_every_rank_has_its_shard_and_stay_exact(tmp_path):
+    """A CPU tier of 4.5 blocks over a disk tier (the engine's limits; each rank gets half, for its half of every
+    block): disk hits load asynchronously on each rank's reader thread (WAITING_FOR_REMOTE_KVS), and a request goes
+    back to the queue only once both ranks reported its load."""
+    runner = LLM(**TIGHT).engine.runner
+    expected = conversations(LLM(**TIGHT))
+    block_bytes = torch.empty(runner.backend.get_kv_cache_shape(1)).nbytes * len(runner.kv_caches)
+    llm = LLM(**TIGHT, **TP2, kv_connector="offload", kv_connector_params=dict(
+        cpu_bytes=4 * block_bytes + block_bytes // 2, disk_path=str(tmp_path), disk_bytes=40 * block_bytes))
+    try:
+        transfer, parked = llm.engine.scheduler.kv_transfer, []
+        on_admitted = transfer.on_admitted
+        transfer.on_admitted = lambda r, b, n, a: parked.append(a) or on_admitted(r, b, n, a)
+        assert conversations(llm) == expected
+        assert any(parked) and transfer.external_prefix_cache_hits > 0
+        assert not transfer.parked and not transfer.loaded and not transfer.held
+        assert_no_leak(llm)
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("connector", ["shared_storage", "offload_cpu", "offload_disk", "multi"])
 def test_passes_the_kit_with_one_worker_side_per_rank(tmp_path, connector):
     backend = TorchPagedAttentionBackend(num_heads=4, num_kv_heads=2, head_size=8, scale=8 ** -0.5, block_size=4,
