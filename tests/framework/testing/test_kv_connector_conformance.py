@@ -5,6 +5,7 @@ and catches a connector that offers the block of the last prompt token or mixes 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -114,3 +115,28 @@ def test_kit_catches_a_load_of_the_last_token_block(backend):
     Greedy.store = {}
     with pytest.raises(AssertionError, match="last prompt token"):
         check_kv_connector(Greedy, backend)
+
+
+def test_engine_kit_passes_shared_storage_and_catches_a_connector_that_skips_its_loads(tmp_path):
+    """check_kv_connector_engine on one in-process rank: shared_storage passes; a connector that offers stored
+    blocks but never copies them in leaves garbage K/V, and the kit names the prompt whose output differs."""
+    from framework import hookimpl, registry
+    from framework.testing import check_kv_connector_engine
+    from plugins.kv_connectors.shared_storage import SharedStorageConnector
+
+    model = str(Path(__file__).resolve().parents[3] / "models" / "stories260K")
+    check_kv_connector_engine("shared_storage", model, connector_params={"path": str(tmp_path / "ok")})
+
+    class SkipsLoads(SharedStorageConnector):
+        name = "skips_loads"
+
+        def start_load_kv(self, **kwargs):
+            """Loads nothing (the bug under test)."""
+
+    class _Plugin:
+        @hookimpl
+        def register_kv_connectors(self, register):
+            register("skips_loads", SkipsLoads)
+
+    with registry.registered(_Plugin()), pytest.raises(AssertionError, match="must be token-exact"):
+        check_kv_connector_engine("skips_loads", model, connector_params={"path": str(tmp_path / "bad")})

@@ -10,11 +10,12 @@ import logging
 
 import pytest
 import torch
-from kv_conversations import ENGINE, GREEDY, TIGHT, assert_no_leak, conversations
+from kv_conversations import ENGINE, GREEDY, MODEL, TIGHT, assert_no_leak, conversations
 
 from framework import LLM
 from framework.engine.kv_transfer_support import kv_transfer_problems
 from framework.testing import check_kv_connector
+from framework.testing.kv_connector_engine import check_kv_connector_engine
 from plugins.attention.torch_paged import TorchPagedAttentionBackend
 from plugins.kv_connectors.multi import MultiConnector
 from plugins.kv_connectors.offload import OffloadConnector
@@ -60,6 +61,14 @@ def test_shared_storage_tp2_producer_then_consumer_is_exact_and_keyed_by_rank(tm
     with caplog.at_level(logging.WARNING, logger="plugins.kv_connectors.shared_storage"):
         assert _run(PROMPTS, **params, kv_role="kv_consumer") == (plain, 0)  # TP=1: recomputes everything
     assert "tensor_parallel_size" in caplog.text and "tp0of2" in caplog.text
+
+
+@pytest.mark.parametrize("connector", ["shared_storage", "offload"])
+def test_passes_the_engine_kit_under_mp_tp2(tmp_path, connector):
+    """check_kv_connector_engine: the connector's engines at executor=mp tensor_parallel_size=2 against one plain
+    engine (shared_storage: a producer then a consumer; offload: one engine, its local prefix cache dropped)."""
+    params = {"path": str(tmp_path)} if connector == "shared_storage" else {"cpu_bytes": 1 << 20}
+    check_kv_connector_engine(connector, MODEL, own_store=connector == "offload", connector_params=params, **TP2)
 
 
 def test_offload_tp2_turns_hit_the_cpu_tier_and_stay_exact():
