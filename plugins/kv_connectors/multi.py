@@ -81,8 +81,15 @@ class MultiConnector(KVConnector):
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
-        """Also: a non-empty list of ``{name, params}`` naming other registered connectors."""
-        return super().validate(config) + _list_problems(config.kv_connector_params.get("connectors"))
+        """Also: a non-empty list of ``{name, params}`` naming other registered connectors; ``zmq`` only at one
+        rank (as ``kv_connector=zmq`` itself)."""
+        connectors = config.kv_connector_params.get("connectors")
+        problems = super().validate(config) + _list_problems(connectors)
+        names = [entry.get("name") for entry in connectors or () if isinstance(entry, dict)]
+        if config.tensor_parallel_size > 1 and "zmq" in names:
+            problems.append("kv_connector=multi: zmq in the list moves whole blocks from one rank; "
+                            "tensor_parallel_size > 1 is not built yet for it: use parallel.tensor_parallel_size=1")
+        return problems
 
     # ---- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -129,3 +129,6 @@ def test_what_stays_refused_names_the_fix(tmp_path):
     assert any("pipeline_parallel_size=1" in p for p in problems(executor="mp", pipeline_parallel_size=2))
     zmq = ZmqConnector.validate(EngineConfig(model="m", kv_connector="zmq", **TP2))
     assert any("tensor_parallel_size=1" in p for p in zmq)
+    multi = MultiConnector.validate(EngineConfig(model="m", kv_connector="multi", **TP2, kv_connector_params={
+        "connectors": [{"name": "offload"}, {"name": "zmq"}]}))
+    assert any("zmq in the list" in p and "tensor_parallel_size=1" in p for p in multi)
