@@ -4,6 +4,7 @@ from framework.testing import (  # noqa: F401
     check_attention_backend,
     check_kv_allocator,
     check_kv_connector,
+    check_kv_connector_engine,
     check_lora_backend,
     check_router,
     check_scheduler_policy,

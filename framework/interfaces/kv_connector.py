@@ -18,6 +18,7 @@ import enum
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from framework.core.outputs import KVConnectorMetadata, KVConnectorOutput
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from framework.core.request import Request
     from framework.interfaces.attention import AttentionBackend
 
-__all__ = ["KV_ROLES", "KVConnector", "KVConnectorMetadata", "KVConnectorOutput", "KVConnectorRole",
+__all__ = ["KV_ROLES", "KVConnector", "KVConnectorMetadata", "KVConnectorOutput", "KVConnectorRole", "KVShard",
            "prefix_block_hashes"]
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # kv_transfer.role (vLLM's KVTransferConfig.kv_role)
@@ -41,6 +42,30 @@ class KVConnectorRole(enum.Enum):
 
     SCHEDULER = 0  # on the driver, next to the scheduler
     WORKER = 1  # on each worker rank, next to the KV tensors
+
+
+@dataclass(frozen=True)
+class KVShard:
+    """Which part of every KV block one worker side holds: under tensor parallelism rank ``tp_rank`` of ``tp_size``
+    holds the K/V of its own KV heads only (vLLM: each worker's connector reads
+    ``get_tensor_model_parallel_rank()`` / ``_world_size()`` and moves only its shard).
+
+    The engine sets :attr:`KVConnector.kv_shard` right after building an instance: a worker side's own shard; the
+    scheduler side gets ``tp_rank=0`` with the engine's ``tp_size`` (its layout, to look every shard up).
+    """
+
+    tp_rank: int = 0  # this worker side's tensor-parallel rank, 0 <= tp_rank < tp_size
+    tp_size: int = 1  # parallel.tensor_parallel_size of the engine
+
+    @property
+    def tag(self) -> str:
+        """``""`` for an unsharded engine, else ``tp<rank>of<size>``: a store keys each shard's bytes by it, so the
+        shards of a TP=2 engine never mix with each other or with a TP=1 engine's blocks."""
+        return "" if self.tp_size == 1 else f"tp{self.tp_rank}of{self.tp_size}"
+
+    def all_ranks(self) -> list[KVShard]:
+        """Every shard of this layout, rank order (a scheduler side checks that each rank stored a block)."""
+        return [KVShard(rank, self.tp_size) for rank in range(self.tp_size)]
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "",
@@ -84,6 +109,9 @@ class KVConnector(Plugin, ABC):
         ValueError: an unknown ``kv_role``.
         TypeError: unknown keyword parameters (a subclass passes on only what it does not take).
     """
+
+    #: the shard of every block this instance moves (set by the engine after construction; default: the whole block)
+    kv_shard: KVShard = KVShard()
 
     def __init__(self, role: KVConnectorRole, block_size: int, kv_role: str = "kv_both", **params: Any) -> None:
         if params:

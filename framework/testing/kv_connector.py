@@ -8,10 +8,14 @@ engine instead: it saves, its scheduler side learns the store's contents from th
 (``update_connector_output`` with ``get_kv_connector_kv_cache_events``), then offers and loads the blocks into other
 block ids of the same cache. A load the scheduler side answers asynchronously (``load_async``, vLLM's
 ``WAITING_FOR_REMOTE_KVS``) runs in steps that schedule nothing until ``get_finished`` reports it (within
-``async_steps`` steps). Random K/V, a real attention backend's layout and ``copy_blocks``; no model runs."""
+``async_steps`` steps). With ``tp_size > 1`` every engine has one worker side per tensor-parallel rank (each
+told its ``KVShard``, each over caches of its own values), their reports merged as ``executor=mp`` merges them:
+each rank must load its own shard back. Random K/V, a real attention backend's layout and ``copy_blocks``; no model
+runs."""
 
 from __future__ import annotations
 
+import pickle
 import random
 import time
 from typing import Any
@@ -21,14 +25,9 @@ import torch
 from framework.core.outputs import KVConnectorOutput, SchedulerOutput
 from framework.core.request import Request, RequestStatus
 from framework.core.sampling_params import SamplingParams
+from framework.executor.kv_output_aggregator import KVOutputAggregator
 from framework.interfaces import AttentionBackend, KVConnector, KVConnectorRole
-
-
-def _pair(cls: type[KVConnector], kv_role: str, block_size: int, params: dict[str, Any]
-          ) -> tuple[KVConnector, KVConnector]:
-    """A scheduler-side and a worker-side instance of ``cls`` for one engine of ``kv_role``."""
-    return (cls(role=KVConnectorRole.SCHEDULER, block_size=block_size, kv_role=kv_role, **params),
-            cls(role=KVConnectorRole.WORKER, block_size=block_size, kv_role=kv_role, **params))
+from framework.interfaces.kv_connector import KVShard
 
 
 def _caches(backend: AttentionBackend, num_layers: int, num_blocks: int, seed: int) -> list[torch.Tensor]:
@@ -38,29 +37,56 @@ def _caches(backend: AttentionBackend, num_layers: int, num_blocks: int, seed: i
     return [torch.randn(shape, generator=gen).to(backend.cache_dtype) for _ in range(num_layers)]
 
 
-def _step(sched: KVConnector, worker: KVConnector, so: SchedulerOutput, caches: list[torch.Tensor],
-          recving: set[str] | None = None, sending: set[str] | None = None) -> set[int]:
-    """One step: the scheduler side's metadata, the worker side's loads and saves; the blocks that failed to load.
-    ``recving`` / ``sending``: collect the loads / sends reported done (None: none may be)."""
-    worker.bind_connector_metadata(sched.build_connector_meta(so))
-    worker.start_load_kv()
-    for layer_idx in range(len(caches)):
-        worker.wait_for_layer_load(layer_idx)
-    for layer_idx, kv_layer in enumerate(caches):
-        worker.save_kv_layer(layer_idx, kv_layer)
-    worker.wait_for_save()
-    sent, done = worker.get_finished(set())
-    assert sending is not None or not sent, "no request finished: nothing may finish sending"
-    if sending is not None:
-        sending |= sent or set()
-    assert recving is not None or not done, "a synchronous step finished a transfer"
-    if recving is not None:
-        recving |= done or set()
-    errors = worker.get_block_ids_with_load_errors()
-    sched.update_connector_output(KVConnectorOutput(invalid_block_ids=errors, finished_recving=done, finished_sending=sent,
-                                                    kv_cache_events=worker.get_kv_connector_kv_cache_events()))
-    worker.clear_connector_metadata()
-    return errors
+class _Engine:
+    """One engine of the kit: a scheduler side and ``tp_size`` worker sides (rank ``r`` told ``KVShard(r, tp_size)``),
+    each over its own per-layer caches of random values (another seed per rank, so a store that mixes the ranks'
+    shards is caught); each step's metadata reaches every rank through a pickle round trip (as the step message
+    does under ``executor=mp``) and their reports are merged as the executor merges them (``KVOutputAggregator``)."""
+
+    def __init__(self, cls: type[KVConnector], kv_role: str, backend: AttentionBackend, params: dict[str, Any],
+                 num_layers: int, seed: int, tp_size: int) -> None:
+        self.sched = cls(role=KVConnectorRole.SCHEDULER, block_size=backend.block_size, kv_role=kv_role, **params)
+        self.sched.kv_shard = KVShard(0, tp_size)
+        self.workers = []
+        self.caches = [_caches(backend, num_layers, 16, seed + 1000 * rank) for rank in range(tp_size)]
+        for rank in range(tp_size):
+            worker = cls(role=KVConnectorRole.WORKER, block_size=backend.block_size, kv_role=kv_role, **params)
+            worker.kv_shard = KVShard(rank, tp_size)
+            worker.register_kv_caches(self.caches[rank], backend)
+            self.workers.append(worker)
+        self.aggregator = KVOutputAggregator(tp_size)
+
+    def step(self, so: SchedulerOutput, recving: set[str] | None = None, sending: set[str] | None = None) -> set[int]:
+        """One step: the scheduler side's metadata, every rank's loads and saves; the blocks that failed to load.
+        ``recving`` / ``sending``: collect the loads / sends reported done by every rank (None: none may be)."""
+        meta = self.sched.build_connector_meta(so)
+        try:
+            wire = pickle.dumps(meta)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure breaks the step message
+            raise AssertionError(f"the connector metadata cannot travel to worker processes: {exc}") from exc
+        reports = []
+        for worker, caches in zip(self.workers, self.caches):
+            worker.bind_connector_metadata(pickle.loads(wire))
+            worker.start_load_kv()
+            for layer_idx in range(len(caches)):
+                worker.wait_for_layer_load(layer_idx)
+            for layer_idx, kv_layer in enumerate(caches):
+                worker.save_kv_layer(layer_idx, kv_layer)
+            worker.wait_for_save()
+            sent, done = worker.get_finished(set())
+            reports.append(KVConnectorOutput(finished_sending=sent, finished_recving=done,
+                                             invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                                             kv_cache_events=worker.get_kv_connector_kv_cache_events()))
+            worker.clear_connector_metadata()
+        out = self.aggregator.aggregate(reports)
+        assert sending is not None or not out.finished_sending, "no request finished: nothing may finish sending"
+        if sending is not None:
+            sending |= out.finished_sending or set()
+        assert recving is not None or not out.finished_recving, "a synchronous step finished a transfer"
+        if recving is not None:
+            recving |= out.finished_recving or set()
+        self.sched.update_connector_output(out)
+        return out.invalid_block_ids
 
 
 def _block(cache: torch.Tensor, block: int, backend: AttentionBackend) -> torch.Tensor:
@@ -72,9 +98,10 @@ def _block(cache: torch.Tensor, block: int, backend: AttentionBackend) -> torch.
 
 def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_layers: int = 2, seed: int = 0,
                        own_store: bool = False, async_steps: int = 200, transfer_params: bool = False,
-                       **params: Any) -> None:
+                       tp_size: int = 1, **params: Any) -> None:
     """Run ``cls`` (built with ``params``, e.g. ``path=`` a fresh folder) through a producer engine and a consumer
-    engine sharing its store, or (``own_store``) through one ``kv_both`` engine that is its own store.
+    engine sharing its store, or (``own_store``) through one ``kv_both`` engine that is its own store; with
+    ``tp_size > 1`` each engine has one worker side per tensor-parallel rank, each over its own shard.
 
     Args:
         backend: an attention backend instance (its ``block_size``, cache shape, dtype and ``copy_blocks``).
@@ -85,19 +112,18 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
             (``delay_free``) and names them in ``kv_transfer_params``, which the consumer's request carries
             (vLLM's NixlConnector flow); the producer's worker side must report the send done once the consumer
             loaded them.
+        tp_size: worker sides per engine (``executor=mp tensor_parallel_size``): rank ``r``'s instance gets
+            ``kv_shard = KVShard(r, tp_size)`` and caches of other values than the other ranks'; every rank must load
+            bitwise its own shard (a store keyed without the shard is caught), and its metadata must pickle.
 
     Raises:
         AssertionError: naming the broken part of the contract.
     """
     bs, rng = backend.block_size, random.Random(seed)
     prompt = [rng.randrange(3, 1000) for _ in range(5 * bs)]  # 5 full blocks: the last prompt token ends block 4
-    producer_sched, producer = _pair(cls, "kv_both" if own_store else "kv_producer", bs, params)
-    consumer_sched, consumer = (producer_sched, producer) if own_store else _pair(cls, "kv_consumer", bs, params)
-    src = _caches(backend, num_layers, 16, seed)
-    dst = src if own_store else _caches(backend, num_layers, 16, seed + 1)
-    producer.register_kv_caches(src, backend)
-    if not own_store:
-        consumer.register_kv_caches(dst, backend)
+    producer = _Engine(cls, "kv_both" if own_store else "kv_producer", backend, params, num_layers, seed, tp_size)
+    consumer = producer if own_store else _Engine(cls, "kv_consumer", backend, params, num_layers, seed + 1, tp_size)
+    producer_sched, consumer_sched = producer.sched, consumer.sched
 
     request = Request("producer-0", list(prompt), SamplingParams(max_tokens=1))
     assert producer_sched.get_num_new_matched_tokens(request, 0)[0] == 0, (
@@ -106,7 +132,7 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
     so = SchedulerOutput(scheduled_requests=[request], num_scheduled_tokens={request.request_id: len(prompt)},
                          total_num_scheduled_tokens=len(prompt), block_ids={request.request_id: (src_table,)})
     producer_sched.update_state_after_alloc(request, src_table, 0)
-    assert not _step(producer_sched, producer, so, src), "the producer reported load errors without loading"
+    assert not producer.step(so), "the producer reported load errors without loading"
     sending: set[str] = set()
     consumer_params = SamplingParams(max_tokens=1)
     if transfer_params:  # the prefill finished: its blocks are kept and named for the consumer
@@ -117,7 +143,7 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
 
     def producer_idle_step() -> None:
         if transfer_params:
-            _step(producer_sched, producer, _idle(), src, sending=sending)
+            producer.step(_idle(), sending=sending)
 
     producer_idle_step()  # hands the kept blocks to the producer's worker side
     consumer_req = Request("consumer-0", list(prompt), consumer_params)
@@ -129,7 +155,8 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
     assert num_tokens == 3 * bs, f"expected stored blocks 1-3 after the local hit, got {num_tokens // bs} blocks"
 
     dst_table = [15, 8, 9, 12, 7]  # block 0 is the local hit; blocks 1-3 load; other ids than the producer's
-    want = [[_block(src[layer], src_table[i], backend) for layer in range(num_layers)] for i in range(5)]
+    want = [[[_block(src[layer], src_table[i], backend) for layer in range(num_layers)] for i in range(5)]
+            for src in producer.caches]  # per rank
     consumer_req.num_computed_tokens = bs
     consumer_sched.update_state_after_alloc(consumer_req, dst_table, num_tokens)
     consumer_req.num_computed_tokens += num_tokens
@@ -137,7 +164,7 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
         recving: set[str] = set()
         for _ in range(async_steps):
             producer_idle_step()
-            assert not _step(consumer_sched, consumer, _idle(), dst, recving), "stored blocks failed to load"
+            assert not consumer.step(_idle(), recving), "stored blocks failed to load"
             if consumer_req.request_id in recving:
                 break
             time.sleep(0.005)
@@ -145,12 +172,14 @@ def check_kv_connector(cls: type[KVConnector], backend: AttentionBackend, num_la
     else:
         so = SchedulerOutput(scheduled_requests=[consumer_req], num_scheduled_tokens={consumer_req.request_id: bs},
                              total_num_scheduled_tokens=bs, block_ids={consumer_req.request_id: (dst_table,)})
-        assert not _step(consumer_sched, consumer, so, dst), "stored blocks failed to load"
-    for i in range(1, 4):
-        for layer in range(num_layers):
-            got = _block(dst[layer], dst_table[i], backend)
-            assert torch.equal(got.view(torch.uint8), want[i][layer].view(torch.uint8)), (
-                f"block {i} of layer {layer} is not bitwise the producer's after the load")
+        assert not consumer.step(so), "stored blocks failed to load"
+    for rank, dst in enumerate(consumer.caches):
+        for i in range(1, 4):
+            for layer in range(num_layers):
+                got = _block(dst[layer], dst_table[i], backend)
+                assert torch.equal(got.view(torch.uint8), want[rank][i][layer].view(torch.uint8)), (
+                    f"block {i} of layer {layer} is not bitwise the producer's after the load"
+                    + (f" (rank {rank} of {tp_size}: a rank must load its own shard)" if tp_size > 1 else ""))
     assert consumer_sched.request_finished(consumer_req, dst_table)[0] is False, (
         "a synchronous connector must free blocks at once (request_finished -> delay_free False)")
     for _ in range(async_steps if transfer_params else 0):

@@ -6,6 +6,8 @@ the metadata, start the loads, wait for every layer's) and :meth:`KVConnectorRun
 ``KVConnectorModelRunnerMixin`` does. Layer-by-layer overlap of loads and saves with the forward is not built: the
 layer hooks run for every layer before and after it. While an asynchronous load or a delayed free is in flight the
 engine also sends steps that schedule nothing; they run both calls too (no forward), so ``get_finished`` is polled.
+Under tensor parallelism every rank runs one (its own KV heads' shard); the executor merges their reports
+(``framework/executor/kv_output_aggregator.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from framework import registry
 from framework.config import EngineConfig
 from framework.core.outputs import KVConnectorMetadata, KVConnectorOutput
 from framework.interfaces import AttentionBackend, KVConnector, KVConnectorRole
+from framework.interfaces.kv_connector import KVShard
 
 
 class KVConnectorRunner:
@@ -61,8 +64,10 @@ class KVConnectorRunner:
 
 
 def make_kv_connector_runner(config: EngineConfig, kv_caches: list[torch.Tensor], backend: AttentionBackend,
-                             num_kv_cache_groups: int) -> KVConnectorRunner | None:
-    """This rank's worker side of ``config.kv_connector`` (``None`` for ``none``).
+                             num_kv_cache_groups: int, tp_rank: int = 0) -> KVConnectorRunner | None:
+    """This rank's worker side of ``config.kv_connector`` (``None`` for ``none``), told its shard
+    (``kv_shard = KVShard(tp_rank, tensor_parallel_size)``: ``kv_caches`` hold this rank's KV heads only) before
+    it sees the caches; every rank builds one (vLLM V1: one worker-side connector per worker).
 
     Raises:
         ValueError: the model has several KV cache groups (sliding-window layers), which no connector moves yet.
@@ -75,4 +80,5 @@ def make_kv_connector_runner(config: EngineConfig, kv_caches: list[torch.Tensor]
     connector = registry.create("kv_connector", config.kv_connector, role=KVConnectorRole.WORKER,
                                 block_size=config.block_size, kv_role=config.kv_role,
                                 **config.plugin_params("kv_connector"))
+    connector.kv_shard = KVShard(tp_rank, config.tensor_parallel_size)
     return KVConnectorRunner(connector, kv_caches, backend)

@@ -285,7 +285,7 @@ class Worker:
         self.runner.keep_hidden_states = self.keep_hidden_states
         self.runner.lora = self.lora
         self.runner.kv_connector = make_kv_connector_runner(self.config, self.runner.kv_caches, self.backend,
-                                                            len(self.kv_cache_layout.groups))
+                                                            len(self.kv_cache_layout.groups), self.tp_rank)
 
     def set_keep_hidden_states(self, keep: bool) -> None:
         """Return the target's last hidden states with each output (an EAGLE-style drafter asked)."""
@@ -294,9 +294,15 @@ class Worker:
             self.runner.keep_hidden_states = keep
 
     def execute_model(self, step: StepMessage) -> ModelRunnerOutput | None:
-        """Run one step on this rank; the driver rank returns the sampled tokens, the others ``None``."""
+        """Run one step on this rank; the driver rank returns the sampled tokens, the others ``None``, or, with a
+        KV connector, only their worker side's report (``kv_connector_output``: the executor merges every rank's,
+        ``framework/executor/kv_output_aggregator.py``)."""
         out = self.runner.execute_model(step)
-        return out if self.is_driver_rank else None
+        if self.is_driver_rank:
+            return out
+        if self.runner.kv_connector is None:
+            return None
+        return ModelRunnerOutput(sampled_token_ids={}, kv_connector_output=out.kv_connector_output)
 
     def enable_collective_timing(self) -> None:
         """Time every collective this rank calls from now on (benchmarks:

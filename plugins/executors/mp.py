@@ -36,6 +36,7 @@ from framework.distributed.process_start import child_launch, child_process, pro
 from framework.distributed.shm_broadcast import ShmBroadcast
 from framework.distributed.shm_segment import sweep_stale_segments
 from framework.executor.deadlines import Deadlines, StepDeadline
+from framework.executor.kv_output_aggregator import KVOutputAggregator
 from framework.hookspecs import Register
 from framework.interfaces import EngineDeadError, Executor, WorkerError
 from framework.model_executor.pipeline_parallel import pipeline_refusals
@@ -146,6 +147,8 @@ class MultiprocExecutor(Executor):
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self.driver_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size  # samples, replies
         self.step_deadline = StepDeadline(self.deadlines)
+        # kv_connector: every rank's worker side reports its shard's transfers, merged each step (vLLM's aggregator)
+        self.kv_outputs = KVOutputAggregator(self.world_size) if config.kv_connector != "none" else None
         ctx = process_context()  # forkserver on Linux: ranks fork from a server that imported torch once
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -267,8 +270,12 @@ class MultiprocExecutor(Executor):
         num_tokens = scheduler_output.total_num_scheduled_tokens
         timeout_s = self.step_deadline.deadline_s(num_tokens)
         t0 = time.monotonic()
-        out = self.collective_rpc("execute_model", args=(message,), timeout_s=timeout_s,
-                                  unique_reply_rank=self.driver_rank)[0]
+        if self.kv_outputs is None:
+            out = self.collective_rpc("execute_model", args=(message,), timeout_s=timeout_s,
+                                      unique_reply_rank=self.driver_rank)[0]
+        else:
+            out = self.kv_outputs.merge_into(self.collective_rpc("execute_model", args=(message,), timeout_s=timeout_s),
+                                             self.driver_rank)
         self.step_deadline.observe(num_tokens, time.monotonic() - t0)
         return out
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from framework import hookimpl, registry
 from framework.hookspecs import Register
 from framework.interfaces import KVConnector, KVConnectorMetadata, KVConnectorOutput, KVConnectorRole
+from framework.interfaces.kv_connector import KVShard
 
 if TYPE_CHECKING:
     import torch
@@ -63,13 +64,32 @@ class MultiConnector(KVConnector):
             registry.create("kv_connector", entry["name"], role=role, block_size=block_size, kv_role=kv_role,
                             **dict(entry.get("params") or {}))
             for entry in connectors]
+        self._kv_shard = KVShard()
         self._chosen: dict[str, int] = {}  # request id -> index of the connector its lookup chose
         self._extra_async_saves: dict[str, int] = {}  # scheduler side: to send; worker side: sends still withheld
 
+    @property
+    def kv_shard(self) -> KVShard:  # type: ignore[override]
+        """The shard this instance moves; setting it sets every listed connector's (the engine sets it once)."""
+        return self._kv_shard
+
+    @kv_shard.setter
+    def kv_shard(self, shard: KVShard) -> None:
+        self._kv_shard = shard
+        for connector in self.connectors:
+            connector.kv_shard = shard
+
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
-        """Also: a non-empty list of ``{name, params}`` naming other registered connectors."""
-        return super().validate(config) + _list_problems(config.kv_connector_params.get("connectors"))
+        """Also: a non-empty list of ``{name, params}`` naming other registered connectors; ``zmq`` only at one
+        rank (as ``kv_connector=zmq`` itself)."""
+        connectors = config.kv_connector_params.get("connectors")
+        problems = super().validate(config) + _list_problems(connectors)
+        names = [entry.get("name") for entry in connectors or () if isinstance(entry, dict)]
+        if config.tensor_parallel_size > 1 and "zmq" in names:
+            problems.append("kv_connector=multi: zmq in the list moves whole blocks from one rank; "
+                            "tensor_parallel_size > 1 is not built yet for it: use parallel.tensor_parallel_size=1")
+        return problems
 
     # ---- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

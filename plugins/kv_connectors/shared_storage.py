@@ -26,7 +26,7 @@ import torch
 from framework import hookimpl
 from framework.hookspecs import Register
 from framework.interfaces import KVConnector, KVConnectorMetadata, KVConnectorRole
-from framework.interfaces.kv_connector import prefix_block_hashes
+from framework.interfaces.kv_connector import KVShard, prefix_block_hashes
 
 if TYPE_CHECKING:
     from framework.config import EngineConfig
@@ -74,6 +74,7 @@ class SharedStorageConnector(KVConnector):
         self._backend: AttentionBackend | None = None
         self._pending: dict[str, list[torch.Tensor | None]] = {}  # key -> one block per layer, to write
         self._load_errors: set[int] = set()
+        self._warned_layout = False  # scheduler side: the other-layout warning was given
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
@@ -84,8 +85,26 @@ class SharedStorageConnector(KVConnector):
                             "producer and the consumer>")
         return problems
 
-    def _file(self, key: str) -> Path:
-        return self.path / f"{key}.safetensors"
+    def _file(self, key: str, shard: KVShard | None = None) -> Path:
+        """The file of ``shard``'s part of block ``key`` (default: this instance's shard)."""
+        tag = (shard or self.kv_shard).tag
+        return self.path / (f"{key}.{tag}.safetensors" if tag else f"{key}.safetensors")
+
+    def _stored(self, key: str) -> bool:
+        """True when every rank of this engine's layout stored its shard of block ``key``."""
+        return all(self._file(key, shard).is_file() for shard in self.kv_shard.all_ranks())
+
+    def _warn_other_layout(self, key: str) -> None:
+        """Say once that the folder holds block ``key`` for another tensor-parallel size only (never loaded here)."""
+        if self._warned_layout:
+            return
+        others = sorted(p.name for p in self.path.glob(f"{key}*.safetensors"))
+        if others:
+            self._warned_layout = True
+            logger.warning("kv_connector=shared_storage: %s holds block %s only as %s, stored by an engine of another "
+                           "parallel.tensor_parallel_size; this engine (tensor_parallel_size=%d) loads only its own "
+                           "layout's files: run the producer and the consumer with the same tensor_parallel_size",
+                           self.path, key, ", ".join(others), self.kv_shard.tp_size)
 
     def _keys(self, request: Request) -> list[str]:
         """Prefix keys of the request's full prompt blocks (salted with its LoRA adapter's name)."""
@@ -102,8 +121,10 @@ class SharedStorageConnector(KVConnector):
         keys = self._keys(request)[:num_loadable]
         first = num_computed_tokens // self.block_size
         end = first
-        while end < len(keys) and self._file(keys[end]).is_file():
+        while end < len(keys) and self._stored(keys[end]):
             end += 1
+        if end < len(keys):
+            self._warn_other_layout(keys[end])
         return (end - first) * self.block_size, False
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:

@@ -97,12 +97,16 @@ class ZmqConnector(KVConnector):
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
-        """Also: pyzmq must be installed."""
+        """Also: pyzmq must be installed; one rank (``tensor_parallel_size=1``)."""
         problems = super().validate(config)
         try:
             import zmq  # noqa: F401
         except ImportError:
             problems.append("kv_connector=zmq needs pyzmq: pip install pyzmq")
+        if config.tensor_parallel_size > 1:  # one pull server per engine, not per rank's shard
+            problems.append("kv_connector=zmq moves whole blocks from one rank; tensor_parallel_size > 1 is not built "
+                            "yet for it (docs/kv_transfer.md): use parallel.tensor_parallel_size=1, or "
+                            "kv_connector=shared_storage")
         return problems
 
     # ---- scheduler side ----------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """The KV connector conformance kit (framework/testing/kv_connector.py) passes a minimal in-memory connector, the
-shape of a third-party one, and catches a connector that offers the block of the last prompt token."""
+shape of a third-party one, one rank or two (tensor parallelism: one worker side per rank, each over its own shard),
+and catches a connector that offers the block of the last prompt token or mixes the ranks' shards."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -28,6 +30,13 @@ class MemoryConnector(KVConnector):
     name = "memory"
     store: ClassVar[dict[str, list[torch.Tensor]]] = {}
     greedy = False  # True: also offers the block of the last prompt token (breaks vLLM's rule)
+    sharded = True  # False: keys ignore the rank (breaks tensor parallelism: the ranks' shards overwrite each other)
+
+    def _key(self, key, shard=None):
+        return f"{key}.{(shard or self.kv_shard).tag}" if self.sharded else key
+
+    def _stored(self, key):
+        return all(self._key(key, shard) in self.store for shard in self.kv_shard.all_ranks())
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -38,7 +47,7 @@ class MemoryConnector(KVConnector):
         if not self.greedy:
             keys = keys[:(request.num_prompt_tokens - 1) // self.block_size]
         first = end = num_computed_tokens // self.block_size
-        while self.is_consumer and end < len(keys) and keys[end] in self.store:
+        while self.is_consumer and end < len(keys) and self._stored(keys[end]):
             end += 1
         return (end - first) * self.block_size, False
 
@@ -61,14 +70,14 @@ class MemoryConnector(KVConnector):
 
     def start_load_kv(self, **kwargs):
         for block, key in self.connector_metadata().loads:
-            self.backend.copy_blocks(self.store[key], [0], self.caches, [block])
+            self.backend.copy_blocks(self.store[self._key(key)], [0], self.caches, [block])
 
     def wait_for_layer_load(self, layer_idx):
         pass  # loads finish inside start_load_kv: nothing to wait for
 
     def save_kv_layer(self, layer_idx, kv_layer, **kwargs):
         for block, key in self.connector_metadata().saves:
-            layers = self.store.setdefault(key, [None] * len(self.caches))
+            layers = self.store.setdefault(self._key(key), [None] * len(self.caches))
             layers[layer_idx] = torch.empty(self.backend.get_kv_cache_shape(1), dtype=kv_layer.dtype)
             self.backend.copy_blocks([kv_layer], [block], [layers[layer_idx]], [0])
 
@@ -82,9 +91,21 @@ def backend():
                                       dtype=torch.float32, device=torch.device("cpu"))
 
 
-def test_memory_connector_passes(backend):
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_memory_connector_passes(backend, tp_size):
     MemoryConnector.store = {}
-    check_kv_connector(MemoryConnector, backend, num_layers=3)
+    check_kv_connector(MemoryConnector, backend, num_layers=3, tp_size=tp_size)
+
+
+def test_kit_catches_a_store_that_mixes_the_ranks_shards(backend):
+    class Unsharded(MemoryConnector):
+        sharded = False
+
+    Unsharded.store = {}
+    check_kv_connector(Unsharded, backend)  # one rank: fine
+    Unsharded.store = {}
+    with pytest.raises(AssertionError, match="rank 0 of 2: a rank must load its own shard"):
+        check_kv_connector(Unsharded, backend, tp_size=2)
 
 
 def test_kit_catches_a_load_of_the_last_token_block(backend):
@@ -94,3 +115,28 @@ def test_kit_catches_a_load_of_the_last_token_block(backend):
     Greedy.store = {}
     with pytest.raises(AssertionError, match="last prompt token"):
         check_kv_connector(Greedy, backend)
+
+
+def test_engine_kit_passes_shared_storage_and_catches_a_connector_that_skips_its_loads(tmp_path):
+    """check_kv_connector_engine on one in-process rank: shared_storage passes; a connector that offers stored
+    blocks but never copies them in leaves garbage K/V, and the kit names the prompt whose output differs."""
+    from framework import hookimpl, registry
+    from framework.testing import check_kv_connector_engine
+    from plugins.kv_connectors.shared_storage import SharedStorageConnector
+
+    model = str(Path(__file__).resolve().parents[3] / "models" / "stories260K")
+    check_kv_connector_engine("shared_storage", model, connector_params={"path": str(tmp_path / "ok")})
+
+    class SkipsLoads(SharedStorageConnector):
+        name = "skips_loads"
+
+        def start_load_kv(self, **kwargs):
+            """Loads nothing (the bug under test)."""
+
+    class _Plugin:
+        @hookimpl
+        def register_kv_connectors(self, register):
+            register("skips_loads", SkipsLoads)
+
+    with registry.registered(_Plugin()), pytest.raises(AssertionError, match="must be token-exact"):
+        check_kv_connector_engine("skips_loads", model, connector_params={"path": str(tmp_path / "bad")})
