@@ -27,7 +27,13 @@ from typing import Any
 
 from framework.config import EngineConfig
 from framework.sim.features import StepFeatures
-from framework.sim.memory import DTYPE_BYTES, QUANT_WEIGHT_BYTES, kv_element_bytes, parameter_counts
+from framework.sim.memory import (
+    DTYPE_BYTES,
+    QUANT_WEIGHT_BYTES,
+    kv_element_bytes,
+    parameter_counts,
+    rank_attention_layers,
+)
 from framework.sim.parallel_cost import ParallelPlan, all_to_all_bytes, stage_layers
 from framework.sim.predictor import StepTime, StepTimePredictor
 from framework.sim.profile import StepProfile, model_shape_hash
@@ -97,11 +103,18 @@ class RooflineStepModel(StepTimePredictor):
         self.hidden = hf_config.hidden_size
         heads = hf_config.num_attention_heads
         self.head_dim = getattr(hf_config, "head_dim", None) or self.hidden // heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         self.heads_per_rank = heads / self.tp
-        self.kv_heads_per_rank = max(1.0, kv_heads / self.tp)
+        # the cache as a rank holds it (the engine's layer specs): K and V heads per rank, or MLA's one latent head
+        # (kv_lora_rank + rope channels, no V) whose attention reads it as K and as V (DeepSeek-V2, Sec. 2.1.2)
+        layers = rank_attention_layers(hf_config, self.tp, config.mla_latent_cache)
         element, extra = kv_element_bytes(config)
-        self.kv_bytes_per_token = self.num_layers * 2 * self.kv_heads_per_rank * (self.head_dim * element + extra)
+        latent = layers[0].latent_kv
+        self.kv_heads_per_rank = float(layers[0].num_kv_heads)
+        cache_head = max(layer.cache_head_size for layer in layers)
+        self.kv_bytes_per_token = self.num_layers * (1 if latent else 2) * self.kv_heads_per_rank * (
+            cache_head * element + extra)
+        if latent:  # QK over kv_lora_rank + rope channels, PV over kv_lora_rank: the mean of the two per pair
+            self.head_dim = (cache_head + hf_config.kv_lora_rank) / 2
         self.linear_weights = (counts["attention"] + counts["mlp"]) / self.tp  # parameters per rank
         self.linear_weight_bytes = self.linear_weights * weight_bytes
         self.active_per_token = (counts["attention"] + counts["mlp_active_per_token"]) / self.tp

@@ -74,3 +74,22 @@ def test_analytic_profile_is_labelled(llama70b):
     assert profile.source == "analytic" and profile.key["device"] == "analytic:h100"
     assert profile.meta["device_name"].startswith("H100") and not profile.samples
     assert dataclasses.asdict(DEVICES["h100"])["memory_bytes"] == 80 * 10**9
+
+
+def test_kv_traffic_is_the_cache_a_rank_holds(llama70b):
+    """The roofline reads the cache the engine allocates: Llama-3-70B's 8 KV heads split over TP=8 (one K and one V
+    head of 128 per layer and rank), and DeepSeek's MLA latent (kv_lora_rank + rope channels, no V, whole on every
+    rank) instead of its expanded heads."""
+    from families import tiny_config
+
+    assert _model(llama70b).kv_bytes_per_token == 80 * 2 * 1 * 128 * 2
+    deepseek = tiny_config("deepseek_v3")
+    latent_channels = deepseek.kv_lora_rank + deepseek.qk_rope_head_dim
+    for tp in (1, 2):
+        config = EngineConfig(model=LLAMA70B, dtype="bfloat16", tensor_parallel_size=tp, executor="sim",
+                              mla_latent_cache=True)
+        assert RooflineStepModel("h100", deepseek, config).kv_bytes_per_token == \
+            deepseek.num_hidden_layers * latent_channels * 2
+    expanded = RooflineStepModel("h100", deepseek, EngineConfig(model=LLAMA70B, dtype="bfloat16", executor="sim",
+                                                                mla_latent_cache=False))
+    assert expanded.kv_bytes_per_token > deepseek.num_hidden_layers * latent_channels * 2
