@@ -121,8 +121,12 @@ class MultiprocExecutor(Executor):
 
     Under pipeline parallelism rank ``r`` is TP rank ``r % tp`` of stage ``r // tp``; every rank reads
     each step from the ring, the stages hand their hidden states on (``ModelRunner._stage_forward``) and
-    the first rank of the last stage (:attr:`driver_rank`) samples and replies. One batch is in flight at
-    a time: the stages run one after the other (no micro-batch overlap yet).
+    the first rank of the last stage (:attr:`driver_rank`) samples and replies. Up to
+    :attr:`max_concurrent_batches` (``pipeline_parallel_size``) steps are in flight (vLLM's batch queue): the
+    ring carries the steps in order, a stage takes the next one as soon as it handed its hidden states on, so
+    stage 0 runs step k+1 while stage 1 still runs step k; the driver rank's replies come back in step order
+    and each :class:`~framework.interfaces.executor.StepFuture` collects its own. Any other call first
+    collects every step in flight.
 
     Args:
         chunk_bytes: bytes per chunk of the broadcast ring (messages may span chunks).
@@ -146,6 +150,7 @@ class MultiprocExecutor(Executor):
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self.driver_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size  # samples, replies
         self.step_deadline = StepDeadline(self.deadlines)
+        self._last_step_done = 0.0  # time.monotonic() when the driver rank last answered a step
         ctx = mp.get_context("spawn")
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -227,10 +232,17 @@ class MultiprocExecutor(Executor):
         if timeout_s is None:
             timeout_s = self.deadlines.for_call(method, self.config.compile == "true")
         with self._rpc_lock:
+            self._resolve_steps()  # the steps in flight answer first: their replies precede this call's
             return self._call(method, args, kwargs or {}, time.monotonic() + timeout_s, unique_reply_rank)
 
     def _call(self, method: str | Any, args: tuple, kwargs: dict[str, Any], end: float,
               unique_reply_rank: int | None) -> list[Any]:
+        self._send(method, args, kwargs, end, unique_reply_rank)
+        return self._gather(_name(method), end, unique_reply_rank)
+
+    def _send(self, method: str | Any, args: tuple, kwargs: dict[str, Any], end: float,
+              unique_reply_rank: int | None) -> None:
+        """Write one call into the ring (every rank reads it)."""
         self.check_health()
         name = _name(method)
         try:
@@ -240,6 +252,9 @@ class MultiprocExecutor(Executor):
             raise self._lost(f"{self._dead_rank()} before {name!r}") from None
         except TimeoutError as exc:
             raise self._lost(f"cannot send {name!r} to the workers: {exc}") from exc
+
+    def _gather(self, name: str, end: float, unique_reply_rank: int | None) -> list[Any]:
+        """The replies to the oldest call not yet answered, in rank order (see :meth:`collective_rpc`)."""
         ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}  # an awaited rank's error is its answer to this call
@@ -259,17 +274,28 @@ class MultiprocExecutor(Executor):
             raise WorkerError(errors[min(errors)])
         return [results[r] for r in ranks]
 
-    def execute_model(self, scheduler_output: Any) -> Any:
-        """As :meth:`Executor.execute_model`, under the step deadline (``StepDeadline``: from the step
-        times measured so far, scaled by this step's tokens)."""
-        message = self._messages.build(scheduler_output)
+    @property
+    def max_concurrent_batches(self) -> int:
+        """``pipeline_parallel_size``: one step per stage in flight (1 without pipeline parallelism)."""
+        return self.config.pipeline_parallel_size
+
+    def _send_step(self, message: Any, scheduler_output: Any) -> Any:
+        """Write the step into the ring now; the returned function waits for the driver rank's reply under
+        the step deadline (``StepDeadline``: from the step times measured so far, scaled by this step's
+        tokens), counted from when the step before it answered (it queues behind the steps in flight)."""
         num_tokens = scheduler_output.total_num_scheduled_tokens
-        timeout_s = self.step_deadline.deadline_s(num_tokens)
-        t0 = time.monotonic()
-        out = self.collective_rpc("execute_model", args=(message,), timeout_s=timeout_s,
-                                  unique_reply_rank=self.driver_rank)[0]
-        self.step_deadline.observe(num_tokens, time.monotonic() - t0)
-        return out
+        t_sent = time.monotonic()
+        self._send("execute_model", (message,), {}, t_sent + self.step_deadline.deadline_s(num_tokens),
+                   self.driver_rank)
+
+        def collect() -> Any:
+            t0 = max(t_sent, self._last_step_done)
+            out = self._gather("execute_model", t0 + self.step_deadline.deadline_s(num_tokens), self.driver_rank)[0]
+            self._last_step_done = time.monotonic()
+            self.step_deadline.observe(num_tokens, self._last_step_done - t0)
+            return out
+
+        return collect
 
     def _wait(self, ranks: set[int], end: float, method: str) -> list[tuple[int, str, Any]]:
         """Block until a pipe has a message or a process exits; ``(rank, kind, payload)`` of each
