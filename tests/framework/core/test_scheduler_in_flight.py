@@ -79,3 +79,21 @@ def test_abort_in_flight_drops_its_output_and_the_reused_id_waits():
     updated, _ = sched.update_from_output(first, sampled(first))
     assert updated == [] and not sched.in_flight
     assert sched.schedule().num_scheduled_tokens == {"a": 3}
+
+
+def test_a_request_may_preempt_itself_in_a_batch_that_schedules_nothing():
+    """With the others in flight, the only preemptible request is the one that needs a block: the batch then
+    schedules nothing but carries its preemption (the engine sends it, so the workers re-table the request)."""
+    sched = make_scheduler(num_blocks=3, max_num_seqs=1, budget=16)  # 3 blocks of 4 tokens
+    sched.add_request(make_request("a", 4, max_tokens=8))
+    sched.add_request(make_request("b", 4, max_tokens=8))
+    first = sched.schedule()  # a: 4 tokens, 1 block
+    second = sched.schedule()  # b, admitted: a is in flight and max_num_seqs caps one batch
+    assert set(first.num_scheduled_tokens) == {"a"} and set(second.num_scheduled_tokens) == {"b"}
+    sched.update_from_output(first, sampled(first))
+    sched.add_request(make_request("c", 4))
+    third = sched.schedule()  # a decodes into a second block; c waits (max_num_seqs)
+    assert third.num_scheduled_tokens == {"a": 1}
+    sched.update_from_output(second, sampled(second))
+    fourth = sched.schedule()  # b needs a block, none is free, a is in flight: b preempts itself
+    assert fourth.is_empty and fourth.preempted_req_ids == {"b"}

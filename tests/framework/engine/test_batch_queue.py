@@ -120,3 +120,38 @@ def test_one_batch_at_a_time_by_default():
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=6))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 6)
     assert llm.engine.batches.max_batches == 1 and llm.engine.batches.peak_in_flight == 1
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_a_batch_in_flight_keeps_parity(deferred, mode):
+    """A pool too small for every request: requests not in flight are preempted (never one in flight), sometimes
+    in a step that schedules nothing else; the workers still learn of it (their block tables are re-sent)."""
+    llm = LLM(executor="deferred2", **{**ENGINE, "num_blocks": 12, "max_model_len": 96, "max_num_seqs": 3, "preemption_mode": mode,
+                                       "swap_space_bytes": 1 << 22})
+    ids = _ids(llm, STORY_PROMPTS[:5])  # each fits max_model_len with its 24 tokens
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=24))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 24)
+    assert llm.engine.metrics.num_preemptions > 0 and llm.engine.batches.peak_in_flight == 2
+
+
+def test_a_batch_that_only_preempts_reaches_the_workers(deferred):
+    """Two requests that each need the whole pool (3 blocks of 4 tokens), one per batch: with the other in flight,
+    a request that needs a block preempts itself in a batch that schedules nothing; that batch still goes to the
+    workers, so the request's recomputed block table replaces the one they hold."""
+    llm = LLM(executor="deferred2", **{**ENGINE, "block_size": 4, "num_blocks": 3, "max_model_len": 12,
+                                       "max_num_seqs": 1, "preemption_mode": "recompute",
+                                       "enable_prefix_caching": False})
+    scheduler, only_preempted = llm.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        if out.is_empty and out.preempted_req_ids:
+            only_preempted.append(out.preempted_req_ids)
+        return out
+
+    scheduler.schedule = recording_schedule
+    ids = [p[:4] for p in _ids(llm, STORY_PROMPTS[2:4])]
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=8))
+    assert only_preempted, "no batch only preempted: the test lost its subject"
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 8)
