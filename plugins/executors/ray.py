@@ -158,7 +158,6 @@ class RayExecutor(Executor):
                        timeout_s: float | None = None, unique_reply_rank: int | None = None) -> list[Any]:
         """Put the call in the object store once, run it on every actor, gather (see :class:`Executor`);
         one call at a time. ``timeout_s=None``: the call's deadline (``Deadlines.for_call``)."""
-
         if timeout_s is None:
             timeout_s = self.deadlines.for_call(method, self.config.compile == "true")
         name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
