@@ -6,6 +6,13 @@ Running requests are served first (decodes and unfinished chunks), then waiting 
 admitted in policy order. When the KV allocator says no, the policy's victim is preempted by
 recompute (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 PagedAttention", SOSP'23, Sec. 4.5).
+
+Batches in flight (vLLM V1's batch queue, pipeline parallelism): :meth:`Scheduler.schedule` records the requests
+it scheduled as in flight until :meth:`Scheduler.update_from_output` applies that batch; a later ``schedule()``
+skips them (their tokens are not known yet), never preempts them (their K/V is being written), and
+``max_num_seqs`` caps the requests of one batch, not those in flight (vLLM V0 kept one scheduler, so one
+``max_num_seqs``, per pipeline stage). With one batch at a time (schedule, update, schedule...) nothing is ever
+in flight at ``schedule()`` and all of this is a no-op.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # re-ranked by the policy at the start of every schedule()
         self.running: list[Request] = []  # admission order
         self._finished_ids: set[str] = set()  # finished since the last schedule()
+        # ids scheduled in a batch whose output update_from_output has not applied yet (vLLM's scheduled_req_ids)
+        self.in_flight: set[str] = set()
         self.num_preemptions_last_step = 0
         self.swap_space = swap_space
         self._swap_out: list[tuple[list[int], list[int]]] = []  # this step's (device blocks, swap slots)
@@ -156,12 +165,12 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            num_new = self._num_new_tokens(request, budget)
+            num_new = 0 if request.request_id in self.in_flight else self._num_new_tokens(request, budget)
             if num_new == 0:
                 idx += 1
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
-                victim = self.policy.select_victim(self.running)
+                victim = self.policy.select_victim(self._preemptible())
                 self._preempt(victim, preempted)
                 if victim in scheduled_running:  # give back its tokens
                     scheduled_running.remove(victim)
@@ -198,6 +207,7 @@ class Scheduler:
         )
         if self.kv_transfer is not None:
             out.kv_connector_metadata = self.kv_transfer.build_meta(out)
+        self.in_flight.update(num_scheduled)
         self._swap_out, self._swap_in = [], []
         self._finished_ids = set()
         self.num_preemptions_last_step = len(preempted)
@@ -233,8 +243,11 @@ class Scheduler:
         skipped = False  # a request was passed over (its adapter would exceed max_loras): admitted ones are not a prefix
         loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         for request in self.waiting:
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or self._num_schedulable_running() >= self.max_num_seqs:
                 break
+            if request.request_id in self.in_flight:  # an aborted request's id, reused while its batch runs
+                skipped = True
+                continue
             if not self._lora_fits(request, loras):
                 if self.policy.wait_for_lora_slot(request):
                     break  # the policy holds the queue until running adapters drain (its starvation bound)
@@ -278,15 +291,27 @@ class Scheduler:
 
     def _preempt_for_waiting(self, preempted: set[str]) -> None:
         """Let the head of the waiting queue evict outranked running requests (priority policies)."""
-        while self.waiting and self.running:
+        while self.waiting and self._preemptible():
             candidate = self.waiting[0]
-            victim = self.policy.select_victim(self.running)
+            victim = self.policy.select_victim(self._preemptible())
             if not self.policy.may_preempt(candidate, victim) or self._can_admit(candidate):
                 return
             self._preempt(victim, preempted)
 
+    def _preemptible(self) -> list[Request]:
+        """Running requests with no step in flight: the only ones a preemption may evict (an in-flight one's
+        output would come back for blocks already given away)."""
+        if not self.in_flight:
+            return self.running
+        return [r for r in self.running if r.request_id not in self.in_flight]
+
+    def _num_schedulable_running(self) -> int:
+        """Running requests this batch may schedule (those with no step in flight): what ``max_num_seqs`` caps."""
+        return len(self.running) - sum(r.request_id in self.in_flight for r in self.running) if self.in_flight \
+            else len(self.running)
+
     def _can_admit(self, request: Request) -> bool:
-        if len(self.running) >= self.max_num_seqs:
+        if self._num_schedulable_running() >= self.max_num_seqs:
             return False
         hit_blocks, num_hit, num_external, load_async = self._lookup(request)
         first_chunk = 0 if load_async else self._num_new_tokens(request, self.max_num_batched_tokens,
@@ -354,7 +379,8 @@ class Scheduler:
 
         Requests aborted between :meth:`schedule` and this call (or otherwise finished or unknown)
         are skipped: their sampled tokens are dropped and nothing of theirs is touched. Runner
-        results for request ids that were not scheduled are ignored.
+        results for request ids that were not scheduled are ignored. Every request of the batch leaves
+        :attr:`in_flight` (the next ``schedule()`` may run it again).
 
         Returns:
             ``(updated, finished)``: requests that got new tokens this step, and those of them
@@ -372,6 +398,7 @@ class Scheduler:
             if failure is not None and self.kv_transfer.load_failure_policy == "fail":
                 self._record_load_failure(request, failure)
         for request in scheduler_output.scheduled_requests:
+            self.in_flight.discard(request.request_id)
             if request.is_finished or self.requests.get(request.request_id) is not request:
                 continue  # aborted (or finished) after schedule(): its blocks are gone, drop its results
             rid = request.request_id

@@ -29,7 +29,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.context import BaseContext, get_spawning_popen
@@ -191,3 +191,20 @@ def child_process(ctx: BaseContext, target: Callable[..., Any], args: tuple, nam
     importable (it travels by reference)."""
     return ctx.Process(target=_child_entry, name=name, daemon=daemon,
                        args=(target, args, dict(os.environ), _open_fd(1), _open_fd(2)))
+
+
+@contextlib.contextmanager
+def standard_start_method() -> Iterator[None]:
+    """Make the process-wide start method ``spawn`` while a child starts, when it is one the child
+    cannot set up (a spawned child re-applies its parent's start method before anything else runs:
+    inside a joblib/loky worker, e.g. a sweep under ``hydra/launcher=joblib``, that is ``loky``, and
+    the child fails with ``cannot find context for 'loky'``). Restored afterwards."""
+    current = mp.get_start_method(allow_none=True)
+    if current in (None, "spawn", "fork", "forkserver"):
+        yield
+        return
+    mp.set_start_method("spawn", force=True)
+    try:
+        yield
+    finally:
+        mp.set_start_method(current, force=True)

@@ -10,11 +10,12 @@ from framework.compilation.policy import CompileDecision
 from framework.config import EngineConfig
 from framework.core.faults import RequestFailure
 from framework.core.lora_request import LoRARequest
-from framework.core.outputs import ModelRunnerOutput, RequestOutput
+from framework.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from framework.core.request import Request
 from framework.core.sampling_params import SamplingParams
 from framework.core.scheduler import Scheduler
 from framework.core.structured_output import StructuredOutputManager
+from framework.engine.batch_queue import BatchQueue
 from framework.engine.compile_control import CompileControl
 from framework.engine.draft_proposer import DraftProposer
 from framework.engine.lora_support import LoRAAdmission
@@ -54,6 +55,7 @@ class LLMEngine:
         self.drafter = drafter
         self.scheduler = scheduler
         self.executor = executor
+        self.batches = BatchQueue(executor)  # batches in flight: up to executor.max_concurrent_batches
         self.clock = executor.clock  # wall time, or a simulator's virtual time: every timestamp of the run
         # bytes of one KV block over all ranks (each rank holds its own copy or shard): swap traffic and
         # the per-request KV metrics
@@ -153,8 +155,9 @@ class LLMEngine:
         return self._abort(list(failures), failures) if failures else []
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
-        return self.scheduler.has_unfinished_requests() or bool(self.grammars)
+        """True while any request is waiting or running, or a batch is in flight (its output is still to apply,
+        even when all its requests were aborted)."""
+        return self.scheduler.has_unfinished_requests() or bool(self.grammars) or bool(self.batches)
 
     def replica_state(self, replica_id: int) -> ReplicaState:
         """This engine's load as a data-parallel replica (``framework.interfaces.router``): waiting requests
@@ -205,11 +208,13 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step.
+        """Run one engine step: schedule and submit a batch while the batch queue has room
+        (``framework.engine.batch_queue``; one batch unless the executor runs several at once), else, or
+        when nothing new could be scheduled, wait for the oldest batch in flight and apply its output.
 
         Returns:
             A ``RequestOutput`` for each request that produced tokens this step (finished
-            ones with ``finished=True``, final ``text`` and ``metrics``).
+            ones with ``finished=True``, final ``text`` and ``metrics``); empty when the step only submitted.
 
         Raises:
             EngineDeadError: the executor lost a worker; every in-flight request was finished with
@@ -218,21 +223,36 @@ class LLMEngine:
         t0 = self.clock.now()
         failed = [self.output_processor.report_finished(r) for r in self.grammars.admit()]
         failed += self._abort_failed()  # the grammar plugin raised: start recorded a fault
-        sched_out = self.scheduler.schedule()
-        self.grammars.fill_bitmask(sched_out)
-        t1 = self.clock.now()
+        idle = None  # an empty schedule while nothing is in flight: applied at once, as a step with no forward
         try:
             if self.executor.dead is not None:
                 raise self.executor.dead
-            if sched_out.is_empty and not sched_out.finished_req_ids and not self.scheduler.kv_transfers_in_flight:
-                runner_out = ModelRunnerOutput(sampled_token_ids={})
-            else:  # finished ids alone still go out: the workers drop those requests' state
-                runner_out = self.executor.execute_model(sched_out)
+            if not self.batches.full:
+                sched_out = self.scheduler.schedule()
+                self.grammars.fill_bitmask(sched_out)
+                if sched_out.is_empty and not (sched_out.finished_req_ids or sched_out.preempted_req_ids
+                                               or self.scheduler.kv_transfers_in_flight):
+                    idle = None if self.batches else (sched_out, ModelRunnerOutput(sampled_token_ids={}),
+                                                      (t0, self.clock.now()))
+                else:  # finished or preempted ids alone still go out: the workers drop or re-table those requests
+                    self.batches.submit(sched_out, (t0, self.clock.now()))
+                    if not self.batches.full:  # room for another batch: the next step schedules it
+                        return self._to_caller(failed)
+            done = idle or self.batches.pop_oldest()
         except EngineDeadError as error:
+            self.batches.clear()
             error.outputs = self._to_caller(failed + self._fail_all(str(error)))
             self.executor.shutdown()
             raise
+        return self._to_caller(failed + self._apply(*done))
+
+    def _apply(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
+               times: tuple[float, float]) -> list[RequestOutput]:
+        """Apply one batch's output: update the scheduler, grammars and drafter, emit outputs and the step's stats
+        (``times``: the batch's step start and schedule end)."""
+        t0, t1 = times
         t2 = self.clock.now()
+        failed = []
         for request_id, (what, detail) in runner_out.request_errors.items():  # the worker's per-request sites
             self.faults.record(request_id, what, detail)
         failed += self._abort_failed()  # a grammar matcher failed in the bitmask: its sampled token is dropped
@@ -256,7 +276,7 @@ class LLMEngine:
                 self.output_processor.observe_finished(output)
         if not self.scheduler.has_unfinished_requests():
             self.compile.planner.flush_observed(force=False)
-        return self._to_caller([o for o in outputs if o is not None])
+        return [o for o in outputs if o is not None]
 
     def _to_caller(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Outputs as the caller sees them: a parallel-sampling request's sequences merged into its own."""

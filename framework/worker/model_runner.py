@@ -96,6 +96,8 @@ class ModelRunner:
         self.num_blocks = num_blocks  # the pool's (the null block, if any, is block num_blocks)
         self.kv_cache_layout = layout = kv_cache_layout or KVCacheLayout.single(num_layers)
         self.pp_group = pp_group
+        self.execute_s = 0.0  # seconds in execute_model so far (bench_pipeline's bubble: busy = this - pp_wait_s)
+        self.pp_wait_s = 0.0  # of which a pipeline stage waited for the previous stage's hidden states or to send its own
         kv_slots = list(range(layout.layers_per_block)) if kv_slots is None else kv_slots
         # one block of every KV tensor this rank holds, K and V: layers_per_block layers (all with one group)
         self.block_bytes = backend.kv_cache_bytes_per_block(len(kv_slots))
@@ -277,14 +279,18 @@ class ModelRunner:
         stage's hidden states ``(1, num_tokens, hidden_size)`` unless first, run this stage's layers, send the
         result on unless last. Returns the ``(num_sample_rows, vocab)`` logits on the last stage, else ``None``."""
         pp, model = self.pp_group, self.model
-        hidden = None
+        hidden, t0 = None, time.perf_counter()
         if not pp.is_first_rank:
             shape = (1, input_ids.shape[1], model.config.hidden_size)
             hidden = pp.recv_prev(shape, model.dtype, input_ids.device)
+        t1 = time.perf_counter()
         out = stage_forward(model, input_ids, positions, hidden, prepared_mask(input_ids.device))
         if pp.rank_in_group < pp.world_size - 1:
+            t2 = time.perf_counter()
             pp.send_next(out)
+            self.pp_wait_s += t1 - t0 + time.perf_counter() - t2
             return None
+        self.pp_wait_s += t1 - t0
         return output_logits(model, out[0][logits_index])
 
     @property
@@ -304,7 +310,9 @@ class ModelRunner:
         out = self.execute_scheduled(scheduler_output)
         if self.kv_connector is not None:  # after the forward wrote the step's K/V
             out.kv_connector_output = self.kv_connector.end_step(step.finished_req_ids)
-        out.prepare_s += time.perf_counter() - t0 - (out.prepare_s + out.forward_s + out.sample_s)
+        elapsed = time.perf_counter() - t0
+        self.execute_s += elapsed
+        out.prepare_s += elapsed - (out.prepare_s + out.forward_s + out.sample_s)
         return out
 
     @torch.inference_mode()

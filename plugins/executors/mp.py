@@ -18,21 +18,18 @@ the kernel's parent-death signal, their heartbeat thread, their ring pipe's end-
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
 import signal
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
 from framework import hookimpl, registry
 from framework.config import EngineConfig
-from framework.distributed.process_start import child_launch, child_process, process_context
+from framework.distributed.process_start import child_launch, child_process, process_context, standard_start_method
 from framework.distributed.shm_broadcast import ShmBroadcast
 from framework.distributed.shm_segment import sweep_stale_segments
 from framework.executor.deadlines import Deadlines, StepDeadline
@@ -86,23 +83,6 @@ class _Resources:
             self.ring.close()
 
 
-@contextlib.contextmanager
-def _standard_start_method() -> Iterator[None]:
-    """Make the process-wide start method ``spawn`` while a worker starts, when it is one the child
-    cannot set up (a spawned child re-applies its parent's start method before anything else runs:
-    inside a joblib/loky worker, e.g. a sweep under ``hydra/launcher=joblib``, that is ``loky``, and
-    the child fails with ``cannot find context for 'loky'``). Restored afterwards."""
-    current = mp.get_start_method(allow_none=True)
-    if current in (None, "spawn", "fork", "forkserver"):
-        yield
-        return
-    mp.set_start_method("spawn", force=True)
-    try:
-        yield
-    finally:
-        mp.set_start_method(current, force=True)
-
-
 def _on_sigterm(signum: int, frame: Any) -> None:
     """Release every executor's workers and segment, then die of SIGTERM as if unhandled."""
     for resources in list(_LIVE):
@@ -122,8 +102,12 @@ class MultiprocExecutor(Executor):
 
     Under pipeline parallelism rank ``r`` is TP rank ``r % tp`` of stage ``r // tp``; every rank reads
     each step from the ring, the stages hand their hidden states on (``ModelRunner._stage_forward``) and
-    the first rank of the last stage (:attr:`driver_rank`) samples and replies. One batch is in flight at
-    a time: the stages run one after the other (no micro-batch overlap yet).
+    the first rank of the last stage (:attr:`driver_rank`) samples and replies. Up to
+    :attr:`max_concurrent_batches` (``pipeline_parallel_size``) steps are in flight (vLLM's batch queue): the
+    ring carries the steps in order, a stage takes the next one as soon as it handed its hidden states on, so
+    stage 0 runs step k+1 while stage 1 still runs step k; the driver rank's replies come back in step order
+    and each :class:`~framework.interfaces.executor.StepFuture` collects its own. Any other call first
+    collects every step in flight.
 
     Args:
         chunk_bytes: bytes per chunk of the broadcast ring (messages may span chunks).
@@ -149,6 +133,7 @@ class MultiprocExecutor(Executor):
         self.step_deadline = StepDeadline(self.deadlines)
         # kv_connector: every rank's worker side reports its shard's transfers, merged each step (vLLM's aggregator)
         self.kv_outputs = KVOutputAggregator(self.world_size) if config.kv_connector != "none" else None
+        self._last_step_done = 0.0  # time.monotonic() when the driver rank last answered a step
         ctx = process_context()  # forkserver on Linux: ranks fork from a server that imported torch once
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -166,7 +151,7 @@ class MultiprocExecutor(Executor):
                                  args=(config.to_dict(), rank, self.world_size, init_method,
                                        self._res.ring.reader_handle(rank), child, launch.parent_pid,
                                        launch.started_by_main_thread))
-            with _standard_start_method():
+            with standard_start_method():
                 proc.start()
             child.close()
             self._res.procs.append(proc)
@@ -231,10 +216,17 @@ class MultiprocExecutor(Executor):
         if timeout_s is None:
             timeout_s = self.deadlines.for_call(method, self.config.compile == "true")
         with self._rpc_lock:
+            self._resolve_steps()  # the steps in flight answer first: their replies precede this call's
             return self._call(method, args, kwargs or {}, time.monotonic() + timeout_s, unique_reply_rank)
 
     def _call(self, method: str | Any, args: tuple, kwargs: dict[str, Any], end: float,
               unique_reply_rank: int | None) -> list[Any]:
+        self._send(method, args, kwargs, end, unique_reply_rank)
+        return self._gather(_name(method), end, unique_reply_rank)
+
+    def _send(self, method: str | Any, args: tuple, kwargs: dict[str, Any], end: float,
+              unique_reply_rank: int | None) -> None:
+        """Write one call into the ring (every rank reads it)."""
         self.check_health()
         name = _name(method)
         try:
@@ -244,6 +236,9 @@ class MultiprocExecutor(Executor):
             raise self._lost(f"{self._dead_rank()} before {name!r}") from None
         except TimeoutError as exc:
             raise self._lost(f"cannot send {name!r} to the workers: {exc}") from exc
+
+    def _gather(self, name: str, end: float, unique_reply_rank: int | None) -> list[Any]:
+        """The replies to the oldest call not yet answered, in rank order (see :meth:`collective_rpc`)."""
         ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}  # an awaited rank's error is its answer to this call
@@ -263,21 +258,29 @@ class MultiprocExecutor(Executor):
             raise WorkerError(errors[min(errors)])
         return [results[r] for r in ranks]
 
-    def execute_model(self, scheduler_output: Any) -> Any:
-        """As :meth:`Executor.execute_model`, under the step deadline (``StepDeadline``: from the step
-        times measured so far, scaled by this step's tokens)."""
-        message = self._messages.build(scheduler_output)
+    @property
+    def max_concurrent_batches(self) -> int:
+        """``pipeline_parallel_size``: one step per stage in flight (1 without pipeline parallelism)."""
+        return self.config.pipeline_parallel_size
+
+    def _send_step(self, message: Any, scheduler_output: Any) -> Any:
+        """Write the step into the ring now; the returned function waits for the driver rank's reply under
+        the step deadline (``StepDeadline``: from the step times measured so far, scaled by this step's
+        tokens), counted from when the step before it answered (it queues behind the steps in flight)."""
         num_tokens = scheduler_output.total_num_scheduled_tokens
-        timeout_s = self.step_deadline.deadline_s(num_tokens)
-        t0 = time.monotonic()
-        if self.kv_outputs is None:
-            out = self.collective_rpc("execute_model", args=(message,), timeout_s=timeout_s,
-                                      unique_reply_rank=self.driver_rank)[0]
-        else:
-            out = self.kv_outputs.merge_into(self.collective_rpc("execute_model", args=(message,), timeout_s=timeout_s),
-                                             self.driver_rank)
-        self.step_deadline.observe(num_tokens, time.monotonic() - t0)
-        return out
+        t_sent = time.monotonic()
+        reply_rank = self.driver_rank if self.kv_outputs is None else None  # a connector: every rank's transfers
+        self._send("execute_model", (message,), {}, t_sent + self.step_deadline.deadline_s(num_tokens), reply_rank)
+
+        def collect() -> Any:
+            t0 = max(t_sent, self._last_step_done)
+            replies = self._gather("execute_model", t0 + self.step_deadline.deadline_s(num_tokens), reply_rank)
+            out = replies[0] if self.kv_outputs is None else self.kv_outputs.merge_into(replies, self.driver_rank)
+            self._last_step_done = time.monotonic()
+            self.step_deadline.observe(num_tokens, self._last_step_done - t0)
+            return out
+
+        return collect
 
     def _wait(self, ranks: set[int], end: float, method: str) -> list[tuple[int, str, Any]]:
         """Block until a pipe has a message or a process exits; ``(rank, kind, payload)`` of each

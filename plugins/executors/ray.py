@@ -118,6 +118,7 @@ class RayExecutor(Executor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.step_deadline = StepDeadline(self.deadlines)
+        self._last_step_done = 0.0  # time.monotonic() when the driver rank last answered a step
         self._started_ray = not ray.is_initialized()
         self._reaper = None
         if self._started_ray:
@@ -157,27 +158,39 @@ class RayExecutor(Executor):
                        timeout_s: float | None = None, unique_reply_rank: int | None = None) -> list[Any]:
         """Put the call in the object store once, run it on every actor, gather (see :class:`Executor`);
         one call at a time. ``timeout_s=None``: the call's deadline (``Deadlines.for_call``)."""
-        import ray
-
         if timeout_s is None:
             timeout_s = self.deadlines.for_call(method, self.config.compile == "true")
         name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
         with self._rpc_lock:
-            if self.dead is not None:
-                raise self.dead
-            payload = ray.put((method, args, kwargs or {}, unique_reply_rank))
-            refs = [a.call.remote(payload) for a in self.actors]
-            try:
-                results = self._gather(refs, name, time.monotonic() + timeout_s)
-            except _Lost as exc:
-                raise self._lost(str(exc)) from None
-            except ray.exceptions.RayActorError as exc:
-                raise self._lost(f"an actor died during {name!r}: {_cause(exc)}") from None
-            except ray.exceptions.RayTaskError as exc:
-                if name == "execute_model":
-                    raise self._lost(f"a rank failed in execute_model: {_cause(exc)}") from None
-                raise WorkerError(f"a rank failed in {name}: {_cause(exc)}") from None
+            self._resolve_steps()  # the steps in flight first (an actor runs its calls in order anyway)
+            refs = self._send(method, args, kwargs or {}, unique_reply_rank)
+            results = self._collect(refs, name, time.monotonic() + timeout_s)
         return [results[unique_reply_rank]] if unique_reply_rank is not None else results
+
+    def _send(self, method: str | Any, args: tuple, kwargs: dict[str, Any], unique_reply_rank: int | None) -> list[Any]:
+        """Submit one call to every actor (each runs its calls in submission order); its object refs."""
+        import ray
+
+        if self.dead is not None:
+            raise self.dead
+        payload = ray.put((method, args, kwargs, unique_reply_rank))
+        return [a.call.remote(payload) for a in self.actors]
+
+    def _collect(self, refs: list[Any], name: str, end: float) -> list[Any]:
+        """Every rank's result of one call (:meth:`_gather`), a lost or failed rank turned into the executor's
+        verdict: ``EngineDeadError`` (dead, silent, late, or failed in ``execute_model``), else ``WorkerError``."""
+        import ray
+
+        try:
+            return self._gather(refs, name, end)
+        except _Lost as exc:
+            raise self._lost(str(exc)) from None
+        except ray.exceptions.RayActorError as exc:
+            raise self._lost(f"an actor died during {name!r}: {_cause(exc)}") from None
+        except ray.exceptions.RayTaskError as exc:
+            if name == "execute_model":
+                raise self._lost(f"a rank failed in execute_model: {_cause(exc)}") from None
+            raise WorkerError(f"a rank failed in {name}: {_cause(exc)}") from None
 
     def _gather(self, refs: list[Any], method: str, end: float) -> list[Any]:
         """The results of ``refs`` in order; a rank that dies or raises ends the wait at once (``ray.get``
@@ -239,15 +252,27 @@ class RayExecutor(Executor):
             return f"executor.params.compile_timeout_s={d.compile_timeout_s:g}"
         return f"executor.params.rpc_timeout_s={d.rpc_timeout_s:g}"
 
-    def execute_model(self, scheduler_output: Any) -> Any:
-        """As :meth:`Executor.execute_model`, under the step deadline (``StepDeadline``)."""
-        message = self._messages.build(scheduler_output)
+    @property
+    def max_concurrent_batches(self) -> int:
+        """``pipeline_parallel_size``: one step per stage in flight (1 without pipeline parallelism)."""
+        return self.config.pipeline_parallel_size
+
+    def _send_step(self, message: Any, scheduler_output: Any) -> Any:
+        """Submit the step to every actor now (each runs it after the steps before it); the returned function
+        waits for the driver rank's result under the step deadline (``StepDeadline``), counted from when the
+        step before it answered."""
         num_tokens = scheduler_output.total_num_scheduled_tokens
-        t0 = time.monotonic()
-        out = self.collective_rpc("execute_model", args=(message,), timeout_s=self.step_deadline.deadline_s(num_tokens),
-                                  unique_reply_rank=self.driver_rank)[0]
-        self.step_deadline.observe(num_tokens, time.monotonic() - t0)
-        return out
+        t_sent = time.monotonic()
+        refs = self._send("execute_model", (message,), {}, self.driver_rank)
+
+        def collect() -> Any:
+            t0 = max(t_sent, self._last_step_done)
+            out = self._collect(refs, "execute_model", t0 + self.step_deadline.deadline_s(num_tokens))[self.driver_rank]
+            self._last_step_done = time.monotonic()
+            self.step_deadline.observe(num_tokens, self._last_step_done - t0)
+            return out
+
+        return collect
 
     def check_health(self) -> None:
         """Ping every actor (``heartbeat_timeout_s``); a dead or silent one makes the executor dead."""
