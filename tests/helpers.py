@@ -232,3 +232,19 @@ class HookRecorder:
     def on_request_finished(self, output):
         self.finished.append(output.request_id)
 
+
+
+def servelab_processes(root_pid: int, prefix: str) -> list:
+    """``root_pid``'s descendants named ``prefix*`` (``servelab-core`` engine cores, ``servelab-rank`` worker ranks:
+    ``set_process_name``), oldest first, as ``psutil.Process`` objects. By name, not by parent: under the fork server
+    a child's parent is the server, not its launcher."""
+    import psutil
+
+    found = []
+    for process in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if process.name().startswith(prefix):
+                found.append(process)
+        except psutil.Error:
+            continue
+    return sorted(found, key=lambda p: p.create_time())

@@ -135,17 +135,15 @@ class _Tree:
             self._stop.wait(0.1)
 
     def ranks(self) -> list[int]:
-        """Rank processes seen so far: ``mp`` workers or Ray ``RankActor`` workers (not the resource tracker, not
-        a server's engine cores, which are the root's spawned children)."""
+        """Rank processes seen so far: ``mp`` workers (named ``servelab-rank<r>``, forked or spawned) or Ray
+        ``RankActor`` workers (not the resource tracker, the fork server or a server's ``servelab-core`` cores)."""
         import psutil
 
         found = []
         for pid in sorted(self.pids - {self.root}):
             with contextlib.suppress(psutil.Error):
                 process = psutil.Process(pid)
-                cmd = " ".join(process.cmdline())
-                if "RankActor" in cmd or ("spawn_main" in cmd and "resource_tracker" not in cmd
-                                          and not (self.serving and process.ppid() == self.root)):
+                if process.name().startswith("servelab-rank") or "RankActor" in " ".join(process.cmdline()):
                     found.append(pid)
         return found
 

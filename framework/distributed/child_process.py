@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 PARENT_CHECK_S = 0.5  # seconds between two checks of the watcher thread
 EXIT_PARENT_GONE = 3  # exit status of a process whose parent died
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PR_SET_NAME = 15
 
 
 def spawned_by_main_thread() -> bool:
@@ -58,6 +59,20 @@ def arm_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def set_process_name(name: str) -> bool:
+    """Name this process for ``ps``, ``top`` and ``/proc/<pid>/comm`` (Linux ``PR_SET_NAME``, at most 15 bytes:
+    ``servelab-rank0``, ``servelab-core0``); a forked or spawned child otherwise shows its launcher's command line.
+    Call it from the main thread (the name is the calling thread's; threads started later inherit it). Never raises;
+    True when set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 

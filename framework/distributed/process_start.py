@@ -170,9 +170,25 @@ def _open_fd(fd: int) -> InheritedFd | None:
     return InheritedFd(fd)
 
 
+def _release_parent_server() -> None:
+    """In a child forked by a fork server: close the server's "alive" descriptor that ``multiprocessing`` hands
+    every such child (so that it could start siblings through the same server). Held by the child, it would keep
+    the server, and so the child itself, alive after the launcher died; this child starts its own server when
+    it starts children."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # noqa: SLF001 - the stdlib keeps its state private
+    if server._forkserver_pid is None and server._forkserver_alive_fd is not None:  # noqa: SLF001
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)  # noqa: SLF001
+        server._forkserver_alive_fd = server._forkserver_address = None  # noqa: SLF001
+
+
 def _child_entry(target: Callable[..., Any], args: tuple, env: dict[str, str], stdout: InheritedFd | None,
                  stderr: InheritedFd | None) -> Any:
-    """The child's first step: take the launcher's environment and standard streams, then run ``target``."""
+    """The child's first step: let go of its fork server, take the launcher's environment and standard streams,
+    then run ``target``."""
+    _release_parent_server()
     if os.environ != env:
         os.environ.clear()
         os.environ.update(env)

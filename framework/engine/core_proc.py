@@ -25,7 +25,7 @@ import threading
 from typing import Any
 
 from framework.config import EngineConfig
-from framework.distributed.child_process import avoid_named_semaphores, die_with_parent
+from framework.distributed.child_process import avoid_named_semaphores, die_with_parent, set_process_name
 from framework.engine.core_messages import (
     CommandEncoder,
     EngineCoreOutputs,
@@ -77,6 +77,7 @@ def run_engine_core(config: EngineConfig, replica_id: int, input_address: str, o
     """
     logging.basicConfig(level=log_level, format=f"%(asctime)s [core {replica_id}] %(levelname)s %(name)s: %(message)s")
     parent_pid = os.getppid() if parent_pid is None else parent_pid
+    set_process_name(f"servelab-core{replica_id}")  # ps, /proc/<pid>/comm
     die_with_parent(parent_pid, started_by_main_thread, name="core-parent-watch",  # before anything is built
                     on_gone=lambda: logger.error("the API process (pid %d) is gone; the engine core exits", parent_pid))
     avoid_named_semaphores()  # before the weights' progress bar

@@ -1,6 +1,6 @@
 """A worker rank in its own process (vLLM's ``WorkerProc``): the driver-side handle and the process loop.
 
-The driver spawns one process per rank (``multiprocessing`` spawn context). Each first arms its
+The driver starts one process per rank (``framework.distributed.process_start``: forked from a fork server, or spawned). Each first arms its
 parent-death signal (:mod:`framework.distributed.child_process`), attaches the shared-memory broadcast and
 starts its heartbeat thread (``attached``), builds its :class:`framework.worker.worker.Worker` (device, model shard, attention
 backend), reports ``ready`` (or its traceback) over its pipe, then loops: read the next call from the
@@ -24,7 +24,12 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from framework.distributed.child_process import EXIT_PARENT_GONE, arm_parent_death_signal, avoid_named_semaphores
+from framework.distributed.child_process import (
+    EXIT_PARENT_GONE,
+    arm_parent_death_signal,
+    avoid_named_semaphores,
+    set_process_name,
+)
 from framework.distributed.shm_broadcast import RingHandle, ShmBroadcast, TornMessageError, WriterGoneError
 
 #: seconds between two heartbeats of a rank process (``framework.executor.deadlines`` bounds their absence)
@@ -90,9 +95,12 @@ def worker_main(config: dict[str, Any], rank: int, world_size: int, init_method:
         conn: this rank's pipe to the driver (attached/ready/ok/error messages).
         parent_pid: the driver's pid; the process exits when it is no longer our parent.
         started_by_main_thread: the driver started us from its main thread (arms ``PR_SET_PDEATHSIG``).
+
+    The process is named ``servelab-rank<rank>`` (``ps``, ``/proc/<pid>/comm``).
     """
     if started_by_main_thread:
         arm_parent_death_signal()  # first: the kernel kills us with the driver, even mid-compile
+    set_process_name(f"servelab-rank{rank}")
     if os.getppid() != parent_pid:
         os._exit(EXIT_DRIVER_GONE)  # the driver died before the signal was armed
     avoid_named_semaphores()

@@ -23,8 +23,12 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 
 
 def report(name: str) -> None:
-    """Child: print its view of the world (environment variable ``name``, its parent's pid)."""
-    print(f"child saw {name}={os.environ.get(name)!r} ppid={os.getppid()}", flush=True)
+    """Child: print its view of the world (environment variable ``name``, its parent's pid, whether it still holds
+    a fork server's "alive" descriptor, which would keep that server and so itself alive after the launcher died)."""
+    from multiprocessing import forkserver
+
+    held = forkserver._forkserver._forkserver_alive_fd is not None
+    print(f"child saw {name}={os.environ.get(name)!r} ppid={os.getppid()} holds_server={held}", flush=True)
 
 
 def test_method_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,7 +56,7 @@ def test_child_takes_the_environment_and_streams_of_now(method: str, monkeypatch
     proc.join(60)
     assert proc.exitcode == 0
     out = capfd.readouterr().out
-    assert f"child saw SERVELAB_TEST_LATE_VARIABLE='set-late-{method}' ppid={launch.parent_pid}" in out
+    assert f"child saw SERVELAB_TEST_LATE_VARIABLE='set-late-{method}' ppid={launch.parent_pid} holds_server=False" in out
     assert launch.started_by_main_thread
 
 

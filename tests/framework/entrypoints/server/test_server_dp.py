@@ -21,7 +21,16 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 psutil = pytest.importorskip("psutil")
-from helpers import EAGER_KERNEL, REPO, STORIES, STORY_PROMPTS, free_port, resources_gone, wait_healthy  # noqa: E402
+from helpers import (  # noqa: E402
+    EAGER_KERNEL,
+    REPO,
+    STORIES,
+    STORY_PROMPTS,
+    free_port,
+    resources_gone,
+    servelab_processes,
+    wait_healthy,
+)
 
 MODEL = "stories260K"  # the served model name (model.path of conf/model/stories260K.yaml)
 
@@ -54,12 +63,11 @@ def test_two_replicas_serve_and_survive_one_replica_dying(tmp_path):
         want = LLM(model=STORIES, compile=False).generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
         assert texts == [w.outputs[0].text for w in want]
         assert _routed(base) == {"0": 4.0, "1": 4.0}
-        cores = sorted((c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())),
-                       key=lambda c: c.create_time())
+        cores = servelab_processes(proc.pid, "servelab-core")
         assert len(cores) == 2  # an engine-core process per replica, each pinned to its own CPUs
         if len(os.sched_getaffinity(0)) >= 2:
             assert not set(cores[0].cpu_affinity()) & set(cores[1].cpu_affinity())
-        workers = [w for core in cores for w in core.children() if "spawn_main" in " ".join(w.cmdline())]
+        workers = [w for core in cores for w in servelab_processes(core.pid, "servelab-rank")]
         assert len(workers) == 2  # replica 0's rank, then replica 1's
 
         def long_request(_: int) -> str:

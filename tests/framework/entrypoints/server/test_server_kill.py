@@ -19,7 +19,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 psutil = pytest.importorskip("psutil")
-from helpers import EAGER_KERNEL, REPO, free_port, wait_healthy  # noqa: E402
+from helpers import EAGER_KERNEL, REPO, free_port, servelab_processes, wait_healthy  # noqa: E402
 
 from framework.testing.leftovers import shm_snapshot, wait_for_nothing_left  # noqa: E402
 
@@ -41,9 +41,9 @@ def test_a_killed_server_leaves_no_engine_core_worker_or_segment(tmp_path):
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base, log)
-        cores = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        cores = servelab_processes(proc.pid, "servelab-core")
         assert len(cores) == 1  # the engine core in its own process (server.engine_process=true, the default)
-        workers = [w for w in cores[0].children() if "spawn_main" in " ".join(w.cmdline())]
+        workers = servelab_processes(cores[0].pid, "servelab-rank")
         assert len(workers) == 1  # executor=mp's rank
         pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]  # resource tracker too
 
@@ -84,7 +84,7 @@ def test_a_server_sigtermed_while_its_core_starts_leaves_nothing(tmp_path):
     try:
         deadline, cores = time.monotonic() + 120, []
         while not cores and time.monotonic() < deadline and proc.poll() is None:
-            cores = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+            cores = servelab_processes(proc.pid, "servelab-core")
             time.sleep(0.05)
         assert cores, "no engine core started"
         time.sleep(1.0)  # the core imports and builds

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -125,7 +126,7 @@ def test_one_prefill_and_one_decode_core_equal_one_plain_engine(tmp_path, connec
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
     psutil = pytest.importorskip("psutil")
-    from helpers import STORIES, resources_gone
+    from helpers import STORIES, resources_gone, servelab_processes
     from omegaconf import OmegaConf
 
     from framework import LLM, SamplingParams
@@ -150,8 +151,7 @@ def test_one_prefill_and_one_decode_core_equal_one_plain_engine(tmp_path, connec
                             "executor": {"name": "uniproc"}})
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     llm, facts, tokenizer = start_front(cfg, config, on_dead=None, metrics=None)
-    cores = [c.pid for c in psutil.Process().children(recursive=True)
-             if c.pid not in before and "resource_tracker" not in " ".join(c.cmdline())]
+    cores = [c.pid for c in servelab_processes(os.getpid(), "servelab-core") if c.pid not in before]
     assert len(cores) == 2, cores  # one engine-core process per replica
     try:
         state = server_state(cfg, facts, tokenizer, llm, "tiny", None, api_key=None)

@@ -27,6 +27,7 @@ from helpers import (  # noqa: E402
     mapped_shm,
     memfd_mapped,
     resources_gone,
+    servelab_processes,
     wait_healthy,
 )
 
@@ -50,9 +51,9 @@ def test_tp2_server_serves_then_exits_nonzero_when_a_worker_dies(tmp_path):
         want = LLM(model=STORIES, max_model_len=192).generate([STORY_PROMPTS[0]],
                                                               SamplingParams(temperature=0.0, max_tokens=12))
         assert resp["choices"][0]["text"] == want[0].outputs[0].text
-        cores = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        cores = servelab_processes(proc.pid, "servelab-core")
         assert len(cores) == 1  # the engine core process, whose executor started the two ranks
-        workers = [c for c in cores[0].children() if "spawn_main" in " ".join(c.cmdline())]
+        workers = servelab_processes(cores[0].pid, "servelab-rank")
         assert len(workers) == 2
         # the step ring is a memfd (no /dev/shm name at any moment): every rank maps it; the /dev/shm names
         # these processes map (none expected; other tests' may come and go meanwhile) must be gone after
