@@ -9,12 +9,13 @@ stories260K started in 16 s with ``spawn`` on a 2-core Xeon). The fork server ne
 its children start with no OpenMP pool or other thread to lose in the fork. ``spawn`` (other platforms, or when
 asked) starts a fresh interpreter per child.
 
-A child forked from the server would differ from a spawned one in three inherited things; :func:`child_process`
+A child forked from the server would differ from a spawned one in four inherited things; :func:`child_process`
 hands them over explicitly, so both contexts behave alike:
 
 * **the environment**: the server's is a snapshot from when it started; the child gets the launcher's of now;
 * **standard output and error**: the child writes where its launcher's file descriptors 1 and 2 point now
   (a server redirected to a log file, a test's captured output), passed as descriptors;
+* **its CPU affinity**: the launching thread's now (a data-parallel replica's ranks are started pinned to its cores);
 * **its parent**: the fork server, not the launcher. The server exits as soon as its launcher dies (it waits
   on a pipe only the launcher holds), so a child that watches the server dies with the launcher:
   :attr:`ChildLaunch.parent_pid` is the pid to watch and :attr:`ChildLaunch.started_by_main_thread` whether
@@ -184,11 +185,19 @@ def _release_parent_server() -> None:
         server._forkserver_alive_fd = server._forkserver_address = None  # noqa: SLF001
 
 
+def _affinity() -> frozenset[int] | None:
+    """The calling thread's CPU affinity (``None`` where the platform has none)."""
+    return frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 def _child_entry(target: Callable[..., Any], args: tuple, env: dict[str, str], stdout: InheritedFd | None,
-                 stderr: InheritedFd | None) -> Any:
-    """The child's first step: let go of its fork server, take the launcher's environment and standard streams,
-    then run ``target``."""
+                 stderr: InheritedFd | None, cpus: frozenset[int] | None = None) -> Any:
+    """The child's first step: let go of its fork server, take the launcher's environment, standard streams and
+    CPU affinity, then run ``target``."""
     _release_parent_server()
+    if cpus is not None and cpus != _affinity():
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cpus)
     if os.environ != env:
         os.environ.clear()
         os.environ.update(env)
@@ -203,10 +212,10 @@ def _child_entry(target: Callable[..., Any], args: tuple, env: dict[str, str], s
 def child_process(ctx: BaseContext, target: Callable[..., Any], args: tuple, name: str,
                   daemon: bool | None = None) -> mp.process.BaseProcess:
     """``ctx.Process(target=target, args=args, ...)`` (not started) whose child first takes this process's
-    environment and standard output/error as they are now (see the module docstring); ``target`` must be
-    importable (it travels by reference)."""
+    environment, standard output/error and this thread's CPU affinity as they are now (see the module docstring);
+    ``target`` must be importable (it travels by reference)."""
     return ctx.Process(target=_child_entry, name=name, daemon=daemon,
-                       args=(target, args, dict(os.environ), _open_fd(1), _open_fd(2)))
+                       args=(target, args, dict(os.environ), _open_fd(1), _open_fd(2), _affinity()))
 
 
 @contextlib.contextmanager
