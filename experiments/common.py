@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import platform
 import random
@@ -187,3 +188,19 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def write_json(path: str | Path | None, report: Any) -> None:
+    """Write ``report`` as indented JSON to ``path`` (``None``: nothing), creating its folder."""
+    if path is None:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+def save_figure(fig: Any, path: str | Path) -> None:
+    """Lay out a matplotlib figure and save it to ``path`` (120 dpi), creating its folder."""
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)

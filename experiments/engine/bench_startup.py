@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from experiments.common import REPO_ROOT, code_state, machine_info, markdown_table
+from experiments.common import REPO_ROOT, code_state, machine_info, markdown_table, write_json
 
 METHODS = ("spawn", "forkserver")
 
@@ -87,9 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"spawn / forkserver: first {sp['first_s'] / fs['first_s']:.2f}x" + (
         f", later {sp['later_s'] / fs['later_s']:.2f}x" if fs["later_s"] else "") +
         f"; tokens equal: {report['same_tokens']}; {report['machine']['cpu']} ({report['machine']['isa']})")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.json_out, report)
     return report
 
 

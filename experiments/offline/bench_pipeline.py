@@ -20,12 +20,11 @@ Example (the measured pass, quiet machine; ``smollm2`` needs its package)::
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from typing import Any
 
-from experiments.common import REPO_ROOT
+from experiments.common import REPO_ROOT, write_json
 
 #: system -> (tensor_parallel_size, pipeline_parallel_size, batches in flight: None = the executor's)
 SYSTEMS = {"pp1": (1, 1, None), "pp2": (1, 2, None), "pp2_sync": (1, 2, 1), "tp2": (2, 1, None),
@@ -110,9 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{row['mean_step_ms']:7.2f} ms/step, bubble {100 * row['bubble_fraction']:5.1f} %, "
                   f"{row['peak_batches_in_flight']} in flight, tokens equal: {row['tokens_equal_first_system']}")
         report["systems"][name] = rows
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.json_out, report)
     return report
 
 

@@ -19,7 +19,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from experiments.common import markdown_table
+from experiments.common import markdown_table, save_figure
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA_70B = str(REPO / "models" / "llama-3-70b")
@@ -120,9 +120,7 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: str) -> Non
     right.set(xlabel="offered rate, req/s", ylabel="goodput, req/s", title="requests meeting the SLO per second")
     left.legend()
     fig.suptitle(f"Llama-3-70B TP={args.tp} x {args.replicas} replicas, analytic {args.device.upper()} (simulated)")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from experiments.common import markdown_table
+from experiments.common import markdown_table, save_figure
 from experiments.sim.sim_disagg import LLAMA_70B, _pct
 
 SCHEDULERS = ("fcfs", "lora_affinity")
@@ -129,9 +129,7 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: str) -> Non
     left.legend(fontsize=8)
     fig.suptitle(f"Llama-3-70B TP={args.tp}, analytic {args.device.upper()}, max_loras={args.max_loras}, "
                  f"{args.rate:g} req/s (simulated)")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
