@@ -19,7 +19,9 @@ hands them over explicitly, so both contexts behave alike:
 * **its parent**: the fork server, not the launcher. The server exits as soon as its launcher dies (it waits
   on a pipe only the launcher holds), so a child that watches the server dies with the launcher:
   :attr:`ChildLaunch.parent_pid` is the pid to watch and :attr:`ChildLaunch.started_by_main_thread` whether
-  the kernel's parent-death signal can be armed (:mod:`framework.distributed.child_process`).
+  the kernel's parent-death signal can be armed (:mod:`framework.distributed.child_process`). The server's exit
+  takes seconds (its interpreter shuts down with torch loaded), so every child also waits on its launcher's
+  pidfd and exits the moment the launcher does.
 """
 
 from __future__ import annotations
@@ -27,16 +29,18 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import select
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.context import BaseContext, get_spawning_popen
 from typing import Any
 
-from framework.distributed.child_process import spawned_by_main_thread
+from framework.distributed.child_process import EXIT_PARENT_GONE, spawned_by_main_thread
 
 #: environment variable choosing how children start: ``forkserver`` (Linux default) or ``spawn``
 MULTIPROC_METHOD_ENV = "SERVELAB_WORKER_MULTIPROC_METHOD"
@@ -190,11 +194,35 @@ def _affinity() -> frozenset[int] | None:
     return frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
+def _exit_with_launcher(launcher_pid: int) -> None:
+    """Exit (``EXIT_PARENT_GONE``) the moment the launcher process ends, from a daemon thread waiting on its pidfd
+    (Linux 5.3+; elsewhere nothing: the parent watchers of ``child_process`` remain). The fork server also exits
+    with the launcher, and its children with it, but only after its interpreter shut down (seconds, torch loaded);
+    a pidfd needs no polling and cannot be fooled by a reused pid."""
+    if not hasattr(os, "pidfd_open"):
+        return
+    try:
+        pidfd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:
+        os._exit(EXIT_PARENT_GONE)  # gone before we started
+    except OSError:
+        return
+
+    def wait() -> None:
+        select.select([pidfd], [], [])  # readable once the launcher has exited
+        os._exit(EXIT_PARENT_GONE)
+
+    threading.Thread(target=wait, name="servelab-launcher-watch", daemon=True).start()
+
+
 def _child_entry(target: Callable[..., Any], args: tuple, env: dict[str, str], stdout: InheritedFd | None,
-                 stderr: InheritedFd | None, cpus: frozenset[int] | None = None) -> Any:
-    """The child's first step: let go of its fork server, take the launcher's environment, standard streams and
-    CPU affinity, then run ``target``."""
+                 stderr: InheritedFd | None, cpus: frozenset[int] | None = None,
+                 launcher_pid: int | None = None) -> Any:
+    """The child's first step: let go of its fork server, die with its launcher, take the launcher's environment,
+    standard streams and CPU affinity, then run ``target``."""
     _release_parent_server()
+    if launcher_pid is not None:
+        _exit_with_launcher(launcher_pid)
     if cpus is not None and cpus != _affinity():
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, cpus)
@@ -215,7 +243,7 @@ def child_process(ctx: BaseContext, target: Callable[..., Any], args: tuple, nam
     environment, standard output/error and this thread's CPU affinity as they are now (see the module docstring);
     ``target`` must be importable (it travels by reference)."""
     return ctx.Process(target=_child_entry, name=name, daemon=daemon,
-                       args=(target, args, dict(os.environ), _open_fd(1), _open_fd(2), _affinity()))
+                       args=(target, args, dict(os.environ), _open_fd(1), _open_fd(2), _affinity(), os.getpid()))
 
 
 @contextlib.contextmanager

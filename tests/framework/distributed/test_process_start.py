@@ -4,6 +4,7 @@ server folder is swept by the next launcher while a live one is kept."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -75,3 +76,59 @@ def test_sweep_removes_only_unbound_server_folders(tmp_path) -> None:
         removed = sweep_stale_server_dirs(str(tmp_path))
         assert removed == [str(stale)]
         assert live.exists() and other.exists() and not stale.exists()
+
+
+LAUNCHER = """
+import sys, time
+from framework.distributed.process_start import child_launch, child_process, process_context
+
+if __name__ == "__main__":
+    ctx = process_context()
+    launch = child_launch(ctx)
+    child = child_process(ctx, time.sleep, args=(120,), name="sleeper")
+    child.start()
+    print(launch.parent_pid, child.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a stopped parent cannot reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@linux_only
+def test_a_child_dies_with_its_launcher_even_while_the_fork_server_cannot_exit(tmp_path) -> None:
+    """The launcher is SIGKILLed while its fork server is stopped (so the server cannot exit and take its children
+    along): the child still exits, through its launcher's pidfd."""
+    import signal
+    import subprocess
+    import time
+
+    from helpers import REPO
+
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    env = {**os.environ, process_start.MULTIPROC_METHOD_ENV: "forkserver", "PYTHONPATH": str(REPO)}
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    server = child = None
+    try:
+        server, child = (int(x) for x in launcher.stdout.readline().split())
+        assert _running(child)
+        os.kill(server, signal.SIGSTOP)
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(child), "the child outlived its launcher"
+    finally:
+        launcher.kill()
+        for pid, sig in ((child, signal.SIGKILL), (server, signal.SIGKILL), (server, signal.SIGCONT)):
+            if pid is not None:  # nothing left, pass or fail
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
