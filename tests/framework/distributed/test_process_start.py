@@ -132,3 +132,7 @@ def test_a_child_dies_with_its_launcher_even_while_the_fork_server_cannot_exit(t
             if pid is not None:  # nothing left, pass or fail
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
+        deadline = time.monotonic() + 10
+        while server is not None and _running(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sweep_stale_server_dirs()  # the SIGKILLed launcher's pymp-* folder
