@@ -182,6 +182,13 @@ class KVTransfer:
             self.kv.free(request)
         return request, failure
 
+    def rewind(self, request: Request, failure: LoadFailure) -> None:
+        """Some of ``request``'s K/V failed to load: its blocks from the first bad one on (the later ones were
+        computed over it) leave the prefix cache, and it is set to recompute from there (vLLM's rule); under
+        ``load_failure_policy=fail`` the scheduler then fails it alone (:meth:`failure_message`)."""
+        self.kv.evict_blocks(self.kv.get_block_ids(request.request_id)[failure.first_bad_token // self.kv.block_size:])
+        request.num_computed_tokens = failure.first_bad_token
+
     def failure_message(self, failure: LoadFailure) -> str:
         """Why a request failed under ``load_failure_policy=fail`` (``RequestOutput.error``)."""
         return (f"kv_connector {self.connector.name!r}: the K/V of {failure.num_bad_blocks} block(s) from token "

@@ -7,12 +7,7 @@ admitted in policy order. When the KV allocator says no, the policy's victim is 
 recompute (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 PagedAttention", SOSP'23, Sec. 4.5).
 
-Batches in flight (vLLM V1's batch queue, pipeline parallelism): :meth:`Scheduler.schedule` records the requests
-it scheduled as in flight until :meth:`Scheduler.update_from_output` applies that batch; a later ``schedule()``
-skips them (their tokens are not known yet), never preempts them (their K/V is being written), and
-``max_num_seqs`` caps the requests of one batch, not those in flight (vLLM V0 kept one scheduler, so one
-``max_num_seqs``, per pipeline stage). With one batch at a time (schedule, update, schedule...) nothing is ever
-in flight at ``schedule()`` and all of this is a no-op.
+Batches in flight (pipeline parallelism) follow :mod:`framework.core.in_flight`.
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ from collections.abc import Iterable, Mapping
 
 from framework.core.clock import WALL_CLOCK, Clock
 from framework.core.faults import RequestFailure, RequestFaults
+from framework.core.in_flight import InFlight
 from framework.core.kv_transfer import KVTransfer, LoadFailure
 from framework.core.outputs import ModelRunnerOutput, SchedulerOutput
 from framework.core.request import Request, RequestStatus
@@ -72,8 +68,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # re-ranked by the policy at the start of every schedule()
         self.running: list[Request] = []  # admission order
         self._finished_ids: set[str] = set()  # finished since the last schedule()
-        # ids scheduled in a batch whose output update_from_output has not applied yet (vLLM's scheduled_req_ids)
-        self.in_flight: set[str] = set()
+        self.in_flight = InFlight()  # ids of batches whose output update_from_output has not applied yet
         self.num_preemptions_last_step = 0
         self.swap_space = swap_space
         self._swap_out: list[tuple[list[int], list[int]]] = []  # this step's (device blocks, swap slots)
@@ -170,7 +165,7 @@ class Scheduler:
                 idx += 1
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
-                victim = self.policy.select_victim(self._preemptible())
+                victim = self.policy.select_victim(self.in_flight.preemptible(self.running))
                 self._preempt(victim, preempted)
                 if victim in scheduled_running:  # give back its tokens
                     scheduled_running.remove(victim)
@@ -243,7 +238,7 @@ class Scheduler:
         skipped = False  # a request was passed over (its adapter would exceed max_loras): admitted ones are not a prefix
         loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         for request in self.waiting:
-            if budget <= 0 or self._num_schedulable_running() >= self.max_num_seqs:
+            if budget <= 0 or self.in_flight.num_schedulable(self.running) >= self.max_num_seqs:
                 break
             if request.request_id in self.in_flight:  # an aborted request's id, reused while its batch runs
                 skipped = True
@@ -291,27 +286,15 @@ class Scheduler:
 
     def _preempt_for_waiting(self, preempted: set[str]) -> None:
         """Let the head of the waiting queue evict outranked running requests (priority policies)."""
-        while self.waiting and self._preemptible():
+        while self.waiting and self.in_flight.preemptible(self.running):
             candidate = self.waiting[0]
-            victim = self.policy.select_victim(self._preemptible())
+            victim = self.policy.select_victim(self.in_flight.preemptible(self.running))
             if not self.policy.may_preempt(candidate, victim) or self._can_admit(candidate):
                 return
             self._preempt(victim, preempted)
 
-    def _preemptible(self) -> list[Request]:
-        """Running requests with no step in flight: the only ones a preemption may evict (an in-flight one's
-        output would come back for blocks already given away)."""
-        if not self.in_flight:
-            return self.running
-        return [r for r in self.running if r.request_id not in self.in_flight]
-
-    def _num_schedulable_running(self) -> int:
-        """Running requests this batch may schedule (those with no step in flight): what ``max_num_seqs`` caps."""
-        return len(self.running) - sum(r.request_id in self.in_flight for r in self.running) if self.in_flight \
-            else len(self.running)
-
     def _can_admit(self, request: Request) -> bool:
-        if self._num_schedulable_running() >= self.max_num_seqs:
+        if self.in_flight.num_schedulable(self.running) >= self.max_num_seqs:
             return False
         hit_blocks, num_hit, num_external, load_async = self._lookup(request)
         first_chunk = 0 if load_async else self._num_new_tokens(request, self.max_num_batched_tokens,
@@ -403,7 +386,9 @@ class Scheduler:
                 continue  # aborted (or finished) after schedule(): its blocks are gone, drop its results
             rid = request.request_id
             if rid in load_failures:  # its step ran over K/V that never arrived: its results are dropped
-                self._on_load_failure(request, load_failures[rid])
+                self.kv_transfer.rewind(request, load_failures[rid])  # recompute from the first bad block
+                if self.kv_transfer.load_failure_policy == "fail":
+                    self._record_load_failure(request, load_failures[rid])
                 continue
             # speculative decoding: only accepted drafts count as computed; the KV of rejected
             # positions is overwritten by later steps
@@ -441,16 +426,6 @@ class Scheduler:
         after a preemption) are skipped, so each prompt token has exactly one entry."""
         known = len(request.prompt_logprobs)
         request.prompt_logprobs.extend(entries[max(0, known - first_token):])
-
-    def _on_load_failure(self, request: Request, failure: LoadFailure) -> None:
-        """Some of the request's K/V failed to load (``kv_connector``): its blocks from the first bad one on (the
-        later ones were computed over it) leave the prefix cache, and it recomputes from there
-        (``kv_transfer.load_failure_policy=recompute``, vLLM's rule) or fails alone (``fail``: the engine aborts it
-        after the update, with the error)."""
-        self.kv.evict_blocks(self.kv.get_block_ids(request.request_id)[failure.first_bad_token // self.kv.block_size:])
-        request.num_computed_tokens = failure.first_bad_token
-        if self.kv_transfer.load_failure_policy == "fail":
-            self._record_load_failure(request, failure)
 
     def _record_load_failure(self, request: Request, failure: LoadFailure) -> None:
         """``load_failure_policy=fail``: the engine aborts the request after the update, with the error."""
