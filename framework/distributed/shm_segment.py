@@ -19,6 +19,7 @@ segment is the stronger form (nothing to sweep).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -106,7 +107,7 @@ def memory_fence() -> None:
     store or load that publishes them to another process; a no-op on x86 in practice, needed on
     weaker memory models (Arm)."""
     with _fence_lock:
-        pass
+        pass  # the acquire and the release are the barrier
 
 
 _attach_lock = threading.Lock()
@@ -147,10 +148,8 @@ class Mapping:
     def close(self) -> None:
         """Unmap (a view still alive in this process keeps the mapping until the process ends). Idempotent."""
         self.buf.release()
-        try:
+        with contextlib.suppress(BufferError):  # a view still alive: the mapping stays until the process ends
             self._mapped.close()
-        except BufferError:
-            pass
 
 
 class AnonymousSegment:
@@ -197,10 +196,8 @@ class AnonymousSegment:
         """Owner: remove the fallback's name once every user mapped the segment; the mappings stay. A no-op
         for a memfd (it never had a name) and in a process that does not own the segment. Idempotent."""
         if self._shm is not None:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # already unlinked
                 self._shm.unlink()
-            except FileNotFoundError:
-                pass
             self._shm.close()
             self._shm = None
 
