@@ -157,6 +157,7 @@ class Scheduler:
         num_preempted_for_waiting = len(preempted)
 
         scheduled_running: list[Request] = []
+        waits_for_kv = False  # a request's blocks must come from a victim whose step is in flight: no admissions
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
@@ -164,8 +165,12 @@ class Scheduler:
             if num_new == 0:
                 idx += 1
                 continue
+            stalled = False
             while self.kv.allocate_slots(request, num_new) is None:
-                victim = self.policy.select_victim(self.in_flight.preemptible(self.running))
+                victim = self.policy.select_victim(self.running)
+                if victim.request_id in self.in_flight:  # never evict past it: wait until its batch is back
+                    stalled = waits_for_kv = True
+                    break
                 self._preempt(victim, preempted)
                 if victim in scheduled_running:  # give back its tokens
                     scheduled_running.remove(victim)
@@ -180,9 +185,11 @@ class Scheduler:
                 budget -= num_new
                 idx += 1
                 continue
-            # the request preempted itself; the list shifted, idx points at the next one
+            if stalled:  # skipped this step; it keeps its blocks
+                idx = self.running.index(request) + 1
+            # else the request preempted itself; the list shifted, idx points at the next one
 
-        if len(preempted) == num_preempted_for_waiting:  # as vLLM: no admissions when KV ran out
+        if len(preempted) == num_preempted_for_waiting and not waits_for_kv:  # as vLLM: no admissions when KV ran out
             budget = self._admit_waiting(budget, num_scheduled)
 
         scheduled = [r for r in self.running if r.request_id in num_scheduled]
@@ -286,11 +293,12 @@ class Scheduler:
 
     def _preempt_for_waiting(self, preempted: set[str]) -> None:
         """Let the head of the waiting queue evict outranked running requests (priority policies)."""
-        while self.waiting and self.in_flight.preemptible(self.running):
+        while self.waiting and self.running:
             candidate = self.waiting[0]
-            victim = self.policy.select_victim(self.in_flight.preemptible(self.running))
-            if not self.policy.may_preempt(candidate, victim) or self._can_admit(candidate):
-                return
+            victim = self.policy.select_victim(self.running)
+            if (victim.request_id in self.in_flight or not self.policy.may_preempt(candidate, victim)
+                    or self._can_admit(candidate)):
+                return  # (an in-flight victim: the candidate waits until its batch is back)
             self._preempt(victim, preempted)
 
     def _can_admit(self, request: Request) -> bool:

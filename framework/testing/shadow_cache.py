@@ -30,6 +30,7 @@ mirrored tokens, block tables and computed counts must equal the driver's.
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -195,7 +196,7 @@ def propose_drafts(scheduler: Scheduler, k: int, rng: random.Random) -> None:
 
 def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callable[[Request], int] | None = None,
              max_steps: int = 2000, after_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
-             num_speculative_tokens: int = 0, seed: int = 0) -> int:
+             num_speculative_tokens: int = 0, seed: int = 0, batches_in_flight: int = 1) -> int:
     """Drive ``scheduler`` through ``arrivals`` with the shadow-cache check on every step.
 
     Args:
@@ -208,34 +209,52 @@ def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callab
         num_speculative_tokens: > 0 turns on speculative steps: before each step decoding requests
             get up to this many random drafts, and the fake runner accepts a random prefix of them.
         seed: seeds the drafts and acceptances.
+        batches_in_flight: up to this many scheduled batches wait for their output at once, as
+            ``LLMEngine.step`` runs them through its batch queue under pipeline parallelism
+            (framework/engine/batch_queue.py): a batch is scheduled while fewer are in flight, and the
+            oldest is applied when the queue is full or nothing new could be scheduled. Each batch's
+            reads and writes are checked when it is scheduled (the stages run batches in that order).
 
     Returns:
-        The number of steps run.
+        The number of steps run (schedules).
 
     Raises:
         AssertionError: a KV read of stale/foreign content, or no progress within ``max_steps``.
+        ValueError: speculative steps with more than one batch in flight (the engine refuses the pair).
     """
+    if num_speculative_tokens and batches_in_flight > 1:
+        raise ValueError("speculative decoding runs one batch at a time (pipeline parallelism refuses it)")
     token_of = token_of or (lambda r: 3 + (r.num_tokens * 7 + r.all_token_ids[0]) % 11)
     shadow = ShadowCache(scheduler.kv.block_size, scheduler.kv.kv_cache_groups, scheduler.kv.null_block)
     pending = sorted(arrivals, key=lambda a: a.step)
     rng = random.Random(seed) if num_speculative_tokens else None
     messages, worker = StepMessageBuilder(scheduler.kv.null_block), InputBatch(scheduler.kv.null_block)
+    queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
     step = 0
-    while pending or scheduler.has_unfinished_requests():
+    while pending or scheduler.has_unfinished_requests() or queue:
         while pending and pending[0].step <= step:
             scheduler.add_request(pending.pop(0).request)
-        if rng is not None:
-            propose_drafts(scheduler, num_speculative_tokens, rng)
-        out = scheduler.schedule()
-        worker_view = worker.apply(messages.build(out))
-        check_worker_view(out, worker_view)
-        apply_swaps(shadow, worker_view)
-        check_step(shadow, worker_view)
-        scheduler.update_from_output(out, fake_runner(out, token_of, rng))
+        if len(queue) < batches_in_flight:
+            if rng is not None:
+                propose_drafts(scheduler, num_speculative_tokens, rng)
+            out = scheduler.schedule()
+            step += 1
+            assert step < max_steps, f"scheduler made no progress in {max_steps} steps"
+            worker_view = worker.apply(messages.build(out))
+            check_worker_view(out, worker_view)
+            apply_swaps(shadow, worker_view)
+            check_step(shadow, worker_view)
+            batch = (out, fake_runner(out, token_of, rng))  # the forward runs on what was scheduled
+            if not out.is_empty or out.finished_req_ids or out.preempted_req_ids:
+                queue.append(batch)
+                if len(queue) < batches_in_flight:
+                    continue  # room for another batch: schedule it before waiting for the oldest
+            elif not queue:
+                queue.append(batch)  # nothing scheduled and nothing in flight: an idle step, applied at once
+        out, runner_out = queue.popleft()
+        scheduler.update_from_output(out, runner_out)
         if after_step is not None:
             after_step(scheduler, out)
-        step += 1
-        assert step < max_steps, f"scheduler made no progress in {max_steps} steps"
     return step
 
 

@@ -97,3 +97,22 @@ def test_a_request_may_preempt_itself_in_a_batch_that_schedules_nothing():
     sched.update_from_output(second, sampled(second))
     fourth = sched.schedule()  # b needs a block, none is free, a is in flight: b preempts itself
     assert fourth.is_empty and fourth.preempted_req_ids == {"b"}
+
+
+def test_a_request_whose_victim_is_in_flight_waits_instead_of_preempting_itself():
+    """FCFS's victim for "a" (first come) is "b", whose step is in flight: "a" waits a step (neither is preempted)
+    and "b" goes once its batch is back. Preempting "a" itself instead (the higher-ranked request) made requests
+    preempt each other in turn with two batches in flight and none finish (the shadow-cache livelock)."""
+    sched = make_scheduler(num_blocks=2, max_num_seqs=1, budget=16)  # 2 blocks of 4 tokens
+    sched.add_request(make_request("a", 4, max_tokens=8))
+    sched.add_request(make_request("b", 4, max_tokens=8, arrival_time=1.0))
+    first, second = sched.schedule(), sched.schedule()  # a, then b: each one block, none free
+    assert set(first.num_scheduled_tokens) == {"a"} and set(second.num_scheduled_tokens) == {"b"}
+    sched.update_from_output(first, sampled(first))
+    third = sched.schedule()  # a needs a second block; its victim b is in flight
+    assert third.is_empty and not third.preempted_req_ids
+    assert sched.requests["a"].status is RequestStatus.RUNNING and sched.requests["a"].num_computed_tokens == 4
+    sched.update_from_output(third, sampled(third))
+    sched.update_from_output(second, sampled(second))
+    fourth = sched.schedule()  # b is back: the policy's victim goes, a decodes
+    assert fourth.preempted_req_ids == {"b"} and fourth.num_scheduled_tokens == {"a": 1}

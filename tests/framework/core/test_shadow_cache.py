@@ -169,6 +169,27 @@ def test_shadow_cache_with_speculative_steps(allocator: str, policy: str, mode: 
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda a: "-".join([a[0], *map(str, a[1].values())]))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=st.one_of(workloads(), pressure_workloads()))
+def test_shadow_cache_with_two_batches_in_flight(allocator: str, policy: str, mode: str, w: dict) -> None:
+    """Pipeline parallelism's batch queue (two batches in flight, scheduled before the older one's output is
+    applied): no stale read, in-flight requests never preempted, and every request finishes (a preemption that
+    evicted a higher-ranked request in place of an in-flight victim thrashed without end)."""
+    sched = make_scheduler(allocator, policy, num_blocks=w["num_blocks"], block_size=w["block_size"],
+                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
+                           max_model_len=w["max_model_len"],
+                           long_prefill_token_threshold=w["long_prefill_token_threshold"],
+                           enable_prefix_caching=w["caching"],
+                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0, kv_cache_groups=w["groups"])
+    arrivals = [Arrival(step, request(rid, tokens, max_tokens, priority, arrival=float(step)))
+                for rid, tokens, max_tokens, priority, step in w["reqs"]]
+    simulate(sched, arrivals, after_step=_invariants, batches_in_flight=2)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
 # the allocators LoRA runs with (framework/engine/lora_support.py): their prefix hashes are salted by adapter
 LORA_ALLOCATORS = [a for a in ALLOCATORS if a[0] in ("paged", "contiguous")]
 
