@@ -129,21 +129,31 @@ def pressure_workloads(draw: st.DrawFn) -> dict:
                 reqs=reqs, caching=True, groups=draw(layouts(bs)))
 
 
+def workload_scheduler(allocator: tuple[str, dict], policy: str, mode: str, w: dict,
+                       loras: list[int] | None = None) -> tuple[Scheduler, list[Arrival]]:
+    """A scheduler for workload ``w`` (``workloads()``/``pressure_workloads()``) in preemption ``mode`` (swap: a
+    small swap space, so swaps and the recompute fallback both happen) and its arrivals; ``loras`` gives request
+    ``i`` adapter ``loras[i]`` (0: the base model) and the scheduler ``max_loras=2``."""
+    sched = make_scheduler(allocator, policy, num_blocks=w["num_blocks"], block_size=w["block_size"],
+                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
+                           max_model_len=w["max_model_len"],
+                           long_prefill_token_threshold=w["long_prefill_token_threshold"],
+                           enable_prefix_caching=w["caching"],
+                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0, kv_cache_groups=w["groups"],
+                           max_loras=2 if loras is not None else 0)
+    arrivals = [Arrival(step, request(rid, tokens, max_tokens, priority, arrival=float(step),
+                                      lora=loras[i] if loras is not None else 0))
+                for i, (rid, tokens, max_tokens, priority, step) in enumerate(w["reqs"])]
+    return sched, arrivals
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda a: "-".join([a[0], *map(str, a[1].values())]))
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=st.one_of(workloads(), pressure_workloads()))
 def test_shadow_cache_random_workloads(allocator: str, policy: str, mode: str, w: dict) -> None:
-    sched = make_scheduler(allocator, policy, num_blocks=w["num_blocks"], block_size=w["block_size"],
-                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
-                           max_model_len=w["max_model_len"],
-                           long_prefill_token_threshold=w["long_prefill_token_threshold"],
-                           enable_prefix_caching=w["caching"],
-                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0,  # small: swap and fallback
-                           kv_cache_groups=w["groups"])
-    arrivals = [Arrival(step, request(rid, tokens, max_tokens, priority, arrival=float(step)))
-                for rid, tokens, max_tokens, priority, step in w["reqs"]]
+    sched, arrivals = workload_scheduler(allocator, policy, mode, w)
     simulate(sched, arrivals, after_step=_invariants)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
@@ -157,14 +167,7 @@ def test_shadow_cache_with_speculative_steps(allocator: str, policy: str, mode: 
                                             seed: int) -> None:
     """Speculative decoding (random drafts, random acceptance): rejected drafts' K/V is never read
     before it is overwritten and never served from the prefix cache."""
-    sched = make_scheduler(allocator, policy, num_blocks=w["num_blocks"], block_size=w["block_size"],
-                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
-                           max_model_len=w["max_model_len"],
-                           long_prefill_token_threshold=w["long_prefill_token_threshold"],
-                           enable_prefix_caching=w["caching"],
-                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0, kv_cache_groups=w["groups"])
-    arrivals = [Arrival(step, request(rid, tokens, max_tokens, priority, arrival=float(step)))
-                for rid, tokens, max_tokens, priority, step in w["reqs"]]
+    sched, arrivals = workload_scheduler(allocator, policy, mode, w)
     simulate(sched, arrivals, after_step=_invariants, num_speculative_tokens=k, seed=seed)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
@@ -178,14 +181,7 @@ def test_shadow_cache_with_two_batches_in_flight(allocator: str, policy: str, mo
     """Pipeline parallelism's batch queue (two batches in flight, scheduled before the older one's output is
     applied): no stale read, in-flight requests never preempted, and every request finishes (a preemption that
     evicted a higher-ranked request in place of an in-flight victim thrashed without end)."""
-    sched = make_scheduler(allocator, policy, num_blocks=w["num_blocks"], block_size=w["block_size"],
-                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
-                           max_model_len=w["max_model_len"],
-                           long_prefill_token_threshold=w["long_prefill_token_threshold"],
-                           enable_prefix_caching=w["caching"],
-                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0, kv_cache_groups=w["groups"])
-    arrivals = [Arrival(step, request(rid, tokens, max_tokens, priority, arrival=float(step)))
-                for rid, tokens, max_tokens, priority, step in w["reqs"]]
+    sched, arrivals = workload_scheduler(allocator, policy, mode, w)
     simulate(sched, arrivals, after_step=_invariants, batches_in_flight=2)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
@@ -203,13 +199,7 @@ def test_shadow_cache_with_lora_adapters(allocator: str, policy: str, mode: str,
     """Requests under LoRA adapters (0: the base model) sharing prefixes, ``max_loras=2``: no request reads K/V
     written under another adapter (the fingerprints are salted by adapter), no step holds more than two adapters,
     and every request finishes (``lora_affinity``'s aging bound on the engine's step clock included)."""
-    sched = make_scheduler(allocator, policy, num_blocks=w["num_blocks"], block_size=w["block_size"],
-                           max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
-                           max_model_len=w["max_model_len"],
-                           long_prefill_token_threshold=w["long_prefill_token_threshold"],
-                           enable_prefix_caching=w["caching"],
-                           swap_slots=w["num_blocks"] // 2 if mode == "swap" else 0, kv_cache_groups=w["groups"],
-                           max_loras=2)
+    sched, arrivals = workload_scheduler(allocator, policy, mode, w, loras=loras)
     steps = [0]
     sched.policy.use_clock(lambda: float(steps[0]))  # arrivals are step numbers: age on that clock
 
@@ -218,8 +208,6 @@ def test_shadow_cache_with_lora_adapters(allocator: str, policy: str, mode: str,
         assert len({r.lora_request.lora_int_id for r in out.scheduled_requests if r.lora_request}) <= 2
         steps[0] += 1
 
-    arrivals = [Arrival(step, request(rid, tokens, max_tokens, priority, arrival=float(step), lora=loras[i]))
-                for i, (rid, tokens, max_tokens, priority, step) in enumerate(w["reqs"])]
     simulate(sched, arrivals, after_step=check)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
