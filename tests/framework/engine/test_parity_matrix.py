@@ -1,7 +1,8 @@
 """Greedy parity with transformers (float32) for every registered allocator (paged once per eviction
 policy) x every registered scheduler policy, each pair under one preemption mode (recompute or swap,
 alternating so that every allocator and every policy runs both modes: all pairs of the three factors are
-covered), with chunked prefill, KV pressure (preemption) and shared-prefix prompts in one batch."""
+covered), with chunked prefill, KV pressure (preemption) and shared-prefix prompts in one batch. The full
+allocator x policy x mode product runs model-free in ``tests/framework/core/test_shadow_cache.py``."""
 
 from __future__ import annotations
 
