@@ -34,7 +34,8 @@ def compiled_llm():
     """One compiled engine for the module (the warm-up compiles three graphs, tens of seconds), with
     the CPU's bf16 default of prepacked oneDNN linears (the opaque ``servelab::prepacked_linear`` op,
     fused q/k/v; the one-row graph's traced GEMV) forced on in float32, so its greedy tokens must equal
-    transformers. Compiled ATen linears run in ``test_engines_keep_their_own_graphs``.
+    transformers. Compiled ATen linears run in ``test_engines_keep_their_own_graphs`` (dynamo's graphs) and
+    ``test_mla.py::test_compiled_latent_cache_matches_transformers`` (inductor's code).
 
     It is compiled the way ``engine.compile=auto`` (the default) does: eager first (gate/up fused, a
     generate that fills the prefix cache), then compiled before the ``generate`` call whose expected
@@ -120,11 +121,12 @@ def test_stacked_steps_run_the_layers_from_layer_0(compiled_llm, monkeypatch):
 def test_a_large_lm_head_gets_a_one_row_graph(monkeypatch):
     """A head of at least ``COMPILED_HEAD_MIN_BYTES`` (SmolLM2's 56 MiB; lowered here for stories260K's)
     adds a warm-up graph: one-row logits (batch-1 decode, a lone prefill) go through it, more rows run the
-    head eagerly, greedy tokens still equal transformers' and nothing recompiles."""
+    head eagerly, greedy tokens still equal transformers' and nothing recompiles. The graphs run as dynamo
+    traced them (``compile_backend=eager``: the routing is under test; ``compiled_llm`` runs inductor's code)."""
     from framework.compilation import decoder as compile_module
 
     monkeypatch.setattr(compile_module, "COMPILED_HEAD_MIN_BYTES", 0)
-    llm = LLM(model=STORIES, compile=True, prepack_linears=PREPACK)
+    llm = LLM(model=STORIES, compile=True, compile_backend="eager", prepack_linears=PREPACK)
     compiled = llm.engine.runner.compiled
     assert compiled.stats.num_graphs_warmup == 4  # prefill, 1-token, traced decode; the one-row head
     head, rows_seen = compiled._head, []
@@ -140,8 +142,10 @@ def test_a_large_lm_head_gets_a_one_row_graph(monkeypatch):
 def test_engines_keep_their_own_graphs(compiled_llm):
     """Graphs are dispatched without guards (``compile_regions.LayerGraphs``): a second compiled engine
     of the same model compiles graphs of its own (an entry per engine and layer kind), and both keep
-    transformers parity and no recompiles when they alternate."""
-    other = LLM(model=STORIES, compile=True, attention="torch", max_num_batched_tokens=24)
+    transformers parity and no recompiles when they alternate. The second engine's graphs run as dynamo traced
+    them (``compile_backend=eager``: the dispatch is under test; inductor's code for ATen linears and the
+    ``torch`` backend's opaque attention runs in ``test_mla.py``'s compiled test and ``test_freezing_parity``)."""
+    other = LLM(model=STORIES, compile=True, compile_backend="eager", attention="torch", max_num_batched_tokens=24)
     assert type(other.engine.runner.model.model.layers[0].self_attn).__name__ == "FusedQKVLlamaAttention"  # prepacked
     assert other.engine.runner.compile_stats.num_graphs_warmup == 2  # its own prefill and batch-1 graphs
     before = compiled_llm.engine.runner.compile_stats.num_recompiles

@@ -1,6 +1,8 @@
 """Greedy parity with transformers (float32) for every registered allocator (paged once per eviction
-policy) x every registered scheduler policy x preemption mode (recompute, swap), with chunked
-prefill, KV pressure (preemption) and shared-prefix prompts in one batch."""
+policy) x every registered scheduler policy, each pair under one preemption mode (recompute or swap,
+alternating so that every allocator and every policy runs both modes: all pairs of the three factors are
+covered), with chunked prefill, KV pressure (preemption) and shared-prefix prompts in one batch. The full
+allocator x policy x mode product runs model-free in ``tests/framework/core/test_shadow_cache.py``."""
 
 from __future__ import annotations
 
@@ -13,11 +15,23 @@ from plugins.kv_allocators._eviction import EVICTION_POLICIES
 POLICIES = sorted(registry.available("scheduler"))
 ALLOCATORS = [("paged", {"eviction": e}) for e in EVICTION_POLICIES] + [
     (name, {}) for name in sorted(registry.available("kv_allocator")) if name != "paged"]
+MODES = ("recompute", "swap")
+#: (allocator, policy, mode): every allocator x policy pair once, the mode alternating along both (a pairwise
+#: design: each allocator and each policy runs under both modes; the full product ran every pair twice)
+CASES = [pytest.param(allocator, policy, MODES[(i + j) % 2],
+                      id="-".join([allocator[0], *map(str, allocator[1].values()), policy, MODES[(i + j) % 2]]))
+         for i, allocator in enumerate(ALLOCATORS) for j, policy in enumerate(POLICIES)]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda a: "-".join([a[0], *map(str, a[1].values())]))
+def test_cases_cover_every_pair() -> None:
+    """The pairwise design's promise: every allocator x policy, allocator x mode and policy x mode pair runs."""
+    runs = [tuple(case.values) for case in CASES]
+    assert {(a[0], str(a[1]), p) for a, p, _ in runs} == {(a[0], str(a[1]), p) for a in ALLOCATORS for p in POLICIES}
+    assert {(a[0], str(a[1]), m) for a, _, m in runs} == {(a[0], str(a[1]), m) for a in ALLOCATORS for m in MODES}
+    assert {(p, m) for _, p, m in runs} == {(p, m) for p in POLICIES for m in MODES}
+
+
+@pytest.mark.parametrize(("allocator", "policy", "mode"), CASES)
 def test_allocator_x_policy_greedy_parity(make_llm, allocator, policy, mode):
     name, params = allocator
     swap = {"preemption_mode": "swap", "swap_space_bytes": 12 * 16 * 2 * 4 * 8 * 4 * 5} if mode == "swap" else {}

@@ -28,6 +28,10 @@ from framework.engine.builder import validate_plugins
 
 KERNEL = {"attention": "torch_paged",
           "attention_params": {"compile": False, "min_paged_decodes": 1, "paged_prefill": True}}
+#: ``torch_paged`` as the engines below run it: at ``max_num_seqs=4`` no step reaches the in-place kernel's
+#: ``min_paged_decodes=8``, so compiling it (inductor's start-up warm-up per layer kind, ~10-30 s of CPU) would
+#: only cost time; ``tests/plugins/attention/test_torch_paged.py`` compiles it
+EAGER_KERNEL = {"attention_params": {"compile": False}}
 
 
 def structure(layer) -> tuple:
@@ -99,8 +103,8 @@ def test_draft_model_of_a_refused_architecture_is_refused(tmp_path):
 def test_structured_output_on_a_family(make_llm):
     """Grammar masks apply to any family's logits (gpt-oss: windows, sinks, MoE): every constrained
     greedy output satisfies its constraint."""
-    llm = make_llm(model=str(tiny_model_dir("gpt_oss")), grammar="xgrammar", **{**ENGINE, "max_model_len": 128,
-                                                                                "num_blocks": 200})
+    llm = make_llm(model=str(tiny_model_dir("gpt_oss")), grammar="xgrammar", **EAGER_KERNEL,
+                   **{**ENGINE, "max_model_len": 128, "num_blocks": 200})
     kinds = ["choice", "regex"]
     params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(**{k: SPECS[k]}))
               for k in kinds]
@@ -119,7 +123,8 @@ def test_weight_quant_leaves_moe_experts_and_says_so(family, make_llm, caplog):
     still starts like the float model's. The MLA latent cache absorbs ``kv_b_proj`` as a float matrix and is
     refused with weight quantization, so this runs the expanded cache (``engine.mla_latent_cache=false``)."""
     with caplog.at_level(logging.INFO, logger="plugins.quant._common"):
-        llm = make_llm(model=str(tiny_model_dir(family)), quant="int8_wo", mla_latent_cache=False, **ENGINE)
+        llm = make_llm(model=str(tiny_model_dir(family)), quant="int8_wo", mla_latent_cache=False, **EAGER_KERNEL,
+                       **ENGINE)
     assert any("fused MoE expert tensors" in r.message for r in caplog.records)
     decoder = llm.engine.runner.model.get_decoder()
     assert type(decoder.layers[0].self_attn.o_proj).__name__ == "Int8PackedLinear"

@@ -1,11 +1,16 @@
 """Structured output on SmolLM2-135M with both grammar engines (slow): constraints hold for greedy and
-sampled outputs, and greedy equals transformers greedy under the same grammar mask."""
+sampled outputs, and greedy equals transformers greedy under the same grammar mask. One engine per
+grammar engine serves both checks (loading SmolLM2 is most of a check's time), and one transformers
+oracle serves both grammars."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 from grammar_helpers import SPECS, MaskProcessor, check_output
+from helpers import assert_all_blocks_free
 
 from framework import SamplingParams, StructuredOutputsParams
 
@@ -21,16 +26,33 @@ def smollm2_path() -> str:
     return resolve_model_path("smollm2")
 
 
-@pytest.mark.parametrize("grammar", ["xgrammar", "llguidance"])
-def test_constraints_hold_on_smollm2(make_llm, smollm2_path, grammar):
-    llm = make_llm(model=smollm2_path, dtype="float32", grammar=grammar, max_model_len=512)
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def grammar_llm(request: pytest.FixtureRequest, smollm2_path: str) -> Iterator:
+    """SmolLM2 (float32) under ``grammar=<param>``, shared by this module's tests of that grammar engine;
+    every KV block is back in the pool at the end."""
+    from framework import LLM
+
+    llm = LLM(model=smollm2_path, dtype="float32", grammar=request.param, max_model_len=512)
+    yield llm
+    assert_all_blocks_free(llm.engine)
+
+
+@pytest.fixture(scope="module")
+def oracle(smollm2_path: str):
+    """transformers' SmolLM2 (float32), loaded once for both grammars."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+def test_constraints_hold_on_smollm2(grammar_llm):
     kinds, params = [], []
     for seed, temperature in ((0, 0.0), (0, 1.0), (1, 1.0)):  # greedy once: a second seed gives the same tokens
         for kind, spec in SPECS.items():
             kinds.append(kind)
             params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=MAX_TOKENS,
                                          structured_outputs=StructuredOutputsParams(**{kind: spec})))
-    outs = llm.generate([PROMPT] * len(params), params)
+    outs = grammar_llm.generate([PROMPT] * len(params), params)
     for kind, out in zip(kinds, outs):
         completion = out.outputs[0]
         assert out.error is None, out.error
@@ -42,17 +64,15 @@ def test_constraints_hold_on_smollm2(make_llm, smollm2_path, grammar):
     assert all(o.outputs[0].finish_reason == "stop" for k, o in zip(kinds, outs) if k in ("regex", "choice", "grammar"))
 
 
-@pytest.mark.parametrize("grammar", ["xgrammar", "llguidance"])
-def test_greedy_matches_transformers_with_same_mask_smollm2(make_llm, smollm2_path, grammar):
-    from transformers import AutoModelForCausalLM, LogitsProcessorList
+def test_greedy_matches_transformers_with_same_mask_smollm2(grammar_llm, oracle):
+    from transformers import LogitsProcessorList
 
-    llm = make_llm(model=smollm2_path, dtype="float32", grammar=grammar, max_model_len=512)
+    llm = grammar_llm
     manager = llm.engine.structured_output
     so = StructuredOutputsParams(json=SPECS["json"])
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so))[0]
     ids = out.prompt_token_ids
     proc = MaskProcessor(manager.grammar, manager.grammar.compile(*so.kind_and_spec()), len(ids), manager.vocab_size)
-    oracle = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
     with torch.inference_mode():
         seq = oracle.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False,
                               attention_mask=torch.ones(1, len(ids), dtype=torch.long),
