@@ -47,7 +47,7 @@ def test_greedy_tree_output_equals_transformers(make_llm, shape, attention):
     the branchiest tree."""
     llm = make_llm(drafter="medusa", drafter_params={"model": STORIES_MEDUSA, "tree": TREES[shape]},
                    attention=attention, dtype="float32")
-    summary = _check(llm)
+    summary = _check(llm, max_tokens=24)  # every shape verifies trees and prunes them near max_tokens
     depth = max(len(p) for p in TREES[shape])
     assert 1.0 < summary["spec_mean_accepted_length"] <= depth + 1
     assert len(summary["spec_acceptance_by_position"]) == depth  # one rate per tree depth
