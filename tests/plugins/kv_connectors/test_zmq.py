@@ -79,6 +79,7 @@ class Producer:
     """A producer engine in a child process (:data:`_PRODUCER`)."""
 
     def __init__(self, prompts: list[str]) -> None:
+        self.shm_before = set(os.listdir("/dev/shm"))  # before the child starts
         self.proc = subprocess.Popen([sys.executable, "-c", _PRODUCER, json.dumps(ENGINE), json.dumps(prompts)],
                                      cwd=REPO, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -118,6 +119,16 @@ def plain():
     return LLM(**ENGINE)
 
 
+@pytest.fixture(scope="module")
+def producer():
+    """A producer child that prefilled :data:`PROMPTS`: the exact test pulls from it (the child exits once every
+    block is pulled), the killed-producer test then sends its ``kv_transfer_params`` to nobody."""
+    producer = Producer(PROMPTS)
+    yield producer
+    producer.proc.kill()
+    producer.proc.wait(timeout=30)
+
+
 def test_registered_and_bad_params_refused():
     names = []
     zmq_plugin.register_kv_connectors(register=lambda name, cls: names.append((name, cls)))
@@ -134,9 +145,7 @@ def test_passes_the_kv_connector_contract():
     check_kv_connector(ZmqConnector, backend, transfer_params=True)
 
 
-def test_producer_then_consumer_process_is_exact(plain):
-    shm_before = set(os.listdir("/dev/shm"))
-    producer = Producer(PROMPTS)
+def test_producer_then_consumer_process_is_exact(plain, producer):
     assert [len(p["remote_block_ids"]) for p in producer.params][2] == 0  # "Hi": nothing kept, nothing held
     consumer = _consumer()
     outputs = consumer.generate(PROMPTS, _with_params(producer.params))
@@ -151,7 +160,7 @@ def test_producer_then_consumer_process_is_exact(plain):
     _close_and_check(consumer)
     # zmq over TCP makes no shared-memory segment (sem.mp-*: multiprocessing semaphores of other processes on a
     # shared machine)
-    assert {f for f in set(os.listdir("/dev/shm")) - shm_before if not f.startswith("sem.mp-")} == set()
+    assert {f for f in set(os.listdir("/dev/shm")) - producer.shm_before if not f.startswith("sem.mp-")} == set()
 
 
 def test_injected_pull_failure_under_both_policies(plain):
@@ -175,8 +184,9 @@ def test_injected_pull_failure_under_both_policies(plain):
     assert producer.finish()["held_blocks"] == 0  # a failed pull still releases the producer's blocks
 
 
-def test_killed_producer_is_recomputed(plain):
-    producer = Producer(PROMPTS)
+def test_killed_producer_is_recomputed(plain, producer):
+    """The exact test's producer, killed (run alone, this test kills it holding every block; after the exact test it
+    has exited already): each pull times out against nobody and the consumer recomputes, token for token."""
     producer.proc.kill()
     producer.proc.wait(timeout=30)
     consumer = _consumer(kv_connector_params={"pull_timeout_s": 1.0})
