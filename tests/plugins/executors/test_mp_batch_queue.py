@@ -1,12 +1,11 @@
 """``executor=mp`` with ``pipeline_parallel_size=2`` and two batches in flight (vLLM's batch queue): stage 0 runs
 batch k+1 while stage 1 runs batch k. More requests of different lengths than ``max_num_seqs`` so batches really
-overlap; greedy float32 tokens equal transformers' (also TP=2 x PP=2, and the stages as Ray actors); an abort while
-in flight; the last stage (the driver rank) killed with a batch in flight fails every request and leaves no process
-or ``/dev/shm`` segment."""
+overlap; greedy float32 tokens equal transformers'; an abort while in flight; the last stage (the driver rank) killed
+with a batch in flight fails every request and leaves no process or ``/dev/shm`` segment. TP=2 x PP=2 and the stages
+as Ray actors, each with two batches in flight: ``test_mp_pipeline.py``."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import time
@@ -89,28 +88,3 @@ def test_last_stage_killed_with_a_batch_in_flight_fails_cleanly():
     assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in info.value.outputs)
     assert len(engine.batches) == 0 and engine.executor.num_steps_in_flight == 0
     assert wait_for_nothing_left(shm_before, pids) == ([], []), "a stage process or a segment outlived the failure"
-
-
-def test_tp2_x_pp2_two_batches_in_flight_keep_parity():
-    llm = LLM(**{**ENGINE, "tensor_parallel_size": 2})
-    try:
-        assert llm.engine.executor.world_size == 4 and llm.engine.batches.max_batches == 2
-        ids = _ids(llm, STORY_PROMPTS[:4])
-        outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=8))
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 8)
-        assert llm.engine.batches.peak_in_flight == 2
-    finally:
-        llm.engine.shutdown()
-
-
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed")
-def test_ray_pp2_two_batches_in_flight_keep_parity():
-    llm = LLM(**{**ENGINE, "executor": "ray", "executor_params": {"num_cpus_per_worker": 0.5}})
-    try:
-        assert llm.engine.executor.max_concurrent_batches == 2
-        ids = _ids(llm, STORY_PROMPTS[:4])
-        outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=8))
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(STORIES, ids, 8)
-        assert llm.engine.batches.peak_in_flight == 2 and llm.engine.executor.num_steps_in_flight == 0
-    finally:
-        llm.engine.shutdown()

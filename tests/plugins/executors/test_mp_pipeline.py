@@ -1,11 +1,12 @@
 """``executor=mp`` (and ``ray``) with ``parallel.pipeline_parallel_size``: stages of stories260K's 5 layers in
-worker processes, hidden states handed stage to stage, one batch in flight.
+worker processes, hidden states handed stage to stage, a batch per stage in flight.
 
-Greedy float32 tokens equal transformers' for PP=2 and PP=3, with vLLM's split and an explicit
-``pp_layer_partition``, TP=2 x PP=2 (4 ranks), and SmolLM2 at PP=2 (``slow``), over a workload that
-chunks prefills, hits the prefix cache and swaps preempted requests out and back. Each stage holds
-only its own layers' KV tensors. Refusals come before any rank starts; a killed stage fails every
-request in flight and leaves no process or ``/dev/shm`` segment.
+Greedy float32 tokens equal transformers' for PP=2 (vLLM's split) and PP=3 (an explicit ``pp_layer_partition``,
+honoured by each stage), TP=2 x PP=2 (4 ranks, two batches in flight), the stages as Ray actors, and SmolLM2 at
+PP=2 (``slow``), over a workload that chunks prefills, hits the prefix cache and swaps preempted requests out and
+back. Each stage holds only its own layers' KV tensors. Refusals come before any rank starts; a killed stage fails
+every request in flight and leaves no process or ``/dev/shm`` segment. The split's arithmetic (every size, the
+override) is ``tests/framework/model_executor/test_pipeline_parallel.py``'s.
 """
 
 from __future__ import annotations
@@ -74,11 +75,15 @@ def _stage_info(worker) -> dict:
             "missing": sorted(n for n, m in model.named_modules() if isinstance(m, PPMissingLayer))}
 
 
-@pytest.mark.parametrize(("pp", "partition"), [(3, ""), (2, "4,1"), (3, "1,1,3")])
-def test_more_stages_and_explicit_partitions_keep_parity(pp, partition):
-    llm = LLM(executor="mp", pipeline_parallel_size=pp, pp_layer_partition=partition, **PP_ENGINE)
+def test_three_stages_with_an_explicit_partition_keep_parity():
+    """PP=3: a middle stage both receives and hands on hidden states; ``pp_layer_partition="1,1,3"`` reaches every
+    stage (each builds and caches only its layers)."""
+    llm = LLM(executor="mp", pipeline_parallel_size=3, pp_layer_partition="1,1,3", **PP_ENGINE)
     try:
-        _check_parity(llm, f"pipeline_parallel_size={pp} pp_layer_partition={partition!r}")
+        info = llm.engine.executor.collective_rpc(_stage_info)
+        assert [i["stage_layers"] for i in info] == [(0, 1), (1, 2), (2, 5)]
+        assert [i["kv_tensors"] for i in info] == [1, 1, 3]
+        _check_parity(llm, "pipeline_parallel_size=3 pp_layer_partition='1,1,3'")
     finally:
         llm.engine.shutdown()
 
@@ -90,18 +95,22 @@ def test_tp2_x_pp2_on_four_ranks_keeps_parity():
         assert executor.world_size == 4 and executor.driver_rank == 2
         info = executor.collective_rpc("rank_info")
         assert [i["num_heads"] for i in info] == [4, 4, 4, 4]  # each stage's 8 heads over its 2 TP ranks
+        assert llm.engine.batches.max_batches == 2
         _check_parity(llm, "tensor_parallel_size=2 x pipeline_parallel_size=2")
+        # stage 0 ran a batch while stage 1 ran the one before, on four ranks (test_mp_batch_queue.py: TP=1)
+        assert llm.engine.batches.peak_in_flight == 2 and llm.engine.executor.num_steps_in_flight == 0
     finally:
         llm.engine.shutdown()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed")
 def test_ray_pp2_greedy_parity():
-    """The same stages as Ray actors: the last stage's first rank replies."""
+    """The same stages as Ray actors: the last stage's first rank replies, two batches in flight."""
     llm = LLM(executor="ray", pipeline_parallel_size=2, executor_params={"num_cpus_per_worker": 0.5}, **PP_ENGINE)
     try:
-        assert llm.engine.executor.driver_rank == 1
+        assert llm.engine.executor.driver_rank == 1 and llm.engine.executor.max_concurrent_batches == 2
         _check_parity(llm, "executor=ray pipeline_parallel_size=2")
+        assert llm.engine.batches.peak_in_flight == 2 and llm.engine.executor.num_steps_in_flight == 0
     finally:
         llm.engine.shutdown()
 

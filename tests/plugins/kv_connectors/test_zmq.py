@@ -31,6 +31,9 @@ ENGINE = dict(model=MODEL, dtype="float32", compile=False, block_size=BLOCK, num
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 PROMPTS = ["Once upon a time there was a little girl named Lily who loved to play in the park",
            "Tom had a big red ball and a small dog", "Hi"]  # "Hi": shorter than one block
+# three more, no block in common with PROMPTS (the producer's prefix cache would share it between two consumers)
+OTHER_PROMPTS = ["Max liked to run after the big ball in the garden with his sister every day",
+                 "A small bird sat on the tree and sang", "Yes"]
 
 # The producer engine: prefills PROMPTS (max_tokens=1, as a P/D prefill does), prints their kv_transfer_params as
 # one JSON line, then steps until every held block is pulled (or times out) and prints what it still holds.
@@ -76,6 +79,7 @@ class Producer:
     """A producer engine in a child process (:data:`_PRODUCER`)."""
 
     def __init__(self, prompts: list[str]) -> None:
+        self.shm_before = set(os.listdir("/dev/shm"))  # before the child starts
         self.proc = subprocess.Popen([sys.executable, "-c", _PRODUCER, json.dumps(ENGINE), json.dumps(prompts)],
                                      cwd=REPO, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -115,6 +119,16 @@ def plain():
     return LLM(**ENGINE)
 
 
+@pytest.fixture(scope="module")
+def producer():
+    """A producer child that prefilled :data:`PROMPTS`: the exact test pulls from it (the child exits once every
+    block is pulled), the killed-producer test then sends its ``kv_transfer_params`` to nobody."""
+    producer = Producer(PROMPTS)
+    yield producer
+    producer.proc.kill()
+    producer.proc.wait(timeout=30)
+
+
 def test_registered_and_bad_params_refused():
     names = []
     zmq_plugin.register_kv_connectors(register=lambda name, cls: names.append((name, cls)))
@@ -131,9 +145,7 @@ def test_passes_the_kv_connector_contract():
     check_kv_connector(ZmqConnector, backend, transfer_params=True)
 
 
-def test_producer_then_consumer_process_is_exact(plain):
-    shm_before = set(os.listdir("/dev/shm"))
-    producer = Producer(PROMPTS)
+def test_producer_then_consumer_process_is_exact(plain, producer):
     assert [len(p["remote_block_ids"]) for p in producer.params][2] == 0  # "Hi": nothing kept, nothing held
     consumer = _consumer()
     outputs = consumer.generate(PROMPTS, _with_params(producer.params))
@@ -148,29 +160,33 @@ def test_producer_then_consumer_process_is_exact(plain):
     _close_and_check(consumer)
     # zmq over TCP makes no shared-memory segment (sem.mp-*: multiprocessing semaphores of other processes on a
     # shared machine)
-    assert {f for f in set(os.listdir("/dev/shm")) - shm_before if not f.startswith("sem.mp-")} == set()
+    assert {f for f in set(os.listdir("/dev/shm")) - producer.shm_before if not f.startswith("sem.mp-")} == set()
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_injected_pull_failure(plain, policy):
-    """The first request asks for a block the producer does not hold: its pull fails, the others load."""
-    producer = Producer(PROMPTS)
-    params = [dict(p) for p in producer.params]
-    params[0]["remote_block_ids"] = [params[0]["remote_block_ids"][0], 10_000] + params[0]["remote_block_ids"][2:]
-    consumer = _consumer(kv_load_failure_policy=policy)
-    outputs = consumer.generate(PROMPTS, _with_params(params))
-    want = _tokens(plain.generate(PROMPTS, GREEDY))
-    if policy == "recompute":
-        assert _tokens(outputs) == want and all(o.error is None for o in outputs)
-    else:
-        assert outputs[0].outputs[0].finish_reason == "abort" and "failed to load" in outputs[0].error
-        assert _tokens(outputs[1:]) == want[1:] and all(o.error is None for o in outputs[1:])
+def test_injected_pull_failure_under_both_policies(plain):
+    """Each policy's consumer gets its own three prefills of one producer (prompts sharing no block); in each the
+    first request asks for a block the producer does not hold: its pull fails, the others load. ``recompute``
+    recomputes it, ``fail`` aborts it alone."""
+    producer = Producer(PROMPTS + OTHER_PROMPTS)
+    for policy, prompts, params in [("recompute", PROMPTS, producer.params[:3]),
+                                    ("fail", OTHER_PROMPTS, producer.params[3:])]:
+        params = [dict(p) for p in params]
+        params[0]["remote_block_ids"] = [params[0]["remote_block_ids"][0], 10_000] + params[0]["remote_block_ids"][2:]
+        consumer = _consumer(kv_load_failure_policy=policy)
+        outputs = consumer.generate(prompts, _with_params(params))
+        want = _tokens(plain.generate(prompts, GREEDY))
+        if policy == "recompute":
+            assert _tokens(outputs) == want and all(o.error is None for o in outputs)
+        else:
+            assert outputs[0].outputs[0].finish_reason == "abort" and "failed to load" in outputs[0].error
+            assert _tokens(outputs[1:]) == want[1:] and all(o.error is None for o in outputs[1:])
+        _close_and_check(consumer)
     assert producer.finish()["held_blocks"] == 0  # a failed pull still releases the producer's blocks
-    _close_and_check(consumer)
 
 
-def test_killed_producer_is_recomputed(plain):
-    producer = Producer(PROMPTS)
+def test_killed_producer_is_recomputed(plain, producer):
+    """The exact test's producer, killed (run alone, this test kills it holding every block; after the exact test it
+    has exited already): each pull times out against nobody and the consumer recomputes, token for token."""
     producer.proc.kill()
     producer.proc.wait(timeout=30)
     consumer = _consumer(kv_connector_params={"pull_timeout_s": 1.0})

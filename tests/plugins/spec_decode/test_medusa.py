@@ -5,6 +5,8 @@ Medusa layout (``.safetensors`` and ``.pt``) loads; misconfigurations are refuse
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -38,12 +40,14 @@ def _check(llm, prompts=PROMPTS, max_tokens=40):
     return summary
 
 
-@pytest.mark.parametrize("shape", list(TREES))
-@pytest.mark.parametrize("attention", ["torch_paged", "torch"])
+@pytest.mark.parametrize(("attention", "shape"), [("torch_paged", shape) for shape in TREES]
+                         + [("torch", "chain"), ("torch", "deep_branch")])
 def test_greedy_tree_output_equals_transformers(make_llm, shape, attention):
+    """Every tree shape on ``torch_paged``; ``torch`` (the same tree mask, another attention path) with a chain and
+    the branchiest tree."""
     llm = make_llm(drafter="medusa", drafter_params={"model": STORIES_MEDUSA, "tree": TREES[shape]},
                    attention=attention, dtype="float32")
-    summary = _check(llm)
+    summary = _check(llm, max_tokens=24)  # every shape verifies trees and prunes them near max_tokens
     depth = max(len(p) for p in TREES[shape])
     assert 1.0 < summary["spec_mean_accepted_length"] <= depth + 1
     assert len(summary["spec_acceptance_by_position"]) == depth  # one rate per tree depth
@@ -126,20 +130,32 @@ class _FixedTreePlugin:
         register("fixed_tree", _FixedTree)
 
 
+@functools.cache
+def _chain_distribution():
+    """``test_spec_distribution.py`` (the chain drafters' test), imported once (``--import-mode=importlib``)."""
+    spec = importlib.util.spec_from_file_location("chain_distribution", Path(__file__).with_name(
+        "test_spec_distribution.py"))
+    chain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chain)
+    return chain
+
+
+@functools.cache
+def _exact_joint(prompt_ids: tuple[int, ...]) -> dict[tuple[int, ...], float]:
+    """The target's exact joint of the first three tokens after ``prompt_ids``, computed once for the three drafters."""
+    return _chain_distribution()._exact_joint(list(prompt_ids))
+
+
 @pytest.mark.parametrize("drafter", ["medusa", "fixed_tree", "eagle"])
 def test_tree_sampling_keeps_target_distribution(make_llm, drafter):
     """Chi-square of the first three sampled tokens against the exact target joint (the chain drafters' test in
     test_spec_distribution.py, same power: 3,000 samples, every bin with >= 5 expected): a Medusa tree, a poor fixed
     tree and EAGLE-2 dynamic trees."""
     import collections
-    import importlib.util
     import math
 
-    spec = importlib.util.spec_from_file_location("chain_distribution", Path(__file__).with_name(
-        "test_spec_distribution.py"))
-    chain = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chain)
-    NUM_SAMPLES, PROMPT, _chi_square, _exact_joint = chain.NUM_SAMPLES, chain.PROMPT, chain._chi_square, chain._exact_joint  # noqa: N806
+    chain = _chain_distribution()
+    NUM_SAMPLES, PROMPT, _chi_square = chain.NUM_SAMPLES, chain.PROMPT, chain._chi_square  # noqa: N806
 
     params = {"medusa": {"model": STORIES_MEDUSA, "tree": TREES["medusa"]}, "fixed_tree": {},
               "eagle": {"model": str(Path(STORIES).parent / "stories260K-eagle"), "tree": "dynamic", "topk": 3,
@@ -150,7 +166,7 @@ def test_tree_sampling_keeps_target_distribution(make_llm, drafter):
     sp = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=1000 + i) for i in range(NUM_SAMPLES)]
     outs = llm.generate([{"prompt_token_ids": ids}] * NUM_SAMPLES, sp)
     counts = collections.Counter(tuple(o.outputs[0].token_ids[:3]) for o in outs)
-    stat, df = _chi_square(counts, _exact_joint(ids), NUM_SAMPLES)
+    stat, df = _chi_square(counts, _exact_joint(tuple(ids)), NUM_SAMPLES)
     assert df > 10, "too few bins for a meaningful test"
     assert stat < df + 5 * math.sqrt(2 * df), f"chi-square {stat:.1f} with {df} dof: not the target distribution"
     summary = llm.engine.metrics.summary()
