@@ -22,7 +22,7 @@ def test_train_eagle_writes_a_usable_head(tmp_path, capsys):
     from experiments.quality import train_eagle
 
     out = tmp_path / "head"
-    train_eagle.main(["--model", STORIES, "--out", str(out), "--num-sequences", "16", "--max-tokens", "24",
+    train_eagle.main(["--model", STORIES, "--out", str(out), "--num-sequences", "8", "--max-tokens", "16",
                       "--epochs", "1", "--gen-dtype", "float32", "--batch-size", "4"])
     printed = capsys.readouterr().out
     assert "held-out first-draft top-1" in printed and (out / "config.json").is_file()
@@ -240,9 +240,9 @@ def test_eval_parity_compares_both_backends(tmp_path, capsys):
     pytest.importorskip("lm_eval")
     from experiments.quality import eval_parity
 
-    record = eval_parity.main(["--model", STORIES, "--num-mc", "3", "--num-ppl", "2", "--num-gen", "2",
+    record = eval_parity.main(["--model", STORIES, "--num-mc", "2", "--num-ppl", "1", "--num-gen", "1",
                                "--out", str(tmp_path)])
-    assert record["num_docs"] == {"servelab_mc_large": 3, "servelab_ppl_large": 2, "servelab_gen_large": 2}
+    assert record["num_docs"] == {"servelab_mc_large": 2, "servelab_ppl_large": 1, "servelab_gen_large": 1}
     # a rolling document's loglikelihood sums hundreds of float32 log-probs, reduced in another order by each
     # backend and each CPU's kernels: 1.2e-4 apart under AVX2 (ATEN_CPU_CAPABILITY=avx2), 4e-6 with AVX-512;
     # a wrong engine is off by whole nats
@@ -308,8 +308,8 @@ def test_soak_serving_smoke(tmp_path, capsys):
     from experiments.serving import soak_serving
 
     out = tmp_path / "soak.json"
-    result = soak_serving.main(["--model", "stories260K", "--duration-s", "4", "--concurrency", "4",
-                                "--burst-every-s", "2", "--burst-size", "8", "--max-tokens", "12",
+    result = soak_serving.main(["--model", "stories260K", "--duration-s", "2", "--concurrency", "4",
+                                "--burst-every-s", "1", "--burst-size", "8", "--max-tokens", "12",
                                 "--json-out", str(out), "--", "engine.compile=false", EAGER_KERNEL])  # eager: not a compile test
     assert result["ok"], result
     assert result["num_requests"] > 0 and result["outcomes"]["unexpected"] == 0 and out.is_file()
@@ -361,7 +361,7 @@ def test_sim_fidelity_run_compares_a_real_and_a_simulated_run(tmp_path, capsys):
 def test_sim_routers_runs_every_router_over_simulated_replicas(tmp_path):
     from experiments.sim import sim_routers
 
-    rows = sim_routers.main(["--replicas", "2", "--requests-per-replica", "8", "--workloads", "shared_prefix,multi_turn",
+    rows = sim_routers.main(["--replicas", "2", "--requests-per-replica", "2", "--workloads", "shared_prefix,multi_turn",
                              "--json-out", str(tmp_path / "routers.json")])
     assert len(rows) == 2 * len(sim_routers.ROUTERS.split(","))
     for row in rows:
@@ -374,10 +374,10 @@ def test_sim_routers_runs_every_router_over_simulated_replicas(tmp_path):
 def test_sim_scale_runs_the_ablation_and_plots(tmp_path):
     from experiments.sim import sim_scale
 
-    rows = sim_scale.main(["--num-requests", "120", "--num-prefixes", "4", "--prefix-len", "256", "--output-len", "16",
+    rows = sim_scale.main(["--num-requests", "24", "--num-prefixes", "4", "--prefix-len", "256", "--output-len", "8",
                            "--schedulers", "fcfs,lpm", "--allocators", "paged,contiguous", "--json-out",
                            str(tmp_path / "scale.json"), "--plot-dir", str(tmp_path)])
-    assert len(rows) == 4 and all(r["summary"]["num_requests"] == 120 for r in rows)
+    assert len(rows) == 4 and all(r["summary"]["num_requests"] == 24 for r in rows)
     assert all(r["summary"]["sim_profile"] == "analytic:h100" for r in rows)
     assert (tmp_path / "sim_scale_ablation.png").is_file() and (tmp_path / "sim_scale_kv_usage.png").is_file()
 

@@ -5,7 +5,8 @@ ones are dropped at import, each with its reason: ``framework/known_warnings.py`
 "Failed to load ..._C_mxfp8" lines in every process, torch's ``_pytree`` deprecation warnings and the
 resource tracker's ``KeyError: '/psm_...'`` traceback at every two-rank start.
 
-Both commands run at once (two processes); the plain run takes the workload's first 8 prompts, 8 tokens each."""
+Both commands run at once (two processes), each on the workload's first 8 prompts, 8 tokens each (the whole
+workload adds decode steps, not start-up or shutdown lines)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,11 @@ def _unexpected(proc: subprocess.Popen) -> tuple[int, list[str]]:
 def test_readme_commands_show_no_traceback_and_no_warning(tmp_path):
     import importlib.util
 
-    runs = {"tp2": _start(tmp_path, "tp2", "model=stories260K", "parallel.tensor_parallel_size=2", "tracker=none")}
+    short = ("sampling.max_tokens=8", "workload.limit=8")
+    runs = {"tp2": _start(tmp_path, "tp2", "model=stories260K", "parallel.tensor_parallel_size=2", "tracker=none",
+                          *short)}
     if importlib.util.find_spec(SMOLLM2_PACKAGE) is not None:
-        runs["plain"] = _start(tmp_path, "plain", "sampling.max_tokens=8", "workload.limit=8")
+        runs["plain"] = _start(tmp_path, "plain", *short)
     try:
         results = {name: _unexpected(proc) for name, proc in runs.items()}
     finally:

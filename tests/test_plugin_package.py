@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
 from helpers import EAGER_KERNEL, STORIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,8 +37,10 @@ def test_example_package_installs_runs_passes_conformance_and_uninstalls_cleanly
         assert record["plugins"]["scheduler"]["name"] == "lifo"
         assert record["plugins"]["scheduler"]["package"] == "servelab-plugin-example"
         assert record["plugins"]["kv_allocator"]["class"].endswith("PeakPagedKVAllocator")
-        search = run("run.py", "--info", "searchpath")
-        assert "pkg://servelab_plugin_example.conf" in search.stdout  # its Hydra defaults, no file copied here
+        # its Hydra defaults on the search path, no file copied here (the run's record of ``--info searchpath``)
+        hydra_yaml = yaml.safe_load((tmp_path / "run" / ".hydra" / "hydra.yaml").read_text())
+        sources = hydra_yaml["hydra"]["runtime"]["config_sources"]
+        assert {"path": "servelab_plugin_example.conf", "schema": "pkg", "provider": "servelab-plugin-example"} in sources
         tests = run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests"), cwd=tmp_path)
         assert tests.returncode == 0, tests.stdout[-3000:]
     finally:

@@ -12,6 +12,7 @@ from helpers import EAGER_KERNEL
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Once upon a time", "The little dog ran to the park and", "Lily wanted to play with her friend Tom."]
+LONG_PROMPT = "the cat sat on the mat " * 200  # > 512 tokens: over stories260K's max_model_len
 
 
 def run_cli(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -21,21 +22,23 @@ def run_cli(*overrides: str, timeout: float = 300) -> subprocess.CompletedProces
                           timeout=timeout)
 
 
-def test_offline_run_writes_everything(tmp_path):
+def test_offline_run_writes_everything_and_records_a_rejected_prompt(tmp_path):
+    """One run: three prompts served, a fourth over ``max_model_len`` recorded as rejected while the others run."""
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
+    prompts.write_text("\n".join([*PROMPTS, LONG_PROMPT]) + "\n")
     run_dir = tmp_path / "run"
     proc = run_cli("model=stories260K", "workload=prompts", f"workload.path={prompts}", "workload.chat=false",
                    "sampling.temperature=0", "sampling.max_tokens=16", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    records = [json.loads(line) for line in (run_dir / "outputs.jsonl").read_text().splitlines()]
+    *records, rejected = [json.loads(line) for line in (run_dir / "outputs.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in records] == PROMPTS
     for r in records:
         assert {"request_id", "prompt", "text", "token_ids", "finish_reason", "error", "metrics"} <= set(r)
         assert r["finish_reason"] in ("stop", "length") and r["error"] is None
         assert 1 <= len(r["token_ids"]) <= 16
         assert r["metrics"]["num_output_tokens"] == len(r["token_ids"]) and r["metrics"]["ttft_s"] > 0
+    assert rejected["finish_reason"] == "abort" and "max_model_len" in rejected["error"]
 
     summary = json.loads((run_dir / "metrics.json").read_text())
     for key in ("num_requests", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
@@ -43,27 +46,13 @@ def test_offline_run_writes_everything(tmp_path):
                 "peak_kv_cache_usage", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "forward_frac",
                 "num_rejected"):
         assert key in summary, key
-    assert summary["num_requests"] == len(PROMPTS) and summary["num_rejected"] == 0
+    assert summary["num_requests"] == len(PROMPTS) and summary["num_rejected"] == 1
     assert summary["total_output_tokens"] == sum(len(r["token_ids"]) for r in records)
 
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     assert "path: stories260K" in (run_dir / "resolved_config.yaml").read_text()
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
     assert "request_throughput" in proc.stdout  # the summary table
-
-
-def test_rejected_prompt_is_recorded_and_others_run(tmp_path):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Once upon a time\n" + "the cat sat on the mat " * 200 + "\n")  # > 512 tokens
-    run_dir = tmp_path / "run"
-    proc = run_cli("model=stories260K", f"workload.path={prompts}", "workload.chat=false", "sampling.max_tokens=4",
-                   "tracker=none", f"hydra.run.dir={run_dir}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ok, rejected = [json.loads(line) for line in (run_dir / "outputs.jsonl").read_text().splitlines()]
-    assert ok["finish_reason"] in ("stop", "length") and ok["error"] is None
-    assert rejected["finish_reason"] == "abort" and "max_model_len" in rejected["error"]
-    assert json.loads((run_dir / "metrics.json").read_text())["num_rejected"] == 1
-    assert not (run_dir / "wandb").exists()
 
 
 def _assert_config_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -106,6 +95,7 @@ def test_shared_prefix_run_reports_kv_metrics_and_timeline(tmp_path):
     assert summary["prefix_cache_hit_rate"] <= summary["theoretical_prefix_hit_rate"] + 1e-9
     header = (run_dir / "steps.csv").read_text().splitlines()[0]
     assert "kv_cache_usage" in header and "num_running_reqs" in header
+    assert not (run_dir / "wandb").exists()  # tracker=none
 
 
 def test_bad_arrivals_fail_before_weights_load(tmp_path):
