@@ -149,6 +149,18 @@ class MetricsCollector:
         self._first_s: float | None = None  # clock reading at the start of the first observed step
         self._last_s: float | None = None  # clock reading at the last observation
 
+    # what the engine sets once at build or start (not counters): kept by reset()
+    _ENGINE_SET = ("model_info", "kv_cache_info", "compile_stats", "expert_load", "compile_info", "clock", "run_labels")
+
+    def reset(self) -> None:
+        """Zero every counter and record (e.g. after a benchmark's warm-up), keeping what the engine set at build and
+        start: model and KV cache info, the live compile stats and expert load, the compile decision, the clock and
+        the run labels (re-running ``__init__`` dropped them: a later ``engine.compile=auto`` compile then failed on
+        the missing compile stats)."""
+        kept = {name: getattr(self, name) for name in self._ENGINE_SET}
+        self.__init__(self.slo_ttft_ms, self.slo_tpot_ms, self.max_records)
+        self.__dict__.update(kept)
+
     def _touch(self, start_s: float) -> None:
         now = self.clock.now()
         self._first_s = start_s if self._first_s is None else min(self._first_s, start_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -194,3 +195,19 @@ def test_kv_transfers_hand_checked():
     assert s["mean_kv_transfer_bytes"] == pytest.approx(4000 / 3)
     empty = MetricsCollector().summary()
     assert empty["num_kv_transfers"] == 0 and empty["kv_transfer_gb_per_s"] is None and empty["p99_kv_transfer_ms"] is None
+
+
+def test_reset_zeroes_the_counters_and_keeps_what_the_engine_set():
+    """A benchmark resets after its warm-up: counters and records go, the engine's build-time fields stay (a later
+    ``engine.compile=auto`` compile reads ``compile_stats``; the summary reports the model and KV cache)."""
+    c = MetricsCollector(slo_ttft_ms=800, max_records=5)
+    c.model_info, c.kv_cache_info = {"dtype": "float32"}, {"kv_cache_num_blocks": 7}
+    c.compile_stats, c.compile_info = SimpleNamespace(enabled=False), {"compile_mode": "auto"}
+    c.run_labels = {"simulated": True, "sim_profile": None}
+    engine_set = {name: getattr(c, name) for name in MetricsCollector._ENGINE_SET}
+    c.observe_step(stats(1, 0.5, 0.0, 1))
+    c.observe_finished(as_output(make_request(**REQ_A)))
+    c.reset()
+    assert c.num_steps == 0 and not c.completed and not c.timeline and c.summary()["num_requests"] == 0
+    assert c.slo_ttft_ms == 800 and c.max_records == 5
+    assert all(getattr(c, name) is value for name, value in engine_set.items())
