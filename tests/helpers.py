@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from pathlib import Path
 
 import pluggy
@@ -248,3 +250,13 @@ def servelab_processes(root_pid: int, prefix: str) -> list:
         except psutil.Error:
             continue
     return sorted(found, key=lambda p: p.create_time())
+
+
+@functools.cache
+def sibling_test_module(test_file: str, name: str):
+    """Test module ``name`` (a file name) from ``test_file``'s folder, imported once per process: under
+    ``--import-mode=importlib`` test files are no package, so one test file reuses another's helpers this way."""
+    spec = importlib.util.spec_from_file_location(Path(name).stem, Path(test_file).with_name(name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -143,13 +143,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then admissions from waiting.
 
-        Mutates: ``running``/``waiting``, request status, KV ownership (through the allocator).
-        ``num_computed_tokens`` is advanced in :meth:`update_from_output`, except for prefix-cache
-        hits, which count as computed at admission.
+        Mutates: ``running``/``waiting``, request status, KV ownership (through the allocator). ``num_computed_tokens``
+        is advanced in :meth:`update_from_output`, except for prefix-cache hits, which count as computed at admission.
         """
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        preempted: set[str] = set()
+        budget, num_scheduled, preempted = self.max_num_batched_tokens, {}, set()  # preempted: request ids
         # keys may change over time (aging, prefix hits, the running set's adapters): rank afresh every step
         self.policy.observe_running(self.running)
         self.waiting = self.policy.sort_waiting(self.waiting)
@@ -185,9 +182,8 @@ class Scheduler:
                 budget -= num_new
                 idx += 1
                 continue
-            if stalled:  # skipped this step; it keeps its blocks
-                idx = self.running.index(request) + 1
-            # else the request preempted itself; the list shifted, idx points at the next one
+            # stalled: skipped this step, it keeps its blocks; else it preempted itself and the list shifted
+            idx = self.running.index(request) + 1 if stalled else idx
 
         if len(preempted) == num_preempted_for_waiting and not waits_for_kv:  # as vLLM: no admissions when KV ran out
             budget = self._admit_waiting(budget, num_scheduled)

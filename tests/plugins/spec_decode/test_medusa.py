@@ -6,12 +6,11 @@ Medusa layout (``.safetensors`` and ``.pt``) loads; misconfigurations are refuse
 from __future__ import annotations
 
 import functools
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import STORIES, hf_greedy
+from helpers import STORIES, hf_greedy, sibling_test_module
 
 from framework import SamplingParams, hookimpl, registry
 from framework.core.spec_tree import DraftTree, parse_tree_paths, paths_parents
@@ -130,14 +129,9 @@ class _FixedTreePlugin:
         register("fixed_tree", _FixedTree)
 
 
-@functools.cache
 def _chain_distribution():
-    """``test_spec_distribution.py`` (the chain drafters' test), imported once (``--import-mode=importlib``)."""
-    spec = importlib.util.spec_from_file_location("chain_distribution", Path(__file__).with_name(
-        "test_spec_distribution.py"))
-    chain = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chain)
-    return chain
+    """``test_spec_distribution.py`` (the chain drafters' test), imported once."""
+    return sibling_test_module(__file__, "test_spec_distribution.py")
 
 
 @functools.cache

@@ -6,12 +6,11 @@ unchanged, and ``metrics.json`` labels the run; bad thresholds are refused befor
 from __future__ import annotations
 
 import collections
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
-from helpers import STORIES
+from helpers import STORIES, sibling_test_module
 
 from framework import LLM, SamplingParams
 
@@ -21,11 +20,8 @@ NUM_SAMPLES = 1000
 
 
 def _chain_distribution():
-    spec = importlib.util.spec_from_file_location("chain_distribution", Path(__file__).with_name(
-        "test_spec_distribution.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``test_spec_distribution.py`` (the chain drafters' test), imported once."""
+    return sibling_test_module(__file__, "test_spec_distribution.py")
 
 
 def _sample(make_llm, acceptance: str):
