@@ -50,6 +50,12 @@ class SchedulerOutput:
         """True when nothing is scheduled and nothing is swapped (the runner is not called)."""
         return self.total_num_scheduled_tokens == 0 and not self.swap_out and not self.swap_in
 
+    @property
+    def reaches_workers(self) -> bool:
+        """True when the step must go to the workers: it schedules or swaps something, or it carries finished or
+        preempted ids (the ranks drop or re-table those requests)."""
+        return not self.is_empty or bool(self.finished_req_ids or self.preempted_req_ids)
+
 
 @dataclass
 class ModelRunnerOutput:

@@ -146,15 +146,16 @@ class Scheduler:
         Mutates: ``running``/``waiting``, request status, KV ownership (through the allocator). ``num_computed_tokens``
         is advanced in :meth:`update_from_output`, except for prefix-cache hits, which count as computed at admission.
         """
-        budget, num_scheduled, preempted = self.max_num_batched_tokens, {}, set()  # preempted: request ids
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        preempted: set[str] = set()
         # keys may change over time (aging, prefix hits, the running set's adapters): rank afresh every step
         self.policy.observe_running(self.running)
         self.waiting = self.policy.sort_waiting(self.waiting)
         self._preempt_for_waiting(preempted)
-        num_preempted_for_waiting = len(preempted)
 
         scheduled_running: list[Request] = []
-        waits_for_kv = False  # a request's blocks must come from a victim whose step is in flight: no admissions
+        kv_ran_out = False  # a running request found no free block (it preempted, or waits for an in-flight victim)
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
@@ -164,9 +165,10 @@ class Scheduler:
                 continue
             stalled = False
             while self.kv.allocate_slots(request, num_new) is None:
+                kv_ran_out = True
                 victim = self.policy.select_victim(self.running)
                 if victim.request_id in self.in_flight:  # never evict past it: wait until its batch is back
-                    stalled = waits_for_kv = True
+                    stalled = True
                     break
                 self._preempt(victim, preempted)
                 if victim in scheduled_running:  # give back its tokens
@@ -182,10 +184,11 @@ class Scheduler:
                 budget -= num_new
                 idx += 1
                 continue
-            # stalled: skipped this step, it keeps its blocks; else it preempted itself and the list shifted
-            idx = self.running.index(request) + 1 if stalled else idx
+            if stalled:  # skipped this step; it keeps its blocks
+                idx = self.running.index(request) + 1
+            # else it preempted itself; the list shifted, idx points at the next one
 
-        if len(preempted) == num_preempted_for_waiting and not waits_for_kv:  # as vLLM: no admissions when KV ran out
+        if not kv_ran_out:  # as vLLM: no admissions when KV ran out
             budget = self._admit_waiting(budget, num_scheduled)
 
         scheduled = [r for r in self.running if r.request_id in num_scheduled]
@@ -197,17 +200,14 @@ class Scheduler:
             block_ids={r.request_id: self.kv.get_block_tables(r.request_id) for r in scheduled},
             preempted_req_ids=preempted,
             finished_req_ids=self._finished_ids,
-            swap_out=self._swap_out,
-            swap_in=self._swap_in,
-            scheduled_spec_decode_tokens=spec_tokens,
+            swap_out=self._swap_out, swap_in=self._swap_in, scheduled_spec_decode_tokens=spec_tokens,
             scheduled_spec_decode_parents={r.request_id: r.spec_parents[:len(spec_tokens[r.request_id])]
                                            for r in scheduled if r.spec_parents and r.request_id in spec_tokens},
         )
         if self.kv_transfer is not None:
             out.kv_connector_metadata = self.kv_transfer.build_meta(out)
         self.in_flight.update(num_scheduled)
-        self._swap_out, self._swap_in = [], []
-        self._finished_ids = set()
+        self._swap_out, self._swap_in, self._finished_ids = [], [], set()
         self.num_preemptions_last_step = len(preempted)
         now = self.clock.now()
         for request in scheduled:

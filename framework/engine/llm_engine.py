@@ -230,8 +230,7 @@ class LLMEngine:
             if not self.batches.full:
                 sched_out = self.scheduler.schedule()
                 self.grammars.fill_bitmask(sched_out)
-                if sched_out.is_empty and not (sched_out.finished_req_ids or sched_out.preempted_req_ids
-                                               or self.scheduler.kv_transfers_in_flight):
+                if not (sched_out.reaches_workers or self.scheduler.kv_transfers_in_flight):
                     idle = None if self.batches else (sched_out, ModelRunnerOutput(sampled_token_ids={}),
                                                       (t0, self.clock.now()))
                 else:  # finished or preempted ids alone still go out: the workers drop or re-table those requests

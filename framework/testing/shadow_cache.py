@@ -245,7 +245,7 @@ def simulate(scheduler: Scheduler, arrivals: Sequence[Arrival], token_of: Callab
             apply_swaps(shadow, worker_view)
             check_step(shadow, worker_view)
             batch = (out, fake_runner(out, token_of, rng))  # the forward runs on what was scheduled
-            if not out.is_empty or out.finished_req_ids or out.preempted_req_ids:
+            if out.reaches_workers:  # as LLMEngine.step: submitted
                 queue.append(batch)
                 if len(queue) < batches_in_flight:
                     continue  # room for another batch: schedule it before waiting for the oldest
