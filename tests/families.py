@@ -105,7 +105,7 @@ def tiny_config(family: str) -> Any:
     return config
 
 
-def _sharpen(model: Any) -> None:
+def sharpen(model: Any) -> None:
     """Re-draw the weights that make a random model's quirks visible: attention projections scaled so
     scores reach a few units (softcap, window and sinks change the argmax), biases non-zero, sinks
     with std 1, and an LM head giving logits of std :data:`LOGIT_STD` (clear greedy margins; the rows of
@@ -149,7 +149,7 @@ def tiny_model_dir(family: str) -> Path:
     config = tiny_config(family)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _sharpen(model)
+    sharpen(model)
     folder = _ROOT[0] / family
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):

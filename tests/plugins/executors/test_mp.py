@@ -240,13 +240,13 @@ def nine_heads(tmp_path_factory) -> str:
     """SmolLM2's head layout (9 query / 3 KV heads: TP=1 or 3) in a tiny random-weight Llama: ``families``'
     sharpened initialisation (clear greedy margins, EOS never wins) and stories260K's tokenizer. SmolLM2's own
     weights at TP=3 are ``tests/framework/model_executor/test_tensor_parallel.py::test_smollm2_tp3_matches_tp1``'s."""
-    from families import COMMON_TINY, _sharpen
+    from families import COMMON_TINY, sharpen
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(**{**COMMON_TINY, "hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _sharpen(model)
+    sharpen(model)
     folder = tmp_path_factory.mktemp("nine_heads")
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
