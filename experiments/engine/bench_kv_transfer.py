@@ -78,7 +78,7 @@ def producer(conn: Any, args: argparse.Namespace, num_blocks: int) -> None:
 
     caches = _caches(args, num_blocks, seed=0)
     connector = _worker("kv_producer", args, caches)
-    _, _, host, port = connector.get_kv_connector_kv_cache_events()[0]
+    _, _, _, host, port = connector.get_kv_connector_kv_cache_events()[0]  # (event, engine id, rank, host, port)
     conn.send((host, port))
     while (msg := conn.recv()) is not None:
         rid, blocks = msg

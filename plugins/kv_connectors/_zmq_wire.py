@@ -8,6 +8,11 @@ header, layer frames...]`` (one frame per layer: the requested blocks gathered i
 zero-copy from it; the puller receives each into a staging tensor with ``recv_into`` and scatters it into its
 destination blocks with ``index_copy_``). The puller then sends ``[b"done", request_id]``: the server's blocks may be freed. pyzmq is the
 transport until a real one (nixl, mooncake) replaces it.
+
+Under tensor parallelism every rank runs its own server over its own KV heads' shard, at the engine's base port plus
+its rank (vLLM's ``NixlConnector``: side-channel port + ``tp_rank``; :func:`bind_rank_server` agrees on a base whose
+whole run of ports is free), and consumer rank ``r`` pulls from producer rank ``r`` (:attr:`Pull.remote_tp_size`
+must equal the consumer's, else the pull fails naming the fix: :func:`tp_mismatch_message`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -198,6 +204,89 @@ class BlockServer:
             self._release(rid, pulled=False)
 
 
+#: ``exchange(values)`` -> every rank's ``values`` in rank order: a collective over the TP group (every rank calls it
+#: at the same point with as many ints)
+Exchange = Callable[[list[int]], list[list[int]]]
+BIND_ATTEMPTS = 16  # free bases rank 0 tries before giving up (another process may take a port of the run meanwhile)
+
+
+def tp_group_exchange(tp_size: int, device: torch.device) -> Exchange:
+    """An :data:`Exchange` over this rank's tensor-parallel group (an int64 all-gather on ``device``, the KV cache's:
+    gloo and the shared-memory communicator take CPU tensors, NCCL CUDA ones); at one rank, no collective.
+
+    Raises:
+        RuntimeError: ``tp_size > 1`` and this process has no TP group of that size (a worker side of a
+            ``tensor_parallel_size > 1`` engine runs in a rank, which has one).
+    """
+    if tp_size == 1:
+        return lambda values: [list(values)]
+    from framework.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size != tp_size:
+        raise RuntimeError(f"kv_connector=zmq: this rank's TP group has {group.world_size} ranks, its KV shard says "
+                           f"{tp_size}")
+
+    def exchange(values: list[int]) -> list[list[int]]:
+        flat = group.all_gather(torch.tensor(values, dtype=torch.int64, device=device)).tolist()
+        return [flat[r * len(values):(r + 1) * len(values)] for r in range(tp_size)]
+
+    return exchange
+
+
+def _try_server(caches: list[torch.Tensor], block_dim: int, host: str, port: int,
+                abort_timeout_s: float) -> BlockServer | None:
+    """A server bound at ``port`` (0: a free one), or None when that port is taken (or past 65535)."""
+    if port > 65535:
+        return None
+    try:
+        return BlockServer(caches, block_dim, host, port, abort_timeout_s)
+    except zmq.ZMQError:
+        return None
+
+
+def bind_rank_server(caches: list[torch.Tensor], block_dim: int, host: str, port: int, abort_timeout_s: float,
+                     tp_rank: int, tp_size: int, exchange: Exchange) -> BlockServer:
+    """This rank's :class:`BlockServer`, bound at ``base + tp_rank`` (vLLM's NIXL side channel: base port plus the
+    TP rank), so that ``kv_transfer_params`` name every rank by one ``remote_port`` (the base) and ``tp_size``.
+
+    ``port`` > 0 is the base; ``port == 0``: rank 0 binds a free port and the others try the ports after it, all
+    ranks retrying with another base (up to :data:`BIND_ATTEMPTS`) until every rank bound its own. Every rank of the
+    group must call this at the same point (two :data:`Exchange` rounds per attempt).
+
+    Args:
+        caches, block_dim, host, abort_timeout_s: as :class:`BlockServer`.
+        port: the base port (``kv_connector.params.port``), 0 for a free run of ``tp_size`` ports.
+        tp_rank, tp_size: this rank and the engine's ``tensor_parallel_size``.
+        exchange: the TP group's collective (:func:`tp_group_exchange`).
+
+    Raises:
+        zmq.ZMQError: a port ``port + r`` is taken on some rank (every rank raises), or no free run was found.
+    """
+    for _ in range(BIND_ATTEMPTS):
+        server = _try_server(caches, block_dim, host, port, abort_timeout_s) if tp_rank == 0 else None
+        base = exchange([server.port if server is not None else 0])[0][0]  # rank 0's
+        if tp_rank > 0 and base:
+            server = _try_server(caches, block_dim, host, base + tp_rank, abort_timeout_s)
+        if all(ok for (ok,) in exchange([int(server is not None)])):
+            return server
+        if server is not None:
+            server.close()
+        if port:
+            raise zmq.ZMQError(zmq.EADDRINUSE, f"kv_connector=zmq: ports {port}-{port + tp_size - 1} (one per rank) "
+                               f"cannot all be bound on {host}: choose a free kv_connector.params.port, or 0")
+    raise zmq.ZMQError(zmq.EADDRINUSE, f"kv_connector=zmq: found no {tp_size} consecutive free ports on {host} in "
+                       f"{BIND_ATTEMPTS} attempts")
+
+
+def tp_mismatch_message(remote_request_id: str, remote_tp_size: int, tp_size: int) -> str:
+    """Why a consumer of ``tp_size`` ranks cannot load a producer's request of ``remote_tp_size`` ranks, and the fix."""
+    return (f"kv_connector=zmq: the producer of request {remote_request_id!r} runs tensor_parallel_size="
+            f"{remote_tp_size} and this engine {tp_size}; each rank pulls its own KV heads' shard from the producer's "
+            "rank of the same index, so both need the same parallel.tensor_parallel_size (its blocks count as failed "
+            "loads: kv_transfer.load_failure_policy decides)")
+
+
 @dataclass
 class Pull:
     """One request's pull (plain values: it travels in the step metadata)."""
@@ -205,9 +294,16 @@ class Pull:
     request_id: str  # the consumer's request id
     remote_request_id: str  # the producer's request id
     remote_host: str
-    remote_port: int
+    remote_port: int  # the producer's base port: its rank r serves at remote_port + r
     remote_block_ids: list[int]  # the producer's blocks to read
     local_block_ids: list[int]  # where they go here, one per remote block; empty: only release the producer's
+    remote_tp_size: int = 1  # the producer's tensor_parallel_size (vLLM's kv_transfer_params "tp_size")
+
+    def rank_ports(self, tp_rank: int, tp_size: int) -> list[int]:
+        """The producer ranks' ports that consumer rank ``tp_rank`` of ``tp_size`` answers for: rank ``tp_rank``'s
+        alone when the sizes match; under a mismatch every ``tp_size``-th from it (to release them: each producer
+        rank is released by exactly one consumer rank)."""
+        return [self.remote_port + r for r in range(tp_rank, self.remote_tp_size, tp_size)]
 
 
 @dataclass
@@ -228,10 +324,14 @@ class BlockPuller:
         caches: the rank's per-layer KV tensors (written only in the blocks a pull names).
         block_dim: the block dimension of their layout.
         timeout_s: a pull not answered in full within this many seconds fails (its blocks are bad), s.
+        tp_rank, tp_size: this rank and the engine's ``tensor_parallel_size``: the puller reads from the producer's
+            rank ``tp_rank`` (:meth:`Pull.rank_ports`); a producer of another size fails the pull.
     """
 
-    def __init__(self, caches: list[torch.Tensor], block_dim: int, timeout_s: float) -> None:
+    def __init__(self, caches: list[torch.Tensor], block_dim: int, timeout_s: float, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         self._caches, self._block_dim, self._timeout_s = caches, block_dim, timeout_s
+        self._tp_rank, self._tp_size = tp_rank, tp_size
         self._ctx = zmq.Context()
         self._jobs: queue.Queue[Pull | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -265,28 +365,37 @@ class BlockPuller:
             try:
                 num_bytes, bad = self._pull(pull), set()
             except Exception as exc:  # noqa: BLE001 - any failure is a load error of the pull's blocks
-                logger.warning("kv_connector=zmq: pulling request %s from %s:%s failed: %s", pull.remote_request_id,
-                               pull.remote_host, pull.remote_port, exc)
+                logger.warning("kv_connector=zmq: rank %d pulling request %s from %s:%s failed: %s", self._tp_rank,
+                               pull.remote_request_id, pull.remote_host, pull.remote_port + self._tp_rank, exc)
                 num_bytes, bad = 0, set(pull.local_block_ids)
             result = PullResult(pull.request_id, bad, num_bytes, time.monotonic() - start, bool(pull.local_block_ids))
             with self._lock:
                 self._results.append(result)
 
     def _pull(self, pull: Pull) -> int:
-        """Receive ``pull``'s blocks into the cache; returns the bytes received.
+        """Receive this rank's shard of ``pull``'s blocks from the producer's rank of the same index; returns the
+        bytes received.
 
         Raises:
             TimeoutError: no full answer within ``timeout_s``.
-            RuntimeError: the producer refused, or its blocks do not fit this cache.
+            RuntimeError: the producer refused, its blocks do not fit this cache, or it runs another
+                ``tensor_parallel_size`` (:func:`tp_mismatch_message`).
         """
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 1000)  # the "done" must leave before the socket closes
-        sock.connect(f"tcp://{pull.remote_host}:{pull.remote_port}")
+        socks = []
+        for port in pull.rank_ports(self._tp_rank, self._tp_size):
+            socks.append(sock := self._ctx.socket(zmq.DEALER))
+            sock.setsockopt(zmq.LINGER, 1000)  # the "done" must leave before the socket closes
+            sock.connect(f"tcp://{pull.remote_host}:{port}")
         try:
-            return self._receive(sock, pull) if pull.local_block_ids else 0
-        finally:  # pulled, failed or not needed: the producer may free the request's blocks
-            sock.send_multipart([b"done", pull.remote_request_id.encode()])
-            sock.close()
+            if not pull.local_block_ids:
+                return 0
+            if pull.remote_tp_size != self._tp_size:
+                raise RuntimeError(tp_mismatch_message(pull.remote_request_id, pull.remote_tp_size, self._tp_size))
+            return self._receive(socks[0], pull)
+        finally:  # pulled, failed or not needed: the producer's ranks may free the request's blocks
+            for sock in socks:
+                sock.send_multipart([b"done", pull.remote_request_id.encode()])
+                sock.close()
 
     def _receive(self, sock: zmq.Socket, pull: Pull) -> int:
         deadline = time.monotonic() + self._timeout_s

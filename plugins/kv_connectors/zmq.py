@@ -15,6 +15,14 @@ reports the request in ``get_finished``'s ``sending`` once the consumer acknowle
 request in ``recving``; a pull that fails or outlasts ``pull_timeout_s`` reports all its blocks through
 ``get_block_ids_with_load_errors`` (``kv_transfer.load_failure_policy`` applies). A consumer that needs none of the
 remote blocks (a local hit, a prompt shorter than one block) still tells the producer to free them.
+
+Under tensor parallelism (``executor=mp``) each rank's worker side serves and pulls its own KV heads' shard, as
+vLLM's NixlConnector does per TP rank: producer rank ``r`` serves at ``port + r`` (the ranks agree on a free base
+over their TP group), every rank reports every rank's address (``("zmq_endpoint", engine_id, tp_rank, host,
+port)``, identical on all ranks, so the executor's merge passes them), ``kv_transfer_params`` name the base
+(``remote_port``) and ``tp_size`` (vLLM's names), and consumer rank ``r`` pulls from producer rank ``r``. A producer
+of another ``tensor_parallel_size`` fails the request's load (``kv_transfer.load_failure_policy`` decides), with a
+warning naming the fix.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.001  # how long an idle step's get_finished waits for a transfer to finish, s
-ENDPOINT_EVENT = "zmq_endpoint"  # ("zmq_endpoint", engine_id, host, port): the worker side's server address
+ENDPOINT_EVENT = "zmq_endpoint"  # ("zmq_endpoint", engine_id, tp_rank, host, port): one rank's server address
 
 
 @dataclass
@@ -60,8 +68,8 @@ class ZmqConnector(KVConnector):
 
     Args:
         role, block_size, kv_role: see :class:`~framework.interfaces.KVConnector`.
-        host: the address the producer's server binds and hands to consumers (``kv_connector.params.host``).
-        port: its TCP port (0: a free one).
+        host: the address the producer's servers bind and hand to consumers (``kv_connector.params.host``).
+        port: the TCP port of rank 0's server; rank ``r`` binds ``port + r`` (0: a free run of ports).
         abort_timeout_s: a held request not pulled within this many seconds is freed, s (> 0).
         pull_timeout_s: a pull not answered in full within this many seconds fails, s (> 0).
 
@@ -83,7 +91,8 @@ class ZmqConnector(KVConnector):
         self.host, self.port = host, int(port)
         self.abort_timeout_s, self.pull_timeout_s = float(abort_timeout_s), float(pull_timeout_s)
         # scheduler side
-        self._endpoint: tuple[str, str, int] | None = None  # (engine id, host, port) of this engine's server
+        self._servers: dict[int, tuple[str, str, int]] = {}  # tp_rank -> (engine id, host, port) of its server
+        self._warned_tp: set[int] = set()  # producer tensor_parallel_size values already warned about
         self._pulls: list[Pull] = []  # queued for the next step's metadata
         self._holds: dict[str, list[int]] = {}  # likewise
         self._pulling: set[str] = set()  # consumer requests whose pull the worker side runs
@@ -97,16 +106,16 @@ class ZmqConnector(KVConnector):
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
-        """Also: pyzmq must be installed; one rank (``tensor_parallel_size=1``)."""
+        """Also: pyzmq must be installed; every rank's port (``port + tp_rank``) at most 65535."""
         problems = super().validate(config)
         try:
             import zmq  # noqa: F401
         except ImportError:
             problems.append("kv_connector=zmq needs pyzmq: pip install pyzmq")
-        if config.tensor_parallel_size > 1:  # one pull server per engine, not per rank's shard
-            problems.append("kv_connector=zmq moves whole blocks from one rank; tensor_parallel_size > 1 is not built "
-                            "yet for it (docs/kv_transfer.md): use parallel.tensor_parallel_size=1, or "
-                            "kv_connector=shared_storage")
+        port = int(config.kv_connector_params.get("port", 0) or 0)
+        if port and port + config.tensor_parallel_size - 1 > 65535:
+            problems.append(f"kv_connector=zmq: rank r serves at kv_connector.params.port + r, past 65535 from port "
+                            f"{port} with tensor_parallel_size={config.tensor_parallel_size}: use a lower port, or 0")
         return problems
 
     # ---- scheduler side ----------------------------------------------------------------------------
@@ -143,8 +152,15 @@ class ZmqConnector(KVConnector):
         remote = list(params.get("remote_block_ids") or ())
         if not num_external_tokens and not remote:
             return
+        remote_tp_size = int(params.get("tp_size") or 1)
+        if num_external_tokens and remote_tp_size != self.kv_shard.tp_size and remote_tp_size not in self._warned_tp:
+            from plugins.kv_connectors._zmq_wire import tp_mismatch_message
+
+            self._warned_tp.add(remote_tp_size)  # once per producer size; each such request's load fails
+            logger.warning(tp_mismatch_message(str(params["remote_request_id"]), remote_tp_size,
+                                               self.kv_shard.tp_size))
         self._pulls.append(Pull(request.request_id, str(params["remote_request_id"]), str(params["remote_host"]),
-                                int(params["remote_port"]), remote[first:last], block_ids[first:last]))
+                                int(params["remote_port"]), remote[first:last], block_ids[first:last], remote_tp_size))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ZmqMetadata:
         """This step's pulls and holds; finished requests are forgotten."""
@@ -156,10 +172,11 @@ class ZmqConnector(KVConnector):
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Learn this engine's server address; forget finished pulls."""
+        """Learn this engine's server addresses (one per rank); forget finished pulls."""
         for event in connector_output.kv_cache_events or ():
-            if isinstance(event, tuple) and event and event[0] == ENDPOINT_EVENT:
-                self._endpoint = tuple(event[1:])
+            if isinstance(event, (tuple, list)) and event and event[0] == ENDPOINT_EVENT:
+                engine_id, tp_rank, host, port = event[1:]
+                self._servers[int(tp_rank)] = (str(engine_id), str(host), int(port))
         self._pulling -= connector_output.finished_recving or set()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -176,13 +193,15 @@ class ZmqConnector(KVConnector):
         sends = self.kv_role == "kv_producer" or (self.is_producer and own.get("do_remote_decode"))
         if not sends or request.status == RequestStatus.FINISHED_ABORTED:
             return False, None
-        if self._endpoint is None:
-            logger.warning("kv_connector=zmq: no server address reported yet; request %s is not offered", rid)
+        tp_size = self.kv_shard.tp_size
+        if len(self._servers) < tp_size:
+            logger.warning("kv_connector=zmq: %d of %d ranks reported their server address yet; request %s is not "
+                           "offered", len(self._servers), tp_size, rid)
             return False, None
         keep = block_ids[:(request.num_prompt_tokens - 1) // self.block_size]
-        engine_id, host, port = self._endpoint
+        engine_id, host, port = self._servers[0]  # rank r serves at port + r (bind_rank_server)
         params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
-                  "remote_host": host, "remote_port": port, "remote_block_ids": list(keep),
+                  "remote_host": host, "remote_port": port, "tp_size": tp_size, "remote_block_ids": list(keep),
                   "remote_request_id": rid, "remote_num_tokens": len(keep) * self.block_size}
         if keep:
             self._holds[rid] = list(keep)
@@ -190,23 +209,33 @@ class ZmqConnector(KVConnector):
 
     # ---- worker side ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor], backend: AttentionBackend) -> None:
-        """Start the server thread (producer) and the puller thread (consumer) over the rank's caches.
+        """Start the server thread (producer) and the puller thread (consumer) over the rank's caches (its shard).
+
+        A producer under tensor parallelism agrees with the other ranks, over their TP group, on a base port (rank
+        ``r`` at base + ``r``) and on rank 0's engine id, and reports every rank's address: every rank calls this at
+        the same point (``Worker.initialize_cache``).
 
         Raises:
             ValueError: a cache layout whose blocks are not contiguous runs of memory.
-            zmq.ZMQError: the server address cannot be bound.
+            zmq.ZMQError: the server addresses cannot be bound.
+            RuntimeError: ``kv_shard.tp_size > 1`` outside a rank of a TP group of that size.
         """
-        from plugins.kv_connectors._zmq_wire import BlockPuller, BlockServer, block_chunks, block_dim_of
+        from plugins.kv_connectors import _zmq_wire as wire
 
-        block_dim = block_dim_of(backend.get_kv_cache_shape(1), backend.get_kv_cache_shape(2))
+        block_dim = wire.block_dim_of(backend.get_kv_cache_shape(1), backend.get_kv_cache_shape(2))
         for cache in kv_caches:
-            block_chunks(cache, 0, block_dim)
+            wire.block_chunks(cache, 0, block_dim)
+        tp_rank, tp_size = self.kv_shard.tp_rank, self.kv_shard.tp_size
         if self.is_producer:
-            self._server = BlockServer(list(kv_caches), block_dim, self.host, self.port, self.abort_timeout_s)
-            self._events.append((ENDPOINT_EVENT, uuid.uuid4().hex, self.host, self._server.port))
+            exchange = wire.tp_group_exchange(tp_size, kv_caches[0].device)
+            self._server = wire.bind_rank_server(list(kv_caches), block_dim, self.host, self.port,
+                                                 self.abort_timeout_s, tp_rank, tp_size, exchange)
             weakref.finalize(self, self._server.close)
+            ranks = exchange([self._server.port, uuid.uuid4().int >> 65])  # (port, a 63-bit engine id) per rank
+            engine_id = f"{ranks[0][1]:016x}"  # rank 0's: one engine id for all its ranks
+            self._events += [(ENDPOINT_EVENT, engine_id, r, self.host, port) for r, (port, _) in enumerate(ranks)]
         if self.is_consumer:
-            self._puller = BlockPuller(list(kv_caches), block_dim, self.pull_timeout_s)
+            self._puller = wire.BlockPuller(list(kv_caches), block_dim, self.pull_timeout_s, tp_rank, tp_size)
             weakref.finalize(self, self._puller.close)
 
     def close(self) -> None:
@@ -267,7 +296,8 @@ class ZmqConnector(KVConnector):
         return errors
 
     def get_kv_connector_kv_cache_events(self) -> list[Any] | None:
-        """Once: ``("zmq_endpoint", engine_id, host, port)``, this engine's server address, for the scheduler side."""
+        """Once: ``("zmq_endpoint", engine_id, tp_rank, host, port)`` for every rank's server (each rank reports them
+        all, so the executor's merge, which passes events every rank reported, hands them to the scheduler side)."""
         events, self._events = self._events, []
         return events or None
 

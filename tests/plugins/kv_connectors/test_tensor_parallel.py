@@ -20,7 +20,6 @@ from plugins.attention.torch_paged import TorchPagedAttentionBackend
 from plugins.kv_connectors.multi import MultiConnector
 from plugins.kv_connectors.offload import OffloadConnector
 from plugins.kv_connectors.shared_storage import SharedStorageConnector
-from plugins.kv_connectors.zmq import ZmqConnector
 
 TP2 = dict(executor="mp", tensor_parallel_size=2)
 PROMPTS = ["Once upon a time there was a little girl named Lily who loved to play",
@@ -127,8 +126,6 @@ def test_what_stays_refused_names_the_fix(tmp_path):
     assert problems(**TP2) == []
     assert any("executor=mp" in p for p in problems(tensor_parallel_size=2, executor="ray"))
     assert any("pipeline_parallel_size=1" in p for p in problems(executor="mp", pipeline_parallel_size=2))
-    zmq = ZmqConnector.validate(EngineConfig(model="m", kv_connector="zmq", **TP2))
-    assert any("tensor_parallel_size=1" in p for p in zmq)
     multi = MultiConnector.validate(EngineConfig(model="m", kv_connector="multi", **TP2, kv_connector_params={
         "connectors": [{"name": "offload"}, {"name": "zmq"}]}))
     assert any("zmq in the list" in p and "tensor_parallel_size=1" in p for p in multi)
