@@ -3,17 +3,19 @@ own KV heads' shard at base port + rank, and a TP=2 consumer engine's rank r pul
 NixlConnector per TP rank); float32 greedy stories260K token-exact against one plain engine, every transferred
 block bitwise the producer's on each rank, a TP=1 consumer of the TP=2 producer failing the request or recomputing
 it per ``kv_transfer.load_failure_policy`` (a warning naming the fix), and no zmq thread or listening port left
-after ``close()``."""
+after ``close()``. Model-free: two ranks agree on consecutive free ports, or all refuse a base whose run is taken."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import socket
+import threading
 import time
 
 import pytest
 import torch
+import zmq
 from helpers import STORIES
 from kv_ranks import close_kv_connector, rank_kv_blocks
 
@@ -62,6 +64,56 @@ def test_taken_at_tp2_under_mp_with_every_rank_s_port_in_range():
 
     assert problems() == [] and problems(port=65534) == []
     assert any("65535" in p and "lower port" in p for p in problems(port=65535))  # rank 1 would need 65536
+
+
+def _bind_two_ranks(port: int) -> list:
+    """``bind_rank_server`` on two threads standing in for two ranks, exchanging through a barrier as the TP group's
+    all-gather does; each rank's server or the exception it raised."""
+    from plugins.kv_connectors._zmq_wire import bind_rank_server
+
+    slots, barrier, results = [None, None], threading.Barrier(2), [None, None]
+
+    def rank(r: int) -> None:
+        def exchange(values):
+            slots[r] = list(values)
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+
+        caches = [torch.zeros(2, 4, BLOCK, 1, 2)]
+        try:
+            results[r] = bind_rank_server(caches, 1, "127.0.0.1", port, 60.0, r, 2, exchange)
+        except zmq.ZMQError as exc:
+            results[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+def test_ranks_bind_consecutive_ports_or_all_refuse():
+    servers = _bind_two_ranks(0)  # a free run, agreed between the ranks
+    try:
+        assert servers[1].port == servers[0].port + 1
+    finally:
+        for server in servers:
+            server.close()
+    blocker = None
+    while blocker is None:  # a free base whose next port (rank 1's) this test takes
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        try:
+            blocker = socket.create_server(("127.0.0.1", base + 1))
+        except OSError:
+            continue  # base + 1 in use already: another base
+    with blocker:
+        errors = _bind_two_ranks(base)
+    assert all(isinstance(e, zmq.ZMQError) and f"ports {base}-{base + 1}" in str(e) for e in errors), errors
 
 
 @pytest.fixture(scope="module")
