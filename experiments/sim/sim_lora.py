@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from experiments.common import markdown_table, save_figure
+from experiments.common import code_state, markdown_table, save_figure
 from experiments.sim.sim_disagg import LLAMA_70B, _pct
 
 SCHEDULERS = ("fcfs", "lora_affinity")
@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(table(rows))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+        report = {"args": vars(args), "code": code_state(), "rows": rows}  # code: the commit the numbers are from
+        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:
         plot(rows, args, args.plot)
     return rows

@@ -21,7 +21,8 @@ def test_sim_lora_sweeps_adapters_and_schedulers_and_plots(tmp_path):
     by = {(r["scheduler"], r["adapters"]): r for r in rows}
     assert rows[0]["adapter_loads"] == 0 and by[("fcfs", 2)]["adapter_loads"] == 2  # two adapters, four slots
     assert by[("fcfs", 16)]["adapter_loads"] > 4  # more adapters than slots: loads past the first fill
-    assert len(json.loads(out.read_text())["rows"]) == len(rows) and png.is_file()
+    report = json.loads(out.read_text())
+    assert len(report["rows"]) == len(rows) and report["code"]["commit"] and png.is_file()
 
 
 def test_popularity_draws():
