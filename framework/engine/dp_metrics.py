@@ -1,5 +1,6 @@
 """Metrics of a data-parallel front: request-level numbers over every replica, step-level ones combined from
-the replicas' collectors, and a per-replica breakdown (the routers' study needs each replica's load)."""
+the replicas' collectors, and a per-replica breakdown (the routers' study needs each replica's load). A P/D front
+(``disagg.prefill_replicas``) combines both pools' replicas the same way (:meth:`DataParallelMetrics.over_pools`)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from typing import Any
 
 from framework.engine.replica_set import ReplicaSet
 from framework.interfaces.engine import ReplicaEngine
-from framework.metrics.collector import MetricsCollector
+from framework.metrics.collector import MetricsCollector, kv_transfer_summary
 
 #: per-replica summary keys copied into ``replicas`` (the rest of a replica's summary stays with it)
 REPLICA_KEYS = ("num_requests", "num_failed", "total_input_tokens", "total_output_tokens", "total_cached_tokens",
                 "num_steps", "mean_kv_cache_usage", "peak_kv_cache_usage", "mean_num_running_reqs",
-                "peak_num_running_reqs", "num_preemptions", "step_s")
+                "peak_num_running_reqs", "num_preemptions", "step_s", "external_prefix_cache_queries",
+                "external_prefix_cache_hits")
 
 
 class DataParallelMetrics:
@@ -29,9 +31,31 @@ class DataParallelMetrics:
     def __init__(self, front: MetricsCollector, replicas: Sequence[ReplicaEngine], replica_set: ReplicaSet,
                  router: str) -> None:
         self.front = front
-        self._replicas = list(replicas)
-        self._set = replica_set
+        self._pools = [(list(replicas), replica_set)]
+        self._roles: list[str] | None = None  # per replica, over the pools (over_pools); None: the sets' roles
         self._router = router
+
+    @classmethod
+    def over_pools(cls, front: MetricsCollector, pools: Sequence[tuple[Sequence[ReplicaEngine], ReplicaSet, str]],
+                   router: str) -> DataParallelMetrics:
+        """The metrics of several pools behind one front (P/D: the prefill pool, then the decode pool), each
+        ``(replicas, replica_set, role)``: replica ids run over the pools in order, each replica's summary carries
+        its pool's ``role``.
+
+        Raises:
+            ValueError: no pool.
+        """
+        if not pools:
+            raise ValueError("DataParallelMetrics.over_pools needs at least one pool")
+        metrics = cls(front, pools[0][0], pools[0][1], router)
+        metrics._pools = [(list(replicas), replica_set) for replicas, replica_set, _ in pools]
+        metrics._roles = [role for replicas, _, role in pools for _ in replicas]
+        return metrics
+
+    @property
+    def _replicas(self) -> list[ReplicaEngine]:
+        """Every pool's replicas, in order."""
+        return [replica for replicas, _ in self._pools for replica in replicas]
 
     @property
     def run_labels(self) -> dict[str, Any]:
@@ -45,15 +69,19 @@ class DataParallelMetrics:
         return sorted(rows, key=lambda row: row["time_s"])
 
     def replica_summaries(self, duration_s: float | None = None) -> list[dict[str, Any]]:
-        """Per replica: ``replica_id``, ``alive``, ``num_routed`` (requests the router sent it),
-        ``prefix_cache_hit_rate`` (hit / queried prompt tokens over its admissions) and :data:`REPLICA_KEYS`."""
+        """Per replica: ``replica_id``, ``role`` (``both``; P/D: ``prefill`` or ``decode``), ``alive``,
+        ``num_routed`` (requests its pool's router sent it), ``prefix_cache_hit_rate`` (hit / queried prompt tokens
+        over its admissions) and :data:`REPLICA_KEYS`."""
         out = []
-        for i, replica in enumerate(self._replicas):
-            summary = replica.metrics.summary(duration_s)
-            kv = replica.kv_allocator.stats()
-            out.append({"replica_id": i, "alive": self._set.alive[i], "num_routed": self._set.num_routed[i],
-                        "prefix_cache_hit_rate": kv.hit_rate, "prefix_queries_tokens": kv.prefix_queries_tokens,
-                        "prefix_hits_tokens": kv.prefix_hits_tokens, **{k: summary[k] for k in REPLICA_KEYS}})
+        for replicas, replica_set in self._pools:
+            for i, replica in enumerate(replicas):
+                summary = replica.metrics.summary(duration_s)
+                kv = replica.kv_allocator.stats()
+                role = self._roles[len(out)] if self._roles is not None else replica_set.roles[i]
+                out.append({"replica_id": len(out), "role": role, "alive": replica_set.alive[i],
+                            "num_routed": replica_set.num_routed[i], "prefix_cache_hit_rate": kv.hit_rate,
+                            "prefix_queries_tokens": kv.prefix_queries_tokens,
+                            "prefix_hits_tokens": kv.prefix_hits_tokens, **{k: summary[k] for k in REPLICA_KEYS}})
         return out
 
     def summary(self, duration_s: float | None = None) -> dict[str, Any]:
@@ -62,7 +90,9 @@ class DataParallelMetrics:
         replica; 1.0 is perfectly even).
 
         Request latencies and throughputs come from every finished request; ``prefix_cache_hit_rate`` is hit /
-        queried tokens summed over replicas; step counts and preemptions are sums; KV usage and concurrency
+        queried tokens summed over replicas; step counts, preemptions and a KV connector's
+        ``external_prefix_cache_queries`` / ``external_prefix_cache_hits`` (tokens) are sums; its transfers
+        (``num_kv_transfers``, ``kv_transfer_bytes``, ...) are every replica's together; KV usage and concurrency
         means are the replicas' means averaged (peaks: the highest replica's).
         """
         out = self.front.summary(duration_s)
@@ -81,7 +111,10 @@ class DataParallelMetrics:
             mean_num_running_reqs=sum(r["mean_num_running_reqs"] for r in replicas),
             peak_num_running_reqs=max(r["peak_num_running_reqs"] for r in replicas),
             step_s=sum(r["step_s"] for r in replicas),
+            external_prefix_cache_queries=sum(r["external_prefix_cache_queries"] for r in replicas),
+            external_prefix_cache_hits=sum(r["external_prefix_cache_hits"] for r in replicas),
             data_parallel_size=len(replicas), router=self._router, replicas=replicas)
+        out.update(kv_transfer_summary([r.metrics for r in self._replicas]))
         routed = [r["num_routed"] for r in replicas if r["alive"]]
         out["load_imbalance"] = max(routed) / (sum(routed) / len(routed)) if routed and sum(routed) else 1.0
         return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
@@ -177,13 +178,7 @@ class MetricsCollector:
 
     def _kv_transfer_summary(self) -> dict[str, Any]:
         """``metrics.json``'s KV transfer keys (see :meth:`summary`)."""
-        t = self.kv_transfer_totals
-        out: dict[str, Any] = dict(t)
-        out["kv_transfer_gb_per_s"] = t["kv_transfer_bytes"] / t["kv_transfer_s"] / 1e9 if t["kv_transfer_s"] else None
-        out.update({f"{stat}_kv_transfer_ms": value for stat, value in _describe([s for _, s in self.kv_transfers]).items()})
-        sizes = [b for b, _ in self.kv_transfers]
-        out["mean_kv_transfer_bytes"] = sum(sizes) / len(sizes) if sizes else None
-        return out
+        return kv_transfer_summary([self])
 
     def observe_step(self, stats: SchedulerStats) -> None:
         """Add one step's stats (time split, KV usage, preemptions)."""
@@ -386,3 +381,19 @@ def render_summary_table(summary: dict[str, Any]) -> Table:
         values = [summary.get(f"{stat}_{name}_ms") for stat in ("mean", "median", "p90", "p99")]
         table.add_row(f"{name} ms mean/p50/p90/p99", " / ".join(_fmt(v, digits=1) for v in values))
     return table
+
+
+def kv_transfer_summary(collectors: Sequence[MetricsCollector]) -> dict[str, Any]:
+    """The KV transfer keys of :meth:`MetricsCollector.summary` over several collectors' transfers together (one
+    engine's, or a data-parallel front's replicas'): ``num_kv_transfers``, ``kv_transfer_bytes`` (bytes) and
+    ``kv_transfer_s`` (seconds) summed, ``kv_transfer_gb_per_s`` (bytes / seconds / 1e9; ``None`` without a transfer),
+    ``{mean,median,std,p90,p99}_kv_transfer_ms`` and ``mean_kv_transfer_bytes`` per transfer (over the kept
+    windows)."""
+    totals = {key: sum(c.kv_transfer_totals[key] for c in collectors) for key in collectors[0].kv_transfer_totals}
+    out: dict[str, Any] = dict(totals)
+    seconds, size = totals["kv_transfer_s"], totals["kv_transfer_bytes"]
+    out["kv_transfer_gb_per_s"] = size / seconds / 1e9 if seconds else None
+    transfers = [t for c in collectors for t in c.kv_transfers]
+    out.update({f"{stat}_kv_transfer_ms": value for stat, value in _describe([s for _, s in transfers]).items()})
+    out["mean_kv_transfer_bytes"] = sum(b for b, _ in transfers) / len(transfers) if transfers else None
+    return out

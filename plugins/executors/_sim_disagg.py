@@ -22,6 +22,12 @@ transfer, decode queueing and the first decode step (what a client of vLLM's pro
 discrete-event loop: the earliest of (a busy replica's clock, a transfer's arrival) goes next, as
 ``DataParallelEngine`` steps its earliest replica. A recompute preemption on a decode replica recomputes only the
 last prompt token (the transferred K/V is assumed kept: an optimistic simplification).
+
+With ``kv_connector=offload`` the prefill replicas carry the offload tiers (``plugins/executors/_sim_offload.py``:
+LMCache's P/D set-up, where the prefiller offloads and a later turn's prompt loads its earlier turns from the CPU
+or disk tier instead of recomputing them); the decode replicas have none (every prompt reaches them by transfer).
+The front's ``metrics`` combine both pools' replicas (each summary with its ``role``), so ``external_prefix_cache_hits``
+counts the prefill pool's tier hits.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from framework.core.outputs import RequestOutput
 from framework.core.sampling_params import SamplingParams
 from framework.engine.async_llm import prefill_params
 from framework.engine.data_parallel import DataParallelEngine, build_data_parallel_engine
+from framework.engine.dp_metrics import DataParallelMetrics
 from framework.entrypoints.engine import build_engine
 from framework.metrics.collector import MetricsCollector
 
@@ -105,7 +112,11 @@ class DisaggregatedSimEngine:
         self.bandwidth_gbps, self.latency_s = link_params(config)
         self.tokenizer, self.vocab_size, self.eos_token_ids = decode.tokenizer, decode.vocab_size, decode.eos_token_ids
         self.max_model_len, self.structured_output = decode.max_model_len, decode.structured_output
-        self.metrics = decode.metrics  # the front's collector sees each request once, finished on its decode replica
+        # the front's collector sees each request once, finished on its decode replica; step-level numbers (steps,
+        # prefix and external prefix-cache hits, preemptions) combine both pools' replicas
+        self.metrics = DataParallelMetrics.over_pools(
+            decode.metrics.front, [(prefill.replicas, prefill.replica_set, "prefill"),
+                                   (decode.replicas, decode.replica_set, "decode")], config.router)
         self.clock = DisaggregatedClock(self)
         self.metrics.front.clock = self.clock
         self.compile_decision = decode.compile_decision
@@ -238,9 +249,10 @@ def build_disaggregated_sim_engine(config: EngineConfig, metrics: MetricsCollect
     link_params(config)
     p = config.disagg_prefill_replicas
     prefill = _pool(dataclasses.replace(config, data_parallel_size=p, disagg_prefill_replicas=0), None)
-    try:
+    try:  # a KV connector (offload) serves the prefill pool; every decode replica gets its prompt by transfer
         decode = _pool(dataclasses.replace(config, data_parallel_size=config.data_parallel_size - p,
-                                           disagg_prefill_replicas=0), metrics)
+                                           disagg_prefill_replicas=0, kv_connector="none", kv_connector_params={}),
+                       metrics)
     except BaseException:
         prefill.shutdown()
         raise
