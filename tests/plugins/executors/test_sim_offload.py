@@ -127,36 +127,19 @@ def test_loads_and_saves_are_priced_by_bytes_and_bandwidth():
     assert sim.finish_step(3.0).invalid_block_ids == {5}
 
 
-def _pd_arm(offload: bool, data_parallel_size: int = 2, prefill_replicas: int = 1) -> dict:
-    """Llama-3-70B shapes, TP=8 on analytic H100s, 8 conversations of 3 turns at a thrashing KV budget, behind a
-    simulated front of ``data_parallel_size`` replicas (``prefill_replicas`` of them prefilling; 0: colocated)."""
-    from experiments.sim.sim_disagg import LLAMA_70B
-    from framework import build_engine
-    from framework.config import EngineConfig
-    from framework.entrypoints.offline_runner import run_workload
-    from framework.workloads.synthetic import multi_turn_workload
 
-    config = EngineConfig(model=LLAMA_70B, tokenizer="smollm2", dtype="bfloat16", compile=False, tensor_parallel_size=8,
-                          executor="sim", executor_params={"profile": "analytic:h100"}, num_blocks=96,
-                          max_model_len=1024, data_parallel_size=data_parallel_size,
-                          disagg_prefill_replicas=prefill_replicas, kv_connector="offload" if offload else "none",
-                          kv_connector_params={"cpu_bytes": 64 << 30} if offload else {})
-    engine = build_engine(config)
-    try:
-        items = multi_turn_workload(8, 3, 512, 128, 32, 1.0, 0, 30000)
-        records, summary = run_workload(engine, items, SamplingParams(temperature=0.0, ignore_eos=True),
-                                        progress=False)
-        assert len(records) == 24 and all(r["error"] is None for r in records)
-        return summary
-    finally:
-        engine.shutdown()
+PD_SMALL = dict(num_blocks=48, conversations=6, turns=3, first_len=256, turn_len=64, output_len=16, max_model_len=512)
 
 
 def test_offload_under_the_simulated_pd_front_serves_the_prefill_pool():
-    """P/D (one prefill, one decode replica) with ``kv_connector=offload``: the prefill replica's tier serves the
-    earlier turns (its hits are the front's ``external_prefix_cache_hits``), so the prefill pool computes less than
-    without offload; the decode replica has no tier (its prompts arrive by transfer)."""
-    plain, offload = _pd_arm(False), _pd_arm(True)
+    """P/D (one prefill, one decode replica; Llama-3-70B shapes, TP=8, analytic H100s, a thrashing KV budget) with
+    ``kv_connector=offload``: the prefill replica's tier serves the earlier turns (its hits are the front's
+    ``external_prefix_cache_hits``), so the prefill pool computes less than without offload; the decode replica has
+    no tier (its prompts arrive by transfer)."""
+    from experiments.sim.sim_offload import run_arm
+
+    plain, offload = (run_arm(on, replicas=2, prefill_replicas=1, **PD_SMALL) for on in (False, True))
+    assert plain["num_requests"] == offload["num_requests"] == 18 and offload["layout"] == "1P+1D"
     roles = [r["role"] for r in offload["replicas"]]
     assert roles == ["prefill", "decode"] and [r["role"] for r in plain["replicas"]] == roles
     prefill, decode = offload["replicas"]
@@ -170,8 +153,9 @@ def test_offload_under_the_simulated_pd_front_serves_the_prefill_pool():
 def test_a_colocated_data_parallel_front_sums_its_replicas_external_hits():
     """Two colocated replicas with offload tiers: ``metrics.json``'s external prefix-cache counters are the replicas'
     sums (the front's own collector sees no step; before, they read 0)."""
-    summary = _pd_arm(True, prefill_replicas=0)
-    hits = [r["external_prefix_cache_hits"] for r in summary["replicas"]]
-    assert sum(hits) > 0 and summary["external_prefix_cache_hits"] == sum(hits)
-    assert summary["external_prefix_cache_queries"] == sum(r["external_prefix_cache_queries"]
-                                                           for r in summary["replicas"])
+    from experiments.sim.sim_offload import run_arm
+
+    row = run_arm(True, replicas=2, **PD_SMALL)
+    hits = [r["external_prefix_cache_hits"] for r in row["replicas"]]
+    assert sum(hits) > 0 and row["external_prefix_cache_hits"] == sum(hits) and row["layout"] == "2 colocated"
+    assert row["external_prefix_cache_queries"] == sum(r["external_prefix_cache_queries"] for r in row["replicas"])
