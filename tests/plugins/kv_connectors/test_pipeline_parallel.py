@@ -1,0 +1,90 @@
+"""KV connectors under ``executor=mp pipeline_parallel_size=2``: stories260K's 5 layers as stages 0-2 | 3-4, each
+stage's worker side moving only its own layers' part of every block, every stage's report merged by the executor.
+A ``shared_storage`` producer run then a consumer run, and ``offload`` turns that hit the CPU tier, are float32
+greedy token-exact against one plain engine; the folder holds one file per stage per block, named with the stage's
+layers, and a consumer of another layout (one stage, or another ``pp_layer_partition``) loads none of them: it
+recomputes, and says why once."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from kv_conversations import ENGINE, GREEDY, TIGHT, assert_no_leak, conversations
+
+from framework import LLM
+from framework.config import EngineConfig
+from framework.engine.kv_transfer_support import kv_transfer_problems
+from framework.interfaces.kv_connector import KVShard
+
+PP2 = dict(executor="mp", pipeline_parallel_size=2)
+PROMPTS = ["Once upon a time there was a little girl named Lily who loved to play",
+           "Tom had a big red ball and a small dog", "Hi"]  # "Hi": shorter than one block
+STAGE_TAGS = ("pp0of2.layers0-3", "pp1of2.layers3-5")  # vLLM's split of 5 layers: 3 | 2
+
+
+def _run(prompts, **kwargs):
+    """Greedy outputs of a fresh engine and its external prefix hits (tokens), the engine shut down."""
+    llm = LLM(**ENGINE, **kwargs)
+    try:
+        outputs = llm.generate(prompts, GREEDY)
+        assert all(o.error is None for o in outputs)
+        assert_no_leak(llm)
+        transfer = llm.engine.scheduler.kv_transfer
+        return [o.outputs[0].token_ids for o in outputs], transfer.external_prefix_cache_hits if transfer else 0
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _run(PROMPTS)[0]
+
+
+def test_shared_storage_pp2_producer_then_consumer_is_exact_and_keyed_by_stage(tmp_path, plain, caplog):
+    params = {"kv_connector": "shared_storage", "kv_connector_params": {"path": str(tmp_path)}}
+    assert _run(PROMPTS, **PP2, **params, kv_role="kv_producer") == (plain, 0)
+    stored = [sorted(p.name.split(".")[0] for p in tmp_path.glob(f"*.{tag}.safetensors")) for tag in STAGE_TAGS]
+    assert stored[0] and stored[0] == stored[1], "every block must be stored once per stage"
+    assert len(list(tmp_path.iterdir())) == 2 * len(stored[0]), "a PP=2 producer wrote a file of another layout"
+    tokens, hits = _run(PROMPTS, **PP2, **params, kv_role="kv_consumer")
+    assert tokens == plain and hits > 0
+    with caplog.at_level(logging.WARNING, logger="plugins.kv_connectors.shared_storage"):
+        assert _run(PROMPTS, **params, kv_role="kv_consumer") == (plain, 0)  # one stage: recomputes everything
+    assert "pipeline_parallel_size" in caplog.text and STAGE_TAGS[1] in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="plugins.kv_connectors.shared_storage"):  # other layers per stage
+        assert _run(PROMPTS, **PP2, pp_layer_partition="4,1", **params, kv_role="kv_consumer") == (plain, 0)
+    assert caplog.text.count("pp_layer_partition") == 1  # once per engine, the fix named
+
+
+def test_offload_pp2_turns_hit_the_cpu_tier_and_stay_exact():
+    expected = conversations(LLM(**TIGHT))
+    llm = LLM(**TIGHT, **PP2, kv_connector="offload", kv_connector_params={"cpu_bytes": 1 << 20})
+    try:
+        assert conversations(llm) == expected
+        assert llm.engine.metrics.summary()["external_prefix_cache_hits"] > 0
+        assert_no_leak(llm)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_stage_gets_its_layers_share_of_the_byte_limits():
+    """Stage 0 holds 3 of 5 layers, stage 1 two: per rank ``limit x layers / (5 x tp)``, so every rank's tier
+    holds ``floor(limit / whole block)`` blocks of its own size."""
+    stages = ((0, 3), (3, 5))
+    per_layer = 64  # bytes of one layer's part of a block on one rank
+    for limit in (1000, 64 * 5 * 7 + 63, 1 << 20):
+        counts = {KVShard(t, 2, s, stages).share_bytes(limit) // ((b - a) * per_layer)
+                  for s, (a, b) in enumerate(stages) for t in range(2)}
+        assert counts == {limit // (5 * 2 * per_layer)}
+
+
+def test_what_stays_refused_names_the_fix(tmp_path):
+    def problems(connector="shared_storage", **kwargs):
+        return kv_transfer_problems(EngineConfig(model="m", kv_connector=connector,
+                                                 kv_connector_params={"path": str(tmp_path)}, **kwargs))
+
+    assert problems(**PP2) == [] and problems(executor="ray", pipeline_parallel_size=2, tensor_parallel_size=2) == []
+    assert any("pipeline_parallel_size=1" in p for p in problems("zmq", **PP2))
+    assert any("executor=mp" in p for p in problems("zmq", executor="ray"))
