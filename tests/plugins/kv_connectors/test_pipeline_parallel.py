@@ -23,6 +23,14 @@ PROMPTS = ["Once upon a time there was a little girl named Lily who loved to pla
 STAGE_TAGS = ("pp0of2.layers0-3", "pp1of2.layers3-5")  # vLLM's split of 5 layers: 3 | 2
 
 
+def _count_reports(llm):
+    """How many ranks' worker-side reports the executor merged, per step (filled as the engine runs)."""
+    merged, aggregate = [], llm.engine.executor.kv_outputs.aggregate
+    llm.engine.executor.kv_outputs.aggregate = lambda outs: merged.append(sum(o is not None for o in outs)) or \
+        aggregate(outs)
+    return merged
+
+
 def _run(prompts, **kwargs):
     """Greedy outputs of a fresh engine and its external prefix hits (tokens), the engine shut down."""
     llm = LLM(**ENGINE, **kwargs)
@@ -62,7 +70,9 @@ def test_offload_pp2_turns_hit_the_cpu_tier_and_stay_exact():
     expected = conversations(LLM(**TIGHT))
     llm = LLM(**TIGHT, **PP2, kv_connector="offload", kv_connector_params={"cpu_bytes": 1 << 20})
     try:
+        reports = _count_reports(llm)
         assert conversations(llm) == expected
+        assert reports and set(reports) == {2}, "every step must merge both stages' reports"
         assert llm.engine.metrics.summary()["external_prefix_cache_hits"] > 0
         assert_no_leak(llm)
     finally:
