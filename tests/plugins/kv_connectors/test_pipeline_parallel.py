@@ -1,6 +1,6 @@
 """KV connectors under ``executor=mp pipeline_parallel_size=2``: stories260K's 5 layers as stages 0-2 | 3-4, each
 stage's worker side moving only its own layers' part of every block, every stage's report merged by the executor.
-A ``shared_storage`` producer run then a consumer run, and ``offload`` turns that hit the CPU tier, are float32
+A ``shared_storage`` producer run then a consumer run, and ``offload`` turns that hit both tiers, are float32
 greedy token-exact against one plain engine; the folder holds one file per stage per block, named with the stage's
 layers, and a consumer of another layout (one stage, or another ``pp_layer_partition``) loads none of them: it
 recomputes, and says why once."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from kv_conversations import ENGINE, GREEDY, TIGHT, assert_no_leak, conversations
 
 from framework import LLM
@@ -23,11 +24,17 @@ PROMPTS = ["Once upon a time there was a little girl named Lily who loved to pla
 STAGE_TAGS = ("pp0of2.layers0-3", "pp1of2.layers3-5")  # vLLM's split of 5 layers: 3 | 2
 
 
-def _count_reports(llm):
-    """How many ranks' worker-side reports the executor merged, per step (filled as the engine runs)."""
+def _record_merges(llm):
+    """Per step, how many ranks' worker-side reports the executor merged and the merged report (filled as the
+    engine runs)."""
     merged, aggregate = [], llm.engine.executor.kv_outputs.aggregate
-    llm.engine.executor.kv_outputs.aggregate = lambda outs: merged.append(sum(o is not None for o in outs)) or \
-        aggregate(outs)
+
+    def record(outputs):
+        out = aggregate(outputs)
+        merged.append((sum(o is not None for o in outputs), out))
+        return out
+
+    llm.engine.executor.kv_outputs.aggregate = record
     return merged
 
 
@@ -66,14 +73,27 @@ def test_shared_storage_pp2_producer_then_consumer_is_exact_and_keyed_by_stage(t
     assert caplog.text.count("pp_layer_partition") == 1  # once per engine, the fix named
 
 
-def test_offload_pp2_turns_hit_the_cpu_tier_and_stay_exact():
-    expected = conversations(LLM(**TIGHT))
-    llm = LLM(**TIGHT, **PP2, kv_connector="offload", kv_connector_params={"cpu_bytes": 1 << 20})
+def test_offload_pp2_turns_hit_both_tiers_and_every_stage_drops_the_same_blocks(tmp_path):
+    """Tiers of 2.5 and 12 whole blocks, far below three conversations' working set: blocks spill to disk (loaded
+    asynchronously, the request parked until both stages report) and are dropped. Stage 0 holds 3 layers, stage 1
+    two; each gets its layers' share of the limits, so both keep and drop the same blocks: every drop reaches the
+    scheduler side (both stages reported it) and no load fails. While a request is parked the engine sends steps
+    that schedule nothing, and stage 0 answers them a step ahead of stage 1: ``executor=mp`` must keep those replies
+    for their own step (it lost them and hung before)."""
+    plain_llm = LLM(**TIGHT)
+    runner = plain_llm.engine.runner
+    block_bytes = torch.empty(runner.backend.get_kv_cache_shape(1)).nbytes * len(runner.kv_caches)
+    expected = conversations(plain_llm)
+    llm = LLM(**TIGHT, **PP2, kv_connector="offload", kv_connector_params=dict(
+        cpu_bytes=2 * block_bytes + block_bytes // 2, disk_path=str(tmp_path), disk_bytes=12 * block_bytes))
     try:
-        reports = _count_reports(llm)
+        merged = _record_merges(llm)
         assert conversations(llm) == expected
-        assert reports and set(reports) == {2}, "every step must merge both stages' reports"
         assert llm.engine.metrics.summary()["external_prefix_cache_hits"] > 0
+        assert {n for n, _ in merged} == {2}, "every step must merge both stages' reports"
+        assert not any(o.invalid_block_ids for _, o in merged if o is not None), "a stage lost a block the other kept"
+        events = [e[0] for _, o in merged if o is not None for e in o.kv_cache_events or ()]
+        assert "disk" in events and "removed" in events
         assert_no_leak(llm)
     finally:
         llm.engine.shutdown()
