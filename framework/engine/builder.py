@@ -365,7 +365,7 @@ def make_scheduler(config: EngineConfig, spec: ModelSpec, num_blocks: int, num_s
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=spec.max_model_len,
                      long_prefill_token_threshold=config.long_prefill_token_threshold, swap_space=swap_space,
                      clock=clock, max_loras=config.max_loras if config.enable_lora else 0,
-                     kv_transfer=make_kv_transfer(config))
+                     kv_transfer=make_kv_transfer(config, spec.num_layers))
 
 
 def attach_structured_output(config: EngineConfig, tokenizer: Any, eos_token_ids: frozenset[int],

@@ -1,9 +1,9 @@
 """One :class:`KVConnectorOutput` for the scheduler from every rank's (vLLM V1's ``KVOutputAggregator``,
 ``vllm/distributed/kv_transfer/kv_connector/utils.py``).
 
-Each rank's worker side moves only its own shard of every block (``KVConnector.kv_shard``) and reports its own
-finished transfers; the scheduler may free or publish a request's blocks only once every rank is done with them.
-So an executor with more than one rank collects every rank's report each step and merges them here:
+Each rank's worker side moves only its own shard of every block (``KVConnector.kv_shard``: its KV heads of its
+pipeline stage's layers) and reports its own finished transfers; the scheduler may free or publish a request's blocks only once every rank is done with them.
+So an executor with more than one rank (``mp``, ``ray``) collects every rank's report each step and merges them here:
 
 - ``finished_sending`` / ``finished_recving``: a request is reported once **every** rank has reported it, in this
   step or an earlier one (a countdown per request from the number of ranks, as vLLM's aggregator keeps).
@@ -29,7 +29,8 @@ class KVOutputAggregator:
     """Merges the ranks' worker-side reports of each step into the one the scheduler side reads.
 
     Args:
-        world_size: the ranks that each run a worker side (``tensor_parallel_size``), >= 1.
+        world_size: the ranks that each run a worker side (``tensor_parallel_size x pipeline_parallel_size``: a
+            pipeline stage's worker side moves its own layers' part of every block), >= 1.
 
     Raises:
         ValueError: ``world_size < 1``.

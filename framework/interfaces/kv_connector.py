@@ -48,24 +48,52 @@ class KVConnectorRole(enum.Enum):
 class KVShard:
     """Which part of every KV block one worker side holds: under tensor parallelism rank ``tp_rank`` of ``tp_size``
     holds the K/V of its own KV heads only (vLLM: each worker's connector reads
-    ``get_tensor_model_parallel_rank()`` / ``_world_size()`` and moves only its shard).
+    ``get_tensor_model_parallel_rank()`` / ``_world_size()`` and moves only its shard); under pipeline parallelism
+    stage ``pp_rank`` holds the K/V of its own decoder layers only (vLLM: a stage registers only its layers' caches),
+    and its worker side sees only those layers' caches, indexed from 0.
 
     The engine sets :attr:`KVConnector.kv_shard` right after building an instance: a worker side's own shard; the
-    scheduler side gets ``tp_rank=0`` with the engine's ``tp_size`` (its layout, to look every shard up).
+    scheduler side gets ``tp_rank=0``, ``pp_rank=0`` with the engine's ``tp_size`` and ``stage_layers`` (its layout,
+    to look every shard up).
     """
 
     tp_rank: int = 0  # this worker side's tensor-parallel rank, 0 <= tp_rank < tp_size
     tp_size: int = 1  # parallel.tensor_parallel_size of the engine
+    pp_rank: int = 0  # this worker side's pipeline stage, 0 <= pp_rank < pp_size
+    # pipeline parallelism: [start, end) of every stage's decoder layers, stage order; (): one stage holds them all
+    stage_layers: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def pp_size(self) -> int:
+        """``parallel.pipeline_parallel_size`` of the engine (1 without stages)."""
+        return max(1, len(self.stage_layers))
 
     @property
     def tag(self) -> str:
-        """``""`` for an unsharded engine, else ``tp<rank>of<size>``: a store keys each shard's bytes by it, so the
-        shards of a TP=2 engine never mix with each other or with a TP=1 engine's blocks."""
-        return "" if self.tp_size == 1 else f"tp{self.tp_rank}of{self.tp_size}"
+        """``""`` for an unsharded engine, else ``tp<rank>of<size>`` and/or ``pp<stage>of<stages>.layers<start>-<end>``
+        joined by ``.``: a store keys each shard's bytes by it, so the shards of a TP=2 or PP=2 engine never mix
+        with each other or with another layout's blocks (the layer range too: two PP=2 engines of other
+        ``pp_layer_partition`` hold other layers under the same stage number)."""
+        parts = [f"tp{self.tp_rank}of{self.tp_size}"] if self.tp_size > 1 else []
+        if self.pp_size > 1:
+            start, end = self.stage_layers[self.pp_rank]
+            parts.append(f"pp{self.pp_rank}of{self.pp_size}.layers{start}-{end}")
+        return ".".join(parts)
 
     def all_ranks(self) -> list[KVShard]:
-        """Every shard of this layout, rank order (a scheduler side checks that each rank stored a block)."""
-        return [KVShard(rank, self.tp_size) for rank in range(self.tp_size)]
+        """Every shard of this layout, rank order (stage by stage, TP ranks within; a scheduler side checks that
+        each rank stored a block)."""
+        return [KVShard(rank, self.tp_size, stage, self.stage_layers)
+                for stage in range(self.pp_size) for rank in range(self.tp_size)]
+
+    def share_bytes(self, limit_bytes: int) -> int:
+        """This shard's part of an engine-wide byte limit, rounded down: ``limit_bytes x (its stage's layers / all
+        layers) / tp_size``, its part of every block's bytes, so every rank's store of ``floor(limit / block
+        bytes)`` blocks holds the same number of blocks (``offload``'s tiers)."""
+        if self.pp_size == 1:
+            return limit_bytes // self.tp_size
+        start, end = self.stage_layers[self.pp_rank]
+        return limit_bytes * (end - start) // (self.stage_layers[-1][1] * self.tp_size)
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "",

@@ -109,16 +109,16 @@ def pp_problems(hf_config: Any, pp_size: int, partition: str | None = None) -> l
 
 def pipeline_refusals(config: Any) -> list[str]:
     """What an executor refuses before any rank starts when ``config.pipeline_parallel_size > 1`` (empty:
-    nothing, or one stage): speculative decoding, LoRA, a KV connector, ``engine.compile=true`` and expert
-    parallelism (none is wired through the stages yet), then the model's own reasons (:func:`pp_problems`,
-    from its ``config.json``; a model that cannot be read is left to the builder's ``inspect_model``)."""
+    nothing, or one stage): speculative decoding, LoRA, ``engine.compile=true`` and expert parallelism (none is
+    wired through the stages yet; a KV connector is, ``framework/engine/kv_transfer_support.py`` refuses the rest),
+    then the model's own reasons (:func:`pp_problems`, from its ``config.json``; a model that cannot be read is left
+    to the builder's ``inspect_model``)."""
     pp = config.pipeline_parallel_size
     if pp <= 1:
         return []
     problems = []
     for on, what, fix in ((config.drafter != "none", f"spec_decode={config.drafter}", "spec_decode=none"),
                           (config.enable_lora, "lora.enable=true", "lora.enable=false"),
-                          (config.kv_connector != "none", f"kv_connector={config.kv_connector}", "kv_connector=none"),
                           (config.compile == "true", "engine.compile=true", "engine.compile=false"),
                           (getattr(config, "enable_expert_parallel", False), "parallel.enable_expert_parallel=true",
                            "parallel.enable_expert_parallel=false")):

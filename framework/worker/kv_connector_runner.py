@@ -6,7 +6,8 @@ the metadata, start the loads, wait for every layer's) and :meth:`KVConnectorRun
 ``KVConnectorModelRunnerMixin`` does. Layer-by-layer overlap of loads and saves with the forward is not built: the
 layer hooks run for every layer before and after it. While an asynchronous load or a delayed free is in flight the
 engine also sends steps that schedule nothing; they run both calls too (no forward), so ``get_finished`` is polled.
-Under tensor parallelism every rank runs one (its own KV heads' shard); the executor merges their reports
+Under tensor and pipeline parallelism every rank runs one (its own KV heads' shard of its own stage's layers: a
+stage registers only its layers' caches, as vLLM's worker does); the executor merges every rank's report
 (``framework/executor/kv_output_aggregator.py``).
 """
 
@@ -19,6 +20,7 @@ from framework.config import EngineConfig
 from framework.core.outputs import KVConnectorMetadata, KVConnectorOutput
 from framework.interfaces import AttentionBackend, KVConnector, KVConnectorRole
 from framework.interfaces.kv_connector import KVShard
+from framework.model_executor.pipeline_parallel import get_pp_indices
 
 
 class KVConnectorRunner:
@@ -63,11 +65,27 @@ class KVConnectorRunner:
         return output
 
 
+def kv_shard_of(config: EngineConfig, num_layers: int, tp_rank: int = 0, pp_rank: int = 0) -> KVShard:
+    """The shard of every KV block that TP rank ``tp_rank`` of pipeline stage ``pp_rank`` holds (the scheduler
+    side's: ``0, 0``, the engine's layout): its KV heads and, under ``pipeline_parallel_size > 1``, its stage's
+    layers, every stage's ``[start, end)`` from ``get_pp_indices`` over the model's ``num_layers`` decoder layers
+    (``parallel.pp_layer_partition`` included), as the stages split the model."""
+    pp = config.pipeline_parallel_size
+    stages = () if pp == 1 else tuple(get_pp_indices(num_layers, stage, pp, config.pp_layer_partition)
+                                      for stage in range(pp))
+    return KVShard(tp_rank, config.tensor_parallel_size, pp_rank, stages)
+
+
 def make_kv_connector_runner(config: EngineConfig, kv_caches: list[torch.Tensor], backend: AttentionBackend,
-                             num_kv_cache_groups: int, tp_rank: int = 0) -> KVConnectorRunner | None:
+                             num_kv_cache_groups: int, tp_rank: int = 0, pp_rank: int = 0) -> KVConnectorRunner | None:
     """This rank's worker side of ``config.kv_connector`` (``None`` for ``none``), told its shard
-    (``kv_shard = KVShard(tp_rank, tensor_parallel_size)``: ``kv_caches`` hold this rank's KV heads only) before
-    it sees the caches; every rank builds one (vLLM V1: one worker-side connector per worker).
+    (:func:`kv_shard_of`: this rank's KV heads of its stage's layers) before it sees the caches; every rank builds
+    one (vLLM V1: one worker-side connector per worker).
+
+    Args:
+        kv_caches: one tensor per decoder layer of the model (``ModelRunner.kv_caches``; under pipeline parallelism
+            the other stages' layers are empty stand-ins): the connector registers only its stage's layers'.
+        tp_rank, pp_rank: this rank's tensor-parallel rank and pipeline stage.
 
     Raises:
         ValueError: the model has several KV cache groups (sliding-window layers), which no connector moves yet.
@@ -80,5 +98,6 @@ def make_kv_connector_runner(config: EngineConfig, kv_caches: list[torch.Tensor]
     connector = registry.create("kv_connector", config.kv_connector, role=KVConnectorRole.WORKER,
                                 block_size=config.block_size, kv_role=config.kv_role,
                                 **config.plugin_params("kv_connector"))
-    connector.kv_shard = KVShard(tp_rank, config.tensor_parallel_size)
-    return KVConnectorRunner(connector, kv_caches, backend)
+    connector.kv_shard = shard = kv_shard_of(config, len(kv_caches), tp_rank, pp_rank)
+    start, end = shard.stage_layers[pp_rank] if shard.stage_layers else (0, len(kv_caches))
+    return KVConnectorRunner(connector, kv_caches[start:end], backend)

@@ -285,7 +285,8 @@ class Worker:
         self.runner.keep_hidden_states = self.keep_hidden_states
         self.runner.lora = self.lora
         self.runner.kv_connector = make_kv_connector_runner(self.config, self.runner.kv_caches, self.backend,
-                                                            len(self.kv_cache_layout.groups), self.tp_rank)
+                                                            len(self.kv_cache_layout.groups), self.tp_rank,
+                                                            self.pp_rank)
 
     def set_keep_hidden_states(self, keep: bool) -> None:
         """Return the target's last hidden states with each output (an EAGLE-style drafter asked)."""

@@ -3,10 +3,10 @@
 Calls go to every rank at once through one shared-memory ring
 (:class:`framework.distributed.shm_broadcast.ShmBroadcast`: the step's message is pickled once, never
 whole requests: see ``framework.core.step_message``); replies come back over one pipe per rank,
-from rank 0 only for ``execute_model``. The driver waits on those pipes and on the processes'
-sentinels together, in ticks of at most a second, checking each rank's heartbeat and the call's
-deadline between ticks (``framework.executor.deadlines``): a rank that exits, stops beating or misses
-the deadline is lost, the executor kills the other ranks and raises
+from the driver rank only for ``execute_model`` (from every rank with a KV connector, a stage before the
+last possibly a step ahead). The driver waits on those pipes and on the processes' sentinels together,
+in ticks of at most a second, checking each rank's heartbeat and the call's deadline between ticks
+(``framework.executor.deadlines``): a rank that exits, stops beating or misses the deadline is lost, the executor kills the other ranks and raises
 :class:`~framework.interfaces.EngineDeadError`. One call at a time (a lock): a metrics read from
 another thread cannot interleave with a step on the ring. Nothing of the ring has a name (a memfd
 and pipes), and stale segments of dead servelab processes are swept at start
@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import defaultdict, deque
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -134,6 +135,9 @@ class MultiprocExecutor(Executor):
         # kv_connector: every rank's worker side reports its shard's transfers, merged each step (vLLM's aggregator)
         self.kv_outputs = KVOutputAggregator(self.world_size) if config.kv_connector != "none" else None
         self._last_step_done = 0.0  # time.monotonic() when the driver rank last answered a step
+        # rank -> its replies to steps after the one being gathered, oldest first: with a connector every rank replies,
+        # and a pipeline stage before the last may answer step k+1 before the last stage answers step k
+        self._early: defaultdict[int, deque] = defaultdict(deque)
         ctx = process_context()  # forkserver on Linux: ranks fork from a server that imported torch once
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -238,9 +242,10 @@ class MultiprocExecutor(Executor):
             raise self._lost(f"cannot send {name!r} to the workers: {exc}") from exc
 
     def _gather(self, name: str, end: float, unique_reply_rank: int | None) -> list[Any]:
-        """The replies to the oldest call not yet answered, in rank order (see :meth:`collective_rpc`)."""
+        """The replies to the oldest call not yet answered, in rank order (see :meth:`collective_rpc`); a reply
+        of a rank that already answered this call belongs to a later step in flight and is kept for it."""
         ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
-        results: dict[int, Any] = {}
+        results: dict[int, Any] = {r: self._early[r].popleft() for r in ranks if self._early[r]}
         errors: dict[int, str] = {}  # an awaited rank's error is its answer to this call
         while len(results) + len(errors) < len(ranks):
             for rank, kind, payload in self._wait(set(ranks) - set(results) - set(errors), end, name):
@@ -252,6 +257,8 @@ class MultiprocExecutor(Executor):
                     if rank not in ranks or rank in results or rank in errors:
                         raise WorkerError(message)  # a non-replying rank's failure in an earlier call
                     errors[rank] = message
+                elif rank in results or rank not in ranks:
+                    self._early[rank].append(payload)
                 else:
                     results[rank] = payload
         if errors:  # raised once every awaited rank answered, so no reply is left to confuse the next call

@@ -31,6 +31,7 @@ from typing import Any
 from framework import hookimpl
 from framework.config import EngineConfig
 from framework.executor.deadlines import Deadlines, StepDeadline
+from framework.executor.kv_output_aggregator import KVOutputAggregator
 from framework.hookspecs import Register
 from framework.interfaces import EngineDeadError, Executor, WorkerError
 from framework.model_executor.pipeline_parallel import pipeline_refusals
@@ -118,6 +119,8 @@ class RayExecutor(Executor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.step_deadline = StepDeadline(self.deadlines)
+        # kv_connector: every rank's worker side reports its shard's transfers, merged each step (as executor=mp)
+        self.kv_outputs = KVOutputAggregator(self.world_size) if config.kv_connector != "none" else None
         self._last_step_done = 0.0  # time.monotonic() when the driver rank last answered a step
         self._started_ray = not ray.is_initialized()
         self._reaper = None
@@ -260,14 +263,18 @@ class RayExecutor(Executor):
     def _send_step(self, message: Any, scheduler_output: Any) -> Any:
         """Submit the step to every actor now (each runs it after the steps before it); the returned function
         waits for the driver rank's result under the step deadline (``StepDeadline``), counted from when the
-        step before it answered."""
+        step before it answered. With a KV connector every rank answers and the driver rank's result carries
+        every rank's worker-side report, merged (``KVOutputAggregator``, as ``executor=mp``)."""
         num_tokens = scheduler_output.total_num_scheduled_tokens
         t_sent = time.monotonic()
-        refs = self._send("execute_model", (message,), {}, self.driver_rank)
+        reply_rank = self.driver_rank if self.kv_outputs is None else None
+        refs = self._send("execute_model", (message,), {}, reply_rank)
 
         def collect() -> Any:
             t0 = max(t_sent, self._last_step_done)
-            out = self._collect(refs, "execute_model", t0 + self.step_deadline.deadline_s(num_tokens))[self.driver_rank]
+            replies = self._collect(refs, "execute_model", t0 + self.step_deadline.deadline_s(num_tokens))
+            out = (replies[self.driver_rank] if self.kv_outputs is None else
+                   self.kv_outputs.merge_into(replies, self.driver_rank))
             self._last_step_done = time.monotonic()
             self.step_deadline.observe(num_tokens, self._last_step_done - t0)
             return out

@@ -202,12 +202,13 @@ class OffloadConnector(KVConnector):
     # ---- worker side ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor], backend: AttentionBackend) -> None:
         """Keep the caches and build the tiers for blocks of this layout (``backend.get_kv_cache_shape(1)``); under
-        tensor parallelism each rank's tiers get ``1 / tensor_parallel_size`` of ``cpu_bytes`` and ``disk_bytes``
-        (its shard of a block is that share of the block's bytes), so every rank keeps and drops the same keys."""
+        tensor and pipeline parallelism each rank's tiers get its share of ``cpu_bytes`` and ``disk_bytes``
+        (``KVShard.share_bytes``: ``1 / tensor_parallel_size`` of its stage's part of the layers, as its shard of a
+        block is that share of the block's bytes), so every rank keeps and drops the same keys."""
         self._kv_caches, self._backend = list(kv_caches), backend
         shape = tuple(backend.get_kv_cache_shape(1))
-        ranks = self.kv_shard.tp_size  # the limits are the engine's: each rank's tiers hold its shard of every block
-        self.store = TieredBlockStore(self.cpu_bytes // ranks, self.disk_path, self.disk_bytes // ranks,
+        share = self.kv_shard.share_bytes  # the limits are the engine's: each rank's tiers hold its shard of every block
+        self.store = TieredBlockStore(share(self.cpu_bytes), self.disk_path, share(self.disk_bytes),
                                       [(shape, t.dtype) for t in kv_caches])
 
     def start_load_kv(self, **kwargs: Any) -> None:

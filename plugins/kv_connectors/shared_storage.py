@@ -95,16 +95,20 @@ class SharedStorageConnector(KVConnector):
         return all(self._file(key, shard).is_file() for shard in self.kv_shard.all_ranks())
 
     def _warn_other_layout(self, key: str) -> None:
-        """Say once that the folder holds block ``key`` for another tensor-parallel size only (never loaded here)."""
+        """Say once that the folder holds block ``key`` for another layout only (tensor-parallel size, stages; never
+        loaded here)."""
         if self._warned_layout:
             return
         others = sorted(p.name for p in self.path.glob(f"{key}*.safetensors"))
         if others:
             self._warned_layout = True
+            shard = self.kv_shard
             logger.warning("kv_connector=shared_storage: %s holds block %s only as %s, stored by an engine of another "
-                           "parallel.tensor_parallel_size; this engine (tensor_parallel_size=%d) loads only its own "
-                           "layout's files: run the producer and the consumer with the same tensor_parallel_size",
-                           self.path, key, ", ".join(others), self.kv_shard.tp_size)
+                           "parallel layout; this engine (tensor_parallel_size=%d, pipeline_parallel_size=%d, stages "
+                           "%s) loads only its own layout's files: run the producer and the consumer with the same "
+                           "tensor_parallel_size, pipeline_parallel_size and pp_layer_partition",
+                           self.path, key, ", ".join(others), shard.tp_size, shard.pp_size,
+                           [f"{a}-{b}" for a, b in shard.stage_layers] or "all layers")
 
     def _keys(self, request: Request) -> list[str]:
         """Prefix keys of the request's full prompt blocks (salted with its LoRA adapter's name)."""
