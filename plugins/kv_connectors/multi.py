@@ -123,7 +123,8 @@ class MultiConnector(KVConnector):
             own = [event for j, event in events if j == i]
             connector.update_connector_output(KVConnectorOutput(
                 finished_sending=connector_output.finished_sending, finished_recving=connector_output.finished_recving,
-                invalid_block_ids=connector_output.invalid_block_ids, kv_cache_events=own or None))
+                invalid_block_ids=connector_output.invalid_block_ids, kv_cache_events=own or None,
+                load_error_reasons=connector_output.load_error_reasons))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay when any connector delays; the one connector's ``kv_transfer_params``.
@@ -213,6 +214,11 @@ class MultiConnector(KVConnector):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The union of the connectors' load errors."""
         return set().union(*(c.get_block_ids_with_load_errors() for c in self.connectors))
+
+    def get_load_error_reasons(self) -> dict[int, str] | None:
+        """The connectors' reasons for their load errors (the first connector's reason of a block wins)."""
+        reasons = {b: why for c in reversed(self.connectors) for b, why in (c.get_load_error_reasons() or {}).items()}
+        return reasons or None
 
 
 def _list_problems(connectors: Any) -> list[str]:
