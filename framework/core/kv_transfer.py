@@ -18,7 +18,8 @@ send, or an aborted request whose load is in flight) keeps them until the worker
 
 A block whose load failed is dropped from the prefix cache (with every later block of the request: their K/V was
 computed over it), and the request either recomputes from that block (``kv_transfer.load_failure_policy=recompute``)
-or fails alone (``fail``). Sources: vLLM V1 ``Scheduler._update_waiting_for_remote_kv``,
+or fails alone (``fail``), its error carrying the connector's reason for the first bad block when the worker side
+gave one (``KVConnectorOutput.load_error_reasons``). Sources: vLLM V1 ``Scheduler._update_waiting_for_remote_kv``,
 ``_update_from_kv_xfer_finished`` and ``_free_request`` (``vllm/v1/core/sched/scheduler.py``).
 """
 
@@ -41,6 +42,7 @@ class LoadFailure:
 
     first_bad_token: int  # the first token of its first block that failed to load (a multiple of block_size)
     num_bad_blocks: int  # its blocks that failed to load
+    reason: str | None = None  # why its first bad block failed, naming the fix (KVConnector.get_load_error_reasons)
 
 
 @dataclass
@@ -138,16 +140,16 @@ class KVTransfer:
             return {}, []
         self.connector.update_connector_output(output)
         self.transfers += output.kv_connector_stats or ()
-        failures = {}
+        failures, reasons = {}, output.load_error_reasons or {}
         if output.invalid_block_ids:
             for request in scheduler_output.scheduled_requests:
                 failure = self._failure(scheduler_output.block_ids[request.request_id][0],
-                                        request.num_computed_tokens, output.invalid_block_ids)
+                                        request.num_computed_tokens, output.invalid_block_ids, reasons)
                 if failure is not None:
                     failures[request.request_id] = failure
             for parked in self.parked.values():
                 failure = self._failure(self.kv.get_block_ids(parked.request.request_id), parked.num_loaded_tokens,
-                                        output.invalid_block_ids)
+                                        output.invalid_block_ids, reasons)
                 if failure is not None and (parked.failure is None or
                                             failure.first_bad_token < parked.failure.first_bad_token):
                     parked.failure = failure
@@ -162,10 +164,12 @@ class KVTransfer:
         transfers, self.transfers = self.transfers, []
         return transfers
 
-    def _failure(self, table: list[int], num_cached_tokens: int, invalid: set[int]) -> LoadFailure | None:
-        """The load failure among the first ``num_cached_tokens`` tokens' blocks of ``table``, or None."""
+    def _failure(self, table: list[int], num_cached_tokens: int, invalid: set[int], reasons: dict[int, str]
+                 ) -> LoadFailure | None:
+        """The load failure among the first ``num_cached_tokens`` tokens' blocks of ``table`` (with its first bad
+        block's reason, if any), or None."""
         bad = [i for i, block in enumerate(table[:-(-num_cached_tokens // self.block_size)]) if block in invalid]
-        return LoadFailure(bad[0] * self.block_size, len(bad)) if bad else None
+        return LoadFailure(bad[0] * self.block_size, len(bad), reasons.get(table[bad[0]])) if bad else None
 
     def _load_done(self, parked: ParkedLoad) -> tuple[Request, LoadFailure | None]:
         """A parked request's load completed: its tokens up to the first bad block (all of them without a failure)
@@ -190,9 +194,11 @@ class KVTransfer:
         request.num_computed_tokens = failure.first_bad_token
 
     def failure_message(self, failure: LoadFailure) -> str:
-        """Why a request failed under ``load_failure_policy=fail`` (``RequestOutput.error``)."""
+        """Why a request failed under ``load_failure_policy=fail`` (``RequestOutput.error``): the connector's reason
+        for its first bad block when the worker side gave one (:meth:`KVConnector.get_load_error_reasons`)."""
+        why = f": {failure.reason}" if failure.reason else ""
         return (f"kv_connector {self.connector.name!r}: the K/V of {failure.num_bad_blocks} block(s) from token "
-                f"{failure.first_bad_token} on failed to load (kv_transfer.load_failure_policy=fail; recompute "
+                f"{failure.first_bad_token} on failed to load{why} (kv_transfer.load_failure_policy=fail; recompute "
                 "would compute them here instead)")
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -105,6 +105,9 @@ class KVConnectorOutput:
     kv_cache_events: list[Any] | None = None
     # transfers the worker side finished this step, one (bytes, seconds) each (vLLM's kv_connector_stats); None: none
     kv_connector_stats: list[tuple[int, float]] | None = None
+    # why some invalid_block_ids failed, block id -> a message naming the fix (KVConnector.get_load_error_reasons);
+    # it reaches the error of a request failed under kv_transfer.load_failure_policy=fail. None: no reasons given
+    load_error_reasons: dict[int, str] | None = None
 
 
 @dataclass

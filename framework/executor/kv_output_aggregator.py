@@ -8,6 +8,7 @@ So an executor with more than one rank (``mp``, ``ray``) collects every rank's r
 - ``finished_sending`` / ``finished_recving``: a request is reported once **every** rank has reported it, in this
   step or an earlier one (a countdown per request from the number of ranks, as vLLM's aggregator keeps).
 - ``invalid_block_ids``: the union (a block is bad when any rank's shard of it failed to load).
+- ``load_error_reasons``: the union, the lowest rank's reason of a block winning.
 - ``kv_cache_events``: an event reaches the scheduler side once every rank has reported it (counted like a
   multiset, so a key stored, removed and stored again is counted each time; vLLM's ``KVEventAggregator`` keeps the
   events common to all workers), in the order of the rank whose report completed it.
@@ -67,6 +68,8 @@ class KVOutputAggregator:
             finished_sending=self._count_down(self._sending, [o.finished_sending for o in present]),
             finished_recving=self._count_down(self._recving, [o.finished_recving for o in present]),
             invalid_block_ids=set().union(*(o.invalid_block_ids for o in present)),
+            load_error_reasons={b: why for o in reversed(present) for b, why in (o.load_error_reasons or {}).items()}
+            or None,
             kv_cache_events=self._common_events([o.kv_cache_events for o in present]),
             kv_connector_stats=[s for o in present for s in o.kv_connector_stats or ()] or None)
 

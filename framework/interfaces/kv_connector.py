@@ -320,3 +320,14 @@ class KVConnector(Plugin, ABC):
         detected them). Called by the model runner after :meth:`wait_for_save`. The scheduler then recomputes
         the affected tokens or fails the request (``kv_transfer.load_failure_policy``). Default: none."""
         return set()
+
+    def get_load_error_reasons(self) -> dict[int, str] | None:
+        """Why blocks that :meth:`get_block_ids_with_load_errors` just reported failed: block id -> a message that
+        names the fix (e.g. "the producer runs tensor_parallel_size=2 and this engine 1: ..."), or None.
+
+        Called by the model runner once per step, right after :meth:`get_block_ids_with_load_errors`; the reasons
+        reach the scheduler as ``KVConnectorOutput.load_error_reasons`` (ranks merged: the lowest rank's reason of a
+        block wins), and a request failed under ``kv_transfer.load_failure_policy=fail`` carries its first bad block's
+        reason in ``RequestOutput.error``. A block without a reason gets the generic message. Default: None.
+        """
+        return None

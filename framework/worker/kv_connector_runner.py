@@ -49,7 +49,8 @@ class KVConnectorRunner:
             self.connector.wait_for_layer_load(layer_idx)
 
     def end_step(self, finished_req_ids: set[str]) -> KVConnectorOutput:
-        """Save, then report: finished transfers, the blocks that failed to load this step and the store's events."""
+        """Save, then report: finished transfers, the blocks that failed to load this step (and why) and the store's
+        events."""
         if self._bound:
             for layer_idx, kv_layer in enumerate(self.kv_caches):
                 self.connector.save_kv_layer(layer_idx, kv_layer)
@@ -57,6 +58,7 @@ class KVConnectorRunner:
         sending, recving = self.connector.get_finished(set(finished_req_ids))
         output = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                    invalid_block_ids=self.connector.get_block_ids_with_load_errors(),
+                                   load_error_reasons=self.connector.get_load_error_reasons(),
                                    kv_cache_events=self.connector.get_kv_connector_kv_cache_events(),
                                    kv_connector_stats=self.connector.get_kv_connector_stats())
         if self._bound:

@@ -315,6 +315,7 @@ class PullResult:
     num_bytes: int  # bytes received
     seconds: float  # wall time of the pull, s
     loaded: bool  # False for a release (the pull named no local blocks)
+    error: str | None = None  # why the pull failed (naming the fix where there is one); None: it did not fail
 
 
 class BlockPuller:
@@ -362,13 +363,16 @@ class BlockPuller:
     def _run(self) -> None:
         while (pull := self._jobs.get()) is not None:
             start = time.monotonic()
+            error = None
             try:
                 num_bytes, bad = self._pull(pull), set()
             except Exception as exc:  # noqa: BLE001 - any failure is a load error of the pull's blocks
-                logger.warning("kv_connector=zmq: rank %d pulling request %s from %s:%s failed: %s", self._tp_rank,
-                               pull.remote_request_id, pull.remote_host, pull.remote_port + self._tp_rank, exc)
+                error = (f"rank {self._tp_rank} pulling request {pull.remote_request_id} from {pull.remote_host}:"
+                         f"{pull.remote_port + self._tp_rank} failed: {exc}")
+                logger.warning("kv_connector=zmq: %s", error)
                 num_bytes, bad = 0, set(pull.local_block_ids)
-            result = PullResult(pull.request_id, bad, num_bytes, time.monotonic() - start, bool(pull.local_block_ids))
+            result = PullResult(pull.request_id, bad, num_bytes, time.monotonic() - start, bool(pull.local_block_ids),
+                                error)
             with self._lock:
                 self._results.append(result)
 

@@ -1,5 +1,5 @@
 """``kv_connector=multi``: an ordered list of connectors (vLLM's ``MultiConnector``), so that an offload tier and a
-shared store (or, later, P/D transfer) compose.
+shared store or P/D transfer (``zmq``, also under tensor parallelism) compose.
 
 Loads come from the first connector that reports a match: ``get_num_new_matched_tokens`` asks every connector in
 order and the first non-zero answer wins (vLLM's rule, even when a later one would offer more); only that one is
@@ -81,15 +81,8 @@ class MultiConnector(KVConnector):
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
-        """Also: a non-empty list of ``{name, params}`` naming other registered connectors; ``zmq`` only at one
-        rank (as ``kv_connector=zmq`` itself)."""
-        connectors = config.kv_connector_params.get("connectors")
-        problems = super().validate(config) + _list_problems(connectors)
-        names = [entry.get("name") for entry in connectors or () if isinstance(entry, dict)]
-        if config.tensor_parallel_size > 1 and "zmq" in names:
-            problems.append("kv_connector=multi: zmq in the list moves whole blocks from one rank; "
-                            "tensor_parallel_size > 1 is not built yet for it: use parallel.tensor_parallel_size=1")
-        return problems
+        """Also: a non-empty list of ``{name, params}`` naming other registered connectors."""
+        return super().validate(config) + _list_problems(config.kv_connector_params.get("connectors"))
 
     # ---- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -123,7 +116,8 @@ class MultiConnector(KVConnector):
             own = [event for j, event in events if j == i]
             connector.update_connector_output(KVConnectorOutput(
                 finished_sending=connector_output.finished_sending, finished_recving=connector_output.finished_recving,
-                invalid_block_ids=connector_output.invalid_block_ids, kv_cache_events=own or None))
+                invalid_block_ids=connector_output.invalid_block_ids, kv_cache_events=own or None,
+                load_error_reasons=connector_output.load_error_reasons))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay when any connector delays; the one connector's ``kv_transfer_params``.
@@ -213,6 +207,11 @@ class MultiConnector(KVConnector):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The union of the connectors' load errors."""
         return set().union(*(c.get_block_ids_with_load_errors() for c in self.connectors))
+
+    def get_load_error_reasons(self) -> dict[int, str] | None:
+        """The connectors' reasons for their load errors (the first connector's reason of a block wins)."""
+        reasons = {b: why for c in reversed(self.connectors) for b, why in (c.get_load_error_reasons() or {}).items()}
+        return reasons or None
 
 
 def _list_problems(connectors: Any) -> list[str]:

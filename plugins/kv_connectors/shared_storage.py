@@ -74,6 +74,7 @@ class SharedStorageConnector(KVConnector):
         self._backend: AttentionBackend | None = None
         self._pending: dict[str, list[torch.Tensor | None]] = {}  # key -> one block per layer, to write
         self._load_errors: set[int] = set()
+        self._load_error_reasons: dict[int, str] = {}  # bad block -> why its file did not load
         self._warned_layout = False  # scheduler side: the other-layout warning was given
 
     @classmethod
@@ -187,6 +188,8 @@ class SharedStorageConnector(KVConnector):
             except Exception as exc:  # noqa: BLE001 - any unreadable file is a load error of that block
                 logger.warning("kv_connector=shared_storage: block %s (%s) failed to load: %s", block, key, exc)
                 self._load_errors.add(block)
+                self._load_error_reasons[block] = (f"{self._file(key)} did not load ({exc}); one folder serves one "
+                                                   "model, dtype, block size and attention backend")
                 continue
             self._backend.copy_blocks(buffers, [0], self._kv_caches, [block])
 
@@ -218,6 +221,11 @@ class SharedStorageConnector(KVConnector):
         """Blocks whose file failed to load in this step (then forgotten)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_load_error_reasons(self) -> dict[int, str] | None:
+        """Why each block of :meth:`get_block_ids_with_load_errors` failed (its file and the error), then forgotten."""
+        reasons, self._load_error_reasons = self._load_error_reasons, {}
+        return reasons or None
 
 
 @hookimpl

@@ -22,7 +22,7 @@ over their TP group), every rank reports every rank's address (``("zmq_endpoint"
 port)``, identical on all ranks, so the executor's merge passes them), ``kv_transfer_params`` name the base
 (``remote_port``) and ``tp_size`` (vLLM's names), and consumer rank ``r`` pulls from producer rank ``r``. A producer
 of another ``tensor_parallel_size`` fails the request's load (``kv_transfer.load_failure_policy`` decides), with a
-warning naming the fix.
+warning naming the fix; under ``fail`` the fix also reaches the request's error (``get_load_error_reasons``).
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ class ZmqConnector(KVConnector):
         self._puller: BlockPuller | None = None
         self._events: list[Any] = []
         self._load_errors: set[int] = set()
+        self._load_error_reasons: dict[int, str] = {}  # bad block -> why its pull failed (reported with it)
         self._stats: list[tuple[int, float]] = []  # (bytes, seconds) of the pulls finished since the last report
 
     @classmethod
@@ -276,6 +277,7 @@ class ZmqConnector(KVConnector):
             if not result.loaded:
                 continue  # a release: nothing arrived, nothing was parked
             self._load_errors |= result.bad_block_ids
+            self._load_error_reasons.update(dict.fromkeys(result.bad_block_ids, result.error or "the pull failed"))
             if not result.bad_block_ids:  # a failed pull moved nothing worth timing
                 self._stats.append((result.num_bytes, result.seconds))
             recving.add(result.request_id)
@@ -294,6 +296,12 @@ class ZmqConnector(KVConnector):
         """Local blocks of the pulls reported this step that did not arrive (then forgotten)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_load_error_reasons(self) -> dict[int, str] | None:
+        """Why the blocks :meth:`get_block_ids_with_load_errors` just reported failed (their pull's error, e.g. a
+        producer of another ``tensor_parallel_size``, naming the fix), then forgotten; None when none failed."""
+        reasons, self._load_error_reasons = self._load_error_reasons, {}
+        return reasons or None
 
     def get_kv_connector_kv_cache_events(self) -> list[Any] | None:
         """Once: ``("zmq_endpoint", engine_id, tp_rank, host, port)`` for every rank's server (each rank reports them

@@ -24,6 +24,14 @@ def test_load_errors_are_the_union_and_stats_concatenate():
     out = agg.aggregate([KVConnectorOutput(invalid_block_ids={3}, kv_connector_stats=[(10, 0.1)]),
                          KVConnectorOutput(invalid_block_ids={3, 7}, kv_connector_stats=[(10, 0.2)])])
     assert out.invalid_block_ids == {3, 7} and out.kv_connector_stats == [(10, 0.1), (10, 0.2)]
+    assert out.load_error_reasons is None
+
+
+def test_load_error_reasons_are_the_union_the_lowest_rank_winning():
+    out = KVOutputAggregator(2).aggregate([KVConnectorOutput(invalid_block_ids={3}, load_error_reasons={3: "r0"}),
+                                           KVConnectorOutput(invalid_block_ids={3, 7},
+                                                             load_error_reasons={3: "r1", 7: "r1"})])
+    assert out.load_error_reasons == {3: "r0", 7: "r1"}
 
 
 def test_events_pass_once_every_rank_reported_them_counted_as_a_multiset():

@@ -24,9 +24,9 @@ class _Fixed(KVConnector):
 
     name = "fixed"
 
-    def __init__(self, role, block_size, kv_role="kv_both", tokens=0, delay_free=False, **params):
+    def __init__(self, role, block_size, kv_role="kv_both", tokens=0, delay_free=False, reasons=None, **params):
         super().__init__(role, block_size, kv_role, **params)
-        self.tokens, self.told, self.events = tokens, [], []
+        self.tokens, self.told, self.events, self.reasons = tokens, [], [], reasons
         self.delay_free, self.sent = delay_free, set()  # sent: what get_finished reports as finished sending
 
     def request_finished(self, request, block_ids):
@@ -60,6 +60,9 @@ class _Fixed(KVConnector):
     def wait_for_save(self):
         pass  # no save to wait for
 
+    def get_load_error_reasons(self):
+        return self.reasons
+
 
 class _FixedPlugin:
     @hookimpl
@@ -89,6 +92,17 @@ def test_the_first_non_zero_match_loads_and_events_go_home():
     multi.update_connector_output(KVConnectorOutput(kv_cache_events=[(2, ("stored", "k")), (0, ("removed", "j"))]))
     assert [c.events for c in multi.connectors] == [[[("removed", "j")]], [None], [[("stored", "k")]]]
     assert multi.request_finished(request, [])[0] is False
+
+
+def test_load_error_reasons_merge_the_first_connector_s_winning():
+    with registry.registered(_FixedPlugin()):
+        multi = MultiConnector(KVConnectorRole.WORKER, BLOCK, connectors=[
+            {"name": "fixed", "params": {"reasons": {3: "first"}}}, {"name": "fixed"},
+            {"name": "fixed", "params": {"reasons": {3: "third", 5: "third"}}}])
+    assert multi.get_load_error_reasons() == {3: "first", 5: "third"}
+    for connector in multi.connectors:
+        connector.reasons = None
+    assert multi.get_load_error_reasons() is None
 
 
 def test_passes_the_kv_connector_contract(tmp_path):

@@ -197,6 +197,8 @@ def test_load_failure_fail_fails_only_that_request(store, plain, tmp_path):
     failed, *rest = outputs
     assert failed.outputs[0].finish_reason == "abort" and "failed to load" in failed.error
     assert "load_failure_policy=fail" in failed.error
+    key = prefix_block_hashes(plain.engine.tokenizer(LONG).input_ids, BLOCK)[1]
+    assert f"{key}.safetensors did not load" in failed.error, "the connector's reason must reach the error"
     assert _tokens(rest) == _tokens(plain.generate(PROMPTS[1:], GREEDY))
     assert all(o.error is None for o in rest)
     _assert_no_leak(consumer)

@@ -179,6 +179,7 @@ def test_injected_pull_failure_under_both_policies(plain):
             assert _tokens(outputs) == want and all(o.error is None for o in outputs)
         else:
             assert outputs[0].outputs[0].finish_reason == "abort" and "failed to load" in outputs[0].error
+            assert "the producer refused" in outputs[0].error  # the pull's own error (get_load_error_reasons)
             assert _tokens(outputs[1:]) == want[1:] and all(o.error is None for o in outputs[1:])
         _close_and_check(consumer)
     assert producer.finish()["held_blocks"] == 0  # a failed pull still releases the producer's blocks

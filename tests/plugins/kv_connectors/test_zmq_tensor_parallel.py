@@ -2,7 +2,7 @@
 own KV heads' shard at base port + rank, and a TP=2 consumer engine's rank r pulls from producer rank r (vLLM's
 NixlConnector per TP rank); float32 greedy stories260K token-exact against one plain engine, every transferred
 block bitwise the producer's on each rank, a TP=1 consumer of the TP=2 producer failing the request or recomputing
-it per ``kv_transfer.load_failure_policy`` (a warning naming the fix), and no zmq thread or listening port left
+it per ``kv_transfer.load_failure_policy`` (a warning and, under ``fail``, the request's error naming the fix), and no zmq thread or listening port left
 after ``close()``. Model-free: two ranks agree on consecutive free ports, or all refuse a base whose run is taken."""
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ def plain():
 def producer():
     """A TP=2 producer that prefilled every prompt (``max_tokens=1``, as a P/D prefill) and handed the held blocks
     to its ranks' servers; yields ``(llm, kv_transfer_params per prompt)``."""
-    llm = LLM(**ENGINE, **TP2, kv_connector="zmq", kv_role="kv_producer", kv_connector_params={"abort_timeout_s": 60})
+    # abort_timeout_s: a loaded host may take minutes to start a consumer; an unpulled hold must outlast that
+    llm = LLM(**ENGINE, **TP2, kv_connector="zmq", kv_role="kv_producer", kv_connector_params={"abort_timeout_s": 600})
     engine, params = llm.engine, {}
     for i, prompt in enumerate(PROMPTS + MISMATCHED):
         engine.add_request(f"p{i}", prompt, SamplingParams(temperature=0, max_tokens=1))
@@ -176,6 +177,7 @@ def test_a_tp1_consumer_of_a_tp2_producer_fails_or_recomputes_per_policy(plain, 
         assert "the same parallel.tensor_parallel_size" in caplog.text
         if policy == "fail":
             assert out.outputs[0].finish_reason == "abort" and "load_failure_policy=fail" in out.error
+            assert "the same parallel.tensor_parallel_size" in out.error, "the fix must reach the request's error"
         else:
             assert out.error is None and out.outputs[0].token_ids == plain[2 + i]
         _no_block_held(consumer)
