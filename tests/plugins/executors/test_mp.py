@@ -25,7 +25,7 @@ import pytest
 import torch
 from executor_workload import ENGINE, MAX_TOKENS, check_every_feature_at_once, hf_grammar_greedy
 from grammar_helpers import SCHEMA
-from helpers import PREFIX_PROMPTS, REPO, STORIES, STORY_PROMPTS, hf_greedy
+from helpers import PREFIX_PROMPTS, REPO, STORIES, STORY_PROMPTS, hf_greedy, smollm2_layout_model
 
 from framework import LLM, SamplingParams, StructuredOutputsParams
 from framework.interfaces import EngineDeadError, WorkerError
@@ -234,21 +234,10 @@ def test_cuda_needs_one_gpu_per_rank(monkeypatch):
 
 @pytest.fixture(scope="module")
 def nine_heads(tmp_path_factory) -> str:
-    """SmolLM2's head layout (9 query / 3 KV heads: TP=1 or 3) in a tiny random-weight Llama: ``families``'
-    sharpened initialisation (clear greedy margins, EOS never wins) and stories260K's tokenizer. SmolLM2's own
-    weights at TP=3 are ``tests/framework/model_executor/test_tensor_parallel.py::test_smollm2_tp3_matches_tp1``'s."""
-    from families import COMMON_TINY, sharpen
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(**{**COMMON_TINY, "hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    sharpen(model)
-    folder = tmp_path_factory.mktemp("nine_heads")
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(Path(STORIES) / name, folder / name)
-    return str(folder)
+    """SmolLM2's head layout (9 query / 3 KV heads: TP=1 or 3) in a tiny random-weight Llama
+    (``helpers.smollm2_layout_model``). SmolLM2's own weights at TP=3 are
+    ``tests/framework/model_executor/test_tensor_parallel.py::test_smollm2_tp3_matches_tp1``'s."""
+    return smollm2_layout_model(tmp_path_factory.mktemp("nine_heads"))
 
 
 def test_nine_heads_over_three_ranks_greedy_parity_with_every_feature_at_once(nine_heads):

