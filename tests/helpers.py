@@ -260,3 +260,28 @@ def sibling_test_module(test_file: str, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def smollm2_layout_model(folder: Path, num_hidden_layers: int = 3, tie_word_embeddings: bool = False) -> str:
+    """SmolLM2-135M's head layout (9 query / 3 KV heads: ``tensor_parallel_size`` 1 or 3) in a tiny random-weight
+    Llama (``families.COMMON_TINY`` otherwise; hidden 72, head 8) with ``families``' sharpened initialisation (clear
+    greedy margins, EOS never wins) and stories260K's tokenizer (vocabulary 512), float32, saved to ``folder``.
+
+    Returns:
+        ``str(folder)``, a model path for ``LLM(model=...)`` and :func:`hf_greedy`.
+    """
+    import shutil
+
+    import torch
+    from families import COMMON_TINY, sharpen
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**{**COMMON_TINY, "hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3,
+                            "num_hidden_layers": num_hidden_layers, "tie_word_embeddings": tie_word_embeddings})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    sharpen(model)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(Path(STORIES) / name, Path(folder) / name)
+    return str(folder)

@@ -223,8 +223,7 @@ def run_row(row: dict[str, Any], log_dir: Path, cpus: str | None = None) -> RowR
     env, before = _env(row), shm_snapshot()
     proc = subprocess.Popen(_command([sys.executable, "-m", SCENARIOS, json.dumps(row)], cpus), cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
-    tree, q = _Tree(proc.pid, before), _events(proc)
-    t_fault, kill = None, row["kind"] in KILLS
+    tree, q, t_fault, kill = _Tree(proc.pid, before), _events(proc), None, row["kind"] in KILLS
     try:
         phase = _next(q, "phase", ROW_TIMEOUT_S)
         if phase is not None and (row["kind"] == "rank_signal" or kill):
@@ -433,8 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     executors = [e for e in args.executors.split(",") if e != "ray2" or importlib.util.find_spec("ray")]
     selected = [r for r in rows(executors, args.quick) if args.only in r["label"]]
-    log_dir = Path(tempfile.mkdtemp(prefix="fault_matrix_logs_"))
-    results = []
+    log_dir, results = Path(tempfile.mkdtemp(prefix="fault_matrix_logs_")), []
     for row in selected:
         t0 = time.monotonic()
         results.append(run_row(row, log_dir, args.cpus))

