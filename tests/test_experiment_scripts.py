@@ -88,6 +88,7 @@ def test_bench_families_reports_each_family_against_llama_and_transformers(tmp_p
 
     result = bench_families.main(["--tiny", "--families", "llama,gemma3", "--batch-sizes", "2", "--input-len", "8",
                                   "--output-len", "3", "--model-dir", str(tmp_path / "models"),
+                                  "--attention-params", '{"compile": false}',  # eager kernel: not a compile test
                                   "--json-out", str(tmp_path / "out.json")])
     rows = {(r["family"], r["system"]): r for r in result["rows"]}
     assert set(rows) == {(f, s) for f in ("llama", "gemma3") for s in ("ours", "hf")}
@@ -241,7 +242,7 @@ def test_eval_parity_compares_both_backends(tmp_path, capsys):
     from experiments.quality import eval_parity
 
     record = eval_parity.main(["--model", STORIES, "--num-mc", "2", "--num-ppl", "1", "--num-gen", "1",
-                               "--out", str(tmp_path)])
+                               "--out", str(tmp_path), "--", EAGER_KERNEL])  # eager kernel: not a compile test
     assert record["num_docs"] == {"servelab_mc_large": 2, "servelab_ppl_large": 1, "servelab_gen_large": 1}
     # a rolling document's loglikelihood sums hundreds of float32 log-probs, reduced in another order by each
     # backend and each CPU's kernels: 1.2e-4 apart under AVX2 (ATEN_CPU_CAPABILITY=avx2), 4e-6 with AVX-512;
@@ -362,7 +363,9 @@ def test_sim_routers_runs_every_router_over_simulated_replicas(tmp_path):
     from experiments.sim import sim_routers
 
     rows = sim_routers.main(["--replicas", "2", "--requests-per-replica", "2", "--workloads", "shared_prefix,multi_turn",
-                             "--json-out", str(tmp_path / "routers.json")])
+                             "--prefix-len", "64", "--turn-len", "16", "--output-len", "4", "--json-out",
+                             str(tmp_path / "routers.json"),  # stories260K's shapes: a 0.2 s engine per cell, not 2 s
+                             "--model", "stories260K", "--tp", "1", "--max-model-len", "256", "--", "engine.num_blocks=256"])
     assert len(rows) == 2 * len(sim_routers.ROUTERS.split(","))
     for row in rows:
         summary = row["summary"]
@@ -418,7 +421,8 @@ def test_bench_quant_checkpoint_writes_the_checkpoint_and_reports_the_bars(tmp_p
     report = bench_quant_checkpoint.main([
         "--model", STORIES, "--group-size", "32", "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
         "--batch1-tokens", "4", "--systems", "bf16,gptq_fast,vllm", "--workdir", str(tmp_path),
-        "--vllm-python", str(tmp_path / "no-python"), "--json-out", str(out)])
+        "--vllm-python", str(tmp_path / "no-python"), "--attention-params", '{"compile": false}',  # not a compile test
+        "--json-out", str(out)])
     printed = capsys.readouterr().out
     assert set(report["results"]) == {"bf16", "gptq_fast"} and "vllm: skipped, no interpreter" in printed
     assert "batch 1: gptq_fast is" in printed and "batch N: bf16 is" in printed
