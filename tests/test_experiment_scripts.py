@@ -18,6 +18,19 @@ from framework import LLM, SamplingParams
 sys.path.insert(0, str(REPO))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def eager_paged_kernel():
+    """In-process engines here run the torch_paged kernel eager (``EAGER_KERNEL``'s in-process twin): no script test
+    is about that kernel, whose cold compile at engine start-up cost ~25 s of CPU per process and dtype/block size
+    (its tests: ``tests/plugins/attention/test_torch_paged.py``). The compile tests here still compile what they
+    test: the decoder graphs, their traced attention and the one-row head (``engine.compile=true``)."""
+    from plugins.attention import torch_paged
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch_paged, "_compiled_kernel", lambda: torch_paged.paged_attention)
+        yield
+
+
 def test_train_eagle_writes_a_usable_head(tmp_path, capsys):
     from experiments.quality import train_eagle
 
@@ -277,7 +290,8 @@ def test_bench_kv_offload_smoke(tmp_path):
     out = tmp_path / "kv_offload.json"
     result = bench_kv_offload.main(["--model", STORIES, "--dtype", "float32", "--num-conversations", "3", "--turns",
                                     "3", "--first-len", "12", "--turn-len", "4", "--output-len", "4", "--block-size",
-                                    "4", "--num-blocks", "12", "--json-out", str(out)])
+                                    "4", "--num-blocks", "12", "--attention-params", '{"compile": false}',  # not a compile test
+                                    "--json-out", str(out)])
     systems = {r["system"]: r for r in result["systems"]}
     assert result["same_tokens"] and systems["offload"]["offload_hit_rate"] > 0
     assert systems["recompute"]["offload_hit_rate"] == 0 and json.loads(out.read_text())["machine"]["cpu"]
