@@ -18,6 +18,19 @@ from framework import LLM, SamplingParams
 sys.path.insert(0, str(REPO))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def eager_paged_kernel():
+    """In-process engines here run the torch_paged kernel eager (``EAGER_KERNEL``'s in-process twin): no script test
+    is about that kernel, whose cold compile at engine start-up cost ~25 s of CPU per process and dtype/block size
+    (its tests: ``tests/plugins/attention/test_torch_paged.py``). The compile tests here still compile what they
+    test: the decoder graphs, their traced attention and the one-row head (``engine.compile=true``)."""
+    from plugins.attention import torch_paged
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch_paged, "_compiled_kernel", lambda: torch_paged.paged_attention)
+        yield
+
+
 def test_train_eagle_writes_a_usable_head(tmp_path, capsys):
     from experiments.quality import train_eagle
 
@@ -88,6 +101,7 @@ def test_bench_families_reports_each_family_against_llama_and_transformers(tmp_p
 
     result = bench_families.main(["--tiny", "--families", "llama,gemma3", "--batch-sizes", "2", "--input-len", "8",
                                   "--output-len", "3", "--model-dir", str(tmp_path / "models"),
+                                  "--attention-params", '{"compile": false}',  # eager kernel: not a compile test
                                   "--json-out", str(tmp_path / "out.json")])
     rows = {(r["family"], r["system"]): r for r in result["rows"]}
     assert set(rows) == {(f, s) for f in ("llama", "gemma3") for s in ("ours", "hf")}
@@ -241,7 +255,7 @@ def test_eval_parity_compares_both_backends(tmp_path, capsys):
     from experiments.quality import eval_parity
 
     record = eval_parity.main(["--model", STORIES, "--num-mc", "2", "--num-ppl", "1", "--num-gen", "1",
-                               "--out", str(tmp_path)])
+                               "--out", str(tmp_path), "--", EAGER_KERNEL])  # eager kernel: not a compile test
     assert record["num_docs"] == {"servelab_mc_large": 2, "servelab_ppl_large": 1, "servelab_gen_large": 1}
     # a rolling document's loglikelihood sums hundreds of float32 log-probs, reduced in another order by each
     # backend and each CPU's kernels: 1.2e-4 apart under AVX2 (ATEN_CPU_CAPABILITY=avx2), 4e-6 with AVX-512;
@@ -276,7 +290,8 @@ def test_bench_kv_offload_smoke(tmp_path):
     out = tmp_path / "kv_offload.json"
     result = bench_kv_offload.main(["--model", STORIES, "--dtype", "float32", "--num-conversations", "3", "--turns",
                                     "3", "--first-len", "12", "--turn-len", "4", "--output-len", "4", "--block-size",
-                                    "4", "--num-blocks", "12", "--json-out", str(out)])
+                                    "4", "--num-blocks", "12", "--attention-params", '{"compile": false}',  # not a compile test
+                                    "--json-out", str(out)])
     systems = {r["system"]: r for r in result["systems"]}
     assert result["same_tokens"] and systems["offload"]["offload_hit_rate"] > 0
     assert systems["recompute"]["offload_hit_rate"] == 0 and json.loads(out.read_text())["machine"]["cpu"]
@@ -362,7 +377,9 @@ def test_sim_routers_runs_every_router_over_simulated_replicas(tmp_path):
     from experiments.sim import sim_routers
 
     rows = sim_routers.main(["--replicas", "2", "--requests-per-replica", "2", "--workloads", "shared_prefix,multi_turn",
-                             "--json-out", str(tmp_path / "routers.json")])
+                             "--prefix-len", "64", "--turn-len", "16", "--output-len", "4", "--json-out",
+                             str(tmp_path / "routers.json"),  # stories260K's shapes: a 0.2 s engine per cell, not 2 s
+                             "--model", "stories260K", "--tp", "1", "--max-model-len", "256", "--", "engine.num_blocks=256"])
     assert len(rows) == 2 * len(sim_routers.ROUTERS.split(","))
     for row in rows:
         summary = row["summary"]
@@ -418,7 +435,8 @@ def test_bench_quant_checkpoint_writes_the_checkpoint_and_reports_the_bars(tmp_p
     report = bench_quant_checkpoint.main([
         "--model", STORIES, "--group-size", "32", "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
         "--batch1-tokens", "4", "--systems", "bf16,gptq_fast,vllm", "--workdir", str(tmp_path),
-        "--vllm-python", str(tmp_path / "no-python"), "--json-out", str(out)])
+        "--vllm-python", str(tmp_path / "no-python"), "--attention-params", '{"compile": false}',  # not a compile test
+        "--json-out", str(out)])
     printed = capsys.readouterr().out
     assert set(report["results"]) == {"bf16", "gptq_fast"} and "vllm: skipped, no interpreter" in printed
     assert "batch 1: gptq_fast is" in printed and "batch N: bf16 is" in printed

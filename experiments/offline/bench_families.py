@@ -102,7 +102,8 @@ def run_family(family: str, folder: str, batch: int, args: argparse.Namespace) -
     vocab = (TINY_SHAPE if args.tiny else SHAPE)["vocab_size"]
     prompts, out_lens = prompts_for(args, batch, vocab), [args.output_len] * batch
     run_args = SimpleNamespace(model=folder, dtype=args.dtype, prefix_caching="off", max_num_seqs=max(batch, 1),
-                               max_num_batched_tokens=None, compile=args.compile, warmup=True, hf_batch_size=0)
+                               max_num_batched_tokens=None, compile=args.compile, warmup=True, hf_batch_size=0,
+                               attention_params=json.loads(args.attention_params))
     results = {}
     for system, runner in (("ours", run_ours), ("hf", run_hf_static)):
         if system not in args.systems.split(","):
@@ -139,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: what dtype=auto runs a bf16 checkpoint in on this CPU (float32 on AVX2 only)")
     p.add_argument("--systems", default="ours,hf")
     p.add_argument("--compile", action="store_true", help="ours: engine.compile=true")
+    p.add_argument("--attention-params", default="{}", help="ours: the attention backend's params as JSON, e.g. "
+                   '\'{"compile": false}\' (the torch_paged kernel eager: no start-up compile, for smoke runs)')
     p.add_argument("--model-dir", default=None, help="where the random-weight models are saved and reused "
                    "(default: <servelab cache>/bench_families, see $SERVELAB_CACHE)")
     p.add_argument("--tokenizer", default="smollm2", help="model whose tokenizer the saved models get")

@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--systems", default="recompute,offload")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="OMP/MKL threads; 0 = unchanged")
+    p.add_argument("--attention-params", default="{}", help="the attention backend's params as JSON, e.g. "
+                   '\'{"compile": false}\' (the torch_paged kernel eager: no start-up compile, smoke runs)')
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
 
@@ -73,7 +75,7 @@ def run_system(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
         kwargs = {"kv_connector": "offload", "kv_connector_params": {
             "cpu_bytes": args.cpu_bytes, "disk_path": args.disk_path, "disk_bytes": args.disk_bytes}}
     llm = LLM(model=args.model, dtype=dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-              max_model_len=max_model_len(args), **kwargs)
+              max_model_len=max_model_len(args), attention_params=json.loads(args.attention_params), **kwargs)
     vocab = llm.engine.tokenizer.vocab_size
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.first_len)] for _ in range(args.num_conversations)]

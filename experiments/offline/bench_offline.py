@@ -84,6 +84,8 @@ def run_ours(prompts: list[list[int]], out_lens: list[int], args: argparse.Names
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.compile:
         kwargs["compile"] = True
+    if getattr(args, "attention_params", None):  # e.g. {"compile": false}: the attention kernel eager
+        kwargs["attention_params"] = args.attention_params
     llm = LLM(model=args.model, dtype=args.dtype, **kwargs)
     if args.warmup:
         llm.generate([p[:16] for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))

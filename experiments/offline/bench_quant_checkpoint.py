@@ -64,7 +64,8 @@ def servelab_system(name: str, args: argparse.Namespace, folder: Path, prompts: 
                               "int4_wo": {"model": args.model, "dtype": args.dtype, "quant": "int4_wo",
                                           "quant_params": {"group_size": args.group_size,
                                                            "skip": [x for x in args.int4_skip.split(",") if x]}}}[name]
-    llm = LLM(compile=args.compile, max_num_seqs=max(len(prompts), 1), **kwargs)
+    llm = LLM(compile=args.compile, max_num_seqs=max(len(prompts), 1),
+              attention_params=json.loads(args.attention_params), **kwargs)
 
     def generate(ps: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prefix-caching", default="on", choices=("on", "off"))
     p.add_argument("--vllm-python", default=str(REPO_ROOT / ".vllm-venv" / "bin" / "python"))
     p.add_argument("--workdir", default="/tmp")
+    p.add_argument("--attention-params", default="{}", help="servelab systems: the attention backend's params as "
+                   'JSON, e.g. \'{"compile": false}\' (the torch_paged kernel eager: no start-up compile, smoke runs)')
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]

@@ -7,6 +7,7 @@ four numeric choices (``--num-mc``, fixed seed); ``servelab_ppl_large``, rolling
 paragraphs of ``README.md`` and ``docs/*.md`` (``--num-ppl``); ``servelab_gen_large``, greedy completions of
 the same arithmetic questions (``--num-gen``), cut at a newline. They are written with their YAMLs into
 ``--out/tasks`` and run through ``eval.include_path``.
+Hydra overrides after ``--`` go to ``servelab eval`` (e.g. ``-- attention.params.compile=false``).
 
     .venv/bin/python -m experiments.quality.eval_parity --model smollm2 --dtype float32 --out outputs/eval_parity
 """
@@ -76,7 +77,7 @@ def run_servelab(args: argparse.Namespace, tasks_dir: Path, run_dir: Path) -> tu
     cmd = [sys.executable, "-m", "framework.entrypoints.cli", "eval", f"model.path={args.model}", f"model.dtype={args.dtype}",
            f"engine.compile={args.compile}", "tracker=none", f"eval.tasks=[{','.join(TASKS)}]",
            f"eval.include_path={tasks_dir}", f"eval.batch_size={args.batch_size}",
-           f"eval.num_concurrent={args.num_concurrent}", f"hydra.run.dir={run_dir}"]
+           f"eval.num_concurrent={args.num_concurrent}", f"hydra.run.dir={run_dir}", *args.overrides]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     wall = time.perf_counter() - t0
@@ -137,7 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-concurrent", type=int, default=1, help="requests in flight (servelab)")
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--out", default="outputs/eval_parity")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    args.overrides = argv[split + 1:]  # Hydra overrides for `servelab eval`
     out = Path(args.out).resolve()
     write_tasks(out / "tasks", args.num_mc, args.num_ppl, args.num_gen)
     metrics, ours, servelab_s = run_servelab(args, out / "tasks", out / "servelab_run")

@@ -5,6 +5,8 @@ number is analytic: a roofline of published H100 figures, not a measurement).
 
     python -m experiments.sim.sim_routers --replicas 8 --workloads shared_prefix       # one size, quick
     python -m experiments.sim.sim_routers --json-out docs/results/sim/routers.json     # the whole grid
+    python -m experiments.sim.sim_routers --replicas 2 --requests-per-replica 2 --model stories260K --tp 1 \
+        --max-model-len 256 --prefix-len 64 --turn-len 16 --output-len 4 -- engine.num_blocks=256  # smoke run
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,20 +35,20 @@ def workload_overrides(args: argparse.Namespace, workload: str, replicas: int) -
         # cycle, and a cycle as long as a multiple of the replicas would hand round_robin perfect prefix affinity
         prefixes = args.prefixes_per_replica * replicas + 1
         return ["workload=shared_prefix", f"workload.num_prefixes={prefixes}",
-                f"workload.questions_per_prefix={max(1, n // prefixes)}", "workload.prefix_len=1024",
-                "workload.question_len=128", "workload.output_len=128", rate]
+                f"workload.questions_per_prefix={max(1, n // prefixes)}", f"workload.prefix_len={args.prefix_len}",
+                f"workload.question_len={args.turn_len}", f"workload.output_len={args.output_len}", rate]
     return ["workload=multi_turn", f"workload.num_conversations={max(1, n // args.turns)}",
-            f"workload.turns={args.turns}", "workload.first_len=1024", "workload.turn_len=128",
-            "workload.output_len=128", "workload.turn_gap_s=2.0", rate]
+            f"workload.turns={args.turns}", f"workload.first_len={args.prefix_len}", f"workload.turn_len={args.turn_len}",
+            f"workload.output_len={args.output_len}", "workload.turn_gap_s=2.0", rate]
 
 
 def run(args: argparse.Namespace, workload: str, replicas: int, router: str) -> dict[str, Any]:
     """One simulated run of ``replicas`` replicas behind ``router``: its summary and wall seconds."""
-    res = run_composed(["model=llama3_70b", "executor=sim", f"executor.params.profile=analytic:{args.device}",
+    res = run_composed([f"model={args.model}", "executor=sim", f"executor.params.profile=analytic:{args.device}",
                         f"parallel.tensor_parallel_size={args.tp}", f"parallel.data_parallel_size={replicas}",
-                        f"router={router}", "engine.max_model_len=8192", "engine.compile=false",
+                        f"router={router}", f"engine.max_model_len={args.max_model_len}", "engine.compile=false",
                         "sampling.ignore_eos=true", "tracker=none", "ui=none",
-                        *workload_overrides(args, workload, replicas)])
+                        *workload_overrides(args, workload, replicas), *args.overrides])
     summary, wall, num_requests = res.summary, res.wall_s, res.num_requests
     print(f"{workload:>13} x{replicas:<3} {router:<13} {num_requests} requests: wall {wall:.1f} s, hit rate "
           f"{summary['prefix_cache_hit_rate']:.3f}, TTFT p50 {summary['median_ttft_ms']:.0f} ms p99 "
@@ -75,10 +78,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--rate-per-replica", type=float, default=4.0, help="Poisson arrivals per replica, req/s")
     parser.add_argument("--prefixes-per-replica", type=int, default=2, help="shared_prefix: system prompts (x replicas, + 1)")
     parser.add_argument("--turns", type=int, default=4, help="multi_turn: turns per conversation")
+    parser.add_argument("--prefix-len", type=int, default=1024,
+                        help="tokens of a shared_prefix system prompt and of a multi_turn first turn")
+    parser.add_argument("--turn-len", type=int, default=128, help="tokens of a question / of a later turn")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     parser.add_argument("--device", default="h100")
+    parser.add_argument("--model", default="llama3_70b", help="a conf/model option whose shapes are simulated "
+                        "(stories260K with --tp 1 --max-model-len 256: a seconds-long smoke run)")
     parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--json-out")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    args.overrides = argv[split + 1:]  # more Hydra overrides for every run (keys the script does not set)
     logging.basicConfig(level=logging.WARNING)
     rows = [run(args, w, int(n), r) for w in args.workloads.split(",") for n in args.replicas.split(",")
             for r in args.routers.split(",")]
