@@ -27,6 +27,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 PREPACK = "on" if torch.backends.mkldnn.is_available() else "off"
 REAL_DECIDE = CompilePlanner.decide  # captured at import, before conftest's session patch keeps auto eager
+#: the eager-decoder tests' torch_paged kernel runs eagerly (fallbacks, ``compile=false``): the decoder is their
+#: subject, and compiling the kernel for their block size (``compiled_llm``'s is 8) is ~10 s of inductor they do
+#: not need (the compiled kernel's tests: tests/plugins/attention/test_torch_paged.py)
+EAGER_KERNEL_PARAMS = {"compile": False}
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +308,7 @@ def test_fallback_when_compiler_missing(caplog):
     """No C++ compiler for inductor: a warning names the cause and the engine runs eagerly, correctly."""
     with (torch._inductor.config.patch({"cpp.cxx": ("servelab-no-such-c++",)}),
           caplog.at_level(logging.WARNING, logger="framework.compilation.decoder")):
-        llm = LLM(model=STORIES, compile=True)
+        llm = LLM(model=STORIES, compile=True, attention_params=EAGER_KERNEL_PARAMS)
     stats = llm.engine.runner.compile_stats
     assert not stats.active and "compiler unavailable" in stats.fallback_reason
     assert any("running the model eagerly" in r.message and "compiler unavailable" in r.message
@@ -321,7 +325,7 @@ def test_fallback_when_compile_fails(monkeypatch, caplog):
 
     monkeypatch.setattr(CompiledDecoder, "_backend", broken)
     with caplog.at_level(logging.WARNING, logger="framework.compilation.decoder"):
-        llm = LLM(model=STORIES, compile=True)
+        llm = LLM(model=STORIES, compile=True, attention_params=EAGER_KERNEL_PARAMS)
     stats = llm.engine.runner.compile_stats
     assert not stats.active and "simulated inductor failure" in stats.fallback_reason
     assert any("simulated inductor failure" in r.message for r in caplog.records)
@@ -331,7 +335,7 @@ def test_fallback_when_compile_fails(monkeypatch, caplog):
 
 
 def test_compile_off_reports_only_the_decision(make_llm):
-    llm = make_llm(compile=False)
+    llm = make_llm(compile=False, attention_params=EAGER_KERNEL_PARAMS)
     assert llm.engine.runner.compiled is None
     llm.generate(["Once upon a time"], SamplingParams(max_tokens=2))
     summary = llm.engine.metrics.summary()
