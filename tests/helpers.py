@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import subprocess
 from pathlib import Path
 
 import pluggy
@@ -285,3 +286,31 @@ def smollm2_layout_model(folder: Path, num_hidden_layers: int = 3, tie_word_embe
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(Path(STORIES) / name, Path(folder) / name)
     return str(folder)
+
+
+def run_in_one_process(commands: dict[str, list[str]], workdir: Path, env: dict[str, str] | None = None,
+                       timeout: float = 600) -> dict[str, subprocess.CompletedProcess]:
+    """Run ``commands`` (name -> argv after ``python``: ``["run.py", ...]`` or ``["-m", "module", ...]``) in order
+    in one Python process started in the repository root (``tests/one_process.py``), each as its own
+    ``python`` process would run it: returns name -> ``CompletedProcess`` with that command's exit status,
+    stdout and stderr. One interpreter start and one import of torch/transformers/Hydra for them all.
+
+    Raises:
+        AssertionError: the process running them failed outside any command (its stderr attached).
+        subprocess.TimeoutExpired: they took longer than ``timeout`` seconds together.
+    """
+    import json
+    import sys
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    cases = [{"argv": argv, "stdout": str(workdir / f"{name}.stdout"), "stderr": str(workdir / f"{name}.stderr")}
+             for name, argv in commands.items()]
+    (workdir / "cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "one_process.py"), str(workdir / "cases.json"),
+                           str(workdir / "status.json")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    statuses = json.loads((workdir / "status.json").read_text())
+    return {name: subprocess.CompletedProcess([sys.executable, *case["argv"]], status,
+                                              Path(case["stdout"]).read_text(), Path(case["stderr"]).read_text())
+            for (name, case), status in zip(zip(commands, cases), statuses)}

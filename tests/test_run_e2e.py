@@ -1,34 +1,58 @@
-"""End to end: ``python run.py`` on stories260K writes outputs, metrics, the Hydra config and an offline W&B run."""
+"""End to end: ``python run.py`` on stories260K writes outputs, metrics, the Hydra config and an offline W&B run;
+configuration mistakes print their message alone. Every command of this module runs once, all of them in one
+Python process (``helpers.run_in_one_process``: each as ``python run.py ...`` would, its own exit status, stdout
+and stderr), so torch, transformers and Hydra are imported once rather than once per command."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-from helpers import EAGER_KERNEL
+import pytest
+from helpers import EAGER_KERNEL, run_in_one_process
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Once upon a time", "The little dog ran to the park and", "Lily wanted to play with her friend Tom."]
 LONG_PROMPT = "the cat sat on the mat " * 200  # > 512 tokens: over stories260K's max_model_len
+CONFIG_MISTAKES = {  # name: (command, fragments the message names)
+    "chat_without_template": (["run.py", "model=stories260K", "tracker=none", "workload.chat=true"],
+                              ["workload.chat=false"]),
+    "unknown_scheduler": (["run.py", "scheduler=nope"], ["unknown scheduler 'nope'", "fcfs", "priority"]),
+    "gpu_backend_run": (["run.py", "model=stories260K", "attention=flashinfer", "tracker=none"],
+                        ["'flashinfer' needs a CUDA GPU"]),
+    "gpu_backend_serve": (["-m", "framework.entrypoints.cli", "serve", "model=stories260K", "attention=flashinfer",
+                           "tracker=none"], ["'flashinfer' needs a CUDA GPU"]),
+}
 
 
-def run_cli(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """``(root, name -> finished command)``: every command of this module, run once in one process under
+    ``root`` (each run's Hydra dir is ``root / name``)."""
+    root = tmp_path_factory.mktemp("run_e2e")
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join([*PROMPTS, LONG_PROMPT]) + "\n")
+    commands = {name: [*cmd, f"hydra.run.dir={root / name}"] for name, (cmd, _) in CONFIG_MISTAKES.items()}
+    commands["bad_arrivals"] = ["run.py", EAGER_KERNEL, "model=stories260K", "workload=random",
+                                "workload.request_rate=0", "tracker=none", f"hydra.run.dir={root / 'bad_arrivals'}"]
+    commands["shared_prefix"] = [
+        "run.py", EAGER_KERNEL, "model=stories260K", "workload=shared_prefix", "workload.num_prefixes=2",
+        "workload.questions_per_prefix=3", "workload.prefix_len=48", "workload.question_len=8",
+        "workload.output_len=4", "workload.request_rate=200", "kv_cache=radix", "scheduler=lpm", "tracker=none",
+        f"hydra.run.dir={root / 'shared_prefix'}"]
+    commands["offline"] = ["run.py", EAGER_KERNEL, "model=stories260K", "workload=prompts", f"workload.path={prompts}",
+                           "workload.chat=false", "sampling.temperature=0", "sampling.max_tokens=16",
+                           f"hydra.run.dir={root / 'offline'}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_SILENT": "true"}
     env.pop("WANDB_MODE", None)  # the tracker's mode comes from the config
-    return subprocess.run([sys.executable, "run.py", EAGER_KERNEL, *overrides], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return root, run_in_one_process(commands, root / "logs", env=env, timeout=1500)  # 300 s a command
 
 
-def test_offline_run_writes_everything_and_records_a_rejected_prompt(tmp_path):
+def test_offline_run_writes_everything_and_records_a_rejected_prompt(runs):
     """One run: three prompts served, a fourth over ``max_model_len`` recorded as rejected while the others run."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join([*PROMPTS, LONG_PROMPT]) + "\n")
-    run_dir = tmp_path / "run"
-    proc = run_cli("model=stories260K", "workload=prompts", f"workload.path={prompts}", "workload.chat=false",
-                   "sampling.temperature=0", "sampling.max_tokens=16", f"hydra.run.dir={run_dir}")
+    root, procs = runs
+    run_dir, proc = root / "offline", procs["offline"]
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     *records, rejected = [json.loads(line) for line in (run_dir / "outputs.jsonl").read_text().splitlines()]
@@ -62,29 +86,14 @@ def _assert_config_error(proc: subprocess.CompletedProcess, *fragments: str) -> 
     assert "Traceback" not in proc.stderr and "Config search path" not in proc.stderr, proc.stderr
 
 
-def test_configuration_mistakes_print_the_message_alone(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_SILENT": "true"}
-    cases = [  # (command, fragments the message names); the four processes run at once
-        (["run.py", "model=stories260K", "tracker=none", "workload.chat=true"], ["workload.chat=false"]),
-        (["run.py", "scheduler=nope"], ["unknown scheduler 'nope'", "fcfs", "priority"]),
-        (["run.py", "model=stories260K", "attention=flashinfer", "tracker=none"], ["'flashinfer' needs a CUDA GPU"]),
-        (["-m", "framework.entrypoints.cli", "serve", "model=stories260K", "attention=flashinfer", "tracker=none"],
-         ["'flashinfer' needs a CUDA GPU"]),
-    ]
-    procs = [subprocess.Popen([sys.executable, *cmd, f"hydra.run.dir={tmp_path / str(i)}"], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i, (cmd, _) in enumerate(cases)]
-    for proc, (_, fragments) in zip(procs, cases):
-        stdout, stderr = proc.communicate(timeout=300)
-        _assert_config_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), *fragments)
+@pytest.mark.parametrize("name", CONFIG_MISTAKES)
+def test_configuration_mistakes_print_the_message_alone(runs, name):
+    _assert_config_error(runs[1][name], *CONFIG_MISTAKES[name][1])
 
 
-def test_shared_prefix_run_reports_kv_metrics_and_timeline(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = run_cli("model=stories260K", "workload=shared_prefix", "workload.num_prefixes=2",
-                   "workload.questions_per_prefix=3", "workload.prefix_len=48", "workload.question_len=8",
-                   "workload.output_len=4", "workload.request_rate=200", "kv_cache=radix", "scheduler=lpm",
-                   "tracker=none", f"hydra.run.dir={run_dir}")
+def test_shared_prefix_run_reports_kv_metrics_and_timeline(runs):
+    root, procs = runs
+    run_dir, proc = root / "shared_prefix", procs["shared_prefix"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "metrics.json").read_text())
     assert summary["num_requests"] == 6
@@ -98,8 +107,7 @@ def test_shared_prefix_run_reports_kv_metrics_and_timeline(tmp_path):
     assert not (run_dir / "wandb").exists()  # tracker=none
 
 
-def test_bad_arrivals_fail_before_weights_load(tmp_path):
-    proc = run_cli("model=stories260K", "workload=random", "workload.request_rate=0", "tracker=none",
-                   f"hydra.run.dir={tmp_path / 'run'}")
+def test_bad_arrivals_fail_before_weights_load(runs):
+    proc = runs[1]["bad_arrivals"]
     _assert_config_error(proc, "request_rate must be > 0")
     assert "Loading weights" not in proc.stderr

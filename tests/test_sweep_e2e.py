@@ -1,6 +1,9 @@
 """End to end sweeps on stories260K: a 2x2 multirun (basic and joblib launchers) -> offline W&B runs in one
 group with the flattened config, run_record.json per job, ``servelab results`` table/PNGs/HTML, and a rerun
-of one job from its saved config giving identical greedy outputs."""
+of one job from its saved config giving identical greedy outputs. The basic launcher's sweep, its ``servelab
+results``, a ``results`` on a missing folder and the rerun run once, in one Python process
+(``helpers.run_in_one_process``: each command as its own ``servelab`` process would, with its own exit status
+and output), so torch, transformers and Hydra are imported once for the four commands."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import EAGER_KERNEL
+from helpers import EAGER_KERNEL, run_in_one_process
 from wandb_offline import offline_run_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,16 +29,36 @@ def servelab(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+SWEEP_GROUP = "2026-01-01_12-00-00"
+
+
+@pytest.fixture(scope="module")
+def basic_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """``(sweep dir, name -> finished command)``: the 2x2 grid under the basic launcher (``sweep``), ``servelab
+    results`` on it (``results``) and on a missing folder (``results_missing``), then ``servelab rerun`` of its
+    last job (``rerun``), in this order in one process."""
+    root = tmp_path_factory.mktemp("sweep_e2e")
+    sweep = root / "multirun" / "2026-01-01" / "12-00-00"
+    cli = ["-m", "framework.entrypoints.cli"]
+    commands = {"sweep": [*cli, "-m", *GRID, f"hydra.sweep.dir={sweep}"],
+                "results": [*cli, "results", str(sweep), "--plot", "prefix_cache_hit_rate"],
+                "results_missing": [*cli, "results", str(root / "nope")],
+                "rerun": [*cli, "rerun", str(sweep / "3"), "tracker.name=none"]}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    env.pop("WANDB_MODE", None)
+    return sweep, run_in_one_process(commands, root / "logs", env=env, timeout=1600)  # 400 s a command
+
+
 def token_ids(run_dir: Path) -> list[list[int]]:
     return [json.loads(line)["token_ids"] for line in (run_dir / "outputs.jsonl").read_text().splitlines()]
 
 
 def check_results(sweep: Path, num_jobs: int = 4, swept: tuple[str, ...] = ("scheduler.name", "engine.max_num_seqs"),
-                  cli: bool = True) -> None:
-    """``servelab results`` on a sweep (``cli=False``: its ``main`` in this process, the command's start-up
-    being checked once already): one row per job (``num_jobs``), the swept keys as columns."""
-    if cli:
-        proc = servelab("results", str(sweep), "--plot", "prefix_cache_hit_rate")
+                  proc: subprocess.CompletedProcess | None = None) -> None:
+    """What ``servelab results`` wrote for a sweep: one row per job (``num_jobs``), the swept keys as columns.
+    ``proc``: the finished ``servelab results`` command; ``None`` runs its ``main`` in this process (the
+    command's start-up being checked once already)."""
+    if proc is not None:
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
         from framework.metrics.results import main as results_main
@@ -50,23 +73,23 @@ def check_results(sweep: Path, num_jobs: int = 4, swept: tuple[str, ...] = ("sch
     assert (out / "results.html").read_text().count("data:image/png;base64,") == 4
 
 
-def test_basic_launcher_sweep_is_one_wandb_group_and_reruns_identically(tmp_path):
-    sweep = tmp_path / "multirun" / "2026-01-01" / "12-00-00"
-    proc = servelab("-m", *GRID, f"hydra.sweep.dir={sweep}")
+def test_basic_launcher_sweep_is_one_wandb_group_and_reruns_identically(basic_sweep):
+    sweep, procs = basic_sweep
+    proc = procs["sweep"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(p for p in sweep.iterdir() if p.name.isdigit())
     assert len(jobs) == 4
     for job in jobs:
         record = json.loads((job / "run_record.json").read_text())
-        assert record["sweep_group"] == "2026-01-01_12-00-00" and record["servelab"]["sha"]
+        assert record["sweep_group"] == SWEEP_GROUP and record["servelab"]["sha"]
         assert record["plugins"]["scheduler"]["package"] == "servelab" and record["versions"]["torch"]
         data = offline_run_bytes(job)
-        assert b"2026-01-01_12-00-00" in data  # the W&B group
+        assert SWEEP_GROUP.encode() in data  # the W&B group
         assert b"scheduler.name" in data and b"engine.max_num_seqs" in data  # flattened config
         assert b"servelab_run.servelab.sha" in data
-    check_results(sweep)
+    check_results(sweep, proc=procs["results"])
 
-    proc = servelab("rerun", str(jobs[3]), "tracker.name=none")
+    proc = procs["rerun"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     rerun = jobs[3] / "rerun-0"
     assert "priority" in (rerun / "resolved_config.yaml").read_text()
@@ -84,11 +107,11 @@ def test_joblib_launcher_sweep_with_tensor_parallel_jobs(tmp_path):
                     "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in sweep.iterdir() if (p / "metrics.json").is_file()) == ["0", "1"]
-    check_results(sweep, num_jobs=2, swept=("scheduler.name",), cli=False)
+    check_results(sweep, num_jobs=2, swept=("scheduler.name",))
 
 
-def test_results_on_a_missing_dir_fails_clearly(tmp_path):
-    proc = servelab("results", str(tmp_path / "nope"))
+def test_results_on_a_missing_dir_fails_clearly(basic_sweep):
+    proc = basic_sweep[1]["results_missing"]
     assert proc.returncode != 0 and "not found" in proc.stderr
 
 
@@ -102,4 +125,4 @@ def test_local_ray_launcher_sweep(tmp_path):
     proc = servelab("-m", *GRID, "tracker=none", "hydra/launcher=ray", f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in sweep.iterdir() if (p / "metrics.json").is_file()) == ["0", "1", "2", "3"]
-    check_results(sweep, cli=False)
+    check_results(sweep)

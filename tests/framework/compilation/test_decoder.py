@@ -27,6 +27,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 PREPACK = "on" if torch.backends.mkldnn.is_available() else "off"
 REAL_DECIDE = CompilePlanner.decide  # captured at import, before conftest's session patch keeps auto eager
+#: the eager-decoder tests' torch_paged kernel runs eagerly (fallbacks, ``compile=false``): the decoder is their
+#: subject, and compiling the kernel for their block size (``compiled_llm``'s is 8) is ~10 s of inductor they do
+#: not need (the compiled kernel's tests: tests/plugins/attention/test_torch_paged.py)
+EAGER_KERNEL_PARAMS = {"compile": False}
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +41,16 @@ def compiled_llm():
     transformers. Compiled ATen linears run in ``test_engines_keep_their_own_graphs`` (dynamo's graphs) and
     ``test_mla.py::test_compiled_latent_cache_matches_transformers`` (inductor's code).
 
+    Its LM head is compiled too (``COMPILED_HEAD_MIN_BYTES`` lowered for stories260K's head: a fourth
+    warm-up graph, one-row logits), so one inductor warm-up covers the layer graphs and the head.
+
     It is compiled the way ``engine.compile=auto`` (the default) does: eager first (gate/up fused, a
     generate that fills the prefix cache), then compiled before the ``generate`` call whose expected
     saving passes the warm-up (the planner's step times and warm-up faked: 30 ms eager decode steps at
     batch 1, a 1 s warm-up), which splits gate/up and drops the prefix cache the warm-up overwrites;
     the tests below then check parity and recompiles on that engine."""
     from framework.compilation import calibration as compile_calibration
+    from framework.compilation import decoder as compile_module
     from framework.compilation import policy as compile_policy
     from framework.worker.model_runner import ModelRunner
 
@@ -51,6 +59,7 @@ def compiled_llm():
     assert llm.config.compile == "auto"
     with pytest.MonkeyPatch.context() as mp, tempfile.TemporaryDirectory() as calibration:
         mp.setattr(compile_calibration, "calibration_dir", lambda: Path(calibration))
+        mp.setattr(compile_module, "COMPILED_HEAD_MIN_BYTES", 0)  # SmolLM2's 56 MiB head gets one; stories260K's too
         mp.setattr(compile_calibration.CompilePlanner, "decide", REAL_DECIDE)
         mp.setattr(compile_policy, "PRIOR_WARM_UP_S", {"cold": 1.0, "cached": 1.0})
         mp.setattr(ModelRunner, "time_decode_steps", lambda runner, sizes: {1: 30.0, 64: 180.0})
@@ -67,14 +76,14 @@ def compiled_llm():
     assert_all_blocks_free(llm.engine)
 
 
-def test_warm_up_compiles_three_graphs(compiled_llm):
+def test_warm_up_compiles_four_graphs(compiled_llm):
     stats = compiled_llm.engine.runner.compile_stats
     assert stats.active and stats.fallback_reason is None
     if PREPACK == "on":
         assert isinstance(compiled_llm.engine.runner.model.model.layers[0].self_attn.qkv_proj, PrepackedLinear)
     # default torch_paged: num_tokens >= 2 (opaque attention), and the traced-attention decode graphs
-    # of num_tokens == 1 and >= 2, of the one layer kind all 5 layers share; no graph breaks
-    assert stats.num_layer_kinds == 1 and stats.num_graphs_warmup == 3
+    # of num_tokens == 1 and >= 2, of the one layer kind all 5 layers share; the one-row head; no graph breaks
+    assert stats.num_layer_kinds == 1 and stats.num_graphs_warmup == 4
     assert stats.compile_s > 0
 
 
@@ -87,7 +96,7 @@ def test_parity_and_no_recompiles_over_mixed_lengths(compiled_llm):
     assert summary["prefix_cache_hit_rate"] > 0.1
     assert summary["compile"] and summary["compile_active"]
     assert summary["compile_num_recompiles"] == 0, "a step shape recompiled after the warm-up"
-    assert summary["compile_num_graphs_warmup"] == 3 and summary["compile_s"] > 0
+    assert summary["compile_num_graphs_warmup"] == 4 and summary["compile_s"] > 0
     # every step key ran stacked after its first step (layer_stack.py): the parity above covers both paths
     assert summary["compile_layer_stack"] == {"many-token": "stacked", "1-token traced-attention": "stacked",
                                               "many-token traced-attention": "stacked"}
@@ -118,25 +127,20 @@ def test_stacked_steps_run_the_layers_from_layer_0(compiled_llm, monkeypatch):
     assert not stacked and seen and not any(seen)  # every step called layer 1 for real
 
 
-def test_a_large_lm_head_gets_a_one_row_graph(monkeypatch):
-    """A head of at least ``COMPILED_HEAD_MIN_BYTES`` (SmolLM2's 56 MiB; lowered here for stories260K's)
-    adds a warm-up graph: one-row logits (batch-1 decode, a lone prefill) go through it, more rows run the
-    head eagerly, greedy tokens still equal transformers' and nothing recompiles. The graphs run as dynamo
-    traced them (``compile_backend=eager``: the routing is under test; ``compiled_llm`` runs inductor's code)."""
-    from framework.compilation import decoder as compile_module
-
-    monkeypatch.setattr(compile_module, "COMPILED_HEAD_MIN_BYTES", 0)
-    llm = LLM(model=STORIES, compile=True, compile_backend="eager", prepack_linears=PREPACK)
-    compiled = llm.engine.runner.compiled
-    assert compiled.stats.num_graphs_warmup == 4  # prefill, 1-token, traced decode; the one-row head
+def test_a_large_lm_head_gets_a_one_row_graph(compiled_llm, monkeypatch):
+    """A head of at least ``COMPILED_HEAD_MIN_BYTES`` (SmolLM2's 56 MiB; lowered for ``compiled_llm``'s
+    stories260K head) adds a warm-up graph: one-row logits (batch-1 decode, a lone prefill) go through it, more
+    rows run the head eagerly, greedy tokens still equal transformers' and nothing recompiles."""
+    compiled = compiled_llm.engine.runner.compiled
+    before = compiled.stats.num_recompiles
     head, rows_seen = compiled._head, []
-    compiled._head = lambda rows: rows_seen.append(rows.shape[0]) or head(rows)
-    assert_greedy_parity(llm, [STORY_PROMPTS[3]], max_tokens=12)
+    monkeypatch.setattr(compiled, "_head", lambda rows: rows_seen.append(rows.shape[0]) or head(rows))
+    assert_greedy_parity(compiled_llm, [STORY_PROMPTS[3]], max_tokens=12)
     assert rows_seen and set(rows_seen) == {1}
     rows_seen.clear()
-    assert_greedy_parity(llm, STORY_PROMPTS[:3], max_tokens=4)  # 3 rows a step until one finishes: eager
+    assert_greedy_parity(compiled_llm, STORY_PROMPTS[:3], max_tokens=4)  # 3 rows a step until one finishes: eager
     assert len(rows_seen) < 4
-    assert llm.engine.metrics.summary()["compile_num_recompiles"] == 0
+    assert compiled.stats.num_recompiles == before
 
 
 def test_engines_keep_their_own_graphs(compiled_llm):
@@ -304,7 +308,7 @@ def test_fallback_when_compiler_missing(caplog):
     """No C++ compiler for inductor: a warning names the cause and the engine runs eagerly, correctly."""
     with (torch._inductor.config.patch({"cpp.cxx": ("servelab-no-such-c++",)}),
           caplog.at_level(logging.WARNING, logger="framework.compilation.decoder")):
-        llm = LLM(model=STORIES, compile=True)
+        llm = LLM(model=STORIES, compile=True, attention_params=EAGER_KERNEL_PARAMS)
     stats = llm.engine.runner.compile_stats
     assert not stats.active and "compiler unavailable" in stats.fallback_reason
     assert any("running the model eagerly" in r.message and "compiler unavailable" in r.message
@@ -321,7 +325,7 @@ def test_fallback_when_compile_fails(monkeypatch, caplog):
 
     monkeypatch.setattr(CompiledDecoder, "_backend", broken)
     with caplog.at_level(logging.WARNING, logger="framework.compilation.decoder"):
-        llm = LLM(model=STORIES, compile=True)
+        llm = LLM(model=STORIES, compile=True, attention_params=EAGER_KERNEL_PARAMS)
     stats = llm.engine.runner.compile_stats
     assert not stats.active and "simulated inductor failure" in stats.fallback_reason
     assert any("simulated inductor failure" in r.message for r in caplog.records)
@@ -331,7 +335,7 @@ def test_fallback_when_compile_fails(monkeypatch, caplog):
 
 
 def test_compile_off_reports_only_the_decision(make_llm):
-    llm = make_llm(compile=False)
+    llm = make_llm(compile=False, attention_params=EAGER_KERNEL_PARAMS)
     assert llm.engine.runner.compiled is None
     llm.generate(["Once upon a time"], SamplingParams(max_tokens=2))
     summary = llm.engine.metrics.summary()
