@@ -1,5 +1,5 @@
 """``kv_connector=multi``: an ordered list of connectors (vLLM's ``MultiConnector``), so that an offload tier and a
-shared store or P/D transfer (``zmq``, also under tensor parallelism) compose.
+shared store or P/D transfer (``zmq``, at one rank) compose.
 
 Loads come from the first connector that reports a match: ``get_num_new_matched_tokens`` asks every connector in
 order and the first non-zero answer wins (vLLM's rule, even when a later one would offer more); only that one is
@@ -81,8 +81,16 @@ class MultiConnector(KVConnector):
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
-        """Also: a non-empty list of ``{name, params}`` naming other registered connectors."""
-        return super().validate(config) + _list_problems(config.kv_connector_params.get("connectors"))
+        """Also: a non-empty list of ``{name, params}`` naming other registered connectors; ``zmq`` only at one
+        rank (as ``kv_connector=zmq`` itself)."""
+        connectors = config.kv_connector_params.get("connectors")
+        problems = super().validate(config) + _list_problems(connectors)
+        names = [entry.get("name") for entry in connectors or () if isinstance(entry, dict)]
+        if config.tensor_parallel_size > 1 and "zmq" in names:
+            problems.append("kv_connector=multi: zmq in the list at tensor_parallel_size > 1 stalls its pulls for "
+                            "minutes (a known defect, docs/kv_transfer.md): use kv_connector=zmq alone at "
+                            "tensor_parallel_size > 1, or parallel.tensor_parallel_size=1")
+        return problems
 
     # ---- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
