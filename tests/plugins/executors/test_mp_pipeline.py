@@ -41,13 +41,7 @@ def _check_parity(llm: LLM, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def pp2_shm_before() -> frozenset[str]:
-    """The ``/dev/shm`` names before the module's PP=2 engine starts (what its killed stage may not add to)."""
-    return shm_snapshot()
-
-
-@pytest.fixture(scope="module")
-def pp2_llm(pp2_shm_before):
+def pp2_llm():
     llm = LLM(executor="mp", pipeline_parallel_size=2, **PP_ENGINE)
     yield llm
     llm.engine.shutdown()
@@ -151,9 +145,10 @@ def test_refused_before_any_rank_starts(kwargs, match):
     assert set(multiprocessing.active_children()) <= children_before and new_shm_names(shm_before) == []
 
 
-def test_killed_stage_fails_every_request_and_leaves_nothing(pp2_llm, pp2_shm_before):
-    """Kills the module's PP=2 engine: keep this test last in the module."""
-    llm, pids = pp2_llm, pp2_llm.engine.executor.worker_pids
+def test_killed_stage_fails_every_request_and_leaves_nothing():
+    shm_before = shm_snapshot()
+    llm = LLM(executor="mp", pipeline_parallel_size=2, **PP_ENGINE)
+    pids = llm.engine.executor.worker_pids
     for i in range(3):
         llm.engine.add_request(str(i), STORY_PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=150,
                                                                         ignore_eos=True))
@@ -167,4 +162,4 @@ def test_killed_stage_fails_every_request_and_leaves_nothing(pp2_llm, pp2_shm_be
     assert time.monotonic() - t0 < 10
     assert sorted(o.request_id for o in info.value.outputs) == ["0", "1", "2"]
     assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in info.value.outputs)
-    assert wait_for_nothing_left(pp2_shm_before, pids) == ([], []), "a stage process or a segment outlived the failure"
+    assert wait_for_nothing_left(shm_before, pids) == ([], []), "a stage process or a segment outlived the failure"
