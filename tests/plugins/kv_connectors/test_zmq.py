@@ -75,6 +75,22 @@ def zmq_registered():
             yield
 
 
+_EARLIER_THREADS: set[threading.Thread] = set()  # zmq threads alive before this module (another file's engines)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def earlier_zmq_threads():
+    """The zmq threads this module finds running (a file before it under ``--dist loadfile`` may leave an engine
+    alive): the checks below ask that this module's connectors leave none of their own."""
+    _EARLIER_THREADS.update(t for t in threading.enumerate() if "zmq" in t.name)
+    yield
+
+
+def _new_zmq_threads() -> list[str]:
+    """Names of zmq threads started since this module began."""
+    return [t.name for t in threading.enumerate() if "zmq" in t.name and t not in _EARLIER_THREADS]
+
+
 class Producer:
     """A producer engine in a child process (:data:`_PRODUCER`)."""
 
@@ -111,7 +127,7 @@ def _close_and_check(llm: LLM) -> None:
     kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks, "a finished run still holds KV blocks"
     llm.engine.runner.kv_connector.connector.close()
-    assert not [t.name for t in threading.enumerate() if "zmq" in t.name]
+    assert not _new_zmq_threads()
 
 
 @pytest.fixture(scope="module")
@@ -229,4 +245,4 @@ def test_producer_killed_mid_pull_reports_every_block_bad():
     assert worker.get_kv_connector_stats() is None  # a failed pull is no transfer in the metrics
     assert proc.wait(timeout=10) == 1
     worker.close()
-    assert not [t.name for t in threading.enumerate() if "zmq" in t.name]
+    assert not _new_zmq_threads()
