@@ -40,3 +40,17 @@ def assert_no_leak(llm: LLM) -> None:
     kv = llm.engine.scheduler.kv
     kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks, "a finished run still holds KV blocks"
+
+
+def greedy_run(prompts: list[str], **kwargs) -> tuple[list[list[int]], int]:
+    """Greedy token ids of a fresh ``LLM(**ENGINE, **kwargs)`` over ``prompts`` and its connector's external prefix
+    hits (tokens; 0 without a connector); no block leaked; the engine shut down."""
+    llm = LLM(**ENGINE, **kwargs)
+    try:
+        outputs = llm.generate(prompts, GREEDY)
+        assert all(o.error is None for o in outputs)
+        assert_no_leak(llm)
+        transfer = llm.engine.scheduler.kv_transfer
+        return [o.outputs[0].token_ids for o in outputs], transfer.external_prefix_cache_hits if transfer else 0
+    finally:
+        llm.engine.shutdown()

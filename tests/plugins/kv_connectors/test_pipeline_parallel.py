@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from kv_conversations import ENGINE, GREEDY, TIGHT, assert_no_leak, conversations
+from kv_conversations import TIGHT, assert_no_leak, conversations, greedy_run
 
 from framework import LLM
 from framework.config import EngineConfig
@@ -38,38 +38,25 @@ def _record_merges(llm):
     return merged
 
 
-def _run(prompts, **kwargs):
-    """Greedy outputs of a fresh engine and its external prefix hits (tokens), the engine shut down."""
-    llm = LLM(**ENGINE, **kwargs)
-    try:
-        outputs = llm.generate(prompts, GREEDY)
-        assert all(o.error is None for o in outputs)
-        assert_no_leak(llm)
-        transfer = llm.engine.scheduler.kv_transfer
-        return [o.outputs[0].token_ids for o in outputs], transfer.external_prefix_cache_hits if transfer else 0
-    finally:
-        llm.engine.shutdown()
-
-
 @pytest.fixture(scope="module")
 def plain():
-    return _run(PROMPTS)[0]
+    return greedy_run(PROMPTS)[0]
 
 
 def test_shared_storage_pp2_producer_then_consumer_is_exact_and_keyed_by_stage(tmp_path, plain, caplog):
     params = {"kv_connector": "shared_storage", "kv_connector_params": {"path": str(tmp_path)}}
-    assert _run(PROMPTS, **PP2, **params, kv_role="kv_producer") == (plain, 0)
+    assert greedy_run(PROMPTS, **PP2, **params, kv_role="kv_producer") == (plain, 0)
     stored = [sorted(p.name.split(".")[0] for p in tmp_path.glob(f"*.{tag}.safetensors")) for tag in STAGE_TAGS]
     assert stored[0] and stored[0] == stored[1], "every block must be stored once per stage"
     assert len(list(tmp_path.iterdir())) == 2 * len(stored[0]), "a PP=2 producer wrote a file of another layout"
-    tokens, hits = _run(PROMPTS, **PP2, **params, kv_role="kv_consumer")
+    tokens, hits = greedy_run(PROMPTS, **PP2, **params, kv_role="kv_consumer")
     assert tokens == plain and hits > 0
     with caplog.at_level(logging.WARNING, logger="plugins.kv_connectors.shared_storage"):
-        assert _run(PROMPTS, **params, kv_role="kv_consumer") == (plain, 0)  # one stage: recomputes everything
+        assert greedy_run(PROMPTS, **params, kv_role="kv_consumer") == (plain, 0)  # one stage: recomputes everything
     assert "pipeline_parallel_size" in caplog.text and STAGE_TAGS[1] in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="plugins.kv_connectors.shared_storage"):  # other layers per stage
-        assert _run(PROMPTS, **PP2, pp_layer_partition="4,1", **params, kv_role="kv_consumer") == (plain, 0)
+        assert greedy_run(PROMPTS, **PP2, pp_layer_partition="4,1", **params, kv_role="kv_consumer") == (plain, 0)
     assert caplog.text.count("pp_layer_partition") == 1  # once per engine, the fix named
 
 

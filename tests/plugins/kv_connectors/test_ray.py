@@ -7,7 +7,7 @@ greedy token-exact against one plain engine. One local Ray cluster serves the mo
 from __future__ import annotations
 
 import pytest
-from kv_conversations import ENGINE, GREEDY, TIGHT, assert_no_leak, conversations
+from kv_conversations import TIGHT, assert_no_leak, conversations, greedy_run
 
 from framework import LLM
 
@@ -34,25 +34,12 @@ def _count_reports(llm):
     return merged
 
 
-def _run(prompts, **kwargs):
-    """Greedy outputs of a fresh engine and its external prefix hits (tokens), the engine shut down."""
-    llm = LLM(**ENGINE, **kwargs)
-    try:
-        outputs = llm.generate(prompts, GREEDY)
-        assert all(o.error is None for o in outputs)
-        assert_no_leak(llm)
-        transfer = llm.engine.scheduler.kv_transfer
-        return [o.outputs[0].token_ids for o in outputs], transfer.external_prefix_cache_hits if transfer else 0
-    finally:
-        llm.engine.shutdown()
-
-
 def test_shared_storage_ray_pp2_consumer_loads_an_mp_producers_stages_exactly(tmp_path):
-    plain = _run(PROMPTS)[0]
+    plain = greedy_run(PROMPTS)[0]
     params = {"kv_connector": "shared_storage", "kv_connector_params": {"path": str(tmp_path)}}
-    assert _run(PROMPTS, executor="mp", pipeline_parallel_size=2, **params, kv_role="kv_producer") == (plain, 0)
+    assert greedy_run(PROMPTS, executor="mp", pipeline_parallel_size=2, **params, kv_role="kv_producer") == (plain, 0)
     assert list(tmp_path.glob("*.pp1of2.layers3-5.safetensors"))
-    tokens, hits = _run(PROMPTS, **RAY_PP2, **params, kv_role="kv_consumer")
+    tokens, hits = greedy_run(PROMPTS, **RAY_PP2, **params, kv_role="kv_consumer")
     assert tokens == plain and hits > 0
 
 
