@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,16 @@ class KVConnectorOutput:
     # why some invalid_block_ids failed, block id -> a message naming the fix (KVConnector.get_load_error_reasons);
     # it reaches the error of a request failed under kv_transfer.load_failure_policy=fail. None: no reasons given
     load_error_reasons: dict[int, str] | None = None
+
+
+def merge_load_error_reasons(reasons: Sequence[dict[int, str] | None]) -> dict[int, str] | None:
+    """The union of several reports' ``load_error_reasons`` (ranks in rank order, or ``multi``'s connectors in
+    list order), the first report's reason of a block winning; None when none gives a reason."""
+    merged: dict[int, str] = {}
+    for report in reasons:
+        for block, why in (report or {}).items():
+            merged.setdefault(block, why)
+    return merged or None
 
 
 @dataclass

@@ -31,8 +31,8 @@ class DataParallelMetrics:
     def __init__(self, front: MetricsCollector, replicas: Sequence[ReplicaEngine], replica_set: ReplicaSet,
                  router: str) -> None:
         self.front = front
-        self._pools = [(list(replicas), replica_set)]
-        self._roles: list[str] | None = None  # per replica, over the pools (over_pools); None: the sets' roles
+        # (replicas, their set, the pool's role or None: each replica's role from its set)
+        self._pools: list[tuple[list[ReplicaEngine], ReplicaSet, str | None]] = [(list(replicas), replica_set, None)]
         self._router = router
 
     @classmethod
@@ -48,14 +48,13 @@ class DataParallelMetrics:
         if not pools:
             raise ValueError("DataParallelMetrics.over_pools needs at least one pool")
         metrics = cls(front, pools[0][0], pools[0][1], router)
-        metrics._pools = [(list(replicas), replica_set) for replicas, replica_set, _ in pools]
-        metrics._roles = [role for replicas, _, role in pools for _ in replicas]
+        metrics._pools = [(list(replicas), replica_set, role) for replicas, replica_set, role in pools]
         return metrics
 
     @property
     def _replicas(self) -> list[ReplicaEngine]:
         """Every pool's replicas, in order."""
-        return [replica for replicas, _ in self._pools for replica in replicas]
+        return [replica for replicas, _, _ in self._pools for replica in replicas]
 
     @property
     def run_labels(self) -> dict[str, Any]:
@@ -73,12 +72,11 @@ class DataParallelMetrics:
         ``num_routed`` (requests its pool's router sent it), ``prefix_cache_hit_rate`` (hit / queried prompt tokens
         over its admissions) and :data:`REPLICA_KEYS`."""
         out = []
-        for replicas, replica_set in self._pools:
+        for replicas, replica_set, pool_role in self._pools:
             for i, replica in enumerate(replicas):
                 summary = replica.metrics.summary(duration_s)
                 kv = replica.kv_allocator.stats()
-                role = self._roles[len(out)] if self._roles is not None else replica_set.roles[i]
-                out.append({"replica_id": len(out), "role": role, "alive": replica_set.alive[i],
+                out.append({"replica_id": len(out), "role": pool_role or replica_set.roles[i], "alive": replica_set.alive[i],
                             "num_routed": replica_set.num_routed[i], "prefix_cache_hit_rate": kv.hit_rate,
                             "prefix_queries_tokens": kv.prefix_queries_tokens,
                             "prefix_hits_tokens": kv.prefix_hits_tokens, **{k: summary[k] for k in REPLICA_KEYS}})

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from framework.core.outputs import KVConnectorOutput
+from framework.core.outputs import KVConnectorOutput, merge_load_error_reasons
 
 if TYPE_CHECKING:
     from framework.core.outputs import ModelRunnerOutput
@@ -68,8 +68,7 @@ class KVOutputAggregator:
             finished_sending=self._count_down(self._sending, [o.finished_sending for o in present]),
             finished_recving=self._count_down(self._recving, [o.finished_recving for o in present]),
             invalid_block_ids=set().union(*(o.invalid_block_ids for o in present)),
-            load_error_reasons={b: why for o in reversed(present) for b, why in (o.load_error_reasons or {}).items()}
-            or None,
+            load_error_reasons=merge_load_error_reasons([o.load_error_reasons for o in present]),
             kv_cache_events=self._common_events([o.kv_cache_events for o in present]),
             kv_connector_stats=[s for o in present for s in o.kv_connector_stats or ()] or None)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from framework import hookimpl, registry
+from framework.core.outputs import merge_load_error_reasons
 from framework.hookspecs import Register
 from framework.interfaces import KVConnector, KVConnectorMetadata, KVConnectorOutput, KVConnectorRole
 from framework.interfaces.kv_connector import KVShard
@@ -218,8 +219,7 @@ class MultiConnector(KVConnector):
 
     def get_load_error_reasons(self) -> dict[int, str] | None:
         """The connectors' reasons for their load errors (the first connector's reason of a block wins)."""
-        reasons = {b: why for c in reversed(self.connectors) for b, why in (c.get_load_error_reasons() or {}).items()}
-        return reasons or None
+        return merge_load_error_reasons([c.get_load_error_reasons() for c in self.connectors])
 
 
 def _list_problems(connectors: Any) -> list[str]:
