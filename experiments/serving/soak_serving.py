@@ -70,9 +70,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def serve_child(overrides: list[str]) -> int:
     """The server process: ``servelab serve`` with the faulty plugins registered."""
+    import torch
+
     from framework.entrypoints.cli import main
+    from framework.worker import kv_memory
 
     signal.signal(signal.SIGUSR1, _malloc_trim)  # the driver measures live memory: freed heap back to the OS first
+    # the KV cache resident from the start: its pages otherwise commit as blocks are first used, a rise in RSS over
+    # the soak's first thousands of requests that is not a leak
+    kv_memory.zeros_on_demand = lambda shape, dtype, device="cpu": torch.zeros(shape, dtype=dtype, device=device)
     register_faulty_plugins()
     return main(["serve", *overrides]) or 0
 

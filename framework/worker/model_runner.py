@@ -35,6 +35,7 @@ from framework.sample.fault_isolation import guard_requests
 from framework.sample.prompt_logprobs import gather_prompt_logprobs
 from framework.sample.rejection_sampler import RejectionSampler
 from framework.sample.sampler import Sampler
+from framework.worker import kv_memory
 from framework.worker.input_batch import BatchInputs, InputBatch, dummy_batch, prepare_inputs
 from framework.worker.kv_connector_runner import KVConnectorRunner
 from framework.worker.spec_tree_ranks import compact_tree, share_tree_moves, tree_layout
@@ -109,7 +110,8 @@ class ModelRunner:
         self.kv_connector: KVConnectorRunner | None = None  # kv_connector's worker side; set by the Worker
         pad_block = num_blocks + layout.has_null_block  # after the null block (zeros, never written): CUDA-graph padding
         shape = backend.get_kv_cache_shape(pad_block + (cuda_graphs is not None))
-        self.kv_tensors = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in kv_slots]
+        # zero-filled, each page committed on its first write (framework/worker/kv_memory.py)
+        self.kv_tensors = [kv_memory.zeros_on_demand(shape, kv_cache_dtype, device) for _ in kv_slots]
         held = dict(zip(kv_slots, self.kv_tensors))
         missing = torch.empty(0, dtype=kv_cache_dtype, device=device)  # another pipeline stage's layer
         # per layer (shared by groups)
@@ -118,7 +120,8 @@ class ModelRunner:
         # CPU swap space for preemption_mode=swap (pinned so GPU copies can be asynchronous)
         swap_shape = backend.get_kv_cache_shape(num_swap_blocks)
         pin = device.type == "cuda"
-        self.swap_caches = [torch.zeros(swap_shape, dtype=kv_cache_dtype, pin_memory=pin)
+        self.swap_caches = [torch.zeros(swap_shape, dtype=kv_cache_dtype, pin_memory=True) if pin
+                            else kv_memory.zeros_on_demand(swap_shape, kv_cache_dtype)
                             for _ in range(len(kv_slots) if num_swap_blocks else 0)]
         self.compile_freezing = compile_freezing
         self.compile_backend = compile_backend
