@@ -98,6 +98,32 @@ def eager_unless_asked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
         yield
 
 
+@pytest.fixture(scope="module")
+def eager_paged_kernel() -> Iterator[None]:
+    """``torch_paged`` runs its kernel eager in the engines this module builds (in this process and in their worker
+    and engine-core processes, which get the config) unless a test sets ``attention_params["compile"]`` itself.
+
+    For modules about something else (an executor, a parallel layout, a KV connector, a server): the kernel's
+    compile costs every process ~1-4 s of dynamo tracing even with inductor's cache warm (~25 s cold), a quarter
+    of ``test_mp.py``'s time, and is not what they check. The eager kernel is the same function (it runs where
+    no compiler is), so what they check still holds; the compiled kernel is tested in
+    ``tests/plugins/attention/test_torch_paged.py`` and by every module that does not use this fixture. Use it
+    with ``pytestmark = pytest.mark.usefixtures("eager_paged_kernel")``; module scope, so that module-scoped
+    engines are built under it."""
+    from framework.config import EngineConfig
+
+    post_init = EngineConfig.__post_init__
+
+    def eager_kernel_unless_set(self: EngineConfig) -> None:
+        if self.attention == "torch_paged" and "compile" not in self.attention_params:
+            self.attention_params = {**self.attention_params, "compile": False}
+        post_init(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EngineConfig, "__post_init__", eager_kernel_unless_set)
+        yield
+
+
 @pytest.fixture
 def make_llm() -> Iterator[Callable]:
     """Factory ``make_llm(model=STORIES, **kwargs) -> LLM``; after the test, asserts no KV block leaked."""

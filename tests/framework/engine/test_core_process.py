@@ -34,6 +34,8 @@ from framework.engine.core_messages import (
     Shutdown,
 )
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 pytest.importorskip("zmq")
 CONFIG = EngineConfig(model=STORIES, compile=False, max_model_len=128, seed=0)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, output_kind=RequestOutputKind.DELTA)

@@ -18,6 +18,8 @@ from framework.engine.data_parallel import DataParallelEngine
 from framework.entrypoints.offline_runner import run_workload
 from framework.workloads.synthetic import apply_arrivals, shared_prefix_workload
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 PROMPTS = [[(7 * i + j) % 400 + 3 for j in range(4 + 3 * i)] for i in range(8)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 # routing and failure semantics are the same whichever way replicas step: these tests take turns in one process

@@ -19,6 +19,8 @@ from framework.model_executor.expert_parallel import (
     ep_problems,
 )
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 NEW_TOKENS = 8
 BACKENDS = ("naive", "allgather_reducescatter")
 EPLB = {"enable_eplb": True, "num_redundant_experts": 2}

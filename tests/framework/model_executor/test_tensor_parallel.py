@@ -22,6 +22,8 @@ from tp_harness import run_cases, runner_logits, spawn_ranks
 from framework.model_executor.model_loader import SMOLLM2_PACKAGE, load_model, load_model_config
 from framework.model_executor.tensor_parallel import TPLayout, kv_head_range, linear_shapes, rank_layout, tp_problems
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 PROMPT = [1, 403, 11, 71, 290, 37, 14, 312, 9]
 NEW_TOKENS = 16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")

@@ -18,6 +18,8 @@ from framework.model_executor.model_families import FAMILIES, TP_VERIFIED
 from framework.model_executor.model_loader import load_model
 from framework.model_executor.tensor_parallel import PLAN_OVERRIDES, meta_model, resolved_plan, tp_problems
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 CHECKED_IN_TEST_TENSOR_PARALLEL = ("llama", "mistral", "qwen2", "qwen3")
 NEWLY_VERIFIED = tuple(f.test_id for f in FAMILIES
                        if f.tp == TP_VERIFIED and f.test_id not in CHECKED_IN_TEST_TENSOR_PARALLEL)

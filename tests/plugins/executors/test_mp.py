@@ -31,6 +31,8 @@ from framework import LLM, SamplingParams, StructuredOutputsParams
 from framework.interfaces import EngineDeadError, WorkerError
 from framework.testing.leftovers import new_shm_names, shm_snapshot, wait_for_nothing_left
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 
 def _gone(pids: list[int], shm_name: str | None, within_s: float = 10.0) -> bool:
     """Every pid has exited and the segment (if it had a name) is unlinked within ``within_s`` seconds."""

@@ -20,6 +20,8 @@ from framework import LLM, SamplingParams
 from framework.interfaces import EngineDeadError
 from framework.testing.fault_injection import hang_worker, sleep_and_echo
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 SMALL = {"model": STORIES, "attention": "torch", "max_model_len": 128, "executor": "mp"}
 
 

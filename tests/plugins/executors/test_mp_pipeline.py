@@ -25,6 +25,8 @@ from framework import LLM, SamplingParams
 from framework.interfaces import EngineDeadError
 from framework.testing.leftovers import new_shm_names, shm_snapshot, wait_for_nothing_left
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 #: the executor tests' engine without a drafter (speculative decoding is refused under PP)
 PP_ENGINE = {**ENGINE, "drafter": "none", "drafter_params": {}}
 

@@ -20,6 +20,8 @@ from framework import LLM, SamplingParams
 from framework.interfaces import EngineDeadError
 from framework.testing.fault_injection import worker_pid
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 ray = pytest.importorskip("ray")
 
 

@@ -18,6 +18,8 @@ from framework.config import EngineConfig
 from framework.engine.kv_transfer_support import kv_transfer_problems
 from framework.interfaces.kv_connector import KVShard
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 PP2 = dict(executor="mp", pipeline_parallel_size=2)
 PROMPTS = ["Once upon a time there was a little girl named Lily who loved to play",
            "Tom had a big red ball and a small dog", "Hi"]  # "Hi": shorter than one block

@@ -11,6 +11,8 @@ from kv_conversations import TIGHT, assert_no_leak, conversations, greedy_run
 
 from framework import LLM
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 ray = pytest.importorskip("ray")
 
 RAY_PP2 = dict(executor="ray", pipeline_parallel_size=2, executor_params={"num_cpus_per_worker": 0.5})

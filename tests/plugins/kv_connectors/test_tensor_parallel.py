@@ -21,6 +21,8 @@ from plugins.kv_connectors.multi import MultiConnector
 from plugins.kv_connectors.offload import OffloadConnector
 from plugins.kv_connectors.shared_storage import SharedStorageConnector
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 TP2 = dict(executor="mp", tensor_parallel_size=2)
 PROMPTS = ["Once upon a time there was a little girl named Lily who loved to play",
            "Tom had a big red ball and a small dog", "Hi"]  # "Hi": shorter than one block

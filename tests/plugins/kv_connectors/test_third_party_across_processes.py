@@ -22,6 +22,8 @@ from framework.core.sampling_params import RequestOutputKind, SamplingParams
 from framework.distributed.process_start import child_launch, process_context
 from framework.testing.kv_connector_engine import check_kv_connector_engine
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 PLUGIN = '''
 """A third-party package's plugin module: ``kv_connector=kvprobe``."""
 from pathlib import Path

@@ -24,6 +24,8 @@ from plugins.attention.torch_paged import TorchPagedAttentionBackend
 from plugins.kv_connectors import zmq as zmq_plugin
 from plugins.kv_connectors.zmq import ZmqConnector
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[3]
 MODEL = str(REPO / "models" / "stories260K")
 BLOCK = 4

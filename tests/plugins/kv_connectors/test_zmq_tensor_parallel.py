@@ -24,6 +24,8 @@ from framework.config import EngineConfig
 from framework.engine.kv_transfer_support import kv_transfer_problems
 from plugins.kv_connectors.zmq import ZmqConnector
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 BLOCK = 4
 ENGINE = dict(model=STORIES, dtype="float32", compile=False, block_size=BLOCK, num_blocks=128, max_model_len=128)
 TP2 = dict(executor="mp", tensor_parallel_size=2)

@@ -24,6 +24,8 @@ from plugins.quant._checkpoint_linears import Int4CheckpointLinear, IntWeights, 
 from plugins.quant._checkpoint_tp import shard_weights
 from plugins.quant.gptq import GPTQ
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 _spec = importlib.util.spec_from_file_location("quantize_checkpoint", REPO / "scripts" / "quantize_checkpoint.py")
 qc_script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(qc_script)

@@ -13,6 +13,8 @@ from helpers import STORIES, STORIES_EAGLE, hf_greedy
 
 from framework import LLM, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # not about the attention kernel (tests/conftest.py)
+
 STORIES_MEDUSA = str(Path(STORIES).parent / "stories260K-medusa")
 PROMPTS = ["Once upon a time", "The dog ran to the park and", "Max had a toy car",
            "One day, a little boy named Tim went to the store with his mom. He saw a big red ball"]
