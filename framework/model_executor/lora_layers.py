@@ -7,8 +7,9 @@ shapes). A step's adapters are placed into slots by :class:`LoRAModelManager` be
 a slot stay loaded in an LRU cache of ``max_cpu_loras`` on the CPU, and are read from disk on demand. The
 per-token computation is the ``lora_backend`` plugin's (``framework/interfaces/lora_backend.py``).
 
-The model must keep its linears separate (no prepacked / fused q/k/v or gate/up: the builder turns
-``prepack_linears`` off with LoRA). Under tensor parallelism each slot holds this rank's cut of A and B
+The model must keep its linears separate (no fused q/k/v or gate/up: with LoRA the worker prepacks each linear
+for oneDNN without fusing, and a :class:`~framework.model_executor.prepack.PrepackedLinear` is wrapped like an
+``nn.Linear``). Under tensor parallelism each slot holds this rank's cut of A and B
 (``framework/model_executor/lora_tp.py``: B's rows on a column-parallel linear, A's columns on a row-parallel one,
 whose LoRA term joins its partial output before the all-reduce).
 
@@ -33,6 +34,10 @@ from framework.interfaces.lora_backend import LoRABackend, LoRABatch
 from framework.model_executor.forward_context import current_lora
 from framework.model_executor.lora_adapter import TARGET_MODULES, LoRAAdapter, load_adapter
 from framework.model_executor.parallel_layers import RowParallelLinear, Shard
+from framework.model_executor.prepack import PrepackedLinear
+
+#: float linears LoRA wraps as they are (a quantized base is recognized by :func:`_is_quantized_linear`)
+PLAIN_LINEARS = (nn.Linear, PrepackedLinear)
 
 
 @dataclass
@@ -163,7 +168,7 @@ def _is_quantized_linear(module: nn.Module) -> bool:
 
 def wrap_lora_linears(model: nn.Module, max_loras: int, max_lora_rank: int,
                       shards: dict[str, Shard] | None = None, dtype: torch.dtype | None = None) -> dict[str, LoRALinear]:
-    """Replace every ``nn.Linear`` (or quantized linear) named one of ``TARGET_MODULES`` in ``model`` by a
+    """Replace every ``nn.Linear`` (prepacked or not, or a quantized linear) named one of ``TARGET_MODULES`` in ``model`` by a
     :class:`LoRALinear` (in place); a :class:`RowParallelLinear`'s inner shard is wrapped, so its LoRA term is
     all-reduced with the base output.
 
@@ -180,12 +185,12 @@ def wrap_lora_linears(model: nn.Module, max_loras: int, max_lora_rank: int,
         for child_name, child in list(module.named_children()):
             full_name = f"{name}.{child_name}" if name else child_name
             shard = (shards or {}).get(full_name)
-            if child_name in TARGET_MODULES and (type(child) is nn.Linear or (
+            if child_name in TARGET_MODULES and (type(child) in PLAIN_LINEARS or (
                     shard is None and not isinstance(child, RowParallelLinear) and _is_quantized_linear(child))):
                 layer = LoRALinear(child, max_loras, max_lora_rank, shard, dtype)
                 setattr(module, child_name, layer)
                 wrapped[full_name] = layer
-            elif child_name in TARGET_MODULES and isinstance(child, RowParallelLinear) and type(child.linear) is nn.Linear:
+            elif child_name in TARGET_MODULES and isinstance(child, RowParallelLinear) and type(child.linear) in PLAIN_LINEARS:
                 child.linear = wrapped[full_name] = LoRALinear(child.linear, max_loras, max_lora_rank, shard)
     return wrapped
 
@@ -214,7 +219,7 @@ class LoRAModelManager:
         self.layers = wrap_lora_linears(model, max_loras, max_lora_rank, shards)
         if not self.layers:
             raise ValueError(f"LoRA found none of {TARGET_MODULES} as nn.Linear or quantized linear in the model; "
-                             "turn off prepack_linears with lora.enable=true")
+                             "LoRA needs them unfused (its adapters target each one)")
         self.shapes = {name: (full_shapes or {}).get(name, (m.in_features, m.out_features))
                        for name, m in self.layers.items()}
         first = next(iter(self.layers.values()))

@@ -201,7 +201,7 @@ def should_prepack(mode: str, device: torch.device, dtype: torch.dtype, compile_
     return mode == "on" or (dtype.is_floating_point and not compile_freezing)
 
 
-def prepack_linears(model: nn.Module, compiled: bool = False) -> int:
+def prepack_linears(model: nn.Module, compiled: bool = False, fuse: bool = True) -> int:
     """Fuse linears that share an input, then replace every remaining plain ``nn.Linear`` of
     ``model`` (CPU) by a :class:`PrepackedLinear` (see the module docstring).
 
@@ -211,13 +211,15 @@ def prepack_linears(model: nn.Module, compiled: bool = False) -> int:
             (measured: with both q/k/v and gate/up fused, the compiled batch-1 step took 43 instead
             of 26 ms, time spent in oneDNN's thread barriers; q/k/v alone is the fastest compiled
             variant; eager gains from both).
+        fuse: fuse q/k/v and gate/up first; ``False`` prepacks every linear as it is (multi-LoRA, whose
+            adapters target q/k/v/gate/up one by one: each base GEMM still runs oneDNN's packed weight).
 
     Returns:
         The number of prepacked GEMMs installed (0 when oneDNN refuses; a warning says why, and
         the layers replaced before the refusal stay replaced: they compute the same).
     """
     try:
-        fused = _fuse_projections(model, fuse_mlp=not compiled)
+        fused = _fuse_projections(model, fuse_mlp=not compiled) if fuse else 0
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         # a tensor-parallel LM head (framework/model_executor/parallel_layers.py) is the parent of its shard
         packed = [(parent, name, PrepackedLinear(child, batch_hint=LM_HEAD_BATCH_HINT if head in (child, parent) else None))

@@ -51,7 +51,6 @@ def test_knob_ranges():
     ({"executor": "ray"}, "use executor=uniproc"),
     ({"quant": "w8a8"}, "int8_wo', 'int4_wo', 'gptq'); use one of them or quant=none"),
     ({"quant": "int8_wo", "tensor_parallel_size": 2, "executor": "mp"}, "use parallel.tensor_parallel_size=1"),
-    ({"prepack_linears": "on"}, "use engine.prepack_linears=auto or off"),
     ({"kv_allocator": "radix"}, "use kv_cache=paged"),
 ])
 def test_combinations_outside_the_slice_are_refused_before_weights_load(overrides, fix):
@@ -75,8 +74,8 @@ def test_a_bad_lora_module_folder_is_refused_at_build_time(tmp_path):
         validate_plugins(config)
 
 
-def test_auto_choices_resolve_to_eager_and_unfused_with_lora():
+def test_auto_choices_resolve_to_eager_with_lora_and_keep_prepacking():
     config = resolve_lora_defaults(EngineConfig(model=STORIES, enable_lora=True))
-    assert (config.compile, config.prepack_linears, config.enforce_eager) == ("false", "off", True)
+    assert (config.compile, config.prepack_linears, config.enforce_eager) == ("false", "auto", True)
     plain = EngineConfig(model=STORIES)
     assert resolve_lora_defaults(plain) is plain
