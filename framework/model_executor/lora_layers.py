@@ -7,9 +7,12 @@ shapes). A step's adapters are placed into slots by :class:`LoRAModelManager` be
 a slot stay loaded in an LRU cache of ``max_cpu_loras`` on the CPU, and are read from disk on demand. The
 per-token computation is the ``lora_backend`` plugin's (``framework/interfaces/lora_backend.py``).
 
-The model must keep its linears separate (no fused q/k/v or gate/up: with LoRA the worker prepacks each linear
-for oneDNN without fusing, and a :class:`~framework.model_executor.prepack.PrepackedLinear` is wrapped like an
-``nn.Linear``). Under tensor parallelism each slot holds this rank's cut of A and B
+Prepacked linears (:class:`~framework.model_executor.prepack.PrepackedLinear`) are wrapped like an ``nn.Linear``. A
+fused q/k/v (``qkv_proj``) or gate/up (``gate_up_proj``) GEMM is wrapped once, with one rank block per part: its A
+stacks the parts' A (``parts * max_lora_rank`` rows) and its B is block-diagonal, so one shrink and one expand give
+every part its own adapter term (vLLM's ``MergedColumnParallelLinearWithLoRA`` / ``QKVParallelLinearWithLoRA``
+idea); the manager addresses each part by its unfused module name (:class:`LoRAPart`). Under tensor parallelism
+the worker does not fuse them. Under tensor parallelism each slot holds this rank's cut of A and B
 (``framework/model_executor/lora_tp.py``: B's rows on a column-parallel linear, A's columns on a row-parallel one,
 whose LoRA term joins its partial output before the all-reduce).
 
@@ -34,7 +37,7 @@ from framework.interfaces.lora_backend import LoRABackend, LoRABatch
 from framework.model_executor.forward_context import current_lora
 from framework.model_executor.lora_adapter import TARGET_MODULES, LoRAAdapter, load_adapter
 from framework.model_executor.parallel_layers import RowParallelLinear, Shard
-from framework.model_executor.prepack import PrepackedLinear
+from framework.model_executor.prepack import FusedGatedMLP, PrepackedLinear
 
 #: float linears LoRA wraps as they are (a quantized base is recognized by :func:`_is_quantized_linear`)
 PLAIN_LINEARS = (nn.Linear, PrepackedLinear)
@@ -65,16 +68,23 @@ class LoRALinear(nn.Module):
             rows ``[start, stop)``; 1: input columns, so A's columns); ``None``: the whole linear.
         dtype: the slots' dtype when ``base`` has no float ``weight`` (a quantized layer): the model's compute
             dtype; ignored for an ``nn.Linear`` (its weight's dtype).
+        parts: a fused linear's parts' output widths, in order (``qkv_proj``: q, k, v); ``None``: one part.
+            Slots are then ``len(parts) * max_lora_rank`` wide, part ``p``'s rank block at ``p * max_lora_rank``.
 
     Raises:
-        ValueError: ``base`` has no float ``weight`` and no ``dtype`` was given.
+        ValueError: ``base`` has no float ``weight`` and no ``dtype`` was given; ``parts`` do not sum to
+            ``out_features``, or are given with a ``shard``.
     """
 
     def __init__(self, base: nn.Module, max_loras: int, max_lora_rank: int, shard: Shard | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, parts: Sequence[int] | None = None) -> None:
         super().__init__()
         self.base = base
         self.shard = shard
+        self.part_sizes = tuple(parts) if parts else (base.out_features,)
+        if sum(self.part_sizes) != base.out_features or (parts and shard is not None):
+            raise ValueError(f"LoRA parts {self.part_sizes} must sum to out_features={base.out_features}, unsharded")
+        self.max_lora_rank = max_lora_rank
         weight = getattr(base, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.is_floating_point():
             kw = {"dtype": weight.dtype, "device": weight.device}
@@ -83,9 +93,10 @@ class LoRALinear(nn.Module):
         else:
             tensor = next(iter(base.buffers()), None)
             kw = {"dtype": dtype, "device": tensor.device if tensor is not None else torch.device("cpu")}
-        # (max_loras, max_lora_rank, in_features) / (max_loras, out_features, max_lora_rank), model dtype
-        self.register_buffer("lora_a", torch.zeros(max_loras, max_lora_rank, base.in_features, **kw), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, max_lora_rank, **kw), persistent=False)
+        # (max_loras, width, in_features) / (max_loras, out_features, width), width = parts * max_lora_rank, model dtype
+        width = len(self.part_sizes) * max_lora_rank
+        self.register_buffer("lora_a", torch.zeros(max_loras, width, base.in_features, **kw), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, width, **kw), persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -114,19 +125,37 @@ class LoRALinear(nn.Module):
         step.backend.add_lora(flat_y, x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b, step.scales, step.batch)
         return y
 
-    def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        """Write one adapter's ``a`` ``(r, in)`` and ``b`` ``(out, r)`` into ``slot`` (zeros elsewhere; ``None``:
-        the adapter does not target this module); full shapes, cut here to this rank's :attr:`shard`."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+    def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, part: int = 0) -> None:
+        """Write one adapter's ``a`` ``(r, in)`` and ``b`` ``(out, r)`` of ``part`` (0 unless fused) into ``slot``
+        (zeros elsewhere in the part's blocks; ``None``: the adapter does not target this module); full shapes, cut
+        here to this rank's :attr:`shard`."""
+        r0, width = part * self.max_lora_rank, self.max_lora_rank
+        o0 = sum(self.part_sizes[:part])
+        rows = slice(o0, o0 + self.part_sizes[part])
+        self.lora_a[slot, r0:r0 + width].zero_()
+        self.lora_b[slot, rows, r0:r0 + width].zero_()  # the other parts' rows of these columns stay zero
         if a is not None and b is not None:
             if self.shard is not None and self.shard.dim == 0:
                 b = b[self.shard.start:self.shard.stop]
             elif self.shard is not None:
                 a = a[:, self.shard.start:self.shard.stop]
             rank = a.shape[0]
-            self.lora_a[slot, :rank].copy_(a)
-            self.lora_b[slot, :, :rank].copy_(b)
+            self.lora_a[slot, r0:r0 + rank].copy_(a)
+            self.lora_b[slot, rows, r0:r0 + rank].copy_(b)
+
+
+class LoRAPart:
+    """One part of a fused :class:`LoRALinear` (``q_proj`` of a ``qkv_proj``...), as :class:`LoRAModelManager`
+    addresses a linear: its shapes, the fused layer's slot buffers and base, and :meth:`set_slot` into its blocks."""
+
+    def __init__(self, fused: LoRALinear, part: int) -> None:
+        self.fused, self.part = fused, part
+        self.in_features, self.out_features = fused.in_features, fused.part_sizes[part]
+        self.lora_a, self.lora_b, self.base = fused.lora_a, fused.lora_b, fused.base
+
+    def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """:meth:`LoRALinear.set_slot` of this part."""
+        self.fused.set_slot(slot, a, b, self.part)
 
 
 # The step's LoRA batch (per-token slots, any_lora) varies in structure from step to step and lives in the forward
@@ -166,8 +195,19 @@ def _is_quantized_linear(module: nn.Module) -> bool:
             and not (isinstance(weight, torch.Tensor) and weight.is_floating_point()))
 
 
+def _fused_parts(module: nn.Module) -> list[tuple[str, tuple[str, ...], tuple[int, ...]]]:
+    """``module``'s fused prepacked GEMMs (``prepack._fuse_projections``): ``(attribute, part names, part widths)``."""
+    found = []
+    if type(getattr(module, "qkv_proj", None)) is PrepackedLinear and hasattr(module, "qkv_sizes"):
+        found.append(("qkv_proj", ("q_proj", "k_proj", "v_proj"), tuple(module.qkv_sizes)))
+    if isinstance(module, FusedGatedMLP) and type(module.gate_up_proj) is PrepackedLinear:
+        found.append(("gate_up_proj", ("gate_proj", "up_proj"), (module.intermediate_size,) * 2))
+    return found
+
+
 def wrap_lora_linears(model: nn.Module, max_loras: int, max_lora_rank: int,
-                      shards: dict[str, Shard] | None = None, dtype: torch.dtype | None = None) -> dict[str, LoRALinear]:
+                      shards: dict[str, Shard] | None = None,
+                      dtype: torch.dtype | None = None) -> dict[str, LoRALinear | LoRAPart]:
     """Replace every ``nn.Linear`` (prepacked or not, or a quantized linear) named one of ``TARGET_MODULES`` in ``model`` by a
     :class:`LoRALinear` (in place); a :class:`RowParallelLinear`'s inner shard is wrapped, so its LoRA term is
     all-reduced with the base output.
@@ -177,11 +217,17 @@ def wrap_lora_linears(model: nn.Module, max_loras: int, max_lora_rank: int,
         dtype: the compute dtype of slots over quantized linears (``None``: the model's ``dtype`` attribute).
 
     Returns:
-        The wrapped linears by their module name in ``model`` (``model.layers.0.self_attn.q_proj``...).
+        The wrapped linears by their module name in ``model`` (``model.layers.0.self_attn.q_proj``...); a fused
+        linear's parts by their unfused names (:class:`LoRAPart`).
     """
-    wrapped: dict[str, LoRALinear] = {}
+    wrapped: dict[str, LoRALinear | LoRAPart] = {}
     dtype = dtype or getattr(model, "dtype", None)
     for name, module in list(model.named_modules()):
+        prefix = f"{name}." if name else ""
+        for fused_name, part_names, sizes in _fused_parts(module):
+            layer = LoRALinear(getattr(module, fused_name), max_loras, max_lora_rank, None, dtype, parts=sizes)
+            setattr(module, fused_name, layer)
+            wrapped.update({prefix + part: LoRAPart(layer, i) for i, part in enumerate(part_names)})
         for child_name, child in list(module.named_children()):
             full_name = f"{name}.{child_name}" if name else child_name
             shard = (shards or {}).get(full_name)
@@ -199,7 +245,7 @@ class LoRAModelManager:
     """One rank's adapters: which adapter sits in each device slot, the CPU LRU cache, loading on demand.
 
     Args:
-        model: the loaded model (one rank, linears not fused); its targets are wrapped here.
+        model: the loaded model (one rank); its targets are wrapped here, a fused q/k/v or gate/up as its parts.
         backend: the ``lora_backend`` plugin instance.
         max_loras: device slots; the scheduler never puts more distinct adapters into one step.
         max_lora_rank: the largest rank accepted.

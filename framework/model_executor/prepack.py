@@ -211,8 +211,8 @@ def prepack_linears(model: nn.Module, compiled: bool = False, fuse: bool = True)
             (measured: with both q/k/v and gate/up fused, the compiled batch-1 step took 43 instead
             of 26 ms, time spent in oneDNN's thread barriers; q/k/v alone is the fastest compiled
             variant; eager gains from both).
-        fuse: fuse q/k/v and gate/up first; ``False`` prepacks every linear as it is (multi-LoRA, whose
-            adapters target q/k/v/gate/up one by one: each base GEMM still runs oneDNN's packed weight).
+        fuse: fuse q/k/v and gate/up first; ``False`` prepacks every linear as it is (multi-LoRA under tensor
+            parallelism, whose sharded parts LoRA wraps one by one).
 
     Returns:
         The number of prepacked GEMMs installed (0 when oneDNN refuses; a warning says why, and
@@ -243,7 +243,7 @@ def unfuse_gated_mlps(model: nn.Module) -> int:
     """
     count = 0
     for module in model.modules():
-        if isinstance(module, FusedGatedMLP) and module.gate_up_proj is not None:
+        if isinstance(module, FusedGatedMLP) and type(module.gate_up_proj) is PrepackedLinear:  # LoRA-wrapped: kept
             module.unfuse()
             count += 1
     return count
