@@ -53,7 +53,7 @@ class LoRABackend(Plugin, ABC):
 
     @abstractmethod
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 scales: torch.Tensor, batch: LoRABatch) -> None:
+                 scales: torch.Tensor, batch: LoRABatch, part_sizes: tuple[int, ...] | None = None) -> None:
         """Add each token's LoRA term to ``y`` in place: ``y[t] += scales[s] * (x[t] @ lora_a[s].T) @ lora_b[s].T``
         with ``s = batch.token_slots[t]``; tokens with ``s = -1`` are left as they are.
 
@@ -66,4 +66,9 @@ class LoRABackend(Plugin, ABC):
             lora_b: ``(max_loras, out_features, max_lora_rank)``, model dtype; columns past its rank are 0.
             scales: ``(max_loras,) float32``: ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA).
             batch: this step's :meth:`prepare` result.
+            part_sizes: a fused linear's parts' output widths (q/k/v, gate/up; ``None``: not fused): ``lora_a``'s
+                rows are ``P = len(part_sizes)`` blocks of ``max_lora_rank / P`` (one per part) and ``lora_b`` is
+                block-diagonal (part ``p``'s output rows read only block ``p``), so the dense formula above holds and a
+                backend may ignore it; knowing it, a backend can expand each part with its own block instead of the
+                zeros (``bgmv`` does).
         """

@@ -117,13 +117,18 @@ class LoRALinear(nn.Module):
         """``x`` ``(..., in_features)`` -> ``(..., out_features)``; the step's tokens in flattened order."""
         y = self.base(x)
         if torch.compiler.is_compiling():  # traced once: the step's adapters are data the op reads, not guards
-            return lora_op(y, x, self.lora_a, self.lora_b)
+            return lora_op(y, x, self.lora_a, self.lora_b, list(self.part_sizes))
         step: LoRAStep | None = current_lora()
         if step is None or not step.batch.any_lora:
             return y
         flat_y = y.reshape(-1, y.shape[-1])  # a view: add_lora writes into y
-        step.backend.add_lora(flat_y, x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b, step.scales, step.batch)
+        step.backend.add_lora(flat_y, x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b, step.scales, step.batch,
+                              **self._parts_kwarg())
         return y
+
+    def _parts_kwarg(self) -> dict[str, tuple[int, ...]]:
+        """``add_lora``'s ``part_sizes`` for a fused linear (not passed otherwise: a backend may predate it)."""
+        return {"part_sizes": self.part_sizes} if len(self.part_sizes) > 1 else {}
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, part: int = 0) -> None:
         """Write one adapter's ``a`` ``(r, in)`` and ``b`` ``(out, r)`` of ``part`` (0 unless fused) into ``slot``
@@ -161,13 +166,14 @@ class LoRAPart:
 # The step's LoRA batch (per-token slots, any_lora) varies in structure from step to step and lives in the forward
 # context, so it is read inside the op rather than passed: the traced graph depends only on the slot buffers' shapes.
 @torch.library.custom_op("servelab::lora", mutates_args=())
-def lora_op(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+def lora_op(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, part_sizes: list[int]) -> torch.Tensor:
     """``y`` plus the current forward's LoRA term (opaque to dynamo; :meth:`LoRALinear.forward` under compile).
 
     Args:
         y: ``(..., out_features)`` the base linear's output, model dtype.
         x: ``(..., in_features)`` its input.
         lora_a: ``(max_loras, max_lora_rank, in_features)``; lora_b: ``(max_loras, out_features, max_lora_rank)``.
+        part_sizes: a fused linear's parts' output widths (one entry unless fused; ``LoRABackend.add_lora``'s).
 
     Returns:
         A new tensor shaped like ``y``: ``y`` plus ``backend.add_lora``'s term for the tokens with an adapter
@@ -177,12 +183,13 @@ def lora_op(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torc
     step: LoRAStep | None = current_lora()
     if step is not None and step.batch.any_lora:
         step.backend.add_lora(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b,
-                              step.scales, step.batch)
+                              step.scales, step.batch, **({"part_sizes": tuple(part_sizes)} if len(part_sizes) > 1 else {}))
     return out
 
 
 @lora_op.register_fake
-def _lora_fake(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+def _lora_fake(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+               part_sizes: list[int]) -> torch.Tensor:
     """Shape-only version for tracing: like ``y``."""
     return torch.empty_like(y)
 

@@ -55,34 +55,44 @@ class BGMVBackend(LoRABackend):
                          extra=(used, onehot, tuple(used.tolist()), weights))
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 scales: torch.Tensor, batch: LoRABatch) -> None:
-        """``y[t] += scales[s] * B[s] (A[s] x[t])`` for every token at once (``s = -1``: nothing added)."""
+                 scales: torch.Tensor, batch: LoRABatch, part_sizes: tuple[int, ...] | None = None) -> None:
+        """``y[t] += scales[s] * B[s] (A[s] x[t])`` for every token at once (``s = -1``: nothing added). A fused
+        linear (``part_sizes``) shrinks once for all its parts and expands each part with its own rank block of B
+        (its zeros skipped); the stacked/gather choice counts one part's rank, as for an unfused linear."""
         used, onehot, used_key, weights = batch.extra
-        rank = lora_a.shape[1]
+        sizes = part_sizes or (lora_b.shape[1],)
+        rank = lora_a.shape[1] // len(sizes)  # each part's rank block
+        starts = [sum(sizes[:p]) for p in range(len(sizes))]
         if used.numel() * rank <= self.stacked_max_width:
-            a, b = self._stacked(lora_a, lora_b, used, used_key)
+            a, parts_b = self._stacked(lora_a, lora_b, used, used_key, sizes)
             key = (id(scales), rank, x.dtype)
             weight = weights.get(key)
             if weight is None:  # (T, U * r): the token's own column block, times its adapter's scale
                 weight = weights[key] = (onehot * scales[used]).to(x.dtype).repeat_interleave(rank, dim=1)
-            y.add_(((x @ a.T) * weight) @ b.T)
+            shrunk = (x @ a.T).view(x.shape[0], used.numel(), len(sizes), rank)  # columns: slot, part, rank
+            for p, b in enumerate(parts_b):
+                term = (shrunk[:, :, p].reshape(x.shape[0], -1) * weight) @ b.T
+                y[:, starts[p]:starts[p] + sizes[p]].add_(term)
             return
         slots = batch.token_slots
         index = slots.clamp(min=0)
-        shrunk = torch.bmm(lora_a[index], x.unsqueeze(-1))  # (T, r, 1)
-        expanded = torch.bmm(lora_b[index], shrunk).squeeze(-1)  # (T, out)
+        shrunk = torch.bmm(lora_a[index], x.unsqueeze(-1))  # (T, P * r, 1)
         scale = torch.where(slots >= 0, scales[index], torch.zeros((), dtype=scales.dtype, device=scales.device))
-        y.add_((expanded * scale.unsqueeze(-1).to(expanded.dtype)).to(y.dtype))
+        for p, (start, size) in enumerate(zip(starts, sizes)):
+            b = lora_b[index, start:start + size, p * rank:(p + 1) * rank]  # (T, out_p, r)
+            expanded = torch.bmm(b, shrunk[:, p * rank:(p + 1) * rank]).squeeze(-1)  # (T, out_p)
+            y[:, start:start + size].add_((expanded * scale.unsqueeze(-1).to(expanded.dtype)).to(y.dtype))
 
-    def _stacked(self, lora_a: torch.Tensor, lora_b: torch.Tensor, used: torch.Tensor,
-                 used_key: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's slots of one linear stacked: A ``(U * r, in)`` and B ``(out, U * r)``.
+    def _stacked(self, lora_a: torch.Tensor, lora_b: torch.Tensor, used: torch.Tensor, used_key: tuple[int, ...],
+                 sizes: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The step's slots of one linear stacked: A ``(U * P * r, in)`` (rows: slot, part, rank) and each part's B
+        ``(out_p, U * r)`` (its own rank block of each slot), ``P = len(sizes)``.
 
         Kept per linear while its slots and the step's slot set stay the same (keyed on the buffers' version
         counters, which a slot load's in-place copy bumps): stacking copied every adapter's A and B in every linear
         of every step. Buffers made under ``torch.inference_mode`` have no version counter: stacked afresh."""
         try:
-            key = (lora_a._version, lora_b._version, used_key)
+            key = (lora_a._version, lora_b._version, used_key, sizes)
         except RuntimeError:  # inference tensors do not track versions
             key = None
         hit = self._stacks.get(id(lora_a)) if key is not None else None
@@ -92,7 +102,11 @@ class BGMVBackend(LoRABackend):
             a = lora_a.reshape(-1, lora_a.shape[2])
         else:
             a = lora_a[used].reshape(-1, lora_a.shape[2])
-        b = lora_b[used].permute(1, 0, 2).reshape(lora_b.shape[1], -1)
+        rank, start, b = lora_a.shape[1] // len(sizes), 0, []
+        for p, size in enumerate(sizes):
+            block = lora_b[used, start:start + size, p * rank:(p + 1) * rank]  # (U, out_p, r)
+            b.append(block.permute(1, 0, 2).reshape(size, -1))
+            start += size
         if key is not None:  # the entry leaves with its buffer (tensors hash by identity but compare by value)
             ident = id(lora_a)
             ref = weakref.ref(lora_a, lambda _: self._stacks.pop(ident, None))

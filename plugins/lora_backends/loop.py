@@ -19,8 +19,9 @@ class LoopBackend(LoRABackend):
     name = "loop"
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 scales: torch.Tensor, batch: LoRABatch) -> None:
-        """``y[rows] += scales[s] * (x[rows] A[s]^T) B[s]^T`` for each slot ``s >= 0`` present in the step."""
+                 scales: torch.Tensor, batch: LoRABatch, part_sizes: tuple[int, ...] | None = None) -> None:
+        """``y[rows] += scales[s] * (x[rows] A[s]^T) B[s]^T`` for each slot ``s >= 0`` present in the step
+        (a fused linear's block-diagonal B as one dense expand: ``part_sizes`` unused)."""
         slots = batch.token_slots
         for slot in torch.unique(slots).tolist():
             if slot < 0:

@@ -33,8 +33,9 @@ class SGMVBackend(LoRABackend):
         return LoRABatch(token_slots=token_slots, any_lora=bool(segments), extra=segments)
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 scales: torch.Tensor, batch: LoRABatch) -> None:
-        """``y[start:end] += scales[s] * (x[start:end] A[s]^T) B[s]^T`` per segment."""
+                 scales: torch.Tensor, batch: LoRABatch, part_sizes: tuple[int, ...] | None = None) -> None:
+        """``y[start:end] += scales[s] * (x[start:end] A[s]^T) B[s]^T`` per segment (a fused linear's block-diagonal
+        B as one dense expand: ``part_sizes`` unused)."""
         for start, end, slot in batch.extra:
             term = (x[start:end] @ lora_a[slot].T) @ lora_b[slot].T
             y[start:end] += (term * scales[slot].to(term.dtype)).to(y.dtype)

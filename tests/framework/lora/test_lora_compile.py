@@ -43,14 +43,14 @@ def test_the_lora_op_contract():
     torch.manual_seed(0)
     y, x = torch.randn(3, 5), torch.randn(3, 4)
     a, b = torch.randn(2, 2, 4), torch.randn(2, 5, 2)
-    out = lora_op(y, x, a, b)
+    out = lora_op(y, x, a, b, [b.shape[1]])
     assert torch.equal(out, y) and out.data_ptr() != y.data_ptr()
     backend = registry.create("lora_backend", "bgmv")
     scales = torch.tensor([0.5, 2.0])
     step = LoRAStep(backend, backend.prepare(torch.tensor([1, -1, 0])), scales)
     with forward_context(ForwardContext(None, None, [], lora=step)):
-        torch.library.opcheck(lora_op, (y, x, a, b))
-        out = lora_op(y, x, a, b)
+        torch.library.opcheck(lora_op, (y, x, a, b, [b.shape[1]]))
+        out = lora_op(y, x, a, b, [b.shape[1]])
     expected = y.clone()
     for token, slot in ((0, 1), (2, 0)):
         expected[token] += scales[slot] * (x[token] @ a[slot].T @ b[slot].T)

@@ -49,8 +49,11 @@ def test_each_part_gets_its_own_adapter_term(backend):
     assert [(p.in_features, p.out_features) for p in parts] == [(16, 6), (16, 3), (16, 3)]
     x, slots, scales = torch.randn(5, 16), torch.tensor([0, 1, -1, 0, 1]), torch.tensor([0.5, 2.0])
     y = torch.zeros(5, sum(SIZES))
-    backend.add_lora(y, x, fused.lora_a, fused.lora_b, scales, backend.prepare(slots))
+    backend.add_lora(y, x, fused.lora_a, fused.lora_b, scales, backend.prepare(slots), part_sizes=SIZES)
     torch.testing.assert_close(y, _expected(x, slots, scales, weights), atol=1e-5, rtol=1e-5)
+    dense = torch.zeros(5, sum(SIZES))  # the same term without part_sizes (the block-diagonal B read densely)
+    backend.add_lora(dense, x, fused.lora_a, fused.lora_b, scales, backend.prepare(slots))
+    torch.testing.assert_close(dense, y, atol=1e-5, rtol=1e-5)
     assert not y[2].any() and not y[0, 6:9].any()  # the base model's token; slot 0's k part is not targeted
 
 
