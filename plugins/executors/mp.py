@@ -253,7 +253,7 @@ class MultiprocExecutor(Executor):
                     failed_method, trace = payload
                     message = f"worker rank {rank} failed in {failed_method} ({_last_line(trace)}):\n{trace}"
                     if failed_method in ("execute_model", RING):  # ranks may be out of step now
-                        raise self._lost(message)
+                        raise self._lost(self._root_cause(message))
                     if rank not in ranks or rank in results or rank in errors:
                         raise WorkerError(message)  # a non-replying rank's failure in an earlier call
                     errors[rank] = message
@@ -363,6 +363,14 @@ class MultiprocExecutor(Executor):
 
     def _all_alive(self) -> bool:
         return all(p.is_alive() for p in self._res.procs)
+
+    def _root_cause(self, message: str, grace_s: float = 0.5) -> str:
+        """A rank's step error, led by the rank whose process died if one did within ``grace_s``: a stage killed
+        mid-step resets its peers' connections a moment before its exit is visible, and it is the cause to name."""
+        deadline = time.monotonic() + grace_s
+        while self._all_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return message if self._all_alive() else f"{self._dead_rank()}; then {message}"
 
     def _lost(self, reason: str) -> EngineDeadError:
         """Declare the executor dead: stop every rank at once (SIGKILL: a stopped one too), release the segment."""

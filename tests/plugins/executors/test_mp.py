@@ -288,3 +288,19 @@ def test_killed_worker_fails_every_request_within_seconds(mp_llm):
     assert _gone(pids, shm), "a worker process or the shared-memory segment outlived the failure"
     with pytest.raises(EngineDeadError):
         llm.generate(["Lily"])
+
+
+def test_a_step_error_names_the_rank_that_died_first():
+    """A stage SIGKILLed mid-step resets its peer's gloo connection a moment before its own exit is visible: the
+    peer's "connection reset" arrives first, and the executor still names the dead rank as the cause."""
+    from plugins.executors.mp import MultiprocExecutor
+
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    alive = iter([True, True, False, False])  # the dead rank shows up on the third look
+    executor._all_alive = lambda: next(alive)
+    executor._dead_rank = lambda: "worker rank 0 (pid 7) exited with code -9"
+    reason = executor._root_cause("worker rank 1 failed in execute_model (Connection reset by peer)")
+    assert reason.startswith("worker rank 0 (pid 7) exited with code -9; then worker rank 1 failed")
+    executor._all_alive = lambda: True  # a rank's own error, every process alive: reported as it is, after the grace
+    assert executor._root_cause("worker rank 1 failed in execute_model (ValueError)", grace_s=0.05).startswith(
+        "worker rank 1 failed")
