@@ -12,7 +12,7 @@ fused q/k/v (``qkv_proj``) or gate/up (``gate_up_proj``) GEMM is wrapped once, w
 stacks the parts' A (``parts * max_lora_rank`` rows) and its B is block-diagonal, so one shrink and one expand give
 every part its own adapter term (vLLM's ``MergedColumnParallelLinearWithLoRA`` / ``QKVParallelLinearWithLoRA``
 idea); the manager addresses each part by its unfused module name (:class:`LoRAPart`). Under tensor parallelism
-the worker does not fuse them. Under tensor parallelism each slot holds this rank's cut of A and B
+the worker does not fuse them, and each slot holds this rank's cut of A and B
 (``framework/model_executor/lora_tp.py``: B's rows on a column-parallel linear, A's columns on a row-parallel one,
 whose LoRA term joins its partial output before the all-reduce).
 
@@ -123,12 +123,8 @@ class LoRALinear(nn.Module):
             return y
         flat_y = y.reshape(-1, y.shape[-1])  # a view: add_lora writes into y
         step.backend.add_lora(flat_y, x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b, step.scales, step.batch,
-                              **self._parts_kwarg())
+                              **_parts_kwarg(self.part_sizes))
         return y
-
-    def _parts_kwarg(self) -> dict[str, tuple[int, ...]]:
-        """``add_lora``'s ``part_sizes`` for a fused linear (not passed otherwise: a backend may predate it)."""
-        return {"part_sizes": self.part_sizes} if len(self.part_sizes) > 1 else {}
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, part: int = 0) -> None:
         """Write one adapter's ``a`` ``(r, in)`` and ``b`` ``(out, r)`` of ``part`` (0 unless fused) into ``slot``
@@ -149,6 +145,11 @@ class LoRALinear(nn.Module):
             self.lora_b[slot, rows, r0:r0 + rank].copy_(b)
 
 
+def _parts_kwarg(part_sizes: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """``add_lora``'s ``part_sizes`` for a fused linear; nothing for one part (a backend may predate the argument)."""
+    return {"part_sizes": tuple(part_sizes)} if len(part_sizes) > 1 else {}
+
+
 class LoRAPart:
     """One part of a fused :class:`LoRALinear` (``q_proj`` of a ``qkv_proj``...), as :class:`LoRAModelManager`
     addresses a linear: its shapes, the fused layer's slot buffers and base, and :meth:`set_slot` into its blocks."""
@@ -166,7 +167,8 @@ class LoRAPart:
 # The step's LoRA batch (per-token slots, any_lora) varies in structure from step to step and lives in the forward
 # context, so it is read inside the op rather than passed: the traced graph depends only on the slot buffers' shapes.
 @torch.library.custom_op("servelab::lora", mutates_args=())
-def lora_op(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, part_sizes: list[int]) -> torch.Tensor:
+def lora_op(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+            part_sizes: list[int]) -> torch.Tensor:
     """``y`` plus the current forward's LoRA term (opaque to dynamo; :meth:`LoRALinear.forward` under compile).
 
     Args:
@@ -183,7 +185,7 @@ def lora_op(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torc
     step: LoRAStep | None = current_lora()
     if step is not None and step.batch.any_lora:
         step.backend.add_lora(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b,
-                              step.scales, step.batch, **({"part_sizes": tuple(part_sizes)} if len(part_sizes) > 1 else {}))
+                              step.scales, step.batch, **_parts_kwarg(part_sizes))
     return out
 
 
@@ -215,9 +217,9 @@ def _fused_parts(module: nn.Module) -> list[tuple[str, tuple[str, ...], tuple[in
 def wrap_lora_linears(model: nn.Module, max_loras: int, max_lora_rank: int,
                       shards: dict[str, Shard] | None = None,
                       dtype: torch.dtype | None = None) -> dict[str, LoRALinear | LoRAPart]:
-    """Replace every ``nn.Linear`` (prepacked or not, or a quantized linear) named one of ``TARGET_MODULES`` in ``model`` by a
-    :class:`LoRALinear` (in place); a :class:`RowParallelLinear`'s inner shard is wrapped, so its LoRA term is
-    all-reduced with the base output.
+    """Replace every ``nn.Linear`` (prepacked or not, or a quantized linear) named one of ``TARGET_MODULES`` in
+    ``model`` by a :class:`LoRALinear` (in place); a :class:`RowParallelLinear`'s inner shard is wrapped, so its LoRA
+    term is all-reduced with the base output.
 
     Args:
         shards: under tensor parallelism, each module's weight shard (``lora_tp.lora_shards``); ``None``: one rank.
@@ -243,7 +245,8 @@ def wrap_lora_linears(model: nn.Module, max_loras: int, max_lora_rank: int,
                 layer = LoRALinear(child, max_loras, max_lora_rank, shard, dtype)
                 setattr(module, child_name, layer)
                 wrapped[full_name] = layer
-            elif child_name in TARGET_MODULES and isinstance(child, RowParallelLinear) and type(child.linear) in PLAIN_LINEARS:
+            elif (child_name in TARGET_MODULES and isinstance(child, RowParallelLinear)
+                  and type(child.linear) in PLAIN_LINEARS):
                 child.linear = wrapped[full_name] = LoRALinear(child.linear, max_loras, max_lora_rank, shard)
     return wrapped
 
@@ -272,7 +275,7 @@ class LoRAModelManager:
         self.layers = wrap_lora_linears(model, max_loras, max_lora_rank, shards)
         if not self.layers:
             raise ValueError(f"LoRA found none of {TARGET_MODULES} as nn.Linear or quantized linear in the model; "
-                             "LoRA needs them unfused (its adapters target each one)")
+                             "engine.prepack_linears=off keeps the model's own linears")
         self.shapes = {name: (full_shapes or {}).get(name, (m.in_features, m.out_features))
                        for name, m in self.layers.items()}
         first = next(iter(self.layers.values()))

@@ -162,8 +162,7 @@ def test_a_killed_core_fails_its_requests_and_the_front_dies():
             os.kill(pid, signal.SIGKILL)
 
             async def drain():
-                async for _ in stream:
-                    pass
+                return [out async for out in stream]
 
             with pytest.raises(EngineDeadError, match="exited with status"):
                 await asyncio.wait_for(drain(), 20)
