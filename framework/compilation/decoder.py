@@ -96,9 +96,29 @@ COMPILED_HEAD_MIN_BYTES = 16 << 20
 def inductor_config(example_inputs: Sequence[Any]) -> dict[str, Any]:
     """The inductor config patches of a graph: :data:`INDUCTOR_CONFIG`, plus
     :data:`REDUCED_PRECISION_CONFIG` when any floating-point input (activations, weights, the KV
-    cache) is bfloat16 or float16."""
-    reduced = any(isinstance(x, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16) for x in example_inputs)
-    return {**INDUCTOR_CONFIG, **(REDUCED_PRECISION_CONFIG if reduced else {})}
+    cache) is bfloat16 or float16, plus, for a graph with CPU tensors, ``cpp.simdlen`` pinned to the vector width
+    inductor picks here (:func:`cpu_simdlen`)."""
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    reduced = any(x.dtype in (torch.bfloat16, torch.float16) for x in tensors)
+    simdlen = {"cpp.simdlen": cpu_simdlen()} if any(x.device.type == "cpu" for x in tensors) else {}
+    return {**INDUCTOR_CONFIG, **(REDUCED_PRECISION_CONFIG if reduced else {}), **simdlen}
+
+
+@functools.cache
+def cpu_simdlen() -> int:
+    """The vector width in bits of the ISA inductor generates CPU code for in this process (512 for AVX-512 and
+    AMX, 256 for AVX2, 0 for none): what it would pick unpinned (``pick_vec_isa``: the best the CPU and compiler
+    have, or ``ATEN_CPU_CAPABILITY``'s), so pinning it changes no generated code.
+
+    Why pin it: inductor's FX graph cache key holds its config but not the ISA, and ``ATEN_CPU_CAPABILITY``
+    changes the ISA under an unchanged config (``cpp.simdlen=None``). A graph cached as AVX-512 code on a machine
+    was then loaded under ``ATEN_CPU_CAPABILITY=avx2`` (CI's AVX2 emulation; an AVX2-only CPU sharing the cache
+    folder) and its C++ rebuilt with AVX2 flags: 16-lane loops over 8-lane vectors, NaN or all-zero tokens
+    (``tests/framework/compilation/test_isa_cache_key.py``). With the width in the config it is in the key."""
+    vec_isa.install()
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return int(pick_vec_isa().bit_width())
 
 
 @dataclass
