@@ -103,6 +103,13 @@ class Executor(Plugin, ABC):
         # steps sent and not yet collected, oldest first: (future, collect its reply)
         self._pending_steps: deque[tuple[StepFuture, Callable[[], ModelRunnerOutput]]] = deque()
 
+    @classmethod
+    def wall_clock(cls, config: EngineConfig) -> bool:
+        """Whether the engine's :attr:`clock` will follow wall time, known from ``config`` before anything starts
+        (a server needs it: its clients wait in wall time). True here; ``executor=sim`` answers from its
+        ``clock`` param."""
+        return True
+
     @property
     def max_concurrent_batches(self) -> int:
         """Steps the ranks can hold at once (vLLM V1's ``Executor.max_concurrent_batches``): 1 here (each

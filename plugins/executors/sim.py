@@ -150,6 +150,11 @@ class SimExecutor(Executor):
         return problems + ([problem] if problem else [])
 
     @classmethod
+    def wall_clock(cls, config: EngineConfig) -> bool:
+        """``executor.params.clock=realtime`` only (the default ``virtual`` clock jumps by each step's prediction)."""
+        return config.executor_params.get("clock", "virtual") == "realtime"
+
+    @classmethod
     def build_disaggregated_front(cls, config: EngineConfig, metrics: Any = None) -> Any:
         """``build_engine``'s front for ``disagg.prefill_replicas > 0``: the simulated prefill and decode pools
         (``plugins/executors/_sim_disagg.py``: ``build_disaggregated_sim_engine``).

@@ -91,9 +91,26 @@ def build_server_engine(cfg: DictConfig, engine_config: EngineConfig) -> Any:
                           defer_compile=True)
     if not engine.clock.realtime:  # clients wait in wall time; a simulated clock that jumps cannot serve them
         engine.shutdown()
-        raise ValueError(f"mode=serve needs an engine clock that follows wall time; executor={engine_config.executor} "
-                         "runs a virtual one: set executor.params.clock=realtime")
+        raise ValueError(_virtual_clock(engine_config))
     return engine
+
+
+def _virtual_clock(engine_config: EngineConfig) -> str:
+    """The refusal of an engine whose clock does not follow wall time."""
+    return (f"mode=serve needs an engine clock that follows wall time; executor={engine_config.executor} runs a "
+            "virtual one: set executor.params.clock=realtime")
+
+
+def check_wall_clock(engine_config: EngineConfig) -> None:
+    """Refuse, before any engine process starts, an executor whose clock will not follow wall time
+    (``Executor.wall_clock``: ``executor=sim`` with ``clock=virtual``); the built engine's clock is checked again.
+
+    Raises:
+        ValueError: naming ``executor.params.clock=realtime``.
+    """
+    executor = registry.get_class("executor", engine_config.executor)
+    if executor is not None and not executor.wall_clock(engine_config):
+        raise ValueError(_virtual_clock(engine_config))
 
 
 def server_state(cfg: DictConfig, facts: Any, tokenizer: Any, llm: AsyncLLM, name: str, metrics: Any,
@@ -168,8 +185,7 @@ def start_front(cfg: DictConfig, engine_config: EngineConfig, on_dead: Any, metr
     try:
         facts = [client.wait_for_hello() for client in clients][0]
         if not facts.realtime_clock:  # clients wait in wall time; a simulated clock that jumps cannot serve them
-            raise ValueError(f"mode=serve needs an engine clock that follows wall time; executor="
-                             f"{engine_config.executor} runs a virtual one: set executor.params.clock=realtime")
+            raise ValueError(_virtual_clock(engine_config))
     except BaseException:
         llm.shutdown(timeout_s=10)
         raise
@@ -226,6 +242,7 @@ def serve(cfg: DictConfig, engine_config: EngineConfig) -> dict[str, Any]:
     metrics = ServerMetrics(name, engine_config.data_parallel_size,
                             max_loras=engine_config.max_loras if engine_config.enable_lora else None)
     with exit_on_config_error():
+        check_wall_clock(engine_config)
         llm, facts, tokenizer = start_front(cfg, engine_config, on_dead, metrics)
     state = server_state(cfg, facts, tokenizer, llm, name, metrics, api_key=resolve_api_key(server_cfg.get("api_key")),
                          engine_config=engine_config)

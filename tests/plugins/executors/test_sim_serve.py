@@ -76,3 +76,4 @@ def test_a_virtual_clock_cannot_serve(tmp_path):
                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and "executor.params.clock=realtime" in proc.stderr
+    assert "engine ready" not in proc.stderr  # refused from the config (Executor.wall_clock), before any engine core
