@@ -5,7 +5,7 @@ resource tracker dies too), and a rank out of memory. Each row runs its driver i
 session; afterwards every process its tree ever had is gone and no name appeared in ``/dev/shm`` that no live
 process uses (the folder listed before and after: the matrix checks both after every row), the requests lost
 are exactly those in flight, and the user is told within the bound. The whole matrix (every executor, phase and
-site; ``docs/results/reliability.md``) is the experiment's. Isolated: the ``/dev/shm`` comparison is machine-wide."""
+site; ``docs/results/reliability.md``) is the experiment's. Only the heartbeat row is ``isolated`` (:data:`TIMED`)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,14 @@ SLICE = {"mp2 SIGKILL rank during load": {}, "mp2 SIGSTOP rank during step": {"e
          "mp2 worker out of memory (simulated) in a step": {"engine": {"max_model_len": 32}}}
 
 
-@pytest.mark.isolated
-@pytest.mark.parametrize("label", list(SLICE))
+#: rows that time a heartbeat of seconds: alone under pytest-xdist (``isolated``), where another test's load cannot
+#: delay a live rank's beat past the 3 s timeout. The others need no isolation: a SIGKILL is seen at once (bound
+#: 5 s), and the ``/dev/shm`` check counts only new names no live process uses (another test's segments are in use)
+TIMED = {"mp2 SIGSTOP rank during step"}
+
+
+@pytest.mark.parametrize("label", [pytest.param(label, marks=pytest.mark.isolated) if label in TIMED else label
+                                   for label in SLICE])
 def test_fault_matrix_row(label, tmp_path):
     (row,) = [r for r in fault_matrix.rows(["mp2"], quick=True) if r["label"] == label]
     row.update(SLICE[label])

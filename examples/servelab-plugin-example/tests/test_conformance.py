@@ -34,7 +34,8 @@ def test_dense_lora_backend_contract():
 @pytest.mark.parametrize("tp_size", [1, 2])  # 2: one worker side per tensor-parallel rank, each over its own shard
 def test_memory_kv_connector_contract(tp_size):
     backend = TorchPagedAttentionBackend(num_heads=4, num_kv_heads=2, head_size=8, scale=8 ** -0.5, block_size=4,
-                                         dtype=torch.float32, device=torch.device("cpu"))
+                                         dtype=torch.float32, device=torch.device("cpu"),
+                                         compile=False)  # the connector's contract, not the kernel: no compile
     MemoryConnector.store.clear()
     check_kv_connector(MemoryConnector, backend, tp_size=tp_size)
 

@@ -28,6 +28,7 @@ from framework.entrypoints.server.app import build_app  # noqa: E402
 from framework.entrypoints.server.serving import ServerState  # noqa: E402
 from framework.interfaces.kv_connector import prefix_block_hashes  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # the proxy and KV transfer: eager attention kernel
 BLOCK = 4
 ENGINE = dict(model=STORIES, dtype="float32", compile=False, block_size=BLOCK, num_blocks=128, max_model_len=128)
 LONG = "Once upon a time there was a little girl named Lily who loved to play in the park"

@@ -14,6 +14,7 @@ from framework.model_executor.lora_layers import LoRAPart
 
 PROMPT_IDS = [[5, 60, 87, 120, 33, 41, 9], [7, 300, 12, 250], [99, 100, 101, 102, 103, 104]]
 NAMES = ["attn", None, "mlp", "all"]
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # LoRA's subject is the linears: eager attention kernel
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])

@@ -18,6 +18,8 @@ from plugins.attention.torch_paged import TorchPagedAttentionBackend
 from plugins.kv_connectors._tiers import TieredBlockStore
 from plugins.kv_connectors.offload import OffloadConnector, register_kv_connectors
 
+pytestmark = pytest.mark.usefixtures("eager_paged_kernel")  # the offload tiers, not the attention kernel
+
 
 def offload_llm(**params) -> LLM:
     return LLM(**TIGHT, kv_connector="offload", kv_connector_params=params)
@@ -65,7 +67,7 @@ def test_registered_and_bad_params_refused(tmp_path):
 @pytest.mark.parametrize("tiers", ["cpu", "disk"])
 def test_passes_the_kv_connector_contract(tmp_path, tiers):
     backend = TorchPagedAttentionBackend(num_heads=8, num_kv_heads=4, head_size=8, scale=8 ** -0.5, block_size=BLOCK,
-                                         dtype=torch.float32, device=torch.device("cpu"))
+                                         dtype=torch.float32, device=torch.device("cpu"), compile=False)  # the contract, not the kernel
     params = {"cpu_bytes": 1 << 20} if tiers == "cpu" else {"cpu_bytes": 0, "disk_path": str(tmp_path),
                                                             "disk_bytes": 1 << 20}
     check_kv_connector(OffloadConnector, backend, own_store=True, **params)
