@@ -17,7 +17,7 @@ from helpers import PREFIX_PROMPTS, STORIES, STORY_PROMPTS, assert_all_blocks_fr
 
 from framework import LLM, SamplingParams
 from framework.compilation.calibration import CompilePlanner
-from framework.compilation.decoder import INDUCTOR_CONFIG, CompiledDecoder, inductor_config
+from framework.compilation.decoder import INDUCTOR_CONFIG, CompiledDecoder, cpu_simdlen, inductor_config
 from framework.compilation.regions import layer_entry, layer_kinds
 from framework.model_executor.forward_context import ForwardContext, attention_op, forward_context, servelab_attention
 from framework.model_executor.prepack import PrepackedLinear
@@ -224,7 +224,7 @@ def test_fma_contraction_only_for_reduced_precision_graphs():
     graphs keep inductor's default (off), which the token-for-token transformers parity relies on."""
     flag = "cpp.enable_floating_point_contract_flag"
     ids = torch.zeros(4, dtype=torch.long)
-    assert inductor_config([ids, torch.zeros(2, 3)]) == INDUCTOR_CONFIG
+    assert inductor_config([ids, torch.zeros(2, 3)]) == {**INDUCTOR_CONFIG, "cpp.simdlen": cpu_simdlen()}  # CPU graph
     for dtype in (torch.bfloat16, torch.float16):
         config = inductor_config([ids, torch.zeros(2, 3), torch.zeros(3, dtype=dtype), 1.5])
         assert config[flag] == "fast" and INDUCTOR_CONFIG.items() <= config.items()
