@@ -46,6 +46,9 @@ from experiments.common import REPO_ROOT
 from experiments.serving._soak_traffic import check_run, render_table, run_traffic
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+TRIM_ACK_ENV = "SOAK_TRIM_ACK"  # file the server writes its heap-trim count to
+TRIM_WAIT_S = 10.0  # longest wait for a trim's acknowledgement
+_TRIMS = [0]  # the server's trims so far
 HOOK_FAULT_EVERY = 25  # the faulty observer raises on every 25th call of each lifecycle hook
 MAX_GROWTH_MIB_PER_1K = 16.0  # resident-memory growth per 1,000 requests above which the soak fails
 
@@ -93,17 +96,34 @@ def register_faulty_plugins() -> None:
 
 
 def _malloc_trim(signum: int, frame: Any) -> None:
-    """SIGUSR1 in the server: glibc's ``malloc_trim(0)`` returns every arena's free pages to the OS."""
+    """SIGUSR1 in the server: glibc's ``malloc_trim(0)`` returns every arena's free pages to the OS; then the trim
+    count goes to ``$SOAK_TRIM_ACK`` (the driver waits for it)."""
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+    _TRIMS[0] += 1
+    ack = os.environ.get(TRIM_ACK_ENV)
+    if ack:
+        with contextlib.suppress(OSError):
+            Path(ack + ".tmp").write_text(str(_TRIMS[0]))
+            os.replace(ack + ".tmp", ack)
 
 
-def live_rss_mib(pid: int) -> float:
-    """Resident memory of the soak's server after it trimmed its heap (SIGUSR1), MiB."""
+def _trims(ack: Path) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        return int(ack.read_text())
+    return 0
+
+
+def live_rss_mib(pid: int, ack: Path) -> float:
+    """Resident memory of the soak's server after it trimmed its heap (SIGUSR1 and its acknowledgement in ``ack``;
+    at most :data:`TRIM_WAIT_S` seconds), MiB."""
+    done = _trims(ack)
     os.kill(pid, signal.SIGUSR1)
-    time.sleep(2.0)  # the handler runs between the server's bytecodes; trimming a large heap takes a moment
+    deadline = time.monotonic() + TRIM_WAIT_S  # the handler runs between the server's bytecodes
+    while _trims(ack) == done and time.monotonic() < deadline:
+        time.sleep(0.02)
     return rss_mib(pid)
 
 
@@ -121,7 +141,8 @@ def start_server(model: str, overrides: list[str], log_path: Path) -> tuple[subp
     cmd = [sys.executable, "-m", "experiments.serving.soak_serving", "--serve-child", "--", f"model={model}",
            f"server.port={port}", "server.log_level=warning", "tracker=none", "spec_decode=faulty",
            f"hydra.run.dir={tempfile.mkdtemp(prefix='soak_run_')}", *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    env = {**os.environ, TRIM_ACK_ENV: str(log_path.with_suffix(".trims"))}
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:
@@ -167,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.with_suffix(".server.log")
     proc, base = start_server(args.model, overrides, log_path)
+    ack = log_path.with_suffix(".trims")
     try:
         before = metrics(base)
         samples: list[tuple[float, int, float]] = []  # (seconds, requests done, RSS MiB)
@@ -176,16 +198,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         def sample(done: int) -> None:
             samples.append((time.monotonic(), done, rss_mib(proc.pid)))
             if not live and time.monotonic() - t_start >= args.duration_s / 3:
-                live.append((done, live_rss_mib(proc.pid)))  # pauses this client loop 2 s: bursts wait too
+                live.append((done, live_rss_mib(proc.pid, ack)))  # pauses this client loop: bursts wait too
 
         records = asyncio.run(run_traffic(base, args, sample))
-        live.append((len(records), live_rss_mib(proc.pid)))
+        live.append((len(records), live_rss_mib(proc.pid, ack)))
         result = check_run(base, records, before, samples, MAX_GROWTH_MIB_PER_1K, metrics, live)
         proc.send_signal(signal.SIGTERM)
         result["checks"]["sigterm_exit_0"] = proc.wait(120) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
+        ack.unlink(missing_ok=True)
     result.update(model=args.model, duration_s=args.duration_s, concurrency=args.concurrency,
                   burst_size=args.burst_size, server_overrides=overrides,
                   command=" ".join([".venv/bin/python", "-m", "experiments.serving.soak_serving",
