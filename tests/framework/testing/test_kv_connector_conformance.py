@@ -88,7 +88,8 @@ class MemoryConnector(KVConnector):
 @pytest.fixture
 def backend():
     return TorchPagedAttentionBackend(num_heads=4, num_kv_heads=2, head_size=8, scale=8 ** -0.5, block_size=4,
-                                      dtype=torch.float32, device=torch.device("cpu"), compile=False)  # eager: the kit's subject
+                                      dtype=torch.float32, device=torch.device("cpu"),
+                                      compile=False)  # eager: the kit checks the connector, not the kernel
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

@@ -67,7 +67,8 @@ def test_registered_and_bad_params_refused(tmp_path):
 @pytest.mark.parametrize("tiers", ["cpu", "disk"])
 def test_passes_the_kv_connector_contract(tmp_path, tiers):
     backend = TorchPagedAttentionBackend(num_heads=8, num_kv_heads=4, head_size=8, scale=8 ** -0.5, block_size=BLOCK,
-                                         dtype=torch.float32, device=torch.device("cpu"), compile=False)  # the contract, not the kernel
+                                         dtype=torch.float32, device=torch.device("cpu"),
+                                         compile=False)  # the contract, not the kernel
     params = {"cpu_bytes": 1 << 20} if tiers == "cpu" else {"cpu_bytes": 0, "disk_path": str(tmp_path),
                                                             "disk_bytes": 1 << 20}
     check_kv_connector(OffloadConnector, backend, own_store=True, **params)
