@@ -115,7 +115,8 @@ def load_weights(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1, pp_ra
         model = quant.apply(model)
     if should_prepack(config.prepack_linears, device, dtype, config.compile_freezing):
         # auto: gate/up unfused if compiled later; LoRA wraps fused GEMMs part by part, unfused under TP (sharded parts)
-        num_gemms = prepack_linears(model, compiled=config.compile == "true", fuse=not (config.enable_lora and tp_size > 1))
+        num_gemms = prepack_linears(model, compiled=config.compile == "true",
+                                    fuse=not (config.enable_lora and tp_size > 1))
         logger.info("prepack_linears: %d GEMMs prepacked for oneDNN", num_gemms)
     return LoadedWeights(model=model, tokenizer=loaded.tokenizer, config=loaded.config,
                          eos_token_ids=loaded.eos_token_ids, max_model_len=loaded.max_model_len, path=loaded.path,

@@ -15,6 +15,7 @@ which on a CPU costs far more than the matmuls. So two forms, chosen per step in
 from __future__ import annotations
 
 import weakref
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ class BGMVBackend(LoRABackend):
         used, onehot, used_key, weights = batch.extra
         sizes = part_sizes or (lora_b.shape[1],)
         rank = lora_a.shape[1] // len(sizes)  # each part's rank block
-        starts = [sum(sizes[:p]) for p in range(len(sizes))]
+        starts = (0, *accumulate(sizes[:-1]))
         if used.numel() * rank <= self.stacked_max_width:
             a, parts_b = self._stacked(lora_a, lora_b, used, used_key, sizes)
             key = (id(scales), rank, x.dtype)
@@ -78,10 +79,11 @@ class BGMVBackend(LoRABackend):
         index = slots.clamp(min=0)
         shrunk = torch.bmm(lora_a[index], x.unsqueeze(-1))  # (T, P * r, 1)
         scale = torch.where(slots >= 0, scales[index], torch.zeros((), dtype=scales.dtype, device=scales.device))
+        scale = scale.unsqueeze(-1).to(shrunk.dtype)  # (T, 1), once for every part
         for p, (start, size) in enumerate(zip(starts, sizes)):
             b = lora_b[index, start:start + size, p * rank:(p + 1) * rank]  # (T, out_p, r)
             expanded = torch.bmm(b, shrunk[:, p * rank:(p + 1) * rank]).squeeze(-1)  # (T, out_p)
-            y[:, start:start + size].add_((expanded * scale.unsqueeze(-1).to(expanded.dtype)).to(y.dtype))
+            y[:, start:start + size].add_((expanded * scale).to(y.dtype))
 
     def _stacked(self, lora_a: torch.Tensor, lora_b: torch.Tensor, used: torch.Tensor, used_key: tuple[int, ...],
                  sizes: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:

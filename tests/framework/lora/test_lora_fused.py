@@ -23,7 +23,8 @@ def _fused_with_adapters():
     weights = {}
     for slot, ranks in RANKS.items():
         for p, rank in enumerate(ranks):
-            ab = (None, None) if rank is None else (torch.randn(rank, 16, generator=g), torch.randn(SIZES[p], rank, generator=g))
+            ab = (None, None) if rank is None else (torch.randn(rank, 16, generator=g),
+                                                    torch.randn(SIZES[p], rank, generator=g))
             parts[p].set_slot(slot, *ab)
             weights[slot, p] = ab
     return fused, parts, weights
