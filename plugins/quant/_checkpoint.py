@@ -8,7 +8,8 @@ plain ``weight`` stays float). Each format implements :meth:`config_problems` (t
 :meth:`unpack` (one layer's tensors to :class:`IntWeights`). Paths: ``plugins/quant/_checkpoint_linears.py``.
 
 Params (``quant.params.*``): ``kernel``: ``auto`` (CPU kernels where the layer's shape allows, else the
-reference) or ``reference`` (every layer dequantized to the compute dtype).
+reference; 4-bit layers on servelab's fused int4 GEMM where it runs), ``aten`` (as ``auto`` with torch's int4
+kernel only) or ``reference`` (every layer dequantized to the compute dtype).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from framework.config import EngineConfig
 
 logger = logging.getLogger(__name__)
-KERNELS = ("auto", "reference")
+KERNELS = ("auto", "aten", "reference")
 
 
 def expect(tensors: CheckpointTensors, name: str, dtype: torch.dtype | tuple[torch.dtype, ...],
@@ -219,7 +220,7 @@ class CheckpointQuantMethod(QuantMethod):
             return reference_linear(w, dtype), f"reference: dequantized to {dtype} (kernel=reference)"
         if device.type != "cpu":
             return reference_linear(w, dtype), f"reference: dequantized to {dtype} (no {device.type} kernel wired)"
-        module, why = fast_linear(w, dtype)
+        module, why = fast_linear(w, dtype, "aten" if self.kernel == "aten" else "auto")
         if module is None:
             return reference_linear(w, dtype), f"reference: dequantized to {dtype} ({why})"
         return module, why

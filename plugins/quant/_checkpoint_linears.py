@@ -5,14 +5,16 @@ Paths (``quant.params.kernel``):
 
 - ``reference``: the weight dequantized to the compute dtype, a plain ``nn.Linear`` (the exactness oracle;
   oneDNN prepacking then applies as to any float linear).
-- ``auto`` (default): 4-bit layers run torch's ``aten._weight_int4pack_mm_for_cpu`` (the ``quant=int4_wo`` kernel)
-  when its shape rules hold: ``out_features % 16 == 0`` and a kernel group (256, 128, 64 or 32) dividing both
-  the checkpoint's group and ``in_features``. Zero points fold into the kernel's per-group zero
-  (``(q - z) * s == (q - 8) * s + (8 - z) * s``); act-order (``g_idx``) becomes a permutation of the input
+- ``auto`` (default): 4-bit layers run :class:`~plugins.quant._int4_gemm.Int4Linear` (the ``quant=int4_wo``
+  kernels: servelab's fused int4 GEMM for bf16 on AVX512-BF16 CPUs, else torch's
+  ``aten._weight_int4pack_mm_for_cpu``) when torch's shape rules hold: ``out_features % 16 == 0`` and a kernel
+  group (256, 128, 64 or 32) dividing both the checkpoint's group and ``in_features``. Zero points fold into the
+  kernels' per-group offset (``(q - z) * s == q * s - z * s``); act-order (``g_idx``) becomes a permutation of the input
   columns, applied to the activations each call. 8-bit per-channel layers whose ``q - z`` fit int8 run
   ``aten._weight_int8pack_mm`` (the ``quant=int8_wo`` kernel). Anything else (float8 weights too) falls back to
   ``reference``, and the reason is logged. A W8A8 layer's inputs are quantized in front of either path
   (``plugins/quant/_input_quant.py``).
+- ``aten``: as ``auto``, with torch's int4 kernel in place of servelab's fused one (the ablation).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from plugins.quant._input_quant import Fp8Weights, InputQuant
+from plugins.quant._int4_gemm import Int4Linear
 
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes aten._weight_int4pack_mm_for_cpu accepts
 
@@ -55,37 +58,19 @@ class IntWeights:
         return (None if identity else perm), int(counts[0])
 
 
-class Int4CheckpointLinear(torch.nn.Module):
-    """A 4-bit checkpoint layer on ``aten._weight_int4pack_mm_for_cpu``.
+class Int4CheckpointLinear(Int4Linear):
+    """A 4-bit checkpoint layer on :class:`~plugins.quant._int4_gemm.Int4Linear` (servelab's fused int4 GEMM for
+    bf16 on AVX512-BF16 CPUs, else ``aten._weight_int4pack_mm_for_cpu``), its scales taken per ``kernel_group``
+    columns and act-order as the input permutation ``in_perm``. ``forward``: ``x (..., in)`` -> ``(..., out)``."""
 
-    Buffers: ``packed`` (the kernel's int4 layout of ``(out, in)``), ``scales_and_zeros``
-    ``(in / kernel_group, out, 2)`` in the activation dtype, ``in_perm`` ``(in,)`` int64 or None (act-order).
-    ``forward``: ``x (..., in)`` float -> ``(..., out)`` same dtype.
-    """
-
-    def __init__(self, w: IntWeights, kernel_group: int, in_perm: torch.Tensor | None, dtype: torch.dtype) -> None:
-        super().__init__()
+    def __init__(self, w: IntWeights, kernel_group: int, in_perm: torch.Tensor | None, dtype: torch.dtype,
+                 kernel: str = "auto") -> None:
         codes, zeros, scales, g_idx = w.codes, w.zeros.float(), w.scales, w.g_idx
         if in_perm is not None:
             codes, g_idx = codes[:, in_perm], g_idx[in_perm]
-        out_f, in_f = codes.shape
-        first = torch.arange(0, in_f, kernel_group)  # first column of each kernel group
-        s, z = scales[:, g_idx[first]], zeros[:, g_idx[first]]  # (out, in / kernel_group)
-        sz = torch.stack([s, (8 - z) * s], -1).transpose(0, 1).contiguous()
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1))
-        self.register_buffer("scales_and_zeros", sz.to(dtype))
-        self.register_buffer("in_perm", in_perm)
-        self.bias = None if w.bias is None else torch.nn.Parameter(w.bias.to(dtype), requires_grad=False)
-        self.in_features, self.out_features, self.group_size = in_f, out_f, kernel_group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x (..., in_features)`` -> ``(..., out_features)``."""
-        x2 = x.reshape(-1, self.in_features)
-        if self.in_perm is not None:
-            x2 = x2.index_select(1, self.in_perm)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y + self.bias if self.bias is not None else y
+        first = torch.arange(0, codes.shape[1], kernel_group)  # first column of each kernel group
+        s, z = scales[:, g_idx[first]].float(), zeros[:, g_idx[first]]  # (out, in / kernel_group)
+        super().__init__(codes, s, -z * s, kernel_group, w.bias, in_perm, dtype, kernel)
 
 
 class Int8CheckpointLinear(torch.nn.Module):
@@ -120,8 +105,10 @@ def reference_linear(w: IntWeights | Fp8Weights, dtype: torch.dtype) -> torch.nn
     return linear
 
 
-def fast_linear(w: IntWeights | Fp8Weights, dtype: torch.dtype) -> tuple[torch.nn.Module | None, str]:
-    """The CPU kernel module for ``w``, or ``(None, why not)``; the string names the kernel when it is used."""
+def fast_linear(w: IntWeights | Fp8Weights, dtype: torch.dtype, int4_kernel: str = "auto",
+                ) -> tuple[torch.nn.Module | None, str]:
+    """The CPU kernel module for ``w``, or ``(None, why not)``; the string names the kernel when it is used.
+    ``int4_kernel``: ``auto`` (servelab's fused int4 GEMM where it runs) or ``aten`` (torch's int4 kernel only)."""
     if isinstance(w, Fp8Weights):
         return None, "float8 weights: no fp8 matmul on this device"
     out_f, in_f = w.codes.shape
@@ -142,5 +129,5 @@ def fast_linear(w: IntWeights | Fp8Weights, dtype: torch.dtype) -> tuple[torch.n
     if out_f % 16:
         return None, f"out_features {out_f} not a multiple of 16 (int4 kernel)"
     perm_note = ", act-order input permutation" if in_perm is not None else ""
-    return (Int4CheckpointLinear(w, kernel_group, in_perm, dtype),
-            f"aten._weight_int4pack_mm_for_cpu (kernel group {kernel_group}{perm_note})")
+    module = Int4CheckpointLinear(w, kernel_group, in_perm, dtype, int4_kernel)
+    return module, f"{module.kernel}{perm_note}"

@@ -1,14 +1,17 @@
 """``quant=int4_wo``: int4 weight-only, group-wise asymmetric (tinygemm layout), gpt-fast style.
 
 Each group of ``group_size`` input channels of an output row has a scale and a zero point:
-``w ~= (q - 8) * scale + zero`` with ``q`` in ``[0, 15]``. CPU runs torch's own
-``aten._weight_int4pack_mm_for_cpu`` on weights packed by ``aten._convert_weight_to_int4pack_for_cpu``;
-CUDA runs torchao ``Int4WeightOnlyConfig`` (tinygemm ``tile_packed_to_4d``, bfloat16 only).
+``w ~= (q - 8) * scale + zero`` with ``q`` in ``[0, 15]``. CPU runs
+:class:`~plugins.quant._int4_gemm.Int4Linear`: servelab's fused int4 GEMM for bfloat16 activations on AVX512-BF16
+CPUs, else torch's own ``aten._weight_int4pack_mm_for_cpu`` on weights packed by
+``aten._convert_weight_to_int4pack_for_cpu``; CUDA runs torchao ``Int4WeightOnlyConfig`` (tinygemm
+``tile_packed_to_4d``, bfloat16 only).
 Reference: gpt-fast (PyTorch, 2023) int4 weight-only; Frantar et al. GPTQ (ICLR'23) Sec. 2 for group-wise.
 
 Params: ``group_size`` (default 128; must divide every quantized layer's ``in_features``: SmolLM2-135M
 (hidden 576) needs 32 or 64; stories260K (intermediate 172) needs ``skip=[gate_proj, up_proj, down_proj]``),
-``skip`` (module-name suffixes kept full precision).
+``skip`` (module-name suffixes kept full precision), ``kernel`` (``auto``: the fused kernel where it runs;
+``aten``: torch's CPU kernel only, the ablation).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from framework import hookimpl
 from framework.hookspecs import Register
 from plugins.quant._common import LinearQuantMethod, replace_linears, torchao_quantize
+from plugins.quant._int4_gemm import KERNELS, Int4Linear
 
 if TYPE_CHECKING:
     from framework.config import EngineConfig
@@ -27,34 +31,20 @@ if TYPE_CHECKING:
 GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm / CPU int4pack kernels accept
 
 
-class Int4PackedLinear(torch.nn.Module):
-    """CPU int4 weight-only linear on torch's ``_weight_int4pack_mm_for_cpu``.
+class Int4PackedLinear(Int4Linear):
+    """A float ``nn.Linear`` quantized group-wise to int4 (round to nearest, asymmetric: ``w ~= q * scale + lo``,
+    ``q`` in ``[0, 15]``) on :class:`~plugins.quant._int4_gemm.Int4Linear`'s kernels. ``forward``: ``x (..., in)``
+    float -> ``(..., out)`` same dtype."""
 
-    Buffers: ``packed`` ``(out, in/2)`` uint8; ``scales_and_zeros`` ``(in/group_size, out, 2)`` in
-    the activation dtype. ``forward``: ``x (..., in)`` float -> ``(..., out)`` same dtype.
-    """
-
-    def __init__(self, linear: torch.nn.Linear, group_size: int) -> None:
-        super().__init__()
+    def __init__(self, linear: torch.nn.Linear, group_size: int, kernel: str = "auto") -> None:
         w = linear.weight.detach().float()
         out_f, in_f = w.shape
         wg = w.view(out_f, in_f // group_size, group_size)
         lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
         scale = ((hi - lo) / 15).clamp(min=1e-6)
         q = ((wg - lo) / scale).round().clamp(0, 15).to(torch.int32).view(out_f, in_f)
-        zero = lo + 8 * scale
-        sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], -1).transpose(0, 1).contiguous()
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        self.register_buffer("scales_and_zeros", sz.to(linear.weight.dtype))
+        super().__init__(q, scale.squeeze(-1), lo.squeeze(-1), group_size, None, None, linear.weight.dtype, kernel)
         self.bias = linear.bias
-        self.in_features, self.out_features, self.group_size = in_f, out_f, group_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x (..., in_features)`` -> ``(..., out_features)``."""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed,
-                                                         self.group_size, self.scales_and_zeros)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y + self.bias if self.bias is not None else y
 
 
 class Int4WeightOnly(LinearQuantMethod):
@@ -66,11 +56,13 @@ class Int4WeightOnly(LinearQuantMethod):
 
     name = "int4_wo"
 
-    def __init__(self, group_size: int = 128, **params: Any) -> None:
+    def __init__(self, group_size: int = 128, kernel: str = "auto", **params: Any) -> None:
         super().__init__(**params)
         if group_size not in GROUP_SIZES:
             raise ValueError(f"quant.params.group_size must be one of {GROUP_SIZES}, got {group_size}")
-        self.group_size = group_size
+        if kernel not in KERNELS:
+            raise ValueError(f"quant.params.kernel must be one of {KERNELS}, got {kernel!r}")
+        self.group_size, self.kernel = group_size, kernel
 
     @classmethod
     def validate(cls, config: EngineConfig) -> list[str]:
@@ -84,6 +76,8 @@ class Int4WeightOnly(LinearQuantMethod):
         skip = tuple(params.get("skip", ()))
         if group not in GROUP_SIZES:
             return problems + [f"quant.params.group_size must be one of {GROUP_SIZES}, got {group}"]
+        if params.get("kernel", "auto") not in KERNELS:
+            problems.append(f"quant.params.kernel must be one of {KERNELS}, got {params.get('kernel')!r}")
         from framework.model_executor.model_loader import load_model_config
 
         mc = load_model_config(config.model)
@@ -156,8 +150,15 @@ class Int4WeightOnly(LinearQuantMethod):
             torchao_quantize(decoder, Int4WeightOnlyConfig(group_size=self.group_size,
                                                            int4_packing_format="tile_packed_to_4d"), self)
             return
-        self.backend_note = f"aten._weight_int4pack_mm_for_cpu, group_size={self.group_size}"
-        replace_linears(decoder, self, lambda linear: Int4PackedLinear(linear, self.group_size))
+        kernels: set[str] = set()
+
+        def swap(linear: torch.nn.Linear) -> Int4PackedLinear:
+            module = Int4PackedLinear(linear, self.group_size, self.kernel)
+            kernels.add(module.kernel)
+            return module
+
+        replace_linears(decoder, self, swap)
+        self.backend_note = "; ".join(sorted(kernels)) or f"no linear quantized, group_size={self.group_size}"
 
 
 @hookimpl

@@ -1,0 +1,230 @@
+"""The int4 weight-only linear both 4-bit paths use (``quant=int4_wo`` and GPTQ/AWQ/compressed-tensors checkpoints),
+and servelab's fused int4 GEMM for bf16 activations on AVX512-BF16 CPUs.
+
+Two CPU kernels compute ``y = x @ W.T`` with ``W[n, k] = codes[n, k] * scale[n, g] + offset[n, g]`` (``g = k //
+group_size``, codes in ``[0, 16)``):
+
+- ``servelab_int4_gemm_bf16`` (``csrc/int4_gemm_bf16.cpp``): chosen for bf16 activations on a CPU with avx512f,
+  avx512bw and avx512_bf16 (after ``ONEDNN_MAX_CPU_ISA``/``ATEN_CPU_CAPABILITY`` caps, :func:`~framework.platform.
+  cpu_isa`). Above 4 rows each 64-column tile's codes are unpacked once per call and every row reads them with
+  ``vdpbf16ps`` (up to 4 rows: unpacked into registers and used at once), scales applied per group: its time
+  grows with the rows as a bf16 GEMM's does. On SmolLM2's layers (2-core AMD EPYC, weights not in cache): equal to
+  torch's int4 kernel at 1 row, 2x faster at 64 rows, at or under an unpacked bf16 GEMM's time from 16 rows up
+  (``docs/results/quantization.md``).
+  Built once per machine with the C++ compiler (``$CXX``, else ``g++``) into ``$SERVELAB_CACHE/kernels/``
+  (~1 s) and loaded with ``ctypes``; registered as the op ``servelab::int4_gemm_bf16``, opaque to
+  ``torch.compile``.
+- ``aten._weight_int4pack_mm_for_cpu`` (torch's, float32 FMA per 4 rows: GEMV-shaped): every other case, and
+  ``kernel="aten"``. Why the fused kernel was not taken is kept on the module (``Int4Linear.kernel``) for the
+  loader's log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "int4_gemm_bf16.cpp"
+CXX_FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp",
+             "-shared", "-fPIC")
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # /proc/cpuinfo names the kernel's instructions need
+KERNELS = ("auto", "aten")  # auto: the fused kernel where it runs, else torch's; aten: torch's int4 kernel only
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """The built kernel library, or ``(None, why not)``. Built at most once per source, flags and compiler (the
+    file name holds their hash); concurrent builders each write a private file and rename it into place."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return None, "no C++ compiler (set CXX or install g++)"
+    from framework.model_executor.model_loader import servelab_cache_dir
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *CXX_FLAGS)).encode()).hexdigest()[:16]
+    folder = servelab_cache_dir() / "kernels"
+    path = folder / f"int4_gemm_bf16-{digest}.so"
+    if not path.exists():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+        except OSError as e:
+            return None, f"cannot write the built kernel under {folder}: {e}"
+        try:
+            proc = subprocess.run([compiler, *CXX_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                                  timeout=300, check=False)
+            if proc.returncode:
+                return None, f"building {SOURCE.name} with {compiler} failed: {proc.stderr.strip()[-500:]}"
+            os.replace(tmp, path)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return None, f"building {SOURCE.name} with {compiler} failed: {e}"
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        logger.info("built the fused int4 GEMM: %s", path)
+    try:
+        lib = ctypes.PyDLL(str(path))  # holds the GIL through the call, as torch's ops do: no hand-off per call
+    except OSError as e:
+        return None, f"loading {path} failed: {e}"
+    fn = lib.servelab_int4_gemm_bf16
+    p, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    fn.argtypes = [p, long_, p, p, p, long_, int_, int_, int_, int_, int_]
+    fn.restype = int_
+    return lib, ""
+
+
+def fused_unavailable(dtype: torch.dtype, out_features: int, in_features: int, group_size: int) -> str | None:
+    """None when the fused kernel runs a layer of this shape and activation dtype here, else why not (for the log).
+
+    Builds the kernel on first use (see :func:`_library`)."""
+    if dtype != torch.bfloat16:
+        return f"{str(dtype).removeprefix('torch.')} activations (it takes bfloat16)"
+    from framework.platform import cpu_isa
+
+    isa = cpu_isa()
+    missing = [f for f in REQUIRED_FLAGS if f not in isa.flags]
+    if missing:
+        capped = f", capped by {isa.capped_by}" if isa.capped_by else ""
+        return f"this CPU lacks {', '.join(missing)}{capped}"
+    if out_features % 16 or in_features % 4 or group_size % 4 or in_features % group_size:
+        return (f"shape {out_features} x {in_features}, group {group_size} (it needs out % 16, in % 4 and "
+                f"group % 4 = 0, group dividing in)")
+    lib, why = _library()
+    return None if lib is not None else why
+
+
+def fp16_problem(scales: torch.Tensor, offsets: torch.Tensor) -> str | None:
+    """None when float16 holds ``scales`` (every nonzero one a normal number) and ``offsets`` (finite), else why
+    not: the fused kernel reads both as float16 (half the bytes of float32: at one row it is memory-bound)."""
+    tiny = torch.finfo(torch.float16).tiny
+    nonzero = scales.abs()[scales != 0]
+    if nonzero.numel() and (float(nonzero.min()) < tiny or float(nonzero.max()) > 65504):
+        return f"scales from {float(nonzero.min()):.3g} to {float(nonzero.max()):.3g} leave float16's normal range"
+    if offsets.numel() and float(offsets.abs().max()) > 65504:
+        return "zero-point offsets beyond float16's range"
+    return None
+
+
+def pack_vnni(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel's layouts (``csrc/int4_gemm_bf16.cpp``'s header).
+
+    Args:
+        codes: ``(N, K)`` integer codes in ``[0, 16)``; ``N % 16 == 0``, ``K % 4 == 0``.
+        scales, offsets: ``(N, K // group_size)`` float: ``W = codes * scale + offset`` per group; rounded to
+            float16 (check :func:`fp16_problem` first).
+
+    Returns:
+        ``wq`` ``(N // 16, K // 4, 32)`` uint8 (two codes per byte) and ``sb`` ``(N // 16, groups, 2, 16)`` float16.
+    """
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n // 16, 16, k // 4, 2, 2)  # (block, column, k quad, k pair, k offset)
+    c = c.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 4, 2, 32)  # lane = column * 2 + k offset
+    wq = (c[:, :, 0] | (c[:, :, 1] << 4)).contiguous()
+    sb = torch.stack([scales.float(), offsets.float()], -1).view(n // 16, 16, -1, 2).permute(0, 2, 3, 1)
+    return wq, sb.to(torch.float16).contiguous()
+
+
+def int4_gemm_bf16(x: torch.Tensor, wq: torch.Tensor, sb: torch.Tensor, out_features: int,
+                   group_size: int) -> torch.Tensor:
+    """``x @ W.T`` on the fused kernel (op ``servelab::int4_gemm_bf16``; call only where :func:`fused_unavailable`
+    said None).
+
+    Args:
+        x: ``(M, K)`` bfloat16 (made contiguous if it is not).
+        wq, sb: :func:`pack_vnni`'s layouts of ``W`` ``(out_features, K)``.
+        out_features: ``N``. group_size: columns per scale group.
+
+    Returns:
+        ``(M, N)`` bfloat16, float32-accumulated, rounded once.
+
+    Raises:
+        RuntimeError: the kernel rejected the shapes or ran out of memory.
+    """
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    lib, _ = _library()
+    rc = lib.servelab_int4_gemm_bf16(x.data_ptr(), k, wq.data_ptr(), sb.data_ptr(), y.data_ptr(), out_features, m,
+                                     out_features, k, group_size, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"servelab_int4_gemm_bf16 returned {rc} for x {tuple(x.shape)}, N {out_features}, "
+                           f"group {group_size} ({'bad shapes' if rc == 1 else 'out of memory'})")
+    return y
+
+
+# torch.library.Library rather than custom_op: its Python wrapper costs ~5 us a call (model_executor/prepack.py)
+_LIB = torch.library.Library("servelab", "FRAGMENT")  # noqa: TOR901 - kept alive for the process
+_LIB.define("int4_gemm_bf16(Tensor x, Tensor wq, Tensor sb, SymInt out_features, int group_size) -> Tensor")
+_LIB.impl("int4_gemm_bf16", int4_gemm_bf16, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("servelab::int4_gemm_bf16")
+def _(x: torch.Tensor, wq: torch.Tensor, sb: torch.Tensor, out_features: int, group_size: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+class Int4Linear(torch.nn.Module):
+    """A 4-bit weight-only linear: ``W[n, k] = codes[n, k] * scales[n, g] + offsets[n, g]``, on the fused kernel
+    or torch's (module docstring).
+
+    Buffers: fused: ``wq``/``sb`` (:func:`pack_vnni`; scales and offsets as float16, refused by :func:`fp16_problem`
+    for torch's kernel when float16 cannot hold them); torch's: ``packed`` (its int4 layout) and
+    ``scales_and_zeros`` ``(groups, out, 2)`` in the activation dtype. ``in_perm`` ``(in,)`` int64 or None permutes
+    the input columns first (GPTQ act-order). ``kernel``: the kernel's name, and why the fused one was not taken.
+    ``forward``: ``x (..., in)`` in ``dtype`` -> ``(..., out)``.
+
+    Args:
+        codes: ``(out, in)`` integers in ``[0, 16)``. scales, offsets: ``(out, in // group_size)`` float32.
+        group_size: a divisor of ``in``; torch's kernel takes 32, 64, 128 or 256.
+        bias: ``(out,)`` or None. in_perm: see above. dtype: the activations' dtype.
+        kernel: ``auto`` or ``aten`` (:data:`KERNELS`).
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None, in_perm: torch.Tensor | None, dtype: torch.dtype,
+                 kernel: str = "auto") -> None:
+        super().__init__()
+        out_f, in_f = codes.shape
+        why = "kernel=aten" if kernel == "aten" else fused_unavailable(dtype, out_f, in_f, group_size)
+        if why is None:
+            why = fp16_problem(scales, offsets)
+        self.fused = why is None
+        if self.fused:
+            wq, sb = pack_vnni(codes, scales, offsets)
+            self.register_buffer("wq", wq)
+            self.register_buffer("sb", sb)
+            self.kernel = f"servelab_int4_gemm_bf16 (avx512_bf16, group {group_size})"
+        else:  # torch's kernel: W = (q - 8) * scale + zero
+            sz = torch.stack([scales.float(), offsets.float() + 8 * scales.float()], -1).transpose(0, 1)
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.to(torch.int32).contiguous(), 1))
+            self.register_buffer("scales_and_zeros", sz.contiguous().to(dtype))
+            self.kernel = f"aten._weight_int4pack_mm_for_cpu (group {group_size}; not servelab's: {why})"
+        self.register_buffer("in_perm", in_perm)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.in_features, self.out_features, self.group_size = in_f, out_f, group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (..., in_features)`` -> ``(..., out_features)``."""
+        x2 = x.reshape(-1, self.in_features)
+        if self.in_perm is not None:
+            x2 = x2.index_select(1, self.in_perm)
+        if self.fused and torch.compiler.is_compiling():  # the op, opaque to the graph
+            y = torch.ops.servelab.int4_gemm_bf16(x2, self.wq, self.sb, self.out_features, self.group_size)
+        elif self.fused:  # eager: the function itself, ~3 us a call less than the op's dispatch (210 calls a step)
+            y = int4_gemm_bf16(x2, self.wq, self.sb, self.out_features, self.group_size)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
