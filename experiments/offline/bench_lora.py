@@ -18,7 +18,8 @@ Configurations (``name``: what runs):
   ``--affinity-slots`` device slots (``bgmv``, rank ``--affinity-rank``), where grouping requests by adapter pays.
 
 The speed goal (issue 59, SmolLM2 bf16, 64 requests): ``bgmv_n4_r8`` >= 0.75x ``base``, and ``bgmv_n16_r8`` >= 2x
-``loop_n16_r8``; ``--quick`` runs only the rows these ratios need (base, bgmv n4 and n16, loop n16, rank 8).
+``loop_n16_r8``; ``--quick`` runs only the rows these ratios need (base, bgmv n4 and n16, loop n16, rank 8) and
+``bgmv_torch_n16_r8`` (``bgmv`` with ``lora_backend.params.kernel=torch``: the ablation of its C++ kernel).
 Sources: Punica (BGMV), S-LoRA (SGMV, many adapters on demand), vLLM's ``benchmarks/benchmark_throughput.py
 --enable-lora`` (random adapter per request).
 
@@ -97,7 +98,9 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.quick:
         return [{"name": "base", "kind": "base"}] + [
             {"name": f"{b}_n{n}_r8", "kind": "lora", "backend": b, "adapters": n, "rank": 8, "slots": n,
-             "scheduler": "fcfs"} for b, n in (("bgmv", 4), ("bgmv", 16), ("loop", 16))]
+             "scheduler": "fcfs"} for b, n in (("bgmv", 4), ("bgmv", 16), ("loop", 16))] + [
+            {"name": "bgmv_torch_n16_r8", "kind": "lora", "backend": "bgmv", "backend_params": {"kernel": "torch"},
+             "adapters": 16, "rank": 8, "slots": 16, "scheduler": "fcfs"}]
     rows = [{"name": "base", "kind": "base"}]
     for rank in args.ranks:
         for backend in args.backends:
@@ -131,7 +134,8 @@ def run_one(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
         requests = [LoRARequest(f"a{i}", i + 1, f) for i, f in enumerate(folders)]
         loras = [requests[i % len(requests)] for i in range(args.num_prompts)]
         kwargs.update(enable_lora=True, max_loras=cfg["slots"], max_cpu_loras=cfg["adapters"],
-                      max_lora_rank=cfg["rank"], lora_backend=cfg["backend"], scheduler=cfg["scheduler"])
+                      max_lora_rank=cfg["rank"], lora_backend=cfg["backend"], scheduler=cfg["scheduler"],
+                      lora_backend_params=cfg.get("backend_params", {}))
     elif cfg["kind"] == "merged":
         folder = make_adapters(path, root / f"merged_r{cfg['rank']}_adapter", 1, cfg["rank"], args.targets,
                                args.seed)[0]

@@ -11,8 +11,8 @@ group_size``, codes in ``[0, 16)``):
   grows with the rows as a bf16 GEMM's does. On SmolLM2's layers (2-core AMD EPYC, weights not in cache): equal to
   torch's int4 kernel at 1 row, 2x faster at 64 rows, at or under an unpacked bf16 GEMM's time from 16 rows up
   (``docs/results/quantization.md``).
-  Built once per machine with the C++ compiler (``$CXX``, else ``g++``) into ``$SERVELAB_CACHE/kernels/``
-  (~1 s) and loaded with ``ctypes``; registered as the op ``servelab::int4_gemm_bf16``, opaque to
+  Built once per machine with the C++ compiler into ``$SERVELAB_CACHE/kernels/`` (~1 s) and loaded with ``ctypes``
+  (:mod:`framework.model_executor.native`); registered as the op ``servelab::int4_gemm_bf16``, opaque to
   ``torch.compile``.
 - ``aten._weight_int4pack_mm_for_cpu`` (torch's, float32 FMA per 4 rows: GEMV-shaped): every other case, and
   ``kernel="aten"``. Why the fused kernel was not taken is kept on the module (``Int4Linear.kernel``) for the
@@ -23,17 +23,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_gemm_bf16.cpp"
 CXX_FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp",
@@ -43,45 +35,17 @@ KERNELS = ("auto", "aten")  # auto: the fused kernel where it runs, else torch's
 
 
 @functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str]:
-    """The built kernel library, or ``(None, why not)``. Built at most once per source, flags and compiler (the
-    file name holds their hash); concurrent builders each write a private file and rename it into place."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        return None, "no C++ compiler (set CXX or install g++)"
-    from framework.model_executor.model_loader import servelab_cache_dir
+def _library() -> tuple[ctypes.PyDLL | None, str]:
+    """The built kernel (:func:`framework.model_executor.native.build_kernel`), or ``(None, why not)``."""
+    from framework.model_executor.native import build_kernel
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *CXX_FLAGS)).encode()).hexdigest()[:16]
-    folder = servelab_cache_dir() / "kernels"
-    path = folder / f"int4_gemm_bf16-{digest}.so"
-    if not path.exists():
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-            os.close(fd)
-        except OSError as e:
-            return None, f"cannot write the built kernel under {folder}: {e}"
-        try:
-            proc = subprocess.run([compiler, *CXX_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                                  timeout=300, check=False)
-            if proc.returncode:
-                return None, f"building {SOURCE.name} with {compiler} failed: {proc.stderr.strip()[-500:]}"
-            os.replace(tmp, path)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return None, f"building {SOURCE.name} with {compiler} failed: {e}"
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        logger.info("built the fused int4 GEMM: %s", path)
-    try:
-        lib = ctypes.PyDLL(str(path))  # holds the GIL through the call, as torch's ops do: no hand-off per call
-    except OSError as e:
-        return None, f"loading {path} failed: {e}"
-    fn = lib.servelab_int4_gemm_bf16
-    p, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    fn.argtypes = [p, long_, p, p, p, long_, int_, int_, int_, int_, int_]
-    fn.restype = int_
-    return lib, ""
+    lib, why = build_kernel(SOURCE, CXX_FLAGS)
+    if lib is not None:
+        fn = lib.servelab_int4_gemm_bf16
+        p, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+        fn.argtypes = [p, long_, p, p, p, long_, int_, int_, int_, int_, int_]
+        fn.restype = int_
+    return lib, why
 
 
 def fused_unavailable(dtype: torch.dtype, out_features: int, in_features: int, group_size: int) -> str | None:
