@@ -43,9 +43,14 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 @functools.cache
 def _library() -> tuple[ctypes.PyDLL | None, str]:
-    """The built kernel (:func:`framework.model_executor.native.build_kernel`), or ``(None, why not)``."""
+    """The built kernel (:func:`framework.model_executor.native.build_kernel`), or ``(None, why not)``: it is
+    compiled for AVX2 with FMA, which this CPU must have."""
     from framework.model_executor.native import build_kernel
+    from framework.platform import cpu_isa
 
+    isa = cpu_isa()
+    if missing := [f for f in ("avx2", "fma") if f not in isa.flags]:
+        return None, f"this CPU lacks {', '.join(missing)}"
     lib, why = build_kernel(SOURCE, CXX_FLAGS)
     if lib is not None:
         p, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
