@@ -54,6 +54,9 @@ def fused_unavailable(dtype: torch.dtype, out_features: int, in_features: int, g
     Builds the kernel on first use (see :func:`_library`)."""
     if dtype != torch.bfloat16:
         return f"{str(dtype).removeprefix('torch.')} activations (it takes bfloat16)"
+    if out_features % 16 or in_features % 4 or group_size % 4 or in_features % group_size:
+        return (f"shape {out_features} x {in_features}, group {group_size} (it needs out % 16, in % 4 and "
+                f"group % 4 = 0, group dividing in)")
     from framework.platform import cpu_isa
 
     isa = cpu_isa()
@@ -61,9 +64,6 @@ def fused_unavailable(dtype: torch.dtype, out_features: int, in_features: int, g
     if missing:
         capped = f", capped by {isa.capped_by}" if isa.capped_by else ""
         return f"this CPU lacks {', '.join(missing)}{capped}"
-    if out_features % 16 or in_features % 4 or group_size % 4 or in_features % group_size:
-        return (f"shape {out_features} x {in_features}, group {group_size} (it needs out % 16, in % 4 and "
-                f"group % 4 = 0, group dividing in)")
     lib, why = _library()
     return None if lib is not None else why
 

@@ -32,6 +32,29 @@ namespace {
 constexpr int kTileBlocks = 4;  // 16-column blocks per tile: 4 x 512-bit B registers
 constexpr int kRows = 4;        // rows per micro-kernel: 4 x 4 group accumulators + 4 x 4 totals
 
+// acc += scale * gacc + offset * sum(x over the group), for group g of every row and block.
+template <int MR, int NB>
+inline void add_group(__m512 (&acc)[MR][NB], const __m512 (&gacc)[MR][NB], const uint16_t* sb, int ngroups, int g,
+                      const float* xs) {
+  for (int j = 0; j < NB; ++j) {
+    const uint16_t* sj = sb + ((long)j * ngroups + g) * 32;
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sj));
+    const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sj + 16)));
+    for (int r = 0; r < MR; ++r) {
+      acc[r][j] = _mm512_fmadd_ps(gacc[r][j], scale, acc[r][j]);
+      acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * ngroups + g]), offset, acc[r][j]);
+    }
+  }
+}
+
+// The rows' float32 totals rounded to bf16 (nearest even) into y.
+template <int MR, int NB>
+inline void store_rows(const __m512 (&acc)[MR][NB], uint16_t* y, long ldy) {
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NB; ++j)
+      _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+}
+
 template <int MR, int NB>
 inline void micro(const uint16_t* x, long ldx, const __m512i* buf, int G, const uint16_t* sb, int ngroups,
                   const float* xs, uint16_t* y, long ldy) {
@@ -53,19 +76,9 @@ inline void micro(const uint16_t* x, long ldx, const __m512i* buf, int G, const 
         for (int j = 0; j < NB; ++j) gacc[r][j] = _mm512_dpbf16_ps(gacc[r][j], (__m512bh)a, (__m512bh)b[j]);
       }
     }
-    for (int j = 0; j < NB; ++j) {
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + ((long)j * ngroups + g) * 32)));
-      const __m512 offset =
-          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + ((long)j * ngroups + g) * 32 + 16)));
-      for (int r = 0; r < MR; ++r) {
-        acc[r][j] = _mm512_fmadd_ps(gacc[r][j], scale, acc[r][j]);
-        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * ngroups + g]), offset, acc[r][j]);
-      }
-    }
+    add_group<MR, NB>(acc, gacc, sb, ngroups, g, xs);
   }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NB; ++j)
-      _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+  store_rows<MR, NB>(acc, y, ldy);
 }
 
 // Few rows (M <= kRows): unpack each 32-byte group of codes into registers and use it at once. Weights stream from
@@ -102,19 +115,9 @@ inline void direct(const uint16_t* x, long ldx, const uint8_t* wq, int pairs, in
         }
       }
     }
-    for (int j = 0; j < NB; ++j) {
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + ((long)j * ngroups + g) * 32)));
-      const __m512 offset =
-          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + ((long)j * ngroups + g) * 32 + 16)));
-      for (int r = 0; r < MR; ++r) {
-        acc[r][j] = _mm512_fmadd_ps(gacc[r][j], scale, acc[r][j]);
-        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * ngroups + g]), offset, acc[r][j]);
-      }
-    }
+    add_group<MR, NB>(acc, gacc, sb, ngroups, g, xs);
   }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NB; ++j)
-      _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+  store_rows<MR, NB>(acc, y, ldy);
 }
 
 template <int NB>

@@ -17,7 +17,7 @@ def test_the_matrix_and_the_quick_rows():
     assert {"base", "bgmv_n64_r64", "sgmv_n1_r8", "loop_n16_r8", "merged_r8", "merged_r64", "fcfs_n64_slots8",
             "lora_affinity_n64_slots8"} <= full and len(full) == 1 + 3 * 4 * 2 + 2 + 2
     quick = [c["name"] for c in bench_lora.configurations(bench_lora.parse_args(["--quick"]))]
-    assert quick == ["base", "bgmv_n4_r8", "bgmv_n16_r8", "loop_n16_r8"]
+    assert quick == ["base", "bgmv_n4_r8", "bgmv_n16_r8", "loop_n16_r8", "bgmv_torch_n16_r8"]
     rows = {"base": {"output_tok_s": 100.0}, "bgmv_n4_r8": {"output_tok_s": 80.0},
             "bgmv_n16_r8": {"output_tok_s": 60.0}, "loop_n16_r8": {"output_tok_s": 20.0}}
     assert bench_lora.goal_ratios(rows) == {"bgmv_n4_r8_vs_base": 0.8, "bgmv_n16_r8_vs_loop": 3.0}
