@@ -23,7 +23,7 @@ from framework.model_executor.model_loader import load_model_config
 logger = logging.getLogger(__name__)
 _NOT_YET = "not supported with lora.enable=true yet (issue 59: multi-LoRA serving)"
 #: quant methods whose (weight-only) quantized linears LoRA wraps: the LoRA term joins their float output
-LORA_QUANT_METHODS = ("none", "int8_wo", "int4_wo", "gptq")
+LORA_QUANT_METHODS = ("none", "int8_wo", "int4_wo", "gptq", "awq", "compressed_tensors")
 
 
 def lora_problems(config: EngineConfig) -> list[str]:
@@ -31,7 +31,7 @@ def lora_problems(config: EngineConfig) -> list[str]:
 
     Checked: ``executor=uniproc``, ``mp`` or ``sim`` (each data-parallel replica its own), a quant method of
     :data:`LORA_QUANT_METHODS` (weight-only: the LoRA term is added to the quantized linear's output in the compute
-    dtype, vLLM's rule) on one rank,
+    dtype, vLLM's rule; a compressed-tensors checkpoint's schemes must not quantize input activations) on one rank,
     no insisted-on CUDA graphs, a KV allocator whose prefix cache is salted with the
     adapter (``paged``; ``contiguous`` shares nothing) or prefix caching off, and each ``lora.modules`` folder's
     ``adapter_config.json`` (rank within ``max_lora_rank``).
@@ -57,6 +57,10 @@ def lora_problems(config: EngineConfig) -> list[str]:
          f"kv_cache={config.kv_allocator} does not key its prefix cache by adapter, {_NOT_YET}; use kv_cache=paged "
          "or engine.enable_prefix_caching=false"),
     ]
+    if config.quant == "compressed_tensors" and _quantized_activations(config):
+        rules.append((False, f"a compressed-tensors checkpoint with quantized input activations (W8A8, FP8) under "
+                             f"LoRA is {_NOT_YET}: LoRA wraps weight-only layers; use a pack-quantized (W4A16, W8A16) "
+                             f"checkpoint or lora.enable=false"))
     problems = [message for ok, message in rules if not ok]
     for name, path in config.lora_modules.items():
         try:
@@ -64,6 +68,17 @@ def lora_problems(config: EngineConfig) -> list[str]:
         except ValueError as e:
             problems.append(f"lora.modules.{name}: {e}")
     return problems
+
+
+def _quantized_activations(config: EngineConfig) -> bool:
+    """Whether the checkpoint's compressed-tensors ``config_groups`` quantize any layer's input activations."""
+    from framework.model_executor.quantized_checkpoint import quantization_config
+
+    try:
+        qc = quantization_config(load_model_config(config.model)) or {}
+    except (OSError, ValueError):  # a missing model is reported by the model checks
+        return False
+    return any(group.get("input_activations") for group in (qc.get("config_groups") or {}).values())
 
 
 def resolve_lora_defaults(config: EngineConfig) -> EngineConfig:

@@ -1,5 +1,5 @@
-"""Multi-LoRA over a quantized base on stories260K (float32, greedy): ``quant=int8_wo``, ``int4_wo`` and a GPTQ
-checkpoint (``kernel=reference``). vLLM's rule: the base layer is quantized, the LoRA term is added to its output in
+"""Multi-LoRA over a quantized base on stories260K (float32, greedy): ``quant=int8_wo``, ``int4_wo`` and GPTQ, AWQ and
+compressed-tensors W4A16 checkpoints (GPTQ also ``kernel=reference``); a W8A8 checkpoint refused. vLLM's rule: the base layer is quantized, the LoRA term is added to its output in
 the compute dtype. The oracle is PEFT's ``PeftModel`` over transformers' stories260K whose quantized linears are
 replaced by their dequantized weights (read back from the quantized layer itself: ``W^T = layer(I)``).
 """
@@ -68,22 +68,37 @@ def test_a_mixed_batch_over_a_weight_only_quantized_base_equals_peft(quant, adap
     _check_mixed_batch(llm, adapters, oracle_model)
 
 
-@pytest.mark.parametrize("kernel", ["reference", "auto"])
-def test_a_mixed_batch_over_a_gptq_checkpoint_equals_peft(kernel, adapters, tmp_path):
-    """``reference``: dequantized ``nn.Linear`` layers; ``auto``: the int4 CPU kernel's layers, LoRA-wrapped."""
+def _quantize_checkpoint():
     spec = importlib.util.spec_from_file_location("quantize_checkpoint", REPO / "scripts" / "quantize_checkpoint.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    dequantized = script.quantize_checkpoint(STORIES, tmp_path / "gptq", "gptq", bits=4, group_size=32, sym=True)
-    llm = LLM(str(tmp_path / "gptq"), dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=2,
+    return script.quantize_checkpoint
+
+
+@pytest.mark.parametrize("fmt, kernel, extra", [("gptq", "reference", {"sym": True}), ("gptq", "auto", {"sym": True}),
+                                                 ("awq", "auto", {}), ("compressed-tensors", "auto", {"sym": False})])
+def test_a_mixed_batch_over_a_checkpoint_equals_peft(fmt, kernel, extra, adapters, tmp_path):
+    """GPTQ, AWQ and compressed-tensors (W4A16) checkpoints. ``reference``: dequantized ``nn.Linear`` layers;
+    ``auto``: the int4 CPU kernel's layers, LoRA-wrapped."""
+    dequantized = _quantize_checkpoint()(STORIES, tmp_path / fmt, fmt, bits=4, group_size=32, **extra)
+    llm = LLM(str(tmp_path / fmt), dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=2,
               num_blocks=128, quant_params={"kernel": kernel})
-    assert llm.engine.config.quant == "gptq"
+    assert llm.engine.config.quant == fmt.replace("-", "_")
 
     def oracle_model():
         model = base_model()
         model.load_state_dict({f"{k}.weight": v for k, v in dequantized.items()}, strict=False)
         return model
     _check_mixed_batch(llm, adapters, oracle_model, quantized_layers=kernel == "auto")
+
+
+def test_a_checkpoint_with_quantized_activations_is_refused_under_lora(tmp_path):
+    """compressed-tensors W8A8 quantizes each layer's inputs: LoRA over it is refused before weights load, naming
+    the weight-only formats that work."""
+    _quantize_checkpoint()(STORIES, tmp_path / "w8a8", "compressed-tensors", bits=8, group_size=-1,
+                           ct_format="int-quantized")
+    with pytest.raises(ValueError, match="quantized input activations .* use a pack-quantized"):
+        LLM(str(tmp_path / "w8a8"), dtype="float32", enable_lora=True, max_lora_rank=8, num_blocks=128)
 
 
 def test_a_quantized_linear_gets_slots_in_the_compute_dtype():
