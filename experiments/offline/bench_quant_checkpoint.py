@@ -7,7 +7,7 @@ Systems (``--systems``, comma list):
 
 - ``bf16``, ``float32``: the float model in that dtype;
 - ``gptq_fast``: the checkpoint on its fast path (``quant.params.kernel=auto``: servelab's fused int4 GEMM for
-  bf16 on AVX512-BF16 CPUs, else torch's int4 kernel; ``plugins/quant/_int4_gemm.py``) in ``--dtype``;
+  bf16 on AVX512-BF16 CPUs, else torch's int4 kernel; ``plugins/quant/_int_gemm.py``) in ``--dtype``;
 - ``gptq_aten``: the same with torch's int4 kernel only (``kernel=aten``: the ablation of the fused GEMM);
 - ``gptq_reference``: the checkpoint dequantized at load (``kernel=reference``) in ``--dtype``;
 - ``int4_wo``: the float model quantized at load by ``quant=int4_wo`` (same ``--group-size``, ``--int4-skip``) in

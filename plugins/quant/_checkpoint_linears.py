@@ -5,13 +5,14 @@ Paths (``quant.params.kernel``):
 
 - ``reference``: the weight dequantized to the compute dtype, a plain ``nn.Linear`` (the exactness oracle;
   oneDNN prepacking then applies as to any float linear).
-- ``auto`` (default): 4-bit layers run :class:`~plugins.quant._int4_gemm.Int4Linear` (the ``quant=int4_wo``
+- ``auto`` (default): 4-bit layers run :class:`~plugins.quant._int_gemm.Int4Linear` (the ``quant=int4_wo``
   kernels: servelab's fused int4 GEMM for bf16 on AVX512-BF16 CPUs, else torch's
   ``aten._weight_int4pack_mm_for_cpu``) when torch's shape rules hold: ``out_features % 16 == 0`` and a kernel
   group (256, 128, 64 or 32) dividing both the checkpoint's group and ``in_features``. Zero points fold into the
   kernels' per-group offset (``(q - z) * s == q * s - z * s``); act-order (``g_idx``) becomes a permutation of the input
   columns, applied to the activations each call. 8-bit per-channel layers whose ``q - z`` fit int8 run
-  ``aten._weight_int8pack_mm`` (the ``quant=int8_wo`` kernel). Anything else (float8 weights too) falls back to
+  ``aten._weight_int8pack_mm`` (the ``quant=int8_wo`` kernel); 8-bit group-wise ones servelab's fused kernel
+  (:class:`~plugins.quant._int_gemm.Int8GroupLinear`, bf16 on AVX512-BF16). Anything else (float8 weights too) falls back to
   ``reference``, and the reason is logged. A W8A8 layer's inputs are quantized in front of either path
   (``plugins/quant/_input_quant.py``).
 - ``aten``: as ``auto``, with torch's int4 kernel in place of servelab's fused one (the ablation).
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from plugins.quant._input_quant import Fp8Weights, InputQuant
-from plugins.quant._int4_gemm import Int4Linear
+from plugins.quant._int_gemm import Int4Linear, Int8GroupLinear
 
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes aten._weight_int4pack_mm_for_cpu accepts
 
@@ -59,7 +60,7 @@ class IntWeights:
 
 
 class Int4CheckpointLinear(Int4Linear):
-    """A 4-bit checkpoint layer on :class:`~plugins.quant._int4_gemm.Int4Linear` (servelab's fused int4 GEMM for
+    """A 4-bit checkpoint layer on :class:`~plugins.quant._int_gemm.Int4Linear` (servelab's fused int4 GEMM for
     bf16 on AVX512-BF16 CPUs, else ``aten._weight_int4pack_mm_for_cpu``), its scales taken per ``kernel_group``
     columns and act-order as the input permutation ``in_perm``. ``forward``: ``x (..., in)`` -> ``(..., out)``."""
 
@@ -94,6 +95,25 @@ class Int8CheckpointLinear(torch.nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
+def _int8_group_linear(w: IntWeights, dtype: torch.dtype, kernel: str) -> tuple[torch.nn.Module | None, str]:
+    """An 8-bit group-wise layer on servelab's fused kernel (torch's int8 kernel takes per-channel scales only), or
+    ``(None, why not)``."""
+    if kernel == "aten":
+        return None, "8-bit group-wise with kernel=aten: torch's int8 kernel takes per-channel scales only"
+    layout = w.contiguous_groups()
+    if layout is None:
+        return None, "8-bit group-wise, g_idx groups of unequal size"
+    in_perm, group = layout
+    codes, g_idx = (w.codes, w.g_idx) if in_perm is None else (w.codes[:, in_perm], w.g_idx[in_perm])
+    first = g_idx[torch.arange(0, codes.shape[1], group)]  # each group's index, in the (permuted) column order
+    s, z = w.scales[:, first].float(), w.zeros[:, first].float()
+    try:
+        module = Int8GroupLinear(codes, s, -z * s, group, w.bias, in_perm, dtype)
+    except ValueError as e:
+        return None, f"8-bit group-wise: {e}"
+    return module, module.kernel + (", act-order input permutation" if in_perm is not None else "")
+
+
 def reference_linear(w: IntWeights | Fp8Weights, dtype: torch.dtype) -> torch.nn.Linear:
     """A plain ``nn.Linear`` holding the dequantized weight in ``dtype`` (``quant.params.kernel=reference``)."""
     weight = w.dequantize()
@@ -114,7 +134,7 @@ def fast_linear(w: IntWeights | Fp8Weights, dtype: torch.dtype, int4_kernel: str
     out_f, in_f = w.codes.shape
     if w.bits == 8:
         if w.scales.shape[1] != 1:
-            return None, "8-bit group-wise: torch's int8 kernel takes per-channel scales only"
+            return _int8_group_linear(w, dtype, int4_kernel)
         q = w.codes - w.zeros
         if int(q.min()) < -128 or int(q.max()) > 127:
             return None, "8-bit asymmetric: codes minus zero points leave the int8 range"

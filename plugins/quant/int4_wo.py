@@ -2,7 +2,7 @@
 
 Each group of ``group_size`` input channels of an output row has a scale and a zero point:
 ``w ~= (q - 8) * scale + zero`` with ``q`` in ``[0, 15]``. CPU runs
-:class:`~plugins.quant._int4_gemm.Int4Linear`: servelab's fused int4 GEMM for bfloat16 activations on AVX512-BF16
+:class:`~plugins.quant._int_gemm.Int4Linear`: servelab's fused int4 GEMM for bfloat16 activations on AVX512-BF16
 CPUs, else torch's own ``aten._weight_int4pack_mm_for_cpu`` on weights packed by
 ``aten._convert_weight_to_int4pack_for_cpu``; CUDA runs torchao ``Int4WeightOnlyConfig`` (tinygemm
 ``tile_packed_to_4d``, bfloat16 only).
@@ -23,7 +23,7 @@ import torch
 from framework import hookimpl
 from framework.hookspecs import Register
 from plugins.quant._common import LinearQuantMethod, replace_linears, torchao_quantize
-from plugins.quant._int4_gemm import KERNELS, Int4Linear
+from plugins.quant._int_gemm import KERNELS, Int4Linear
 
 if TYPE_CHECKING:
     from framework.config import EngineConfig
@@ -33,7 +33,7 @@ GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm / CPU int4pack kernels acc
 
 class Int4PackedLinear(Int4Linear):
     """A float ``nn.Linear`` quantized group-wise to int4 (round to nearest, asymmetric: ``w ~= q * scale + lo``,
-    ``q`` in ``[0, 15]``) on :class:`~plugins.quant._int4_gemm.Int4Linear`'s kernels. ``forward``: ``x (..., in)``
+    ``q`` in ``[0, 15]``) on :class:`~plugins.quant._int_gemm.Int4Linear`'s kernels. ``forward``: ``x (..., in)``
     float -> ``(..., out)`` same dtype."""
 
     def __init__(self, linear: torch.nn.Linear, group_size: int, kernel: str = "auto") -> None:

@@ -14,7 +14,7 @@ from helpers import REPO
 
 from framework.core.sampling_params import SamplingParams
 from framework.model_executor.model_loader import resolve_model_path
-from plugins.quant._int4_gemm import fused_unavailable
+from plugins.quant._int_gemm import fused_unavailable
 
 pytestmark = pytest.mark.slow
 _spec = importlib.util.spec_from_file_location("quantize_checkpoint", REPO / "scripts" / "quantize_checkpoint.py")
@@ -77,7 +77,7 @@ def test_fused_bf16_within_near_ties(make_llm, smollm2_gptq, caplog) -> None:
     folder, oracle = smollm2_gptq
     with caplog.at_level(logging.INFO, logger="plugins.quant._checkpoint"):
         prompt_ids, outputs = _run(make_llm, folder, "auto", "bfloat16")
-    assert "servelab_int4_gemm_bf16" in caplog.text and "_weight_int4pack_mm_for_cpu" not in caplog.text
+    assert "servelab_int_gemm_bf16" in caplog.text and "_weight_int4pack_mm_for_cpu" not in caplog.text
     _assert_near_ties(oracle, prompt_ids, outputs, BF16_REL_TOL)
 
 

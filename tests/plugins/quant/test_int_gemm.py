@@ -1,4 +1,4 @@
-"""servelab's fused int4 GEMM (``plugins/quant/_int4_gemm.py``): bf16 outputs within one bf16 rounding (plus
+"""servelab's fused int4 GEMM (``plugins/quant/_int_gemm.py``): bf16 outputs within one bf16 rounding (plus
 float32 accumulation) of the exact product with the dequantized weight, at every row-block and column-tile tail;
 the same as torch's int4 kernel within that; act-order permutation and bias; opaque to ``torch.compile``; and the
 fallback to torch's kernel, with its reason, for float32 activations, a CPU without AVX512-BF16 (faked), shapes it
@@ -9,8 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugins.quant import _int4_gemm
-from plugins.quant._int4_gemm import Int4Linear, fp16_problem, fused_unavailable, int4_gemm_bf16, pack_vnni
+from plugins.quant import _int_gemm
+from plugins.quant._int_gemm import (
+    Int4Linear,
+    Int8GroupLinear,
+    fp16_problem,
+    fused_unavailable,
+    int_gemm_bf16,
+    pack_vnni,
+)
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +27,11 @@ def fused() -> None:
         pytest.skip(f"the fused int4 kernel does not run here: {why}")
 
 
-def _layer(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer(n: int, k: int, group: int, seed: int = 0, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=g)
+    codes = torch.randint(0, 2**bits, (n, k), generator=g)
     scales = torch.rand(n, k // group, generator=g) * 0.05 + 1e-3
-    offsets = -torch.randint(0, 16, (n, k // group), generator=g).float() * scales
+    offsets = -torch.randint(0, 2**bits, (n, k // group), generator=g).float() * scales
     return codes, scales, offsets
 
 
@@ -42,14 +49,15 @@ def _assert_bf16_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
     assert bool((err <= bound).all()), f"worst excess {float((err - bound).max()):.3g}"
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n, k, group", [(48, 128, 32), (64, 96, 32), (80, 256, 128), (1536, 576, 64)])
-def test_fused_within_one_bf16_rounding(fused, n: int, k: int, group: int) -> None:
-    codes, scales, offsets = _layer(n, k, group)
-    wq, sb = pack_vnni(codes, scales, offsets)
+def test_fused_within_one_bf16_rounding(fused, n: int, k: int, group: int, bits: int) -> None:
+    codes, scales, offsets = _layer(n, k, group, bits=bits)
+    wq, sb = pack_vnni(codes, scales, offsets, bits)
     w = _dequantized(codes, scales, offsets, group)
     for m in (1, 3, 4, 5, 17, 64):  # row blocks of 4 and every tail; n covers 1-4 column blocks in the last tile
         x = torch.randn(m, k).to(torch.bfloat16)
-        y = int4_gemm_bf16(x, wq, sb, n, group)
+        y = int_gemm_bf16(x, wq, sb, n, group, bits)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
         _assert_bf16_close(y, x, w)
 
@@ -60,7 +68,7 @@ def test_negative_control_a_wrong_code_is_caught(fused) -> None:
     codes[7, 100] = (codes[7, 100] + 8) % 16
     x = torch.randn(5, 128).to(torch.bfloat16)
     with pytest.raises(AssertionError, match="worst excess"):
-        _assert_bf16_close(int4_gemm_bf16(x, wq, sb, 48, 32), x, _dequantized(codes, scales, offsets, 32))
+        _assert_bf16_close(int_gemm_bf16(x, wq, sb, 48, 32, 4), x, _dequantized(codes, scales, offsets, 32))
 
 
 def test_module_agrees_with_torch_kernel_with_perm_and_bias(fused) -> None:
@@ -69,7 +77,7 @@ def test_module_agrees_with_torch_kernel_with_perm_and_bias(fused) -> None:
     perm, bias = torch.randperm(k), torch.randn(n)
     ours = Int4Linear(codes, scales, offsets, group, bias, perm, torch.bfloat16)
     aten = Int4Linear(codes, scales, offsets, group, bias, perm, torch.bfloat16, kernel="aten")
-    assert ours.fused and ours.kernel.startswith("servelab_int4_gemm_bf16")
+    assert ours.fused and ours.kernel.startswith("servelab_int_gemm_bf16")
     assert not aten.fused and "kernel=aten" in aten.kernel
     x = torch.randn(2, 9, k).to(torch.bfloat16)
     y, y_aten = ours(x), aten(x)
@@ -79,6 +87,21 @@ def test_module_agrees_with_torch_kernel_with_perm_and_bias(fused) -> None:
     scale = ref.abs().max()
     assert float((y.reshape(-1, n).double() - ref).abs().max() / scale) < 1e-2
     assert float((y - y_aten).double().abs().max() / scale) < 2e-2
+
+
+def test_int8_group_layer_with_perm_and_bias(fused) -> None:
+    """8-bit group-wise codes (torch has no kernel for them): the module with act-order and bias, and refused with
+    the reason where the fused kernel cannot run."""
+    n, k, group = 48, 128, 32
+    codes, scales, offsets = _layer(n, k, group, seed=3, bits=8)
+    perm, bias = torch.randperm(k), torch.randn(n)
+    layer = Int8GroupLinear(codes, scales, offsets, group, bias, perm, torch.bfloat16)
+    assert layer.kernel.startswith("servelab_int_gemm_bf16 (8-bit")
+    x = torch.randn(7, k).to(torch.bfloat16)
+    ref = x[:, perm].double() @ _dequantized(codes, scales, offsets, group).T + bias.double()
+    assert float((layer(x).double() - ref).abs().max() / ref.abs().max()) < 1e-2
+    with pytest.raises(ValueError, match="float32 activations"):
+        Int8GroupLinear(codes, scales, offsets, group, None, None, torch.float32)
 
 
 def test_under_torch_compile(fused) -> None:
@@ -96,7 +119,7 @@ def test_bad_shapes_raise(fused) -> None:
     codes, scales, offsets = _layer(48, 128, 32)
     wq, sb = pack_vnni(codes, scales, offsets)
     with pytest.raises(RuntimeError, match="bad shapes"):
-        int4_gemm_bf16(torch.randn(2, 128).to(torch.bfloat16), wq, sb, 40, 32)
+        int_gemm_bf16(torch.randn(2, 128).to(torch.bfloat16), wq, sb, 40, 32, 4)
 
 
 def test_fallbacks_name_their_reason(monkeypatch) -> None:
@@ -134,12 +157,31 @@ def test_failed_build_falls_back(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.setenv("SERVELAB_CACHE", str(tmp_path))  # no built library to reuse
     monkeypatch.setenv("CXX", "false")
-    _int4_gemm._library.cache_clear()
+    _int_gemm._library.cache_clear()
     try:
         why = fused_unavailable(torch.bfloat16, 48, 128, 32)
-        assert why is not None and "building int4_gemm_bf16.cpp with false failed" in why
+        assert why is not None and "building int_gemm_bf16.cpp with false failed" in why
         codes, scales, offsets = _layer(48, 128, 32)
         assert not Int4Linear(codes, scales, offsets, 32, None, None, torch.bfloat16).fused
     finally:
-        _int4_gemm._library.cache_clear()
+        _int_gemm._library.cache_clear()
     assert not list(tmp_path.rglob("*.so")), "a failed build leaves no library behind"
+
+
+def test_an_8bit_group_wise_checkpoint_layer_takes_the_fused_kernel(fused) -> None:
+    """GPTQ/compressed-tensors 8-bit group-wise weights (act-order too) on the fused kernel, within bf16 rounding of
+    the dequantized weight; torch's kernel alone (``kernel=aten``) cannot take them: the reference, with the reason."""
+    from plugins.quant._checkpoint_linears import IntWeights, fast_linear
+
+    g = torch.Generator().manual_seed(4)
+    n, k, group = 32, 128, 32
+    g_idx = torch.randperm(k, generator=g) // group  # act-order: groups scattered over the columns
+    w = IntWeights(codes=torch.randint(0, 256, (n, k), generator=g), zeros=torch.randint(0, 256, (n, k // group)),
+                   scales=torch.rand(n, k // group, generator=g) * 1e-3 + 1e-4, g_idx=g_idx, bits=8, bias=None)
+    module, why = fast_linear(w, torch.bfloat16)
+    assert type(module) is Int8GroupLinear and "8-bit" in why and "act-order" in why
+    x = torch.randn(6, k).to(torch.bfloat16)
+    ref = x.double() @ w.dequantize().double().T
+    assert float((module(x).double() - ref).abs().max() / ref.abs().max()) < 1e-2
+    assert fast_linear(w, torch.bfloat16, "aten") == (None, "8-bit group-wise with kernel=aten: torch's int8 kernel "
+                                                             "takes per-channel scales only")
