@@ -12,9 +12,9 @@ Paths (``quant.params.kernel``):
   kernels' per-group offset (``(q - z) * s == q * s - z * s``); act-order (``g_idx``) becomes a permutation of the input
   columns, applied to the activations each call. 8-bit per-channel layers whose ``q - z`` fit int8 run
   ``aten._weight_int8pack_mm`` (the ``quant=int8_wo`` kernel); 8-bit group-wise ones servelab's fused kernel
-  (:class:`~plugins.quant._int_gemm.Int8GroupLinear`, bf16 on AVX512-BF16). Anything else (float8 weights too) falls back to
-  ``reference``, and the reason is logged. A W8A8 layer's inputs are quantized in front of either path
-  (``plugins/quant/_input_quant.py``).
+  (:class:`~plugins.quant._int_gemm.Int8GroupLinear`, bf16 on AVX512-BF16). Anything else (float8 weights too)
+  falls back to ``reference``, and the reason is logged. A W8A8 layer's inputs are quantized in front of either
+  path (``plugins/quant/_input_quant.py``).
 - ``aten``: as ``auto``, with torch's int4 kernel in place of servelab's fused one (the ablation).
 """
 
