@@ -49,7 +49,7 @@ def test_knob_ranges():
 
 @pytest.mark.parametrize("overrides, fix", [
     ({"executor": "ray"}, "use executor=uniproc"),
-    ({"quant": "w8a8"}, "int8_wo', 'int4_wo', 'gptq'); use one of them or quant=none"),
+    ({"quant": "w8a8"}, "'gptq', 'awq', 'compressed_tensors'); use one of them or quant=none"),
     ({"quant": "int8_wo", "tensor_parallel_size": 2, "executor": "mp"}, "use parallel.tensor_parallel_size=1"),
     ({"kv_allocator": "radix"}, "use kv_cache=paged"),
 ])
