@@ -58,6 +58,15 @@ class IntWeights:
         identity = bool((perm == torch.arange(in_features)).all())
         return (None if identity else perm), int(counts[0])
 
+    def per_run(self, in_perm: torch.Tensor | None, run: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes, scales, offsets)`` for kernels that take contiguous runs of ``run`` columns: the codes with the
+        input columns permuted by ``in_perm`` (act-order; None: as stored) ``(out, in)``, and each run's scale and
+        offset ``-zero * scale`` ``(out, in / run)`` float32 (``W = codes * scale + offset``)."""
+        codes, g_idx = (self.codes, self.g_idx) if in_perm is None else (self.codes[:, in_perm], self.g_idx[in_perm])
+        first = g_idx[torch.arange(0, codes.shape[1], run)]  # the group of each run's first column
+        s, z = self.scales[:, first].float(), self.zeros[:, first].float()
+        return codes, s, -z * s
+
 
 class Int4CheckpointLinear(Int4Linear):
     """A 4-bit checkpoint layer on :class:`~plugins.quant._int_gemm.Int4Linear` (servelab's fused int4 GEMM for
@@ -66,12 +75,7 @@ class Int4CheckpointLinear(Int4Linear):
 
     def __init__(self, w: IntWeights, kernel_group: int, in_perm: torch.Tensor | None, dtype: torch.dtype,
                  kernel: str = "auto") -> None:
-        codes, zeros, scales, g_idx = w.codes, w.zeros.float(), w.scales, w.g_idx
-        if in_perm is not None:
-            codes, g_idx = codes[:, in_perm], g_idx[in_perm]
-        first = torch.arange(0, codes.shape[1], kernel_group)  # first column of each kernel group
-        s, z = scales[:, g_idx[first]].float(), zeros[:, g_idx[first]]  # (out, in / kernel_group)
-        super().__init__(codes, s, -z * s, kernel_group, w.bias, in_perm, dtype, kernel)
+        super().__init__(*w.per_run(in_perm, kernel_group), kernel_group, w.bias, in_perm, dtype, kernel)
 
 
 class Int8CheckpointLinear(torch.nn.Module):
@@ -104,11 +108,8 @@ def _int8_group_linear(w: IntWeights, dtype: torch.dtype, kernel: str) -> tuple[
     if layout is None:
         return None, "8-bit group-wise, g_idx groups of unequal size"
     in_perm, group = layout
-    codes, g_idx = (w.codes, w.g_idx) if in_perm is None else (w.codes[:, in_perm], w.g_idx[in_perm])
-    first = g_idx[torch.arange(0, codes.shape[1], group)]  # each group's index, in the (permuted) column order
-    s, z = w.scales[:, first].float(), w.zeros[:, first].float()
     try:
-        module = Int8GroupLinear(codes, s, -z * s, group, w.bias, in_perm, dtype)
+        module = Int8GroupLinear(*w.per_run(in_perm, group), group, w.bias, in_perm, dtype)
     except ValueError as e:
         return None, f"8-bit group-wise: {e}"
     return module, module.kernel + (", act-order input permutation" if in_perm is not None else "")
